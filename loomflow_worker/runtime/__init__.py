@@ -1,0 +1,32 @@
+"""The Postgres journal runtime: cross-process turn-taking, fencing, replay."""
+
+from .errors import (
+    DatabaseUnavailable,
+    InvalidInput,
+    LockLost,
+    LoomflowWorkerError,
+    SchemaError,
+    SessionBusy,
+)
+from .migrate import latest_version, migrate
+from .runtime import PostgresRuntime, current_attempt, run_options
+from .store import Attempt, LockSettings, PostgresJournalStore, RunStats, scope_lock_key
+
+__all__ = [
+    "Attempt",
+    "DatabaseUnavailable",
+    "InvalidInput",
+    "LockLost",
+    "LockSettings",
+    "LoomflowWorkerError",
+    "PostgresJournalStore",
+    "PostgresRuntime",
+    "RunStats",
+    "SchemaError",
+    "SessionBusy",
+    "current_attempt",
+    "latest_version",
+    "migrate",
+    "run_options",
+    "scope_lock_key",
+]

@@ -1,0 +1,465 @@
+"""``PostgresRuntime``: loomflow's journaled runtime, made safe across processes.
+
+It keeps loomflow's journal layout and step keys (a journal written by
+``loomflow.runtime.PostgresRuntime`` resumes here) and changes what a
+multi-process fleet needs changed:
+
+- the outermost run on a (session, user) scope holds a session-level
+  advisory lock on a dedicated connection for its whole life, so runs on
+  one scope take turns across every process and host;
+- the epoch is read, pinned and advanced under that lock, the advance a
+  forward-only compare-and-set in one transaction;
+- every journal read and write of the run goes through the lock
+  connection (fencing), and the run's namespace is loaded in one query,
+  so a replayed step costs no round trip and a fresh one a single INSERT;
+- a replayed tool result carries the caller's ``call_id``, and the
+  episode a run persists replays instead of being written twice;
+- signals are rows plus LISTEN/NOTIFY, so they cross processes and
+  survive restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import anyio
+from loomflow.core.context import get_run_context
+from loomflow.core.types import Episode, ToolResult
+from loomflow.runtime.journal import journal_scope
+from loomflow.runtime.journaled import (
+    JournaledRuntime,
+    JournaledSession,
+    _current_session_var,
+    _open_run_var,
+    _OpenRun,
+    _resume_last_run_var,
+    _step_key,
+)
+from psycopg_pool import AsyncConnectionPool
+
+from .codec import Serializer
+from .errors import InvalidInput
+from .signals import SignalListener
+from .store import LAST_RUN_KEY, Attempt, Conn, LockSettings, PostgresJournalStore, RunStats
+from .validate import check_id, check_signal_name
+
+log = logging.getLogger("loomflow_worker.runtime")
+
+_attempt_var: ContextVar[Attempt | None] = ContextVar("_loomflow_worker_attempt", default=None)
+
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How the next outermost run opened in this context behaves."""
+
+    epoch: int | None = None
+    lock_wait: float | None = _UNSET
+    on_open: Callable[[Attempt, int], Awaitable[None]] | None = None
+    on_finish: Callable[[Conn, int], Awaitable[None]] | None = None
+
+
+_DEFAULT_OPTIONS = RunOptions()
+_options_var: ContextVar[RunOptions | None] = ContextVar(
+    "_loomflow_worker_run_options", default=None
+)
+
+
+@contextmanager
+def run_options(
+    *,
+    epoch: int | None = None,
+    lock_wait: float | None = _UNSET,
+    on_open: Callable[[Attempt, int], Awaitable[None]] | None = None,
+    on_finish: Callable[[Conn, int], Awaitable[None]] | None = None,
+) -> Iterator[None]:
+    """Options for outermost runs opened inside this context.
+
+    ``epoch`` pins the run's namespace: a crashed request resumes in its
+    own epoch even after later requests on its scope have run.
+    ``lock_wait`` overrides how long to wait for a busy scope (``0``: not
+    at all, ``None``: forever). ``on_open(attempt, epoch)`` runs under the
+    lock before the first step; ``on_finish(conn, new_epoch)`` runs inside
+    the transaction that advances the epoch."""
+    if epoch is not None and (not isinstance(epoch, int) or epoch < 0):
+        raise InvalidInput(f"epoch must be a non-negative integer, not {epoch!r}")
+    token = _options_var.set(
+        RunOptions(epoch=epoch, lock_wait=lock_wait, on_open=on_open, on_finish=on_finish)
+    )
+    try:
+        yield
+    finally:
+        _options_var.reset(token)
+
+
+def current_attempt() -> Attempt | None:
+    """The attempt (lock connection and scope) of the run open in this context."""
+    return _attempt_var.get()
+
+
+def _scope(session_id: str) -> str:
+    check_id("session_id", session_id)
+    user_id = get_run_context().user_id
+    if user_id is not None:
+        check_id("user_id", str(user_id))
+    return journal_scope(session_id, user_id)
+
+
+def _episode_identity(episode: Episode) -> dict[str, Any]:
+    # The episode's id and timestamp are new on every attempt; what it says is not.
+    return episode.model_dump(mode="json", exclude={"id", "occurred_at", "embedding"})
+
+
+class PostgresRuntime(JournaledRuntime):
+    """A loomflow runtime whose journal lives in Postgres, safe across processes.
+
+    ``Agent(..., runtime=await PostgresRuntime.connect(dsn))``."""
+
+    name = "postgres"
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[Any],
+        *,
+        max_checkpoints_per_session: int = 20,
+        serializer: Serializer = "json",
+        lock_wait_timeout: float | None = 60.0,
+        lock_io_timeout: float = 30.0,
+        max_runs: int = 20,
+        signal_poll_interval: float = 2.0,
+        _owns_pool: bool = False,
+    ) -> None:
+        if lock_wait_timeout is not None and lock_wait_timeout < 0:
+            raise InvalidInput(
+                f"lock_wait_timeout must be >= 0 seconds or None, not {lock_wait_timeout}"
+            )
+        if lock_io_timeout <= 0:
+            raise InvalidInput(f"lock_io_timeout must be > 0 seconds, not {lock_io_timeout}")
+        store = PostgresJournalStore(
+            pool,
+            max_checkpoints_per_session=max_checkpoints_per_session,
+            serializer=serializer,
+            lock=LockSettings(wait_timeout=lock_wait_timeout, io_timeout=lock_io_timeout),
+            max_runs=max_runs,
+            owns_pool=_owns_pool,
+        )
+        super().__init__(store=store)
+        self._pg = store
+        self._signals = SignalListener(
+            pool, store.conninfo, store.conn_kwargs, poll_interval=signal_poll_interval
+        )
+
+    @classmethod
+    async def connect(
+        cls,
+        dsn: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 10,
+        max_checkpoints_per_session: int = 20,
+        serializer: Serializer = "json",
+        lock_wait_timeout: float | None = 60.0,
+        lock_io_timeout: float = 30.0,
+        max_runs: int = 20,
+        signal_poll_interval: float = 2.0,
+        connect_timeout: int = 10,
+    ) -> PostgresRuntime:
+        """Open a connection pool on ``dsn`` and return the runtime rooted at it.
+
+        Raises :class:`DatabaseUnavailable`, naming the server, when
+        Postgres can't be reached within ``connect_timeout`` seconds."""
+        store = await PostgresJournalStore.connect(
+            dsn,
+            min_size=min_size,
+            max_size=max_size,
+            lock=LockSettings(connect_timeout=connect_timeout),
+        )
+        return cls(
+            store.pool,
+            max_checkpoints_per_session=max_checkpoints_per_session,
+            serializer=serializer,
+            lock_wait_timeout=lock_wait_timeout,
+            lock_io_timeout=lock_io_timeout,
+            max_runs=max_runs,
+            signal_poll_interval=signal_poll_interval,
+            _owns_pool=True,
+        )
+
+    @property
+    def pool(self) -> AsyncConnectionPool[Any]:
+        return self._pg.pool
+
+    @property
+    def journal(self) -> PostgresJournalStore:
+        return self._pg
+
+    @property
+    def stats(self) -> RunStats:
+        return self._pg.stats
+
+    async def init_schema(self) -> None:
+        """Apply the schema migrations this database lacks (safe to run concurrently)."""
+        await self._pg.init_schema()
+
+    async def aclose(self) -> None:
+        """Stop the signal listener and close the connections."""
+        await self._signals.aclose()
+        await self._pg.aclose()
+
+    async def prune(
+        self,
+        before: datetime | None = None,
+        session_id: str | None = None,
+        *,
+        batch_size: int = 5000,
+    ) -> int:
+        """Delete journal entries and checkpoints matching every filter, in batches."""
+        return await self._pg.prune_rows(
+            before=before, session_id=session_id, batch_size=batch_size
+        )
+
+    # ---- sessions -------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def session(self, session_id: str) -> AsyncIterator[JournaledSession]:
+        """Open a run on ``session_id`` for the current user.
+
+        The outermost run takes the scope's lock (waiting up to
+        ``lock_wait_timeout``, then :class:`SessionBusy`); a run opened
+        inside another run journals under it and takes no lock."""
+        scope = _scope(session_id)
+        parent = _open_run_var.get()
+        if parent is None:
+            async with self._outermost(scope, session_id) as sess:
+                yield sess
+            return
+        if not parent.container and parent.scope == scope and parent.session_id == session_id:
+            async with self._enter(session_id) as sess:
+                yield sess
+            return
+        k = parent.children.get(scope, 0) + 1
+        parent.children[scope] = k
+        ns = hashlib.sha256(f"{parent.ns}|{scope}|{k}".encode()).hexdigest()[:16]
+        async with self._run(_OpenRun(scope, session_id, ns, parent), session_id) as sess:
+            yield sess
+
+    @asynccontextmanager
+    async def _outermost(self, scope: str, session_id: str) -> AsyncIterator[JournaledSession]:
+        opts = _options_var.get() or _DEFAULT_OPTIONS
+        wait = self._pg.lock_settings.wait_timeout if opts.lock_wait is _UNSET else opts.lock_wait
+        attempt = await self._pg.acquire(scope, wait)
+        try:
+            current, last = await attempt.read_epochs()
+            if opts.epoch is not None:
+                epoch = opts.epoch
+            elif _resume_last_run_var.get() and last is not None:
+                epoch = last
+            else:
+                epoch = current
+            run = _OpenRun(
+                scope, session_id, str(epoch) if epoch else "", None,
+                epoch=epoch, next_epoch=current,
+            )
+            await attempt.load(scope, run.ns)
+            if opts.on_open is not None:
+                await opts.on_open(attempt, epoch)
+            run_token = _open_run_var.set(run)
+            attempt_token = _attempt_var.set(attempt)
+            try:
+                async with self._enter(session_id) as sess:
+                    yield sess
+            finally:
+                _attempt_var.reset(attempt_token)
+                _open_run_var.reset(run_token)
+            with anyio.CancelScope(shield=True):
+                await attempt.finish(epoch, advance=run.touched, on_finish=opts.on_finish)
+        finally:
+            await self._pg.release(attempt)
+
+    async def _run_key(self, scope: str, key: str) -> str:
+        run = _open_run_var.get()
+        if run is None or run.scope != scope:
+            return key
+        if not run.touched:
+            run.touched = True
+            if run.parent is None and not run.container:
+                await self._write_step(scope, LAST_RUN_KEY, run.epoch)
+        return f"{run.ns}/{key}" if run.ns else key
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def _namespace(self, scope: str) -> str:
+        run = _open_run_var.get()
+        return run.ns if run is not None and run.scope == scope else ""
+
+    async def _lookup_step(self, scope: str, key: str) -> tuple[bool, Any]:
+        attempt = _attempt_var.get()
+        if attempt is not None:
+            return await attempt.lookup_step(scope, self._namespace(scope), key)
+        entry = await self._pg.get_step(scope, key)
+        return (False, None) if entry is None else (True, entry.value)
+
+    async def _write_step(self, scope: str, key: str, value: Any) -> None:
+        attempt = _attempt_var.get()
+        if attempt is not None:
+            await attempt.write_step(scope, key, value)
+        else:
+            await self._pg.put_step(scope, key, value)
+
+    async def step(
+        self,
+        name: str,
+        fn: Callable[..., Awaitable[Any]],
+        *args: Any,
+        idempotency_key: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run ``fn`` once per journal key and journal its result (at-least-once:
+        a crash between ``fn`` and the write runs it again on resume)."""
+        session_id = _current_session_var.get()
+        if session_id is None:
+            return await fn(*args, **kwargs)
+        scope = _scope(session_id)
+        if name.startswith("persist_episode_") and len(args) == 1 and isinstance(
+            args[0], Episode
+        ):
+            base = _step_key(name, (_episode_identity(args[0]),), {}, None)
+        else:
+            base = _step_key(name, args, kwargs, idempotency_key)
+        key = await self._run_key(scope, base)
+        found, value = await self._lookup_step(scope, key)
+        if found:
+            self.stats.steps_replayed += 1
+            call_id = kwargs.get("call_id")
+            if isinstance(value, ToolResult) and isinstance(call_id, str) and (
+                value.call_id != call_id
+            ):
+                # The model saw this call under a new id: answer under that id.
+                value = value.model_copy(update={"call_id": call_id})
+            return value
+        self._check_not_fenced()
+        result = await fn(*args, **kwargs)
+        await self._write_step(scope, key, result)
+        self.stats.steps_executed += 1
+        return result
+
+    def _check_not_fenced(self) -> None:
+        attempt = _attempt_var.get()
+        if attempt is not None and attempt.fenced is not None:
+            raise attempt.fenced
+
+    def stream_step(
+        self,
+        name: str,
+        fn: Callable[..., AsyncIterator[Any]],
+        *args: Any,
+        **kwargs: Any,
+    ) -> AsyncIterator[Any]:
+        return self._stream(name, fn, *args, **kwargs)
+
+    async def _stream(
+        self,
+        name: str,
+        fn: Callable[..., AsyncIterator[Any]],
+        *args: Any,
+        **kwargs: Any,
+    ) -> AsyncIterator[Any]:
+        session_id = _current_session_var.get()
+        if session_id is None:
+            async for chunk in fn(*args, **kwargs):
+                yield chunk
+            return
+        scope = _scope(session_id)
+        key = await self._run_key(scope, _step_key(name, args, kwargs))
+        attempt = _attempt_var.get()
+        if attempt is not None:
+            found, cached = await attempt.lookup_stream(scope, self._namespace(scope), key)
+        else:
+            stored = await self._pg.get_stream(scope, key)
+            found, cached = stored is not None, stored
+        if found:
+            self.stats.steps_replayed += 1
+            for chunk in cached:
+                yield chunk
+            return
+        self._check_not_fenced()
+        recorded: list[Any] = []
+        async for chunk in fn(*args, **kwargs):
+            recorded.append(chunk)
+            yield chunk
+        if attempt is not None:
+            await attempt.write_stream(scope, key, recorded)
+        else:
+            await self._pg.put_stream(scope, key, recorded)
+        self.stats.steps_executed += 1
+
+    # ---- signals ------------------------------------------------------------------------------
+
+    async def signal(self, session_id: str, name: str, payload: Any = None) -> None:
+        """Deliver a named signal to ``session_id``, in this process or any other.
+
+        The signal is a row until a waiter takes it: one sent before the
+        waiter starts, or across a restart, is delivered when it does."""
+        check_id("session_id", session_id)
+        check_signal_name(name)
+        blob = self._pg._encode(payload, f"signal {name}")
+        if blob is None:
+            raise InvalidInput(
+                f"signal {name!r}: the payload can't be stored as JSON; send JSON-able "
+                "values, pydantic models or dataclasses"
+            )
+        await self._signals.send(session_id, name, blob)
+
+    async def wait_for_signal(
+        self, session_id: str, name: str, *, timeout_s: float | None = None
+    ) -> Any:
+        """Park until a ``name`` signal for ``session_id`` arrives; return its payload.
+
+        Inside a run the signal is taken and journaled in one transaction,
+        so a resumed run replays it instead of waiting again.
+        ``TimeoutError`` after ``timeout_s`` seconds (default: wait)."""
+        check_id("session_id", session_id)
+        check_signal_name(name)
+        with anyio.fail_after(timeout_s):
+            attempt = _attempt_var.get()
+            run = _open_run_var.get()
+            if attempt is None or run is None:
+                blob = await self._signals.take(session_id, name)
+                return self._decode_signal(blob, name)
+            slot = (run.ns, f"{session_id}\x00{name}")
+            n = attempt.signal_counts.get(slot, 0) + 1
+            attempt.signal_counts[slot] = n
+            key = await self._run_key(run.scope, _step_key(f"signal_{name}_{n}", (session_id,), {}))
+            found, value = await attempt.lookup_step(run.scope, run.ns, key)
+            if found:
+                self.stats.steps_replayed += 1
+                return value
+            blob = await self._signals.take_into_journal(attempt, session_id, name, run.scope, key)
+            return self._decode_signal(blob, name)
+
+    def _decode_signal(self, blob: bytes, name: str) -> Any:
+        ok, value = self._pg._decode(blob, f"signal {name}")
+        if not ok:
+            raise InvalidInput(f"signal {name!r}: its stored payload can't be decoded")
+        return value
+
+    def poll_signal(self, session_id: str, name: str) -> Any | None:
+        raise NotImplementedError(
+            "PostgresRuntime signals live in Postgres and can't be polled without I/O: "
+            "use `await runtime.try_signal(session_id, name)`"
+        )
+
+    async def try_signal(self, session_id: str, name: str) -> Any | None:
+        """Take the oldest queued ``name`` signal for ``session_id``, or ``None``."""
+        check_id("session_id", session_id)
+        check_signal_name(name)
+        blob = await self._signals.try_take(session_id, name)
+        return None if blob is None else self._decode_signal(blob, name)

@@ -1,0 +1,170 @@
+"""Cross-process signals: rows in ``signals``, woken by LISTEN/NOTIFY.
+
+A signal is a row until a waiter takes it (``DELETE ... RETURNING``, so
+each is taken once). NOTIFY only wakes waiters early: a waiter also looks
+again every ``poll_interval`` seconds, so a notification lost while the
+listener reconnects (a Postgres restart) delays a signal, never loses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import psycopg
+from psycopg import AsyncConnection
+from psycopg_pool import AsyncConnectionPool
+
+from .sql import query
+
+if TYPE_CHECKING:
+    from .store import Attempt, Conn
+
+log = logging.getLogger("loomflow_worker.runtime")
+
+CHANNEL = "loomflow_worker_signals"
+
+
+def _mailbox(session_id: str) -> str:
+    return hashlib.md5(session_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class SignalListener:
+    """Sends and takes signals; one LISTEN connection per runtime, opened on first wait."""
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[Any],
+        conninfo: str,
+        conn_kwargs: dict[str, Any],
+        *,
+        poll_interval: float = 2.0,
+    ) -> None:
+        self._pool = pool
+        self._conninfo = conninfo
+        self._conn_kwargs = conn_kwargs
+        self._poll_interval = poll_interval
+        self._waiters: dict[str, set[anyio.Event]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._conn: AsyncConnection[Any] | None = None
+        self._closed = False
+
+    async def send(self, session_id: str, name: str, blob: bytes) -> None:
+        async with self._pool.connection() as conn:
+            await conn.execute(
+                query("send_signal"), {"session_id": session_id, "name": name, "payload": blob}
+            )
+
+    async def try_take(self, session_id: str, name: str) -> bytes | None:
+        async with self._pool.connection() as conn:
+            cur = await conn.execute(query("take_signal"), {"session_id": session_id, "name": name})
+            row = await cur.fetchone()
+        return None if row is None else bytes(row[0])
+
+    async def take(self, session_id: str, name: str) -> bytes:
+        """The oldest ``name`` signal for ``session_id``, waiting for one."""
+        while True:
+            with self._waiting(session_id) as woken:
+                blob = await self.try_take(session_id, name)
+                if blob is not None:
+                    return blob
+                await self._sleep(woken)
+
+    async def take_into_journal(
+        self, attempt: Attempt, session_id: str, name: str, scope: str, key: str
+    ) -> bytes:
+        """Take a signal and journal it under ``key`` in one transaction on the
+        run's lock connection: consumed exactly when it is recorded."""
+        params = {
+            "session_id": session_id,
+            "name": name,
+            "scope": scope,
+            "key": key,
+            "created_at": time.time(),
+        }
+
+        async def take(conn: Conn) -> tuple[Any, ...] | None:
+            cur = await conn.execute(query("take_signal_into_journal"), params)
+            return await cur.fetchone()
+
+        while True:
+            with self._waiting(session_id) as woken:
+                row = await attempt.io(take)
+                if row is not None:
+                    blob = bytes(row[0])
+                    attempt.remember_step(scope, key, blob)
+                    return blob
+                await self._sleep(woken)
+
+    @contextlib.contextmanager
+    def _waiting(self, session_id: str) -> Any:
+        self._ensure_listener()
+        woken = anyio.Event()
+        box = self._waiters.setdefault(_mailbox(session_id), set())
+        box.add(woken)
+        try:
+            yield woken
+        finally:
+            box.discard(woken)
+            if not box:
+                self._waiters.pop(_mailbox(session_id), None)
+
+    async def _sleep(self, woken: anyio.Event) -> None:
+        with anyio.move_on_after(self._poll_interval):
+            await woken.wait()
+
+    def _ensure_listener(self) -> None:
+        if self._task is None and not self._closed:
+            self._task = asyncio.get_running_loop().create_task(
+                self._listen(), name="loomflow-worker signal listener"
+            )
+
+    async def _listen(self) -> None:
+        backoff = 0.1
+        while not self._closed:
+            try:
+                conn = await AsyncConnection.connect(
+                    self._conninfo,
+                    **{**self._conn_kwargs, "autocommit": True,
+                       "application_name": "loomflow-worker signals"},
+                )
+                self._conn = conn
+                async with conn:
+                    await conn.execute(f"LISTEN {CHANNEL}")
+                    backoff = 0.1
+                    self._wake_all()  # anything sent while we were away
+                    async for note in conn.notifies():
+                        for event in list(self._waiters.get(note.payload, ())):
+                            event.set()
+            except psycopg.Error as exc:
+                if self._closed:
+                    return
+                log.warning(
+                    "signal listener lost its connection (%s); reconnecting in %.1fs",
+                    exc,
+                    backoff,
+                    extra={"action": "signal_listener_reconnect"},
+                )
+                self._wake_all()
+                await anyio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                self._conn = None
+
+    def _wake_all(self) -> None:
+        for box in self._waiters.values():
+            for event in box:
+                event.set()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, psycopg.Error):
+                await task

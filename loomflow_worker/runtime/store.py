@@ -1,0 +1,608 @@
+"""The Postgres journal store (psycopg 3) and the attempt that owns a scope.
+
+Two kinds of connection:
+
+- the shared pool, for work outside a run (checkpoints listed by an
+  operator, signals sent from a web handler, pruning);
+- lock connections, each lent to one outermost run for its whole life.
+  The run's session-level advisory lock lives on it, and every journal
+  read and write of the run goes through it. Postgres frees the lock when
+  that connection's backend ends, and nothing can be written through a
+  dead backend, so a run that lost its lock can write nothing more
+  (fencing). Lock connections come from a pool of their own that no other
+  code borrows; a connection goes back only after its lock was released
+  and checked released.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import anyio
+import psycopg
+from loomflow.runtime.journal import Checkpoint, CheckpointMeta, JournalEntry
+from psycopg import AsyncConnection
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import TupleRow
+from psycopg_pool import AsyncConnectionPool
+
+from .codec import CodecStats, Serializer, check_serializer, decode, encode
+from .errors import DatabaseUnavailable, InvalidInput, LockLost, SessionBusy
+from .migrate import migrate
+from .sql import query
+
+log = logging.getLogger("loomflow_worker.runtime")
+
+T = TypeVar("T")
+Conn = AsyncConnection[TupleRow]
+
+EPOCH_KEY = "__run_epoch__"
+LAST_RUN_KEY = "__last_run_epoch__"
+_LOCK_SALT = b"loomflow-worker/scope/"
+
+
+def scope_lock_key(scope: str) -> int:
+    """The advisory lock key (a signed bigint) of a journal scope."""
+    digest = hashlib.blake2b(_LOCK_SALT + scope.encode("utf-8", "surrogatepass"), digest_size=8)
+    return int.from_bytes(digest.digest(), "big", signed=True)
+
+
+def describe_dsn(conninfo: str) -> str:
+    """``host:port/dbname`` of a connection string, never its password."""
+    try:
+        parts = conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError:
+        return "<unparsable connection string>"
+    host = parts.get("host") or parts.get("hostaddr") or "localhost (socket)"
+    return f"{host}:{parts.get('port') or 5432}/{parts.get('dbname') or parts.get('user') or ''}"
+
+
+@dataclass(frozen=True)
+class LockSettings:
+    """How lock connections detect a dead peer and how long a run waits."""
+
+    wait_timeout: float | None = 60.0
+    io_timeout: float = 30.0
+    keepalives_idle: int = 5
+    keepalives_interval: int = 2
+    keepalives_count: int = 3
+    tcp_user_timeout_ms: int = 15_000
+    connect_timeout: int = 10
+
+    def client_kwargs(self) -> dict[str, Any]:
+        return {
+            "keepalives": 1,
+            "keepalives_idle": self.keepalives_idle,
+            "keepalives_interval": self.keepalives_interval,
+            "keepalives_count": self.keepalives_count,
+            "tcp_user_timeout": self.tcp_user_timeout_ms,
+            "connect_timeout": self.connect_timeout,
+            "application_name": "loomflow-worker lock",
+            "autocommit": True,
+        }
+
+
+@dataclass
+class RunStats:
+    """Counts since the runtime was made (per process)."""
+
+    steps_executed: int = 0
+    steps_replayed: int = 0
+    codec: CodecStats = field(default_factory=CodecStats)
+
+
+def _namespace_bounds(ns: str) -> tuple[str, str]:
+    # Keys "<ns>/..." sort (in the C collation) in [ns + "/", ns + "0").
+    return ns + "/", ns + "0"
+
+
+class Attempt:
+    """One outermost run holding its scope: the lock connection and the
+    journal entries of the namespaces the run has opened, kept in memory
+    so a replayed step costs no round trip."""
+
+    def __init__(self, store: PostgresJournalStore, conn: Conn, scope: str) -> None:
+        self.store = store
+        self.conn = conn
+        self.scope = scope
+        self.lock_key = scope_lock_key(scope)
+        self.fenced: LockLost | None = None
+        self.released = False
+        self._steps: dict[tuple[str, str], bytes] = {}
+        self._streams: dict[tuple[str, str], bytes] = {}
+        self._loaded: set[tuple[str, str]] = set()
+        self.signal_counts: dict[tuple[str, str], int] = {}
+
+    @property
+    def backend_pid(self) -> int:
+        return self.conn.info.backend_pid
+
+    async def io(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
+        """Run ``fn`` on the lock connection; any loss of it fences the run."""
+        if self.fenced is not None:
+            raise self.fenced
+        try:
+            with anyio.fail_after(self.store.lock_settings.io_timeout):
+                return await fn(self.conn)
+        except (psycopg.OperationalError, psycopg.InterfaceError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError):
+                cause = f"no answer within {self.store.lock_settings.io_timeout:g}s"
+            else:
+                cause = f"{type(exc).__name__}: {str(exc).strip() or 'connection lost'}"
+            self.fenced = LockLost(self.scope, cause)
+            log.error(
+                "run on scope %s fenced: %s",
+                self.scope,
+                cause,
+                extra={"action": "fenced", "scope": self.scope},
+            )
+            await self.store._discard(self.conn)
+            raise self.fenced from exc
+
+    # ---- reading -----------------------------------------------------------
+
+    async def load(self, scope: str, ns: str) -> None:
+        """Load the namespace ``ns`` of ``scope`` into memory in one query."""
+        if (scope, ns) in self._loaded:
+            return
+
+        async def run(conn: Conn) -> list[tuple[Any, ...]]:
+            if ns:
+                lo, hi = _namespace_bounds(ns)
+                cur = await conn.execute(
+                    query("load_namespace"), {"scope": scope, "lo": lo, "hi": hi}
+                )
+            else:
+                cur = await conn.execute(query("load_root_namespace"), {"scope": scope})
+            return await cur.fetchall()
+
+        rows = await self.io(run)
+        for is_stream, key, blob in rows:
+            (self._streams if is_stream else self._steps)[(scope, key)] = bytes(blob)
+        self._loaded.add((scope, ns))
+
+    async def lookup_step(self, scope: str, ns: str, key: str) -> tuple[bool, Any]:
+        await self.load(scope, ns)
+        blob = self._steps.get((scope, key))
+        if blob is None:
+            return False, None
+        return self.store._decode(blob, key)
+
+    async def lookup_stream(self, scope: str, ns: str, key: str) -> tuple[bool, Any]:
+        await self.load(scope, ns)
+        blob = self._streams.get((scope, key))
+        if blob is None:
+            return False, None
+        ok, chunks = self.store._decode(blob, key)
+        return (True, list(chunks or [])) if ok else (False, None)
+
+    # ---- writing -----------------------------------------------------------
+
+    async def write_step(self, scope: str, key: str, value: Any) -> None:
+        blob = self.store._encode(value, key)
+        if blob is None:
+            return
+        params = {"scope": scope, "key": key, "value": blob, "created_at": time.time()}
+        await self.io(lambda conn: conn.execute(query("put_step"), params))
+        self._steps[(scope, key)] = blob
+
+    async def write_stream(self, scope: str, key: str, chunks: list[Any]) -> None:
+        blob = self.store._encode(list(chunks), key)
+        if blob is None:
+            return
+        params = {"scope": scope, "key": key, "value": blob, "created_at": time.time()}
+        await self.io(lambda conn: conn.execute(query("put_stream"), params))
+        self._streams[(scope, key)] = blob
+
+    def remember_step(self, scope: str, key: str, blob: bytes) -> None:
+        self._steps[(scope, key)] = blob
+
+    # ---- epochs --------------------------------------------------------------
+
+    async def read_epochs(self) -> tuple[int, int | None]:
+        """``(current epoch, epoch of the last run or None)`` of the scope."""
+
+        async def run(conn: Conn) -> list[tuple[Any, ...]]:
+            cur = await conn.execute(query("read_epochs"), {"scope": self.scope})
+            return await cur.fetchall()
+
+        found: dict[str, int] = {}
+        for key, blob in await self.io(run):
+            ok, value = self.store._decode(bytes(blob), key)
+            if ok and isinstance(value, int):
+                found[key] = value
+        return found.get(EPOCH_KEY, 0), found.get(LAST_RUN_KEY)
+
+    async def finish(
+        self,
+        epoch: int,
+        *,
+        advance: bool = True,
+        on_finish: Callable[[Conn, int], Awaitable[None]] | None = None,
+    ) -> int:
+        """Advance the scope's epoch past ``epoch`` in one transaction.
+
+        The stored epoch is read under a row lock and only ever moves
+        forward (``max(stored, epoch + 1)``): no lost update, no step
+        back. ``on_finish(conn, new_epoch)`` runs inside the same
+        transaction, for callers that record the run's outcome with it.
+        A run that journaled nothing (``advance=False``) leaves the epoch."""
+        if not advance and on_finish is None:
+            return epoch
+
+        async def run(conn: Conn) -> int:
+            async with conn.transaction():
+                cur = await conn.execute(query("lock_epoch"), {"scope": self.scope})
+                row = await cur.fetchone()
+                stored = 0
+                if row is not None:
+                    ok, value = self.store._decode(bytes(row[0]), EPOCH_KEY)
+                    stored = value if ok and isinstance(value, int) else 0
+                new = max(stored, epoch + 1) if advance else stored
+                if new != stored or (advance and row is None):
+                    await conn.execute(
+                        query("put_step"),
+                        {
+                            "scope": self.scope,
+                            "key": EPOCH_KEY,
+                            "value": self.store._encode(new, EPOCH_KEY),
+                            "created_at": time.time(),
+                        },
+                    )
+                if on_finish is not None:
+                    await on_finish(conn, new)
+                return new
+
+        return await self.io(run)
+
+
+class PostgresJournalStore:
+    """loomflow's ``JournalStore`` on psycopg 3, with lock connections for runs."""
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[Any],
+        *,
+        max_checkpoints_per_session: int = 20,
+        serializer: Serializer = "json",
+        lock: LockSettings | None = None,
+        max_runs: int = 20,
+        owns_pool: bool = False,
+    ) -> None:
+        if not isinstance(pool, AsyncConnectionPool):
+            raise InvalidInput(
+                "PostgresRuntime needs a psycopg_pool.AsyncConnectionPool (psycopg 3), not "
+                f"{type(pool).__module__}.{type(pool).__qualname__}; or use "
+                "await PostgresRuntime.connect(dsn)"
+            )
+        if max_runs < 1:
+            raise InvalidInput(f"max_runs must be at least 1, not {max_runs}")
+        self.pool = pool
+        self.conninfo, self.conn_kwargs = pool_target(pool)
+        self.serializer = check_serializer(serializer)
+        self.max_checkpoints = max_checkpoints_per_session
+        self.lock_settings = lock or LockSettings()
+        self.stats = RunStats()
+        self._owns_pool = owns_pool
+        self._lock_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            self.conninfo,
+            kwargs={**self.conn_kwargs, **self.lock_settings.client_kwargs()},
+            min_size=1,
+            max_size=max_runs,
+            open=False,
+            configure=self._configure_lock_conn,
+            reset=self._reset_lock_conn,
+            check=AsyncConnectionPool.check_connection,
+            name="loomflow-worker-locks",
+        )
+        self._lock_pool_open = False
+
+    # ---- lifecycle -----------------------------------------------------------
+
+    @classmethod
+    async def connect(
+        cls,
+        dsn: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 10,
+        max_checkpoints_per_session: int = 20,
+        serializer: Serializer = "json",
+        lock: LockSettings | None = None,
+        max_runs: int = 20,
+    ) -> PostgresJournalStore:
+        settings = lock or LockSettings()
+        await probe(dsn, settings.connect_timeout)
+        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+            dsn,
+            kwargs={"autocommit": True, "connect_timeout": settings.connect_timeout,
+                    "application_name": "loomflow-worker"},
+            min_size=min_size,
+            max_size=max_size,
+            open=False,
+            check=AsyncConnectionPool.check_connection,
+            name="loomflow-worker",
+        )
+        await pool.open(wait=True, timeout=settings.connect_timeout)
+        return cls(
+            pool,
+            max_checkpoints_per_session=max_checkpoints_per_session,
+            serializer=serializer,
+            lock=settings,
+            max_runs=max_runs,
+            owns_pool=True,
+        )
+
+    async def init_schema(self) -> None:
+        async with self.pool.connection() as conn:
+            await migrate(conn)
+
+    async def aclose(self) -> None:
+        if self._lock_pool_open:
+            await self._lock_pool.close()
+            self._lock_pool_open = False
+        if self._owns_pool:
+            await self.pool.close()
+
+    async def _configure_lock_conn(self, conn: Conn) -> None:
+        s = self.lock_settings
+        # The server side of the same keepalive, so a partitioned worker's
+        # lock is freed in seconds rather than after the kernel's two hours.
+        await conn.execute(
+            "SELECT set_config('tcp_keepalives_idle', %s, false),"
+            " set_config('tcp_keepalives_interval', %s, false),"
+            " set_config('tcp_keepalives_count', %s, false),"
+            " set_config('tcp_user_timeout', %s, false)",
+            (str(s.keepalives_idle), str(s.keepalives_interval), str(s.keepalives_count),
+             str(s.tcp_user_timeout_ms)),
+        )
+
+    async def _reset_lock_conn(self, conn: Conn) -> None:
+        await conn.execute(query("unlock_all"))
+        cur = await conn.execute(query("held_advisory_locks"))
+        row = await cur.fetchone()
+        if row is None or row[0] != 0:
+            raise RuntimeError("lock connection still holds advisory locks; discarding it")
+
+    async def _discard(self, conn: Conn) -> None:
+        """Close a lock connection whose state is unknown (frees any lock)."""
+        with anyio.CancelScope(shield=True):
+            try:
+                await conn.close()
+            except Exception:
+                log.debug("closing a broken lock connection failed", exc_info=True)
+
+    # ---- attempts (one per outermost run) ----------------------------------------
+
+    async def acquire(self, scope: str, wait: float | None) -> Attempt:
+        """Take ``scope``'s lock on a lock connection.
+
+        ``wait`` is how long to wait for a busy scope: ``None`` forever,
+        ``0`` not at all. Raises :class:`SessionBusy` when it runs out."""
+        if not self._lock_pool_open:
+            await self._lock_pool.open(wait=True, timeout=self.lock_settings.connect_timeout)
+            self._lock_pool_open = True
+        try:
+            conn: Conn = await self._lock_pool.getconn(timeout=self.lock_settings.connect_timeout)
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable(
+                f"no lock connection to {describe_dsn(self.conninfo)}: {exc}"
+            ) from exc
+        key = scope_lock_key(scope)
+        got = False
+        try:
+            cur = await conn.execute(query("try_lock"), {"key": key})
+            row = await cur.fetchone()
+            got = bool(row and row[0])
+            if not got and (wait is None or wait > 0):
+                got = await self._wait_lock(conn, key, wait)
+        except BaseException:
+            # State unknown (cancelled mid-wait, connection lost): closing the
+            # connection frees whatever it may hold.
+            await self._discard(conn)
+            await self._lock_pool.putconn(conn)
+            raise
+        if not got:
+            await self._lock_pool.putconn(conn)
+            raise SessionBusy(scope, wait)
+        return Attempt(self, conn, scope)
+
+    async def _wait_lock(self, conn: Conn, key: int, wait: float | None) -> bool:
+        timeout = "0" if wait is None else f"{max(1, int(wait * 1000))}ms"
+        await conn.execute("SELECT set_config('lock_timeout', %s, false)", (timeout,))
+        try:
+            await conn.execute(query("wait_lock"), {"key": key})
+            return True
+        except psycopg.errors.LockNotAvailable:
+            return False
+        finally:
+            await conn.execute("SELECT set_config('lock_timeout', '0', false)")
+
+    async def release(self, attempt: Attempt) -> None:
+        """Unlock the attempt's scope and return its connection, checked."""
+        if attempt.released:
+            return
+        attempt.released = True
+        conn = attempt.conn
+        with anyio.CancelScope(shield=True):
+            if attempt.fenced is None and not conn.closed:
+                try:
+                    with anyio.fail_after(self.lock_settings.io_timeout):
+                        cur = await conn.execute(query("unlock"), {"key": attempt.lock_key})
+                        row = await cur.fetchone()
+                    if not (row and row[0]):
+                        log.error(
+                            "scope %s was not locked at release; discarding the connection",
+                            attempt.scope,
+                            extra={"action": "unlock_missing", "scope": attempt.scope},
+                        )
+                        await self._discard(conn)
+                except (psycopg.Error, TimeoutError):
+                    await self._discard(conn)
+            await self._lock_pool.putconn(conn)
+
+    # ---- values -------------------------------------------------------------------
+
+    def _encode(self, value: Any, key: str) -> bytes | None:
+        return encode(value, self.serializer, self.stats.codec, key=key)
+
+    def _decode(self, blob: bytes, key: str) -> tuple[bool, Any]:
+        return decode(blob, self.serializer, self.stats.codec, key=key)
+
+    # ---- JournalStore protocol (outside a run's cache) ------------------------------
+
+    async def _fetchone(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query(name), params)
+            row: tuple[Any, ...] | None = await cur.fetchone()
+            return row
+
+    async def get_step(self, session_id: str, step_name: str) -> JournalEntry | None:
+        row = await self._fetchone("get_step", {"scope": session_id, "key": step_name})
+        if row is None:
+            return None
+        ok, value = self._decode(bytes(row[0]), step_name)
+        return JournalEntry(value=value, created_at=row[1]) if ok else None
+
+    async def put_step(self, session_id: str, step_name: str, value: Any) -> None:
+        blob = self._encode(value, step_name)
+        if blob is None:
+            return
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                query("put_step"),
+                {"scope": session_id, "key": step_name, "value": blob, "created_at": time.time()},
+            )
+
+    async def get_stream(self, session_id: str, step_name: str) -> list[Any] | None:
+        row = await self._fetchone("get_stream", {"scope": session_id, "key": step_name})
+        if row is None:
+            return None
+        ok, chunks = self._decode(bytes(row[0]), step_name)
+        return list(chunks or []) if ok else None
+
+    async def put_stream(self, session_id: str, step_name: str, chunks: list[Any]) -> None:
+        blob = self._encode(list(chunks), step_name)
+        if blob is None:
+            return
+        async with self.pool.connection() as conn:
+            await conn.execute(
+                query("put_stream"),
+                {"scope": session_id, "key": step_name, "value": blob, "created_at": time.time()},
+            )
+
+    # ---- checkpoints ------------------------------------------------------------------
+
+    async def put_checkpoint(self, cp: Checkpoint) -> None:
+        params = {
+            "session_id": cp.session_id,
+            "checkpoint_id": cp.checkpoint_id,
+            "turn": cp.turn,
+            "created_at": cp.created_at.timestamp(),
+            "payload": cp.model_dump_json(),
+        }
+        trim = {"session_id": cp.session_id, "keep": self.max_checkpoints}
+        async with self.pool.connection() as conn, conn.transaction():
+            await conn.execute(query("put_checkpoint"), params)
+            if self.max_checkpoints > 0:
+                await conn.execute(query("trim_checkpoints"), trim)
+
+    async def get_checkpoint(self, session_id: str, checkpoint_id: str) -> Checkpoint | None:
+        row = await self._fetchone(
+            "get_checkpoint", {"session_id": session_id, "checkpoint_id": checkpoint_id}
+        )
+        return None if row is None else Checkpoint.model_validate_json(row[0])
+
+    async def get_latest_checkpoint(self, session_id: str) -> Checkpoint | None:
+        row = await self._fetchone("latest_checkpoint", {"session_id": session_id})
+        return None if row is None else Checkpoint.model_validate_json(row[0])
+
+    async def list_checkpoints(self, session_id: str, limit: int = 50) -> list[CheckpointMeta]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(
+                query("list_checkpoints"), {"session_id": session_id, "limit": limit}
+            )
+            rows = await cur.fetchall()
+        return [
+            CheckpointMeta(
+                checkpoint_id=r[0], turn=r[1], created_at=datetime.fromtimestamp(r[2], tz=UTC)
+            )
+            for r in rows
+        ]
+
+    # ---- pruning -----------------------------------------------------------------------
+
+    async def prune(self, before: datetime | None = None, session_id: str | None = None) -> None:
+        """loomflow's ``JournalStore.prune``; see :meth:`prune_rows`."""
+        await self.prune_rows(before=before, session_id=session_id)
+
+    async def prune_rows(
+        self,
+        before: datetime | None = None,
+        session_id: str | None = None,
+        *,
+        batch_size: int = 5000,
+        on_batch: Callable[[str, int], None] | None = None,
+    ) -> int:
+        """Delete journal entries, streams and checkpoints matching every filter.
+
+        Works in batches of ``batch_size`` rows, each its own short
+        transaction that skips rows a running step has locked, so it never
+        holds up running runs for long. With ``before`` only, a scope's epoch
+        bookkeeping is kept (a later run must not reuse an old epoch).
+        Returns how many rows went; ``on_batch(table, rows)`` sees each batch.
+        """
+        if batch_size < 1:
+            raise InvalidInput(f"batch_size must be at least 1, not {batch_size}")
+        params = {
+            "before": before.timestamp() if before is not None else None,
+            "session_id": session_id,
+            "batch": batch_size,
+        }
+        total = 0
+        for name, table in (
+            ("prune_steps", "journal_steps"),
+            ("prune_streams", "journal_streams"),
+            ("prune_checkpoints", "checkpoints"),
+        ):
+            while True:
+                async with self.pool.connection() as conn:
+                    cur = await conn.execute(query(name), params)
+                    deleted = cur.rowcount
+                total += deleted
+                if on_batch is not None and deleted:
+                    on_batch(table, deleted)
+                if deleted < batch_size:
+                    break
+        return total
+
+
+def pool_target(pool: AsyncConnectionPool[Any]) -> tuple[str, dict[str, Any]]:
+    """The connection string and arguments of ``pool``'s connections."""
+    if not isinstance(pool.conninfo, str) or not (
+        pool.kwargs is None or isinstance(pool.kwargs, dict)
+    ):
+        raise InvalidInput(
+            "PostgresRuntime needs a pool made with a fixed connection string and kwargs "
+            "(lock connections are opened beside it with the same target)"
+        )
+    return pool.conninfo, dict(pool.kwargs or {})
+
+
+async def probe(dsn: str, connect_timeout: int) -> None:
+    """One connection to ``dsn``, closed at once: a clear error instead of a hang."""
+    try:
+        conn = await AsyncConnection.connect(dsn, connect_timeout=connect_timeout)
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailable(
+            f"can't connect to Postgres at {describe_dsn(dsn)}: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}; check that the "
+            "server is running and the connection string (LOOMFLOW_WORKER_DATABASE_URL) is right"
+        ) from exc
+    await conn.close()
