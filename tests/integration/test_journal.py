@@ -1,0 +1,262 @@
+"""The journal's replay semantics, against the real Postgres."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from loomflow import Agent
+from loomflow.core.types import Episode, ToolResult
+from loomflow.memory.inmemory import InMemoryMemory
+from loomflow.runtime import InMemoryJournalStore, JournaledRuntime
+
+from loomflow_worker.runtime import PostgresRuntime, run_options
+from loomflow_worker.testing import DeterministicModel, EffectsLog, UnmatchedToolResult
+
+from .helpers import Crash, calls, crash_on, crashes, epoch_of, make_agent
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_completed_steps_replay_the_step_in_flight_reruns_new_steps_run(
+    runtime: PostgresRuntime, dsn: str
+) -> None:
+    prompt = calls("a", "b", "c")
+    crashing = EffectsLog(dsn, on_start=crash_on("b"))
+    first = DeterministicModel()
+    with crashes():
+        await make_agent(runtime, crashing, model=first).run(prompt, session_id="s", user_id="u")
+    assert await crashing.counts() == {"a": 1, "b": 1}
+
+    effects = EffectsLog(dsn)
+    second = DeterministicModel()
+    result = await make_agent(runtime, effects, model=second).run(
+        prompt, session_id="s", user_id="u"
+    )
+    assert result.output == "done: recorded a, recorded b, recorded c"
+    # a completed: replayed. b was in flight: runs again. c is new.
+    assert await effects.counts() == {"a": 1, "b": 2, "c": 1}
+    # Model calls of turns 1 and 2 had completed: only turns 3 and 4 are sent.
+    assert first.calls == 2
+    assert second.calls == 2
+
+
+async def test_a_finished_run_never_replays_into_the_next_identical_request(
+    runtime: PostgresRuntime, dsn: str
+) -> None:
+    effects = EffectsLog(dsn)
+    agent = make_agent(runtime, effects)
+    for _ in range(3):
+        await agent.run(calls("x"), session_id="s")
+    assert await effects.counts() == {"x": 3}
+    assert await epoch_of(dsn, "s") == 3
+
+
+async def test_resume_without_a_checkpoint_continues_the_last_run(
+    runtime: PostgresRuntime, dsn: str
+) -> None:
+    effects = EffectsLog(dsn)
+    model = DeterministicModel()
+    agent = make_agent(runtime, effects, model=model)
+    first = await agent.run(calls("a", "b"), session_id="s")
+    resumed = await agent.resume(calls("a", "b"), session_id="s")
+    assert resumed.output == first.output
+    assert await effects.counts() == {"a": 1, "b": 1}
+    # The model is asked again (the recalled history is new input), but every
+    # tool call replays from the last run's journal.
+    assert await epoch_of(dsn, "s") == 1  # continuing a finished run advances nothing
+
+
+async def test_resume_continues_a_crashed_run(runtime: PostgresRuntime, dsn: str) -> None:
+    crashing = EffectsLog(dsn, on_start=crash_on("b"))
+    with crashes():
+        await make_agent(runtime, crashing).run(calls("a", "b"), session_id="s")
+    effects = EffectsLog(dsn)
+    result = await make_agent(runtime, effects).resume(calls("a", "b"), session_id="s")
+    assert result.output == "done: recorded a, recorded b"
+    assert await effects.counts() == {"a": 1, "b": 2}
+
+
+async def test_a_different_prompt_runs_fresh(runtime: PostgresRuntime, dsn: str) -> None:
+    crashing = EffectsLog(dsn, on_start=crash_on("b"))
+    with crashes():
+        await make_agent(runtime, crashing).run(calls("a", "b"), session_id="s")
+    effects = EffectsLog(dsn)
+    model = DeterministicModel()
+    result = await make_agent(runtime, effects, model=model).run(
+        calls("p", "q"), session_id="s"
+    )
+    assert result.output == "done: recorded p, recorded q"
+    assert await effects.counts() == {"a": 1, "b": 1, "p": 1, "q": 1}
+    assert model.calls == 3
+
+
+async def test_a_second_identical_call_in_a_later_turn_runs(
+    runtime: PostgresRuntime, dsn: str
+) -> None:
+    # Tool calls are keyed by position plus content: the same call in turn 2
+    # is a new call, not a replay of turn 1's.
+    effects = EffectsLog(dsn)
+    result = await make_agent(runtime, effects).run(calls("same", "same"), session_id="s")
+    assert result.output == "done: recorded same, recorded same"
+    assert await effects.counts() == {"same": 2}
+
+
+async def test_users_never_replay_each_others_steps(runtime: PostgresRuntime, dsn: str) -> None:
+    crashing = EffectsLog(dsn, on_start=crash_on("b"))
+    with crashes():
+        await make_agent(runtime, crashing).run(calls("a", "b"), session_id="s", user_id="alice")
+    effects = EffectsLog(dsn)
+    model = DeterministicModel()
+    await make_agent(runtime, effects, model=model).run(
+        calls("a", "b"), session_id="s", user_id="bob"
+    )
+    # bob ran everything himself, on the same session id
+    assert await effects.counts() == {"a": 2, "b": 2}
+    assert model.calls == 3
+    # and alice's crashed run still resumes from her own journal
+    await make_agent(runtime, EffectsLog(dsn)).run(
+        calls("a", "b"), session_id="s", user_id="alice"
+    )
+    assert await effects.counts() == {"a": 2, "b": 3}
+
+
+async def test_sub_runs_replay_under_their_parent(runtime: PostgresRuntime, dsn: str) -> None:
+    effects = EffectsLog(dsn)
+    crash = {"armed": True}
+
+    async def maybe_crash(tag: str) -> None:
+        if tag == "after" and crash["armed"]:
+            raise Crash("after the sub-agent")
+
+    parent_effects = EffectsLog(dsn, on_start=maybe_crash)
+    child = make_agent(runtime, effects)
+
+    from loomflow import tool
+
+    @tool
+    async def delegate(task: str) -> str:
+        """Hand a task to the sub-agent."""
+        result = await child.run(calls("child1", "child2"), session_id="child-session")
+        return result.output
+
+    parent = Agent(
+        "parent",
+        model=DeterministicModel(),
+        tools=[delegate, parent_effects.tool()],
+        runtime=runtime,
+        auto_extract=False,
+    )
+    prompt = 'call delegate {"task": "t"}\ncall record {"tag": "after"}'
+    with crashes():
+        await parent.run(prompt, session_id="s")
+    assert await effects.counts() == {"child1": 1, "child2": 1, "after": 1}
+    crash["armed"] = False
+    result = await parent.run(prompt, session_id="s")
+    assert result.output == "done: done: recorded child1, recorded child2, recorded after"
+    assert await effects.counts() == {"child1": 1, "child2": 1, "after": 2}
+
+
+async def test_a_nested_run_on_the_parents_own_scope_takes_no_lock(dsn: str) -> None:
+    runtime = await PostgresRuntime.connect(dsn, lock_wait_timeout=0)
+    try:
+        effects = EffectsLog(dsn)
+        child = make_agent(runtime, effects)
+
+        from loomflow import tool
+
+        @tool
+        async def delegate(task: str) -> str:
+            """Run the sub-agent on the parent's own session."""
+            return (await child.run(calls("inner"), session_id="s-sub", user_id="u")).output
+
+        parent = Agent(
+            "p", model=DeterministicModel(), tools=[delegate], runtime=runtime,
+            auto_extract=False,
+        )
+        # With lock_wait_timeout=0 a sub-run that tried to lock would fail at once.
+        result = await parent.run('call delegate {"task": "t"}', session_id="s", user_id="u")
+        assert result.output == "done: done: recorded inner"
+    finally:
+        await runtime.aclose()
+
+
+class CountingMemory(InMemoryMemory):
+    def __init__(self) -> None:
+        super().__init__()
+        self.remembered: list[Episode] = []
+
+    async def remember(self, episode: Episode) -> None:  # type: ignore[override]
+        self.remembered.append(episode)
+        await super().remember(episode)
+
+
+async def test_a_resumed_run_replays_its_episode_instead_of_writing_another(
+    runtime: PostgresRuntime, dsn: str
+) -> None:
+    memory = CountingMemory()
+    effects = EffectsLog(dsn)
+    agent = make_agent(runtime, effects, memory=memory)
+
+    async def die_at_the_finish(conn: Any, epoch: int) -> None:
+        raise Crash("died while finishing")
+
+    with run_options(on_finish=die_at_the_finish), pytest.raises(Crash):
+        await agent.run(calls("a"), session_id="s")
+    assert len(memory.remembered) == 1
+    # the finishing transaction rolled back: the epoch did not advance
+    assert await epoch_of(dsn, "s") is None
+    await agent.run(calls("a"), session_id="s")
+    assert len(memory.remembered) == 1
+    assert await effects.counts() == {"a": 1}
+    assert await epoch_of(dsn, "s") == 1
+
+
+async def _rerun_with_new_instructions(runtime: Any, effects: EffectsLog) -> str:
+    crashing = EffectsLog(effects.dsn, on_start=crash_on("b"))
+    with crashes():
+        await make_agent(runtime, crashing, instructions="v1").run(calls("a", "b"), session_id="s")
+    # A deploy changed the instructions: the model is asked again and mints new
+    # tool-call ids, while tool a's result replays.
+    result = await make_agent(runtime, effects, instructions="v2").run(
+        calls("a", "b"), session_id="s"
+    )
+    return result.output
+
+
+async def test_a_replayed_tool_result_answers_under_the_new_call_id(
+    runtime: PostgresRuntime, dsn: str
+) -> None:
+    effects = EffectsLog(dsn)
+    assert await _rerun_with_new_instructions(runtime, effects) == (
+        "done: recorded a, recorded b"
+    )
+    assert await effects.counts() == {"a": 1, "b": 2}
+
+
+async def test_loomflows_own_runtime_sends_the_stale_call_id(dsn: str) -> None:
+    # The same scenario on loomflow's JournaledRuntime: the replayed result keeps
+    # its old call id and the model refuses it. This is what the test above guards.
+    effects = EffectsLog(dsn)
+    runtime = JournaledRuntime(InMemoryJournalStore())
+    with pytest.raises(UnmatchedToolResult):
+        await _rerun_with_new_instructions(runtime, effects)
+
+
+async def test_direct_steps_restamp_only_tool_results(runtime: PostgresRuntime) -> None:
+    async def produce(call_id: str) -> ToolResult:
+        return ToolResult.success(call_id, "out")
+
+    class Stop(BaseException):
+        pass
+
+    with pytest.raises(Stop):
+        async with runtime.session("direct"):
+            first = await runtime.step("t", produce, call_id="old", idempotency_key="k")
+            raise Stop
+    async with runtime.session("direct"):
+        again = await runtime.step("t", produce, call_id="new", idempotency_key="k")
+    assert first.call_id == "old"
+    assert again.call_id == "new"
+    assert again.output == "out"
+    assert runtime.stats.steps_replayed == 1
