@@ -1,0 +1,207 @@
+"""Signals across processes, checkpoints and pruning, on the real Postgres."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+
+import anyio
+import psycopg
+import pytest
+from loomflow.runtime import Checkpoint
+
+from loomflow_worker.runtime import InvalidInput, PostgresRuntime
+
+from .helpers import epoch_of
+
+pytestmark = pytest.mark.anyio
+
+SEND = """
+import anyio, sys
+from loomflow_worker.runtime import PostgresRuntime
+
+async def main() -> None:
+    rt = await PostgresRuntime.connect(sys.argv[1])
+    try:
+        await rt.signal(sys.argv[2], sys.argv[3], {"from": "another process", "n": 1})
+    finally:
+        await rt.aclose()
+
+anyio.run(main)
+"""
+
+
+def send_from_another_process(dsn: str, session_id: str, name: str) -> None:
+    subprocess.run([sys.executable, "-c", SEND, dsn, session_id, name], check=True, timeout=60)
+
+
+async def test_a_signal_from_another_process_wakes_the_waiter(runtime: PostgresRuntime) -> None:
+    got: list[object] = []
+
+    async def wait() -> None:
+        got.append(await runtime.wait_for_signal("s", "approval", timeout_s=30))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(wait)
+        await anyio.sleep(0.2)
+        started = time.monotonic()
+        await anyio.to_thread.run_sync(
+            send_from_another_process, runtime.journal.conninfo, "s", "approval"
+        )
+    assert got == [{"from": "another process", "n": 1}]
+    assert time.monotonic() - started < 10
+
+
+async def test_a_signal_sent_before_the_waiter_starts_is_delivered(dsn: str) -> None:
+    sender = await PostgresRuntime.connect(dsn)
+    await sender.signal("s", "go", "first")
+    await sender.signal("s", "go", "second")
+    await sender.aclose()
+    # a restart later: a new runtime, a new process as far as Postgres knows
+    receiver = await PostgresRuntime.connect(dsn)
+    try:
+        assert await receiver.wait_for_signal("s", "go", timeout_s=5) == "first"
+        assert await receiver.try_signal("s", "go") == "second"
+        assert await receiver.try_signal("s", "go") is None
+        with pytest.raises(TimeoutError):
+            await receiver.wait_for_signal("s", "go", timeout_s=0.2)
+    finally:
+        await receiver.aclose()
+
+
+async def test_signals_survive_the_listener_connection_dying(dsn: str) -> None:
+    runtime = await PostgresRuntime.connect(dsn, signal_poll_interval=0.5)
+    got: list[object] = []
+    try:
+        async def wait() -> None:
+            got.append(await runtime.wait_for_signal("s", "n", timeout_s=30))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await anyio.sleep(0.3)
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as admin:
+                cur = await admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name = 'loomflow-worker signals' AND datname = "
+                    "current_database()"
+                )
+                assert [r[0] for r in await cur.fetchall()] == [True]
+            sender = await PostgresRuntime.connect(dsn)
+            await sender.signal("s", "n", 42)
+            await sender.aclose()
+        assert got == [42]
+    finally:
+        await runtime.aclose()
+
+
+async def test_a_signal_taken_inside_a_run_replays_when_the_run_resumes(
+    runtime: PostgresRuntime,
+) -> None:
+    await runtime.signal("s", "approval", {"action": "allow"})
+
+    class Stop(BaseException):
+        pass
+
+    with pytest.raises(Stop):
+        async with runtime.session("s"):
+            assert await runtime.wait_for_signal("s", "approval", timeout_s=5) == {
+                "action": "allow"
+            }
+            raise Stop
+    # the mailbox is empty now, yet the resumed run gets its signal back
+    assert await runtime.try_signal("s", "approval") is None
+    async with runtime.session("s"):
+        assert await runtime.wait_for_signal("s", "approval", timeout_s=1) == {"action": "allow"}
+
+
+async def test_bad_signals_are_refused(runtime: PostgresRuntime) -> None:
+    with pytest.raises(InvalidInput, match="empty"):
+        await runtime.signal("s", "", 1)
+    with pytest.raises(InvalidInput, match="can't be stored"):
+        await runtime.signal("s", "x", object())
+    with pytest.raises(NotImplementedError, match="try_signal"):
+        runtime.poll_signal("s", "x")
+
+
+async def test_checkpoints_round_trip_and_keep_the_newest(dsn: str) -> None:
+    runtime = await PostgresRuntime.connect(dsn, max_checkpoints_per_session=3)
+    try:
+        base = datetime.now(UTC)
+        for turn in range(5):
+            await runtime.put_checkpoint(
+                Checkpoint(session_id="s", turn=turn, created_at=base + timedelta(seconds=turn))
+            )
+        listed = await runtime.list_checkpoints("s")
+        assert [m.turn for m in listed] == [4, 3, 2]
+        latest = await runtime.get_latest_checkpoint("s")
+        assert latest is not None and latest.turn == 4
+        one = await runtime.get_checkpoint("s", listed[1].checkpoint_id)
+        assert one is not None and one.turn == 3
+        assert await runtime.get_latest_checkpoint("other") is None
+    finally:
+        await runtime.aclose()
+
+
+async def _fill(dsn: str, scopes: int, per_scope: int, created_at: float) -> None:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO journal_steps (session_id, step_name, value, created_at) "
+            "SELECT 'old-' || (i %% %s), 'step-' || i, 'LJ1\"x\"'::bytea, %s "
+            "FROM generate_series(1, %s) AS i",
+            (scopes, created_at, scopes * per_scope),
+        )
+
+
+async def test_prune_deletes_in_batches_and_keeps_epochs(
+    runtime: PostgresRuntime, dsn: str
+) -> None:
+    async def noop() -> str:
+        return "v"
+
+    for _ in range(2):
+        async with runtime.session("kept"):
+            await runtime.step("x", noop)
+    await _fill(dsn, scopes=10, per_scope=1200, created_at=time.time() - 3600)
+    batches: list[tuple[str, int]] = []
+    deleted = await runtime.journal.prune_rows(
+        before=datetime.now(UTC) - timedelta(minutes=30),
+        batch_size=1000,
+        on_batch=lambda table, n: batches.append((table, n)),
+    )
+    assert deleted == 12000
+    assert len(batches) == 12 and all(n <= 1000 for _, n in batches)
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute("SELECT count(*) FROM journal_steps WHERE session_id LIKE 'old-%'")
+        row = await cur.fetchone()
+        assert row is not None and row[0] == 0
+    # recent entries stay; pruning everything before now keeps the epoch bookkeeping
+    await runtime.prune(before=datetime.now(UTC) + timedelta(seconds=1))
+    assert await epoch_of(dsn, "kept") == 2
+    # a whole session goes, bookkeeping included
+    await runtime.prune(session_id="kept")
+    assert await epoch_of(dsn, "kept") is None
+
+
+async def test_prune_does_not_block_a_running_step(runtime: PostgresRuntime, dsn: str) -> None:
+    await _fill(dsn, scopes=50, per_scope=2000, created_at=time.time() - 3600)
+    step_times: list[float] = []
+
+    async def noop() -> int:
+        return 1
+
+    async def journal_while_pruning() -> None:
+        async with runtime.session("busy"):
+            for i in range(200):
+                started = time.perf_counter()
+                await runtime.step(f"s{i}", noop)
+                step_times.append(time.perf_counter() - started)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runtime.prune, datetime.now(UTC) - timedelta(minutes=1))
+        tg.start_soon(journal_while_pruning)
+    step_times.sort()
+    # no step waited on a prune batch for long
+    assert step_times[-1] < 1.0, step_times[-5:]
+    assert await epoch_of(dsn, "busy") == 1

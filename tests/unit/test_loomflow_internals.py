@@ -1,0 +1,53 @@
+"""The loomflow internals the runtime relies on. When loomflow moves one of
+these, this file fails first and says which."""
+
+from __future__ import annotations
+
+import inspect
+
+import loomflow
+from loomflow.runtime import _codec, journaled
+from loomflow.runtime.journal import journal_scope
+
+
+def test_loomflow_is_the_pinned_series() -> None:
+    assert loomflow.__version__.startswith("0.20."), loomflow.__version__
+
+
+def test_private_names_the_runtime_uses_are_still_there() -> None:
+    for name in (
+        "_current_session_var",
+        "_open_run_var",
+        "_OpenRun",
+        "_resume_last_run_var",
+        "_step_key",
+        "EPOCH_KEY",
+        "LAST_RUN_KEY",
+    ):
+        assert hasattr(journaled, name), f"loomflow.runtime.journaled.{name} is gone"
+    assert journaled.EPOCH_KEY == "__run_epoch__"
+    assert journaled.LAST_RUN_KEY == "__last_run_epoch__"
+    for method in ("_enter", "_run", "_run_key", "session", "step", "stream_step"):
+        assert hasattr(journaled.JournaledRuntime, method), method
+
+
+def test_open_run_keeps_its_shape() -> None:
+    params = inspect.signature(journaled._OpenRun.__init__).parameters
+    assert list(params)[:5] == ["self", "scope", "session_id", "ns", "parent"]
+    assert {"epoch", "next_epoch", "container"} <= set(params)
+    run = journaled._OpenRun("scope", "s", "3", None, epoch=3, next_epoch=3)
+    assert (run.touched, run.children, run.container) == (False, {}, False)
+
+
+def test_step_keys_keep_their_layout() -> None:
+    assert journaled._step_key("n", (), {}, "tool_call_1_0:abc") == "idem:tool_call_1_0:abc"
+    key = journaled._step_key("model_call_1", (1,), {"a": 2})
+    name, _, digest = key.partition("@")
+    assert name == "model_call_1" and len(digest) == 16
+
+
+def test_codec_and_scope_layout() -> None:
+    assert _codec.dumps(3) == b"LJ13"
+    assert _codec.loads(_codec.dumps({"a": (1, 2)})) == {"a": (1, 2)}
+    assert journal_scope("s", None) == "s"
+    assert journal_scope("s", "u") == "user:1:u:s"
