@@ -8,6 +8,7 @@ from .runtime import (
     PostgresRuntime,
     SessionBusy,
 )
+from .tasks.registry import register_agent
 
 __version__ = "0.1.0"
 
@@ -19,4 +20,5 @@ __all__ = [
     "PostgresRuntime",
     "SessionBusy",
     "__version__",
+    "register_agent",
 ]

@@ -65,6 +65,7 @@ class RunOptions:
     lock_wait: float | None = _UNSET
     on_open: Callable[[Attempt, int], Awaitable[None]] | None = None
     on_finish: Callable[[Conn, int], Awaitable[None]] | None = None
+    attempt: Attempt | None = None
 
 
 _DEFAULT_OPTIONS = RunOptions()
@@ -80,6 +81,7 @@ def run_options(
     lock_wait: float | None = _UNSET,
     on_open: Callable[[Attempt, int], Awaitable[None]] | None = None,
     on_finish: Callable[[Conn, int], Awaitable[None]] | None = None,
+    attempt: Attempt | None = None,
 ) -> Iterator[None]:
     """Options for outermost runs opened inside this context.
 
@@ -88,11 +90,19 @@ def run_options(
     ``lock_wait`` overrides how long to wait for a busy scope (``0``: not
     at all, ``None``: forever). ``on_open(attempt, epoch)`` runs under the
     lock before the first step; ``on_finish(conn, new_epoch)`` runs inside
-    the transaction that advances the epoch."""
+    the transaction that advances the epoch.
+
+    ``attempt`` hands the run a scope lock the caller already holds
+    (``runtime.journal.acquire``): the run uses it, and leaves both the
+    epoch advance (``attempt.finish``) and the release to the caller, who
+    can then record the run's result in the same transaction."""
     if epoch is not None and (not isinstance(epoch, int) or epoch < 0):
         raise InvalidInput(f"epoch must be a non-negative integer, not {epoch!r}")
     token = _options_var.set(
-        RunOptions(epoch=epoch, lock_wait=lock_wait, on_open=on_open, on_finish=on_finish)
+        RunOptions(
+            epoch=epoch, lock_wait=lock_wait, on_open=on_open, on_finish=on_finish,
+            attempt=attempt,
+        )
     )
     try:
         yield
@@ -254,8 +264,19 @@ class PostgresRuntime(JournaledRuntime):
     @asynccontextmanager
     async def _outermost(self, scope: str, session_id: str) -> AsyncIterator[JournaledSession]:
         opts = _options_var.get() or _DEFAULT_OPTIONS
-        wait = self._pg.lock_settings.wait_timeout if opts.lock_wait is _UNSET else opts.lock_wait
-        attempt = await self._pg.acquire(scope, wait)
+        given = opts.attempt
+        if given is not None:
+            if given.scope != scope or given.released:
+                raise InvalidInput(
+                    f"run_options(attempt=...) holds scope {given.scope!r}"
+                    f"{' (released)' if given.released else ''}, but the run opened {scope!r}"
+                )
+            attempt = given
+        else:
+            wait = (
+                self._pg.lock_settings.wait_timeout if opts.lock_wait is _UNSET else opts.lock_wait
+            )
+            attempt = await self._pg.acquire(scope, wait)
         try:
             current, last = await attempt.read_epochs()
             if opts.epoch is not None:
@@ -279,10 +300,12 @@ class PostgresRuntime(JournaledRuntime):
             finally:
                 _attempt_var.reset(attempt_token)
                 _open_run_var.reset(run_token)
-            with anyio.CancelScope(shield=True):
-                await attempt.finish(epoch, advance=run.touched, on_finish=opts.on_finish)
+            if given is None:
+                with anyio.CancelScope(shield=True):
+                    await attempt.finish(epoch, advance=run.touched, on_finish=opts.on_finish)
         finally:
-            await self._pg.release(attempt)
+            if given is None:
+                await self._pg.release(attempt)
 
     async def _run_key(self, scope: str, key: str) -> str:
         run = _open_run_var.get()

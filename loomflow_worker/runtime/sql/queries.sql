@@ -156,3 +156,82 @@ DELETE FROM checkpoints WHERE ctid = ANY(ARRAY(
      WHERE (%(before)s::float8 IS NULL OR created_at < %(before)s::float8)
        AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
+
+-- ---- the run ledger --------------------------------------------------------------------
+
+-- name: insert_run
+INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata)
+VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind)s,
+        %(prompt)s, %(metadata)s)
+ON CONFLICT (request_id) DO NOTHING;
+
+-- name: insert_failed_run
+INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
+                  status, error, error_type, finished_at)
+VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind)s,
+        %(prompt)s, %(metadata)s, 'failed', %(error)s, %(error_type)s, now())
+ON CONFLICT (request_id) DO UPDATE
+   SET status = 'failed', error = EXCLUDED.error, error_type = EXCLUDED.error_type,
+       finished_at = now()
+ WHERE runs.status IN ('queued', 'running');
+
+-- name: lock_run
+SELECT request_id, seq, scope, status, epoch, attempts, failures, crashes, result, error,
+       error_type, kind, cancel_requested
+  FROM runs WHERE request_id = %(request_id)s FOR UPDATE;
+
+-- name: older_unfinished
+SELECT request_id, kind, session_id, user_id, agent, prompt, metadata,
+       dispatched_at < now() - make_interval(secs => %(stale)s) AS stale
+  FROM runs
+ WHERE scope = %(scope)s AND status IN ('queued', 'running') AND seq < %(seq)s
+ ORDER BY seq LIMIT 1;
+
+-- name: start_run
+UPDATE runs
+   SET status = 'running',
+       epoch = coalesce(epoch, %(epoch)s),
+       attempts = attempts + 1,
+       crashes = crashes + (status = 'running')::int,
+       holder = %(holder)s,
+       holder_pid = pg_backend_pid(),
+       started_at = now(),
+       heartbeat_at = now()
+ WHERE request_id = %(request_id)s
+RETURNING epoch, attempts, crashes, failures;
+
+-- name: insert_attempt
+INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch)
+VALUES (%(request_id)s, %(attempt)s, %(worker)s, %(pid)s, %(epoch)s)
+ON CONFLICT (request_id, attempt) DO NOTHING;
+
+-- name: end_attempt
+UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(outcome)s
+ WHERE request_id = %(request_id)s AND attempt = %(attempt)s;
+
+-- name: finish_run
+UPDATE runs
+   SET status = %(status)s, result = %(result)s, error = %(error)s, error_type = %(error_type)s,
+       finished_at = now(), holder_pid = NULL
+ WHERE request_id = %(request_id)s AND status IN ('queued', 'running');
+
+-- name: retry_run
+UPDATE runs
+   SET status = 'queued', failures = failures + 1, error = %(error)s, error_type = %(error_type)s,
+       dispatched_at = now() + make_interval(secs => %(countdown)s), holder_pid = NULL
+ WHERE request_id = %(request_id)s AND status = 'running';
+
+-- name: next_unfinished
+SELECT request_id, kind, session_id, user_id, agent, prompt, metadata
+  FROM runs
+ WHERE scope = %(scope)s AND status IN ('queued', 'running')
+ ORDER BY seq LIMIT 1;
+
+-- name: mark_dispatched
+UPDATE runs SET dispatched_at = now() WHERE request_id = %(request_id)s;
+
+-- name: get_run
+SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadata, status,
+       epoch, attempts, failures, crashes, holder, result, error, error_type,
+       enqueued_at, started_at, finished_at
+  FROM runs WHERE request_id = %(request_id)s;

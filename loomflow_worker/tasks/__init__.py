@@ -1,0 +1,26 @@
+"""Agent runs as Celery tasks: ``celery -A loomflow_worker.tasks worker``."""
+
+from .app import (
+    AgentTask,
+    app,
+    configure,
+    resume_agent,
+    run_agent,
+    settings,
+)
+from .execute import RunCancelled, RunDead, RunFailed
+from .registry import register_agent, registered_agents
+
+__all__ = [
+    "AgentTask",
+    "RunCancelled",
+    "RunDead",
+    "RunFailed",
+    "app",
+    "configure",
+    "register_agent",
+    "registered_agents",
+    "resume_agent",
+    "run_agent",
+    "settings",
+]

@@ -1,0 +1,220 @@
+"""The Celery app, its defaults, and the ``run_agent`` / ``resume_agent`` tasks."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import uuid
+from typing import Any
+
+import psycopg
+from celery import Celery, Task
+from celery.exceptions import Ignore
+from celery.result import AsyncResult
+from celery.signals import worker_process_init, worker_process_shutdown
+
+from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
+from ..settings import Settings
+from .execute import Outcome, RunCancelled, RunDead, RunFailed, WorkerContext, execute
+from .ledger import EnqueuePool, Pending
+from .loop import ChildLoop
+from .registry import DEFAULT_AGENT, import_agent_modules
+from .request import Kind, check_request
+
+log = logging.getLogger("loomflow_worker.tasks")
+
+app = Celery("loomflow_worker")
+
+_state: dict[str, Any] = {}
+_loop = ChildLoop()
+_enqueue = EnqueuePool()
+
+
+def settings() -> Settings:
+    current: Settings = _state["settings"]
+    return current
+
+
+def configure(new: Settings | None = None) -> Settings:
+    """Point the app at ``new`` settings (default: read the environment again)."""
+    new = new or Settings()
+    _state["settings"] = new
+    _state.pop("context", None)
+    transport: dict[str, Any] = {}
+    if new.redis_key_prefix:
+        transport["global_keyprefix"] = new.redis_key_prefix
+    broker_options = dict(transport)
+    if new.is_redis_broker:
+        broker_options["visibility_timeout"] = new.visibility_timeout
+    app.conf.update(
+        broker_url=new.broker_url.get_secret_value(),
+        result_backend=new.result_backend.get_secret_value(),
+        broker_transport_options=broker_options,
+        result_backend_transport_options=dict(transport),
+        task_default_queue=new.queue,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_acks_on_failure_or_timeout=True,
+        worker_prefetch_multiplier=1,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        broker_connection_retry_on_startup=True,
+        imports=list(new.agents),
+        worker_hijack_root_logger=False,
+    )
+    _enqueue.close()
+    return new
+
+
+configure()
+
+
+def _context() -> WorkerContext:
+    ctx: WorkerContext | None = _state.get("context")
+    if ctx is None:
+        import_agent_modules(settings().agents)
+        ctx = WorkerContext(settings())
+        _state["context"] = ctx
+    return ctx
+
+
+@worker_process_init.connect
+def _open_child(**_: Any) -> None:
+    try:
+        _loop.run(_context().runtime())
+    except Exception:
+        log.exception("pool child could not connect to Postgres yet; will retry per task")
+
+
+@worker_process_shutdown.connect
+def _close_child(**_: Any) -> None:
+    ctx: WorkerContext | None = _state.pop("context", None)
+    if ctx is not None and _loop.running:
+        try:
+            _loop.run(ctx.aclose())
+        except Exception:
+            log.exception("closing the pool child's connections failed")
+    _loop.stop()
+
+
+def _run_signature(
+    prompt: str,
+    session_id: str,
+    user_id: str | None = None,
+    agent: str = DEFAULT_AGENT,
+    metadata: dict[str, Any] | None = None,
+) -> None: ...
+
+
+def _resume_signature(
+    prompt: str, session_id: str, user_id: str | None = None, agent: str = DEFAULT_AGENT
+) -> None: ...
+
+
+class AgentTask(Task):
+    """``apply_async`` records the request in the ledger before publishing it."""
+
+    kind: Kind = "run"
+    acks_late = True
+    reject_on_worker_lost = True
+    max_retries = None
+    typing = False  # arguments are checked by check_request, with clearer errors
+
+    def _bind(self, args: Any, kwargs: Any) -> dict[str, Any]:
+        signature = inspect.signature(_run_signature if self.kind == "run" else _resume_signature)
+        try:
+            bound = signature.bind(*(args or ()), **(kwargs or {}))
+        except TypeError as exc:
+            raise InvalidInput(f"{self.name}: {exc}") from exc
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        **options: Any,
+    ) -> AsyncResult:
+        current = settings()
+        import_agent_modules(current.agents)
+        request = check_request(current, kind=self.kind, **self._bind(args, kwargs))
+        task_id = task_id or str(uuid.uuid4())
+        _enqueue.insert(
+            current.database_url.get_secret_value(), current.connect_timeout, task_id, request
+        )
+        task_args, task_kwargs = request.task_args()
+        return super().apply_async(task_args, task_kwargs, task_id=task_id, **options)
+
+    def dispatch(self, pending: Pending) -> None:
+        """Publish a request that already has its ledger row (a handoff)."""
+        task_args, task_kwargs = pending.task_args()
+        super().apply_async(task_args, task_kwargs, task_id=pending.request_id)
+
+
+def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
+    request_id = task.request.id
+    try:
+        outcome: Outcome = _loop.run(execute(_context(), request_id, args, task.kind))
+    except (LockLost, DatabaseUnavailable, psycopg.OperationalError) as exc:
+        countdown = _context().backoff(task.request.retries + 1)
+        log.warning("request %s: %s; retrying in %.1fs", request_id, exc, countdown,
+                    extra={"action": "retry", "request": request_id})
+        raise task.retry(exc=exc, countdown=countdown) from exc
+    for pending in outcome.dispatch:
+        (resume_agent if pending.kind == "resume" else run_agent).dispatch(pending)
+    if outcome.kind == "succeeded":
+        return outcome.result
+    if outcome.kind == "parked":
+        raise Ignore()
+    if outcome.kind == "retry":
+        raise task.retry(exc=RunFailed(outcome.error or "retry"), countdown=outcome.countdown)
+    if outcome.kind == "dead":
+        raise RunDead(outcome.error or "dead")
+    if outcome.kind == "cancelled":
+        raise RunCancelled(outcome.error or "cancelled")
+    raise RunFailed(outcome.error or "failed")
+
+
+class RunAgentTask(AgentTask):
+    kind: Kind = "run"
+
+
+class ResumeAgentTask(AgentTask):
+    kind: Kind = "resume"
+
+
+@app.task(bind=True, base=RunAgentTask, name="loomflow_worker.run_agent")
+def run_agent(
+    self: RunAgentTask,
+    prompt: str,
+    session_id: str,
+    user_id: str | None = None,
+    agent: str = DEFAULT_AGENT,
+    metadata: dict[str, Any] | None = None,
+) -> Any:
+    """Run ``agent`` on ``prompt`` in ``session_id`` (for ``user_id``), durably.
+
+    The result is the run's ``RunResult`` as JSON plus its ``request_id``."""
+    return _perform(
+        self,
+        {"prompt": prompt, "session_id": session_id, "user_id": user_id, "agent": agent,
+         "metadata": metadata},
+    )
+
+
+@app.task(bind=True, base=ResumeAgentTask, name="loomflow_worker.resume_agent")
+def resume_agent(
+    self: ResumeAgentTask,
+    prompt: str,
+    session_id: str,
+    user_id: str | None = None,
+    agent: str = DEFAULT_AGENT,
+) -> Any:
+    """Continue the session's last run (``Agent.resume`` without a checkpoint):
+    its completed steps replay, even if it finished."""
+    return _perform(
+        self, {"prompt": prompt, "session_id": session_id, "user_id": user_id, "agent": agent}
+    )

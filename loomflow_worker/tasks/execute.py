@@ -1,0 +1,271 @@
+"""One attempt of a request on a worker: take the scope, consult the ledger, run, finish.
+
+Written once, async, on the pool child's loop; the Celery task around it
+only turns the outcome into an ack, a retry or a stored result, and
+publishes the handoff."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import anyio
+from loomflow.core.types import Event
+from loomflow.runtime.journaled import resuming_last_run
+
+from ..runtime import InvalidInput, LockLost, PostgresRuntime, SessionBusy, run_options
+from ..runtime.errors import LoomflowWorkerError
+from ..runtime.store import Attempt, Conn
+from ..settings import Settings
+from . import ledger
+from .registry import agent_factory
+from .request import Kind, RunRequest, check_request
+
+log = logging.getLogger("loomflow_worker.tasks")
+
+
+class RunFailed(LoomflowWorkerError):
+    """The request ended ``failed``; the message says why."""
+
+
+class RunDead(LoomflowWorkerError):
+    """The request ended ``dead``: its worker died too many times running it."""
+
+
+class RunCancelled(LoomflowWorkerError):
+    """The request was cancelled."""
+
+
+@dataclass
+class Outcome:
+    kind: Literal["succeeded", "failed", "dead", "cancelled", "parked", "retry"]
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    countdown: float = 0.0
+    dispatch: list[ledger.Pending] = field(default_factory=list)
+
+
+async def _noop_emit(event: Event) -> None:
+    return None
+
+
+class WorkerContext:
+    """What one pool child owns: its runtime and the agents built with it."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self._runtime: PostgresRuntime | None = None
+        self._agents: dict[str, Any] = {}
+        self._connect_lock = anyio.Lock()
+
+    async def runtime(self) -> PostgresRuntime:
+        async with self._connect_lock:
+            if self._runtime is None:
+                runtime = await PostgresRuntime.connect(
+                    self.settings.database_url.get_secret_value(),
+                    min_size=self.settings.pool_min_size,
+                    max_size=self.settings.pool_max_size,
+                    lock_wait_timeout=0,
+                    lock_io_timeout=self.settings.lock_io_timeout,
+                    max_runs=2,
+                    connect_timeout=self.settings.connect_timeout,
+                )
+                try:
+                    await runtime.init_schema()
+                except BaseException:
+                    await runtime.aclose()
+                    raise
+                self._runtime = runtime
+            return self._runtime
+
+    async def agent(self, name: str) -> Any:
+        if name not in self._agents:
+            self._agents[name] = agent_factory(name)(await self.runtime())
+        return self._agents[name]
+
+    async def aclose(self) -> None:
+        for agent in self._agents.values():
+            closer = getattr(agent, "aclose", None)
+            if closer is not None:
+                await closer(timeout=5.0)
+        self._agents.clear()
+        if self._runtime is not None:
+            await self._runtime.aclose()
+            self._runtime = None
+
+    def backoff(self, failures: int) -> float:
+        """Full-jitter exponential backoff for the ``failures``-th retry."""
+        cap = min(
+            self.settings.retry_backoff_max, self.settings.retry_backoff * 2 ** (failures - 1)
+        )
+        return random.uniform(cap / 2, cap)
+
+
+async def execute(
+    ctx: WorkerContext, request_id: str, args: dict[str, Any], kind: Kind
+) -> Outcome:
+    runtime = await ctx.runtime()
+    try:
+        req = check_request(ctx.settings, kind=kind, **args)
+    except (InvalidInput, TypeError) as exc:
+        async with runtime.pool.connection() as conn:
+            await ledger.record_invalid(conn, request_id, {**args, "kind": kind}, exc)
+        log.warning(
+            "request %s refused: %s", request_id, exc,
+            extra={"action": "refused", "request": request_id},
+        )
+        return Outcome("failed", error=str(exc))
+
+    async with runtime.pool.connection() as conn:
+        await ledger.ensure_row(conn, request_id, req)
+    try:
+        attempt = await runtime.journal.acquire(req.scope, wait=0)
+    except SessionBusy:
+        log.info(
+            "request %s parked: session busy", request_id,
+            extra={"action": "parked", "request": request_id, "session": req.session_id},
+        )
+        return Outcome("parked")
+    try:
+        outcome = await _run_holding(ctx, runtime, attempt, request_id, req)
+    finally:
+        await runtime.journal.release(attempt)
+    async with runtime.pool.connection() as conn:
+        if outcome.kind in ledger.TERMINAL and not outcome.dispatch:
+            # A request enqueued while this one finished may have parked on the
+            # lock after the handoff was chosen: look once more, unlocked.
+            nxt = await ledger.next_unfinished(conn, req.scope)
+            if nxt is not None and nxt.request_id != request_id:
+                outcome.dispatch.append(nxt)
+        for pending in outcome.dispatch:
+            await ledger.mark_dispatched(conn, pending.request_id)
+    return outcome
+
+
+async def _run_holding(
+    ctx: WorkerContext,
+    runtime: PostgresRuntime,
+    attempt: Attempt,
+    request_id: str,
+    req: RunRequest,
+) -> Outcome:
+    current, last = await attempt.read_epochs()
+    first_epoch = last if req.kind == "resume" and last is not None else current
+    started = await attempt.io(
+        lambda conn: ledger.start(
+            conn, request_id, req.scope, first_epoch, ctx.holder, ctx.settings.redispatch_after
+        )
+    )
+    log_fields = {"request": request_id, "session": req.session_id, "user": req.user_id}
+    if started.status in ledger.TERMINAL:
+        # A duplicate of a finished request: its stored outcome, nothing run.
+        log.info("request %s already %s", request_id, started.status,
+                 extra={"action": "duplicate", **log_fields})
+        nxt = await attempt.io(lambda conn: ledger.next_unfinished(conn, req.scope))
+        return Outcome(
+            started.status,  # type: ignore[arg-type]
+            result=started.result,
+            error=started.error,
+            dispatch=[nxt] if nxt is not None else [],
+        )
+    if started.status == "parked":
+        assert started.older is not None
+        log.info("request %s parked behind %s", request_id, started.older.request_id,
+                 extra={"action": "parked", **log_fields})
+        return Outcome("parked", dispatch=[started.older] if started.older_stale else [])
+    assert started.epoch is not None
+    epoch = started.epoch
+    if started.crashes >= ctx.settings.max_crashes:
+        error = (
+            f"the worker died {started.crashes} times while running this request "
+            f"(LOOMFLOW_WORKER_MAX_CRASHES={ctx.settings.max_crashes}); last attempt on "
+            f"{ctx.holder}"
+        )
+        nxt = await _finish(attempt, request_id, req, started, epoch,
+                            status="dead", error=error, error_type="WorkerDied")
+        log.error("request %s dead: %s", request_id, error, extra={"action": "dead", **log_fields})
+        return Outcome("dead", error=error, dispatch=_listed(nxt))
+
+    log.info("request %s attempt %d at epoch %d", request_id, started.attempt, epoch,
+             extra={"action": "start", "attempt": started.attempt, **log_fields})
+    agent = await ctx.agent(req.agent)
+    try:
+        with run_options(attempt=attempt, epoch=epoch):
+            if req.kind == "resume":
+                with resuming_last_run():
+                    result = await _run_agent(agent, request_id, req)
+            else:
+                result = await _run_agent(agent, request_id, req)
+    except LockLost:
+        raise
+    except Exception as exc:  # the run raised: not a crash, so retry or fail
+        if attempt.fenced is not None:
+            raise attempt.fenced from exc
+        failures = started.failures + 1
+        if isinstance(exc, InvalidInput) or failures > ctx.settings.max_retries:
+            error = f"{type(exc).__name__}: {exc}"
+            nxt = await _finish(attempt, request_id, req, started, epoch,
+                                status="failed", error=error, error_type=type(exc).__name__)
+            log.error("request %s failed after %d attempts: %s", request_id, started.attempt,
+                      error, extra={"action": "failed", **log_fields})
+            return Outcome("failed", error=error, dispatch=_listed(nxt))
+        countdown = ctx.backoff(failures)
+        failure, attempt_no = exc, started.attempt
+        await attempt.io(
+            lambda conn: ledger.schedule_retry(conn, request_id, attempt_no, failure, countdown)
+        )
+        log.warning("request %s failed (%s); retry %d in %.1fs", request_id, exc, failures,
+                    countdown, extra={"action": "retry", **log_fields})
+        return Outcome("retry", error=f"{type(exc).__name__}: {exc}", countdown=countdown)
+
+    payload = {**result.model_dump(mode="json"), "request_id": request_id}
+    nxt = await _finish(attempt, request_id, req, started, epoch,
+                        status="succeeded", result=payload)
+    log.info("request %s succeeded", request_id, extra={"action": "succeeded", **log_fields})
+    return Outcome("succeeded", result=payload, dispatch=_listed(nxt))
+
+
+async def _run_agent(agent: Any, request_id: str, req: RunRequest) -> Any:
+    return await agent.run(
+        req.prompt,
+        session_id=req.session_id,
+        user_id=req.user_id,
+        metadata={**req.metadata, "request_id": request_id},
+        # Always pass emit: model calls then always journal to the same table.
+        emit=_noop_emit,
+    )
+
+
+def _listed(pending: ledger.Pending | None) -> list[ledger.Pending]:
+    return [pending] if pending is not None else []
+
+
+async def _finish(
+    attempt: Attempt,
+    request_id: str,
+    req: RunRequest,
+    started: ledger.Started,
+    epoch: int,
+    *,
+    status: str,
+    result: Any = None,
+    error: str | None = None,
+    error_type: str | None = None,
+) -> ledger.Pending | None:
+    """Status, result, epoch advance and the choice of the next request: one transaction."""
+    chosen: list[ledger.Pending | None] = [None]
+
+    async def record(conn: Conn, new_epoch: int) -> None:
+        chosen[0] = await ledger.finish(
+            conn, request_id, req.scope, started.attempt,
+            status=status, result=result, error=error, error_type=error_type,
+        )
+
+    with anyio.CancelScope(shield=True):
+        await attempt.finish(epoch, advance=True, on_finish=record)
+    return chosen[0]

@@ -1,0 +1,254 @@
+"""The ``runs`` ledger: the queue of record, read and written under the scope lock."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+from psycopg_pool import ConnectionPool
+
+from ..runtime.errors import DatabaseUnavailable, SchemaError
+from ..runtime.sql import query
+from ..runtime.store import Conn, describe_dsn
+from .request import RunRequest
+
+TERMINAL = ("succeeded", "failed", "cancelled", "dead")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """An unfinished request to dispatch (a handoff or a redispatch)."""
+
+    request_id: str
+    kind: str
+    session_id: str
+    user_id: str | None
+    agent: str
+    prompt: str
+    metadata: dict[str, Any]
+
+    def task_args(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        kwargs: dict[str, Any] = {"user_id": self.user_id, "agent": self.agent}
+        if self.kind == "run":
+            kwargs["metadata"] = self.metadata
+        return (self.prompt, self.session_id), kwargs
+
+
+def _pending(row: tuple[Any, ...] | None) -> Pending | None:
+    return None if row is None else Pending(*row[:7])
+
+
+def _row_params(request_id: str, req: RunRequest) -> dict[str, Any]:
+    return {
+        "request_id": request_id,
+        "scope": req.scope,
+        "session_id": req.session_id,
+        "user_id": req.user_id,
+        "agent": req.agent,
+        "kind": req.kind,
+        "prompt": req.prompt,
+        "metadata": Jsonb(req.metadata),
+    }
+
+
+# ---- the enqueuing side (sync: web handlers and scripts call .delay) --------------------
+
+
+class EnqueuePool:
+    """A small sync pool for inserting ledger rows, made on first use in each process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: ConnectionPool[Any] | None = None
+        self._pid = 0
+        self._dsn = ""
+
+    def pool(self, dsn: str, connect_timeout: int) -> ConnectionPool[Any]:
+        with self._lock:
+            if self._pool is not None and (self._pid != os.getpid() or self._dsn != dsn):
+                if self._pid == os.getpid():
+                    self._pool.close()
+                self._pool = None  # a forked child never touches its parent's sockets
+            if self._pool is None:
+                self._pool = ConnectionPool(
+                    dsn,
+                    min_size=0,
+                    max_size=4,
+                    kwargs={"autocommit": True, "connect_timeout": connect_timeout,
+                            "application_name": "loomflow-worker enqueue"},
+                    check=ConnectionPool.check_connection,
+                    open=True,
+                    name="loomflow-worker-enqueue",
+                )
+                self._pid = os.getpid()
+                self._dsn = dsn
+            return self._pool
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None and self._pid == os.getpid():
+                self._pool.close()
+            self._pool = None
+
+    def insert(self, dsn: str, connect_timeout: int, request_id: str, req: RunRequest) -> None:
+        try:
+            with self.pool(dsn, connect_timeout).connection(timeout=connect_timeout) as conn:
+                conn.execute(query("insert_run"), _row_params(request_id, req))
+        except psycopg.errors.UndefinedTable as exc:
+            raise SchemaError(
+                "the runs table is missing: run `loomflow-worker migrate` (or start a worker, "
+                "which migrates) against this database"
+            ) from exc
+        except (psycopg.OperationalError, TimeoutError) as exc:
+            raise DatabaseUnavailable(
+                f"can't record the request in Postgres at {describe_dsn(dsn)}: {exc}; "
+                "nothing was enqueued"
+            ) from exc
+
+
+# ---- the worker side (async, on the attempt's lock connection) ---------------------------
+
+
+async def ensure_row(conn: Conn, request_id: str, req: RunRequest) -> None:
+    """A message published by name, from a process with no database access,
+    gets its ledger row on receipt."""
+    await conn.execute(query("insert_run"), _row_params(request_id, req))
+
+
+async def record_invalid(
+    conn: Conn, request_id: str, req: dict[str, Any], error: Exception
+) -> None:
+    def text(value: Any, default: str) -> str:
+        return value if isinstance(value, str) else default
+
+    session_id = text(req.get("session_id"), "")
+    user_id = req.get("user_id") if isinstance(req.get("user_id"), str) else None
+    await conn.execute(
+        query("insert_failed_run"),
+        {
+            "request_id": request_id,
+            "scope": f"invalid:{request_id}",
+            "session_id": session_id.replace("\x00", "?"),
+            "user_id": user_id.replace("\x00", "?") if user_id else None,
+            "agent": text(req.get("agent"), "?").replace("\x00", "?"),
+            "kind": req.get("kind") if req.get("kind") in ("run", "resume") else "run",
+            "prompt": text(req.get("prompt"), "").replace("\x00", "?")[:10_000],
+            "metadata": Jsonb({}),
+            "error": str(error),
+            "error_type": type(error).__name__,
+        },
+    )
+
+
+@dataclass(frozen=True)
+class Started:
+    """What the ledger said when an attempt took its scope."""
+
+    status: str
+    seq: int
+    epoch: int | None = None
+    attempt: int = 0
+    crashes: int = 0
+    failures: int = 0
+    result: Any = None
+    error: str | None = None
+    error_type: str | None = None
+    older: Pending | None = None
+    older_stale: bool = False
+    cancel_requested: bool = False
+
+
+async def start(
+    conn: Conn, request_id: str, scope: str, current_epoch: int, holder: str, stale_after: float
+) -> Started:
+    """Under the scope lock, in one transaction: a duplicate of a finished request
+    gets its stored outcome; a request behind an unfinished older one parks;
+    otherwise the attempt is counted and the request marked running, its epoch
+    pinned on the first attempt."""
+    async with conn.transaction():
+        cur = await conn.execute(query("lock_run"), {"request_id": request_id})
+        row = await cur.fetchone()
+        if row is None:
+            raise LookupError(f"request {request_id} has no ledger row")
+        (_, seq, row_scope, status, epoch, attempts, failures, crashes, result, error,
+         error_type, _kind, cancel) = row
+        if row_scope != scope:
+            raise LookupError(f"request {request_id} belongs to scope {row_scope!r}, not {scope!r}")
+        if status in TERMINAL:
+            return Started(status, seq, epoch, attempts, crashes, failures, result, error,
+                           error_type)
+        cur = await conn.execute(
+            query("older_unfinished"), {"scope": scope, "seq": seq, "stale": stale_after}
+        )
+        older = await cur.fetchone()
+        if older is not None:
+            return Started("parked", seq, older=_pending(older), older_stale=bool(older[7]))
+        cur = await conn.execute(
+            query("start_run"),
+            {"request_id": request_id, "epoch": current_epoch, "holder": holder},
+        )
+        started = await cur.fetchone()
+        assert started is not None
+        epoch, attempts, crashes, failures = started
+        await conn.execute(
+            query("insert_attempt"),
+            {"request_id": request_id, "attempt": attempts, "worker": holder,
+             "pid": os.getpid(), "epoch": epoch},
+        )
+        return Started("running", seq, epoch, attempts, crashes, failures,
+                       cancel_requested=bool(cancel))
+
+
+async def finish(
+    conn: Conn,
+    request_id: str,
+    scope: str,
+    attempt: int,
+    *,
+    status: str,
+    result: Any = None,
+    error: str | None = None,
+    error_type: str | None = None,
+) -> Pending | None:
+    """Record the request's end and choose the next request of its scope.
+
+    Runs inside the transaction that advances the scope's epoch."""
+    await conn.execute(
+        query("finish_run"),
+        {"request_id": request_id, "status": status,
+         "result": None if result is None else Jsonb(result),
+         "error": error, "error_type": error_type},
+    )
+    await conn.execute(
+        query("end_attempt"), {"request_id": request_id, "attempt": attempt, "outcome": status}
+    )
+    cur = await conn.execute(query("next_unfinished"), {"scope": scope})
+    return _pending(await cur.fetchone())
+
+
+async def schedule_retry(
+    conn: Conn, request_id: str, attempt: int, error: Exception, countdown: float
+) -> None:
+    async with conn.transaction():
+        await conn.execute(
+            query("retry_run"),
+            {"request_id": request_id, "error": str(error), "error_type": type(error).__name__,
+             "countdown": countdown},
+        )
+        await conn.execute(
+            query("end_attempt"),
+            {"request_id": request_id, "attempt": attempt, "outcome": "retry"},
+        )
+
+
+async def next_unfinished(conn: Conn, scope: str) -> Pending | None:
+    cur = await conn.execute(query("next_unfinished"), {"scope": scope})
+    return _pending(await cur.fetchone())
+
+
+async def mark_dispatched(conn: Conn, request_id: str) -> None:
+    await conn.execute(query("mark_dispatched"), {"request_id": request_id})

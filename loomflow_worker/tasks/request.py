@@ -1,0 +1,91 @@
+"""A request to run an agent, checked the same way at enqueue and on a worker."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from loomflow.runtime import journal_scope
+
+from ..runtime.errors import InvalidInput
+from ..runtime.validate import check_id
+from ..settings import Settings
+from .registry import agent_factory
+
+Kind = Literal["run", "resume"]
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    prompt: str
+    session_id: str
+    user_id: str | None
+    agent: str
+    metadata: dict[str, Any]
+    kind: Kind = "run"
+
+    @property
+    def scope(self) -> str:
+        return journal_scope(self.session_id, self.user_id)
+
+    def metadata_json(self) -> str:
+        return json.dumps(self.metadata, separators=(",", ":"))
+
+    def task_args(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        kwargs: dict[str, Any] = {"user_id": self.user_id, "agent": self.agent}
+        if self.kind == "run":
+            kwargs["metadata"] = self.metadata
+        return (self.prompt, self.session_id), kwargs
+
+
+def check_request(
+    settings: Settings,
+    prompt: object,
+    session_id: object,
+    user_id: object = None,
+    agent: object = "default",
+    metadata: object = None,
+    *,
+    kind: Kind = "run",
+) -> RunRequest:
+    """A :class:`RunRequest`, or :class:`InvalidInput` saying what is wrong."""
+    if not isinstance(prompt, str):
+        raise InvalidInput(f"prompt must be a string, not {type(prompt).__name__}")
+    if not prompt.strip():
+        raise InvalidInput("prompt is empty; pass the text the agent should act on")
+    if len(prompt) > settings.max_prompt_chars:
+        raise InvalidInput(
+            f"prompt is {len(prompt)} characters long; the limit is {settings.max_prompt_chars} "
+            "(LOOMFLOW_WORKER_MAX_PROMPT_CHARS)"
+        )
+    if "\x00" in prompt:
+        raise InvalidInput("prompt contains a NUL character, which Postgres can't store")
+    check_id("session_id", session_id)
+    assert isinstance(session_id, str)
+    if user_id is not None:
+        check_id("user_id", user_id)
+        assert isinstance(user_id, str)
+    if not isinstance(agent, str):
+        raise InvalidInput(f"agent must be a string, not {type(agent).__name__}")
+    agent_factory(agent)
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, dict):
+        raise InvalidInput(
+            f"metadata must be a JSON object (a dict), not {type(metadata).__name__}"
+        )
+    try:
+        encoded = json.dumps(metadata, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"metadata isn't JSON: {exc}") from exc
+    if "\\u0000" in encoded:
+        raise InvalidInput("metadata contains a NUL character, which Postgres can't store")
+    if len(encoded.encode()) > settings.max_metadata_bytes:
+        raise InvalidInput(
+            f"metadata is {len(encoded.encode())} bytes as JSON; the limit is "
+            f"{settings.max_metadata_bytes} (LOOMFLOW_WORKER_MAX_METADATA_BYTES)"
+        )
+    if "request_id" in metadata:
+        raise InvalidInput("metadata key 'request_id' is reserved: the worker sets it")
+    return RunRequest(prompt, session_id, user_id, agent, json.loads(encoded), kind)
