@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import signal
 import subprocess
@@ -105,9 +106,9 @@ class Child:
                 self.events.append(event)
                 return event
 
-    async def expect(self, name: str, timeout: float) -> dict[str, Any]:
-        """Read events until one called ``name``."""
-        deadline = anyio.current_time() + timeout
+    async def expect(self, name: str, within: float) -> dict[str, Any]:
+        """Read events until one called ``name``, for at most ``within`` seconds."""
+        deadline = anyio.current_time() + within
         while True:
             event = await self.next_event(deadline)
             if event is None:
@@ -122,9 +123,9 @@ class Child:
         assert self.proc.stdin is not None
         await self.proc.stdin.send(b"go\n")
 
-    async def finish(self, timeout: float) -> int:
+    async def finish(self, within: float) -> int:
         """Read the rest of its events, wait for it to exit and return its exit code."""
-        deadline = anyio.current_time() + timeout
+        deadline = anyio.current_time() + within
         while await self.next_event(deadline) is not None:
             pass
         with anyio.fail_after(max(0.1, deadline - anyio.current_time())):
@@ -185,17 +186,17 @@ async def processes(tmp_path: Path) -> AsyncIterator[Spawn]:
                     await child.proc.aclose()
 
 
-async def start_together(children: Sequence[Child], timeout: float = 30) -> None:
+async def start_together(children: Sequence[Child], within: float = 30) -> None:
     """Wait until every child is connected and waiting, then let them all go."""
     for child in children:
-        await child.expect("ready", timeout)
+        await child.expect("ready", within)
     for child in children:
         await child.go()
 
 
-async def finish_all(children: Sequence[Child], timeout: float) -> None:
+async def finish_all(children: Sequence[Child], within: float) -> None:
     for child in children:
-        code = await child.finish(timeout)
+        code = await child.finish(within)
         assert code == 0, f"{child.name} exited with {code}; stderr:\n{child.stderr()}"
 
 
@@ -231,11 +232,11 @@ async def journal_snapshot(dsn: str) -> set[JournalRow]:
         return set(await cur.fetchall())
 
 
-async def wait_lock_free(conn: psycopg.AsyncConnection[Any], key: int, timeout: float) -> float:
+async def wait_lock_free(conn: psycopg.AsyncConnection[Any], key: int, within: float) -> float:
     """Poll until the advisory lock ``key`` can be taken; release it again.
 
     Returns the ``time.time()`` at which it was taken."""
-    deadline = anyio.current_time() + timeout
+    deadline = anyio.current_time() + within
     while True:
         cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
         row = await cur.fetchone()
@@ -246,7 +247,7 @@ async def wait_lock_free(conn: psycopg.AsyncConnection[Any], key: int, timeout: 
             assert row is not None and row[0] is True
             return taken_at
         if anyio.current_time() > deadline:
-            raise AssertionError(f"advisory lock {key} still held after {timeout}s")
+            raise AssertionError(f"advisory lock {key} still held after {within}s")
         await anyio.sleep(0.005)
 
 
@@ -273,7 +274,7 @@ def span(executions: Sequence[Execution]) -> Span:
 def assert_disjoint(spans: dict[str, Span]) -> list[str]:
     """No two spans intersect; returns their names in time order."""
     ordered = sorted(spans.items(), key=lambda item: item[1][0])
-    for (a, (_, a_end)), (b, (b_start, _)) in zip(ordered, ordered[1:], strict=False):
+    for (a, (_, a_end)), (b, (b_start, _)) in itertools.pairwise(ordered):
         assert a_end <= b_start, (
             f"{a} ran until {a_end.isoformat()} but {b} started at {b_start.isoformat()}: "
             f"runs on one scope interleaved ({ordered})"
@@ -300,7 +301,7 @@ async def test_two_processes_on_one_scope_never_interleave(dsn: str, tmp_path: P
             for name, t in tags.items()
         }
         await start_together(list(children.values()))
-        await finish_all(list(children.values()), timeout=30)
+        await finish_all(list(children.values()), within=30)
 
     for name, child in children.items():
         [run] = child.runs()
@@ -332,9 +333,9 @@ async def test_sigkill_mid_tool_frees_the_scope_and_resumes(dsn: str, tmp_path: 
         processes(tmp_path) as spawn,
     ):
         first = await spawn("first", *agent_args(dsn, session, [prompt], crash_tag="t3"))
-        killing = await first.expect("killing", timeout=30)
-        freed_at = await wait_lock_free(admin, scope_lock_key(scope), timeout=5)
-        code = await first.finish(timeout=10)
+        killing = await first.expect("killing", within=30)
+        freed_at = await wait_lock_free(admin, scope_lock_key(scope), within=5)
+        code = await first.finish(within=10)
         assert code == -signal.SIGKILL, first.stderr()
         lock_free_after = freed_at - killing["at"]
         print(f"scope lock free {lock_free_after * 1000:.1f} ms after SIGKILL")
@@ -342,7 +343,7 @@ async def test_sigkill_mid_tool_frees_the_scope_and_resumes(dsn: str, tmp_path: 
         assert first.runs() == []
 
         second = await spawn("second", *agent_args(dsn, session, [prompt]))
-        await finish_all([second], timeout=30)
+        await finish_all([second], within=30)
 
     [run] = second.runs()
     assert run["output"] == answer("t1", "t2", "t3")
@@ -375,7 +376,7 @@ async def test_same_request_twice_at_once_runs_twice_in_turn(dsn: str, tmp_path:
             for name in ("x", "y")
         ]
         await start_together(children)
-        await finish_all(children, timeout=30)
+        await finish_all(children, within=30)
 
     assert_contended(children)
     for child in children:
@@ -420,7 +421,7 @@ async def test_concurrent_runs_advance_the_epoch_once_each(
             for i in range(n_procs)
         ]
         await start_together(children)
-        await finish_all(children, timeout=60)
+        await finish_all(children, within=60)
 
     total = n_procs * n_runs
     runs = [run for child in children for run in child.runs()]
@@ -462,9 +463,7 @@ async def test_concurrent_runs_advance_the_epoch_once_each(
 # ---- 5. fencing: the lock connection's backend is terminated (G6) ---------------------------
 
 
-async def test_terminated_lock_backend_fences_the_run(
-    dsn: str, runtime: PostgresRuntime
-) -> None:
+async def test_terminated_lock_backend_fences_the_run(dsn: str, runtime: PostgresRuntime) -> None:
     session = "s-terminated"
     scope = journal_scope(session, USER)
     prompt = chain("t1", "t2", "t3")
@@ -507,8 +506,9 @@ async def test_terminated_lock_backend_fences_the_run(
     try:
         effects.on_start = None
         model_2 = DeterministicModel()
-        agent_2 = Agent("t", model=model_2, tools=[effects.tool()], runtime=other,
-                        auto_extract=False)
+        agent_2 = Agent(
+            "t", model=model_2, tools=[effects.tool()], runtime=other, auto_extract=False
+        )
         result = await agent_2.run(prompt, session_id=session, user_id=USER)
         assert result.output == answer("t1", "t2", "t3")
         assert other.stats.steps_replayed == 3  # model calls 1-2 and t1
@@ -541,6 +541,7 @@ class FreezableProxy:
         self._thawed = asyncio.Event()
         self._thawed.set()
         self._links: set[_Link] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -564,11 +565,25 @@ class FreezableProxy:
             self._server.close()
         for link in list(self._links):
             link.close()
-        self._thawed.set()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # asyncio runs this as a task nobody awaits: it must not end cancelled.
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            await self._serve(reader, writer)
+        except asyncio.CancelledError:
+            writer.close()
+        finally:
+            self._handlers.discard(task)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await self._thawed.wait()
         try:
             up_reader, up_writer = await asyncio.open_connection(*self._target)
@@ -621,7 +636,9 @@ class _Link:
 @pytest.fixture
 async def proxy(dsn: str) -> AsyncIterator[FreezableProxy]:
     params = psycopg.conninfo.conninfo_to_dict(dsn)
-    px = FreezableProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+    px = FreezableProxy(
+        str(params.get("host") or "127.0.0.1"), int(str(params.get("port") or 5432))
+    )
     await px.start()
     try:
         yield px
@@ -655,8 +672,7 @@ async def test_frozen_lock_connection_fences_the_run(dsn: str, proxy: FreezableP
         proxy_dsn, lock_io_timeout=io_timeout, lock_wait_timeout=5
     )
     try:
-        agent = Agent("t", model=model, tools=[effects.tool()], runtime=runtime,
-                      auto_extract=False)
+        agent = Agent("t", model=model, tools=[effects.tool()], runtime=runtime, auto_extract=False)
         # A hang fails here, well before pytest's own timeout.
         with anyio.fail_after(io_timeout + 20), pytest.raises(LockLost) as raised:
             await agent.run(prompt, session_id=session, user_id=USER)
@@ -678,7 +694,7 @@ async def test_frozen_lock_connection_fences_the_run(dsn: str, proxy: FreezableP
             # What an operator (or a sweeper) does about a frozen holder.
             cur = await admin.execute("SELECT pg_terminate_backend(%s, 5000)", (frozen["pid"],))
             assert await cur.fetchone() == (True,)
-            await wait_lock_free(admin, key, timeout=5)
+            await wait_lock_free(admin, key, within=5)
         proxy.resume()
         assert await journal_snapshot(dsn) == frozen["journal"], "journal written after freeze"
         assert await effects.counts() == {"t1": 1, "t2": 1}
@@ -692,8 +708,9 @@ async def test_frozen_lock_connection_fences_the_run(dsn: str, proxy: FreezableP
     try:
         effects.on_start = None
         model_2 = DeterministicModel()
-        agent_2 = Agent("t", model=model_2, tools=[effects.tool()], runtime=direct,
-                        auto_extract=False)
+        agent_2 = Agent(
+            "t", model=model_2, tools=[effects.tool()], runtime=direct, auto_extract=False
+        )
         result = await agent_2.run(prompt, session_id=session, user_id=USER)
         assert result.output == answer("t1", "t2", "t3")
         assert direct.stats.steps_replayed == 3  # model calls 1-2 and t1

@@ -1,0 +1,85 @@
+"""Agents the Celery tests' workers import (LOOMFLOW_WORKER_AGENTS)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from loomflow import Agent
+
+from loomflow_worker import register_agent
+from loomflow_worker.tasks import settings
+from loomflow_worker.testing import DeterministicModel, EffectsLog
+
+
+async def _on_start(tag: str) -> None:
+    # "poison" kills the pool child on every attempt.
+    if tag.startswith("poison"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class FlakyModel(DeterministicModel):
+    """Raises on the first N real calls of this process whose prompt says ``flaky``."""
+
+    async def complete(self, messages: Any, **kwargs: Any) -> Any:
+        if any("flaky" in m.content for m in messages) and self.calls < int(
+            os.environ.get("TEST_FLAKY_FAILURES", "1")
+        ):
+            self.calls += 1
+            raise RuntimeError("model overloaded (test)")
+        return await super().complete(messages, **kwargs)
+
+    async def stream(self, messages: Any, **kwargs: Any) -> Any:
+        if any("flaky" in m.content for m in messages) and self.calls < int(
+            os.environ.get("TEST_FLAKY_FAILURES", "1")
+        ):
+            self.calls += 1
+            raise RuntimeError("model overloaded (test)")
+        async for chunk in super().stream(messages, **kwargs):
+            yield chunk
+
+
+def _effects() -> EffectsLog:
+    return EffectsLog(
+        settings().database_url.get_secret_value(),
+        sleep=float(os.environ.get("TEST_TOOL_SLEEP", "0")),
+        on_start=_on_start,
+    )
+
+
+@register_agent()
+def build(runtime: Any) -> Agent:
+    return Agent(
+        "test agent",
+        model=DeterministicModel(),
+        tools=[_effects().tool()],
+        runtime=runtime,
+        auto_extract=False,
+    )
+
+
+@register_agent("flaky")
+def build_flaky(runtime: Any) -> Agent:
+    return Agent(
+        "flaky agent",
+        model=FlakyModel(),
+        tools=[_effects().tool()],
+        runtime=runtime,
+        auto_extract=False,
+    )
+
+
+def _die_after_commit(**_: Any) -> None:
+    # The run's finishing transaction has committed; the message is not acked yet.
+    marker = os.environ.get("TEST_DIE_AFTER_COMMIT")
+    if marker and not os.path.exists(marker):
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+if os.environ.get("TEST_DIE_AFTER_COMMIT"):
+    from celery.signals import task_postrun
+
+    task_postrun.connect(_die_after_commit, weak=False)
