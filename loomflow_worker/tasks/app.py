@@ -65,7 +65,21 @@ def configure(new: Settings | None = None) -> Settings:
         worker_hijack_root_logger=False,
     )
     _enqueue.close()
+    _drop_connections()
     return new
+
+
+def _drop_connections() -> None:
+    # The app caches its result backend and broker connections on first use;
+    # after a reconfiguration they must be made again from the new settings.
+    app._backend_cache = None
+    vars(app._local).pop("backend", None)
+    if app._pool is not None:
+        app._pool.force_close_all()
+        app._pool = None
+    amqp = app.__dict__.get("amqp")
+    if amqp is not None:
+        amqp._producer_pool = None
 
 
 configure()

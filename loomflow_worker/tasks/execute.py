@@ -123,6 +123,18 @@ async def execute(
 
     async with runtime.pool.connection() as conn:
         await ledger.ensure_row(conn, request_id, req)
+        pre = await ledger.precheck(conn, request_id, ctx.settings.redispatch_after)
+    if pre.status in ledger.TERMINAL:
+        # A duplicate of a finished request: its stored outcome, nothing run.
+        log.info("request %s already %s", request_id, pre.status,
+                 extra={"action": "duplicate", "request": request_id})
+        return Outcome(pre.status, result=pre.result, error=pre.error)  # type: ignore[arg-type]
+    if pre.older is not None:
+        log.info("request %s parked behind %s", request_id, pre.older.request_id,
+                 extra={"action": "parked", "request": request_id, "session": req.session_id})
+        return await _dispatched(
+            runtime, Outcome("parked", dispatch=[pre.older] if pre.older_stale else [])
+        )
     try:
         attempt = await runtime.journal.acquire(req.scope, wait=0)
     except SessionBusy:
@@ -142,8 +154,15 @@ async def execute(
             nxt = await ledger.next_unfinished(conn, req.scope)
             if nxt is not None and nxt.request_id != request_id:
                 outcome.dispatch.append(nxt)
-        for pending in outcome.dispatch:
-            await ledger.mark_dispatched(conn, pending.request_id)
+    return await _dispatched(runtime, outcome)
+
+
+async def _dispatched(runtime: PostgresRuntime, outcome: Outcome) -> Outcome:
+    """Stamp the requests about to be published, so none looks lost."""
+    if outcome.dispatch:
+        async with runtime.pool.connection() as conn:
+            for pending in outcome.dispatch:
+                await ledger.mark_dispatched(conn, pending.request_id)
     return outcome
 
 

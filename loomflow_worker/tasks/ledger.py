@@ -145,6 +145,30 @@ async def record_invalid(
 
 
 @dataclass(frozen=True)
+class Precheck:
+    """The ledger read without the lock: only the oldest unfinished request of a
+    scope goes on to take the scope lock, so a request that is bound to park
+    never holds the lock, even for a moment, against the one that must run."""
+
+    status: str
+    result: Any
+    error: str | None
+    older: Pending | None
+    older_stale: bool
+
+
+async def precheck(conn: Conn, request_id: str, stale_after: float) -> Precheck:
+    cur = await conn.execute(
+        query("precheck_run"), {"request_id": request_id, "stale": stale_after}
+    )
+    row = await cur.fetchone()
+    if row is None:
+        raise LookupError(f"request {request_id} has no ledger row")
+    older = _pending(row[3:10]) if row[3] is not None else None
+    return Precheck(row[0], row[1], row[2], older, bool(row[10]))
+
+
+@dataclass(frozen=True)
 class Started:
     """What the ledger said when an attempt took its scope."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -56,10 +57,8 @@ class Fleet:
     def kill(self, name: str) -> None:
         """SIGKILL a whole worker: main process and its pool children."""
         proc = self.workers.pop(name)
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=30)
 
     def stop_all(self) -> None:
@@ -68,7 +67,8 @@ class Fleet:
 
     def log_text(self) -> str:
         return "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in self.logs.glob("*.log")
+            f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
+            for p in self.logs.glob("*.log")
         )
 
 

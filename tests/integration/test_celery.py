@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import time
-
-import pytest
+from itertools import pairwise
 
 from loomflow_worker.tasks import run_agent
-from loomflow_worker.testing import EffectsLog
 
-from .celery_harness import Fleet, fleet, ledger  # noqa: F401
+from .celery_harness import Fleet, ledger
 from .helpers import calls
 
 
@@ -59,12 +57,14 @@ def test_forty_requests_on_five_sessions_keep_order_and_never_overlap(fleet: Fle
         order = [int(e[0].split("-r")[1][:2]) for e in mine]
         assert order == sorted(order), order
         # no overlap: each execution ends before the next one of the session starts
-        for earlier, later in zip(mine, mine[1:], strict=False):
+        for earlier, later in pairwise(mine):
             assert earlier[3] <= later[2], (earlier, later)
     assert {ledger(fleet.dsn, r.id)["status"] for *_, r in sent} == {"succeeded"}
 
 
-def _wait_for_execution(dsn: str, tag: str, timeout: float = 60) -> tuple[str, int, object, object]:
+def _wait_for_execution(
+    dsn: str, tag: str, timeout: float = 60
+) -> tuple[str, int, object, object]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for execution in _executions(dsn):
@@ -127,7 +127,7 @@ def test_duplicates_of_a_running_request_neither_run_beside_it_nor_get_lost(
     time.sleep(1.0)
     assert _counts(fleet.dsn) == {"d1": 1, "d2": 1, "d3": 1}
     executions = sorted(_executions(fleet.dsn), key=lambda e: e[2])
-    for earlier, later in zip(executions, executions[1:], strict=False):
+    for earlier, later in pairwise(executions):
         assert earlier[3] <= later[2]
     row = ledger(fleet.dsn, result.id)
     assert row["status"] == "succeeded" and row["attempts"] == 1

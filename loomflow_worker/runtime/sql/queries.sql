@@ -235,3 +235,15 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadat
        epoch, attempts, failures, crashes, holder, result, error, error_type,
        enqueued_at, started_at, finished_at
   FROM runs WHERE request_id = %(request_id)s;
+
+-- name: precheck_run
+SELECT r.status, r.result, r.error,
+       o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata, o.stale
+  FROM runs r
+  LEFT JOIN LATERAL (
+      SELECT request_id, kind, session_id, user_id, agent, prompt, metadata,
+             dispatched_at < now() - make_interval(secs => %(stale)s) AS stale
+        FROM runs o
+       WHERE o.scope = r.scope AND o.status IN ('queued', 'running') AND o.seq < r.seq
+       ORDER BY o.seq LIMIT 1) o ON true
+ WHERE r.request_id = %(request_id)s;

@@ -1,0 +1,3 @@
+from .celery_harness import fleet
+
+__all__ = ["fleet"]
