@@ -1,6 +1,6 @@
 """Agent runs as Celery tasks: ``celery -A loomflow_worker.tasks worker``."""
 
-from .app import (
+from .application import (
     AgentTask,
     app,
     configure,

@@ -70,16 +70,24 @@ def build_flaky(runtime: Any) -> Agent:
     )
 
 
-def _die_after_commit(**_: Any) -> None:
-    # The run's finishing transaction has committed; the message is not acked yet.
-    marker = os.environ.get("TEST_DIE_AFTER_COMMIT")
-    if marker and not os.path.exists(marker):
-        with open(marker, "w") as f:
-            f.write(str(os.getpid()))
-        os.kill(os.getpid(), signal.SIGKILL)
+def _die_after_commit() -> None:
+    """Kill the pool child right after a run's finishing commit, before Celery
+    stores the result or acks the message (once: a marker file says it happened)."""
+    from loomflow_worker.tasks import application as task_app
+
+    execute = task_app.execute
+    marker = os.environ["TEST_DIE_AFTER_COMMIT"]
+
+    async def execute_then_die(*args: Any, **kwargs: Any) -> Any:
+        outcome = await execute(*args, **kwargs)
+        if outcome.kind == "succeeded" and not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return outcome
+
+    task_app.execute = execute_then_die  # type: ignore[assignment]
 
 
 if os.environ.get("TEST_DIE_AFTER_COMMIT"):
-    from celery.signals import task_postrun
-
-    task_postrun.connect(_die_after_commit, weak=False)
+    _die_after_commit()

@@ -41,7 +41,8 @@ class Fleet:
             [sys.executable, "-m", "celery", "-A", "loomflow_worker.tasks", "worker",
              "-c", str(concurrency), "-n", f"{name}@%h", "-P", "prefork",
              "--without-gossip", "--without-mingle", "-l", "INFO", "-f", str(log)],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            cwd=ROOT, env=env, stdout=(self.logs / f"{name}.out").open("wb"),
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         self.workers[name] = proc
@@ -50,7 +51,8 @@ class Fleet:
             if log.exists() and "ready." in log.read_text(errors="replace"):
                 return proc
             if proc.poll() is not None:
-                raise RuntimeError(f"worker {name} exited: {log.read_text(errors='replace')}")
+                out = (self.logs / f"{name}.out").read_text(errors="replace")
+                raise RuntimeError(f"worker {name} exited at start:\n{out}")
             time.sleep(0.1)
         raise RuntimeError(f"worker {name} not ready: {log.read_text(errors='replace')}")
 

@@ -104,6 +104,7 @@ def test_a_worker_killed_after_the_commit_returns_the_stored_result(
     assert _counts(fleet.dsn) == {"x": 1}
     row = ledger(fleet.dsn, result.id)
     assert row["status"] == "succeeded" and row["attempts"] == 1
+    assert "succeeded before the worker was lost" not in fleet.log_text()
 
 
 def test_duplicates_of_a_running_request_neither_run_beside_it_nor_get_lost(
