@@ -62,7 +62,7 @@ def build(runtime: Any) -> Agent:
 @register_agent("flaky")
 def build_flaky(runtime: Any) -> Agent:
     return Agent(
-        "flaky agent",
+        "an agent whose model fails at first",
         model=FlakyModel(),
         tools=[_effects().tool()],
         runtime=runtime,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from itertools import pairwise
 
+import pytest
+
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet, ledger
@@ -132,3 +134,155 @@ def test_duplicates_of_a_running_request_neither_run_beside_it_nor_get_lost(
         assert earlier[3] <= later[2]
     row = ledger(fleet.dsn, result.id)
     assert row["status"] == "succeeded" and row["attempts"] == 1
+
+
+def test_a_crashed_request_resumes_before_a_newer_one_in_its_own_namespace(
+    fleet: Fleet,
+) -> None:
+    import os
+    import signal
+
+    fleet.start("w1", concurrency=2, TEST_TOOL_SLEEP="0.4")
+    crashed = run_agent.delay(calls("old1", "old2"), "s")
+    _, pid, _, _ = _wait_for_execution(fleet.dsn, "old2")
+    newer = run_agent.delay(calls("new1"), "s")
+    time.sleep(0.3)  # the newer request arrives and parks while the old one runs
+    os.kill(pid, signal.SIGKILL)
+    assert crashed.get(timeout=60)["output"] == "done: recorded old1, recorded old2"
+    assert newer.get(timeout=60)["output"] == "done: recorded new1"
+    counts = _counts(fleet.dsn)
+    assert counts["old1"] == 1 and counts["new1"] == 1 and counts["old2"] <= 2
+    executions = sorted(_executions(fleet.dsn), key=lambda e: e[2])
+    assert executions[-1][0] == "new1"  # the newer request ran after the resumed one
+    old, new = ledger(fleet.dsn, crashed.id), ledger(fleet.dsn, newer.id)
+    assert (old["epoch"], old["crashes"], old["attempts"]) == (0, 1, 2)
+    assert new["epoch"] == 1
+
+
+def test_a_request_that_kills_its_worker_every_time_ends_dead(fleet: Fleet) -> None:
+    from loomflow_worker.tasks import RunDead
+
+    fleet.start("w1", concurrency=1)
+    poison = run_agent.delay(calls("poison"), "s")
+    after = run_agent.delay(calls("after"), "s")
+    with pytest.raises(RunDead, match="died 3 times"):
+        poison.get(timeout=90)
+    assert after.get(timeout=60)["output"] == "done: recorded after"
+    row = ledger(fleet.dsn, poison.id)
+    assert row["status"] == "dead" and row["crashes"] == 3 and row["error_type"] == "WorkerDied"
+    assert _counts(fleet.dsn) == {"poison": 3, "after": 1}
+    assert ledger(fleet.dsn, after.id)["epoch"] == 1
+
+
+def test_an_error_retries_with_backoff_replaying_the_journal(fleet: Fleet) -> None:
+    fleet.start("w1", concurrency=1, TEST_FLAKY_FAILURES="1")
+    result = run_agent.delay("flaky\n" + calls("once"), "s", agent="flaky")
+    assert result.get(timeout=60)["output"] == "done: recorded once"
+    row = ledger(fleet.dsn, result.id)
+    assert row["status"] == "succeeded" and row["failures"] == 1 and row["attempts"] == 2
+    assert row["crashes"] == 0
+    assert _counts(fleet.dsn) == {"once": 1}
+
+
+def test_past_the_retry_limit_a_request_fails_and_the_session_moves_on(fleet: Fleet) -> None:
+    from loomflow_worker.tasks import RunFailed
+
+    fleet.start("w1", concurrency=1, TEST_FLAKY_FAILURES="100", LOOMFLOW_WORKER_MAX_RETRIES="2")
+    failing = run_agent.delay("flaky\n" + calls("never"), "s", agent="flaky")
+    after = run_agent.delay(calls("next"), "s", agent="flaky")
+    with pytest.raises(RunFailed, match="model overloaded"):
+        failing.get(timeout=60)
+    assert after.get(timeout=60)["output"] == "done: recorded next"
+    row = ledger(fleet.dsn, failing.id)
+    assert row["status"] == "failed" and row["attempts"] == 3 and row["failures"] == 2
+    assert "model overloaded" in str(row["error"])
+
+
+def _queue_length(fleet: Fleet) -> int:
+    import redis
+
+    from .celery_harness import REDIS_URL
+
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        return int(client.llen(f"{fleet.prefix}{fleet.queue}"))
+    finally:
+        client.close()
+
+
+def _ledger_size(dsn: str) -> int:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM runs").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        (("hi", "s"), {"agent": "nope"}, "unknown agent 'nope'"),
+        (("", "s"), {}, "prompt is empty"),
+        (("x" * 200_001, "s"), {}, "200001 characters"),
+        (("hi", ""), {}, "session_id is empty"),
+        (("hi", "a\nb"), {}, "control character"),
+        (("hi", "s"), {"user_id": "u\x00"}, "user_id has a control character"),
+        (("hi", "s"), {"metadata": {"when": object()}}, "metadata isn't JSON"),
+        (("hi", "s"), {"metadata": ["a"]}, "must be a JSON object"),
+        (("hi", "s"), {"surprise": 1}, "unexpected keyword argument 'surprise'"),
+    ],
+)
+def test_bad_input_at_delay_is_refused_with_nothing_written_or_sent(
+    fleet: Fleet, args: tuple[object, ...], kwargs: dict[str, object], message: str
+) -> None:
+    from loomflow_worker.runtime import InvalidInput
+
+    with pytest.raises(InvalidInput, match=message):
+        run_agent.delay(*args, **kwargs)
+    assert _ledger_size(fleet.dsn) == 0
+    assert _queue_length(fleet) == 0
+
+
+def test_bad_input_sent_by_task_name_fails_without_retry(fleet: Fleet) -> None:
+    from loomflow_worker.tasks import RunFailed, app
+
+    fleet.start("w1", concurrency=1)
+    raw = app.send_task("loomflow_worker.run_agent", args=["", "s"])
+    with pytest.raises(RunFailed, match="prompt is empty"):
+        raw.get(timeout=60)
+    unknown = app.send_task(
+        "loomflow_worker.run_agent", args=["hi", "s"], kwargs={"agent": "nope"}
+    )
+    with pytest.raises(RunFailed, match="unknown agent"):
+        unknown.get(timeout=60)
+    for result in (raw, unknown):
+        row = ledger(fleet.dsn, result.id)
+        assert row["status"] == "failed" and row["attempts"] == 0
+    assert _counts(fleet.dsn) == {}
+
+
+def test_a_message_sent_by_name_gets_its_ledger_row_on_receipt(fleet: Fleet) -> None:
+    from loomflow_worker.tasks import app
+
+    fleet.start("w1", concurrency=1)
+    result = app.send_task(
+        "loomflow_worker.run_agent", args=[calls("by-name"), "s"], kwargs={"user_id": "u"}
+    )
+    assert result.get(timeout=60)["output"] == "done: recorded by-name"
+    assert ledger(fleet.dsn, result.id)["status"] == "succeeded"
+
+
+def test_resume_agent_continues_the_last_run(fleet: Fleet) -> None:
+    from loomflow_worker.tasks import resume_agent
+
+    fleet.start("w1", concurrency=1)
+    first = run_agent.delay(calls("r1", "r2"), "s")
+    assert first.get(timeout=60)["output"] == "done: recorded r1, recorded r2"
+    resumed = resume_agent.delay(calls("r1", "r2"), "s")
+    assert resumed.get(timeout=60)["output"] == "done: recorded r1, recorded r2"
+    assert _counts(fleet.dsn) == {"r1": 1, "r2": 1}  # every tool call replayed
+    assert ledger(fleet.dsn, resumed.id)["epoch"] == 0
+    fresh = run_agent.delay(calls("r1"), "s")
+    assert fresh.get(timeout=60)["output"] == "done: recorded r1"
+    assert _counts(fleet.dsn) == {"r1": 2, "r2": 1}
