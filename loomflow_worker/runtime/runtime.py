@@ -20,6 +20,7 @@ multi-process fleet needs changed:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -116,8 +117,12 @@ def current_attempt() -> Attempt | None:
 
 
 def _scope(session_id: str) -> str:
+    return _checked_scope(session_id, get_run_context().user_id)
+
+
+@functools.lru_cache(maxsize=4096)
+def _checked_scope(session_id: str, user_id: str | None) -> str:
     check_id("session_id", session_id)
-    user_id = get_run_context().user_id
     if user_id is not None:
         check_id("user_id", str(user_id))
     return journal_scope(session_id, user_id)
@@ -278,18 +283,13 @@ class PostgresRuntime(JournaledRuntime):
             )
             attempt = await self._pg.acquire(scope, wait)
         try:
-            current, last = await attempt.read_epochs()
-            if opts.epoch is not None:
-                epoch = opts.epoch
-            elif _resume_last_run_var.get() and last is not None:
-                epoch = last
-            else:
-                epoch = current
+            current, _last, epoch = await attempt.open(
+                pinned=opts.epoch, resume_last=_resume_last_run_var.get()
+            )
             run = _OpenRun(
                 scope, session_id, str(epoch) if epoch else "", None,
                 epoch=epoch, next_epoch=current,
             )
-            await attempt.load(scope, run.ns)
             if opts.on_open is not None:
                 await opts.on_open(attempt, epoch)
             run_token = _open_run_var.set(run)
@@ -314,7 +314,11 @@ class PostgresRuntime(JournaledRuntime):
         if not run.touched:
             run.touched = True
             if run.parent is None and not run.container:
-                await self._write_step(scope, LAST_RUN_KEY, run.epoch)
+                attempt = _attempt_var.get()
+                if attempt is not None and attempt.scope == scope:
+                    attempt.mark_last_run(run.epoch)
+                else:
+                    await self._write_step(scope, LAST_RUN_KEY, run.epoch)
         return f"{run.ns}/{key}" if run.ns else key
 
     # ---- steps ------------------------------------------------------------------------------

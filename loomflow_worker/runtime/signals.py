@@ -88,6 +88,8 @@ class SignalListener:
             "created_at": time.time(),
         }
 
+        await attempt.flush_last_run()
+
         async def take(conn: Conn) -> tuple[Any, ...] | None:
             cur = await conn.execute(query("take_signal_into_journal"), params)
             return await cur.fetchone()

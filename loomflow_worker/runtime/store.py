@@ -118,6 +118,10 @@ class Attempt:
         self._streams: dict[tuple[str, str], bytes] = {}
         self._loaded: set[tuple[str, str]] = set()
         self.signal_counts: dict[tuple[str, str], int] = {}
+        # The scope's "last run" mark: written with the run's first journal
+        # write rather than in a round trip of its own.
+        self.last_run: int | None = None
+        self.pending_last_run: int | None = None
 
     @property
     def backend_pid(self) -> int:
@@ -146,6 +150,42 @@ class Attempt:
             raise self.fenced from exc
 
     # ---- reading -----------------------------------------------------------
+
+    async def open(self, *, pinned: int | None, resume_last: bool) -> tuple[int, int | None, int]:
+        """Read the scope's epochs, choose the run's, and load that epoch's
+        namespace, all in one query. Returns ``(current, last, epoch)``:
+        ``epoch`` is ``pinned`` if given, else the last run's when
+        ``resume_last``, else the current one."""
+
+        async def run(conn: Conn) -> list[tuple[Any, ...]]:
+            cur = await conn.execute(
+                query("open_run"),
+                {"scope": self.scope, "pinned": pinned, "resume": resume_last},
+            )
+            return await cur.fetchall()
+
+        rows = await self.io(run)
+        current, last, epoch = rows[0][:3]
+        for _, _, _, is_stream, key, blob in rows:
+            if key is not None:
+                (self._streams if is_stream else self._steps)[(self.scope, key)] = bytes(blob)
+        self._loaded.add((self.scope, str(epoch) if epoch else ""))
+        self.last_run = last
+        return current, last, epoch
+
+    def mark_last_run(self, epoch: int) -> None:
+        if self.last_run != epoch:
+            self.pending_last_run = epoch
+
+    async def flush_last_run(self) -> None:
+        epoch = self.pending_last_run
+        if epoch is None:
+            return
+        params = {"scope": self.scope, "key": LAST_RUN_KEY,
+                  "value": self.store._encode(epoch, LAST_RUN_KEY), "created_at": time.time()}
+        await self.io(lambda conn: conn.execute(query("put_step"), params))
+        self.pending_last_run = None
+        self.last_run = epoch
 
     async def load(self, scope: str, ns: str) -> None:
         """Load the namespace ``ns`` of ``scope`` into memory in one query."""
@@ -189,13 +229,22 @@ class Attempt:
         if blob is None:
             return
         params = {"scope": scope, "key": key, "value": blob, "created_at": time.time()}
-        await self.io(lambda conn: conn.execute(query("put_step"), params))
+        last_run = self.pending_last_run
+        if last_run is None:
+            await self.io(lambda conn: conn.execute(query("put_step"), params))
+        else:
+            params["run_scope"] = self.scope
+            params["last_run"] = self.store._encode(last_run, LAST_RUN_KEY)
+            await self.io(lambda conn: conn.execute(query("put_step_and_last_run"), params))
+            self.pending_last_run = None
+            self.last_run = last_run
         self._steps[(scope, key)] = blob
 
     async def write_stream(self, scope: str, key: str, chunks: list[Any]) -> None:
         blob = self.store._encode(list(chunks), key)
         if blob is None:
             return
+        await self.flush_last_run()
         params = {"scope": scope, "key": key, "value": blob, "created_at": time.time()}
         await self.io(lambda conn: conn.execute(query("put_stream"), params))
         self._streams[(scope, key)] = blob
@@ -226,37 +275,40 @@ class Attempt:
         advance: bool = True,
         on_finish: Callable[[Conn, int], Awaitable[None]] | None = None,
     ) -> int:
-        """Advance the scope's epoch past ``epoch`` in one transaction.
+        """Advance the scope's epoch past ``epoch``, forward only.
 
-        The stored epoch is read under a row lock and only ever moves
-        forward (``max(stored, epoch + 1)``): no lost update, no step
-        back. ``on_finish(conn, new_epoch)`` runs inside the same
-        transaction, for callers that record the run's outcome with it.
-        A run that journaled nothing (``advance=False``) leaves the epoch."""
+        One upsert that writes ``epoch + 1`` only over a smaller stored
+        epoch: no lost update, never a step back. ``on_finish(conn,
+        new_epoch)`` runs in the same transaction, for callers that record
+        the run's outcome with it. A run that journaled nothing
+        (``advance=False``) leaves the epoch as it is."""
         if not advance and on_finish is None:
             return epoch
+        await self.flush_last_run()
+        params = {
+            "scope": self.scope,
+            "new": epoch + 1,
+            "value": self.store._encode(epoch + 1, EPOCH_KEY),
+            "created_at": time.time(),
+        }
+
+        async def advance_epoch(conn: Conn) -> int:
+            if not advance:
+                cur = await conn.execute(query("read_epochs"), {"scope": self.scope})
+                stored = [self.store._decode(bytes(v), k) for k, v in await cur.fetchall()
+                          if k == EPOCH_KEY]
+                return stored[0][1] if stored and stored[0][0] else 0
+            cur = await conn.execute(query("advance_epoch"), params)
+            row = await cur.fetchone()
+            assert row is not None
+            return int(row[0])
 
         async def run(conn: Conn) -> int:
+            if on_finish is None:
+                return await advance_epoch(conn)
             async with conn.transaction():
-                cur = await conn.execute(query("lock_epoch"), {"scope": self.scope})
-                row = await cur.fetchone()
-                stored = 0
-                if row is not None:
-                    ok, value = self.store._decode(bytes(row[0]), EPOCH_KEY)
-                    stored = value if ok and isinstance(value, int) else 0
-                new = max(stored, epoch + 1) if advance else stored
-                if new != stored or (advance and row is None):
-                    await conn.execute(
-                        query("put_step"),
-                        {
-                            "scope": self.scope,
-                            "key": EPOCH_KEY,
-                            "value": self.store._encode(new, EPOCH_KEY),
-                            "created_at": time.time(),
-                        },
-                    )
-                if on_finish is not None:
-                    await on_finish(conn, new)
+                new = await advance_epoch(conn)
+                await on_finish(conn, new)
                 return new
 
         return await self.io(run)
@@ -297,8 +349,6 @@ class PostgresJournalStore:
             max_size=max_runs,
             open=False,
             configure=self._configure_lock_conn,
-            reset=self._reset_lock_conn,
-            check=AsyncConnectionPool.check_connection,
             name="loomflow-worker-locks",
         )
         self._lock_pool_open = False
@@ -363,13 +413,6 @@ class PostgresJournalStore:
              str(s.tcp_user_timeout_ms)),
         )
 
-    async def _reset_lock_conn(self, conn: Conn) -> None:
-        await conn.execute(query("unlock_all"))
-        cur = await conn.execute(query("held_advisory_locks"))
-        row = await cur.fetchone()
-        if row is None or row[0] != 0:
-            raise RuntimeError("lock connection still holds advisory locks; discarding it")
-
     async def _discard(self, conn: Conn) -> None:
         """Close a lock connection whose state is unknown (frees any lock)."""
         with anyio.CancelScope(shield=True):
@@ -388,30 +431,42 @@ class PostgresJournalStore:
         if not self._lock_pool_open:
             await self._lock_pool.open(wait=True, timeout=self.lock_settings.connect_timeout)
             self._lock_pool_open = True
+        key = scope_lock_key(scope)
+        for tries_left in (1, 0):
+            conn = await self._lock_connection()
+            try:
+                cur = await conn.execute(query("try_lock"), {"key": key})
+                row = await cur.fetchone()
+                got = bool(row and row[0])
+                if not got and (wait is None or wait > 0):
+                    got = await self._wait_lock(conn, key, wait)
+            except psycopg.OperationalError:
+                # An idle lock connection the server dropped: one more try.
+                await self._discard(conn)
+                await self._lock_pool.putconn(conn)
+                if tries_left:
+                    continue
+                raise
+            except BaseException:
+                # State unknown (cancelled mid-wait): closing the connection frees
+                # whatever it may hold.
+                await self._discard(conn)
+                await self._lock_pool.putconn(conn)
+                raise
+            if not got:
+                await self._lock_pool.putconn(conn)
+                raise SessionBusy(scope, wait)
+            return Attempt(self, conn, scope)
+        raise AssertionError("unreachable")
+
+    async def _lock_connection(self) -> Conn:
         try:
             conn: Conn = await self._lock_pool.getconn(timeout=self.lock_settings.connect_timeout)
         except psycopg.OperationalError as exc:
             raise DatabaseUnavailable(
                 f"no lock connection to {describe_dsn(self.conninfo)}: {exc}"
             ) from exc
-        key = scope_lock_key(scope)
-        got = False
-        try:
-            cur = await conn.execute(query("try_lock"), {"key": key})
-            row = await cur.fetchone()
-            got = bool(row and row[0])
-            if not got and (wait is None or wait > 0):
-                got = await self._wait_lock(conn, key, wait)
-        except BaseException:
-            # State unknown (cancelled mid-wait, connection lost): closing the
-            # connection frees whatever it may hold.
-            await self._discard(conn)
-            await self._lock_pool.putconn(conn)
-            raise
-        if not got:
-            await self._lock_pool.putconn(conn)
-            raise SessionBusy(scope, wait)
-        return Attempt(self, conn, scope)
+        return conn
 
     async def _wait_lock(self, conn: Conn, key: int, wait: float | None) -> bool:
         timeout = "0" if wait is None else f"{max(1, int(wait * 1000))}ms"
@@ -434,13 +489,18 @@ class PostgresJournalStore:
             if attempt.fenced is None and not conn.closed:
                 try:
                     with anyio.fail_after(self.lock_settings.io_timeout):
-                        cur = await conn.execute(query("unlock"), {"key": attempt.lock_key})
-                        row = await cur.fetchone()
-                    if not (row and row[0]):
+                        # Unlock, then check that nothing is left: one round trip.
+                        async with conn.pipeline():
+                            key = {"key": attempt.lock_key}
+                            unlocked = await conn.execute(query("unlock"), key)
+                            left = await conn.execute(query("held_advisory_locks"))
+                        row, held = await unlocked.fetchone(), await left.fetchone()
+                    if not (row and row[0]) or held is None or held[0] != 0:
                         log.error(
-                            "scope %s was not locked at release; discarding the connection",
+                            "scope %s: lock not held at release or locks left over; "
+                            "discarding the connection",
                             attempt.scope,
-                            extra={"action": "unlock_missing", "scope": attempt.scope},
+                            extra={"action": "unlock_mismatch", "scope": attempt.scope},
                         )
                         await self._discard(conn)
                 except (psycopg.Error, TimeoutError):

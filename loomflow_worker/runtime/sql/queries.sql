@@ -38,6 +38,62 @@ SELECT step_name, value FROM journal_steps
  WHERE session_id = %(scope)s
    AND step_name IN ('__run_epoch__', '__last_run_epoch__');
 
+-- name: open_run
+WITH marks AS (
+    SELECT max(loomflow_worker_epoch(value)) FILTER (WHERE step_name = '__run_epoch__') AS current,
+           max(loomflow_worker_epoch(value)) FILTER (WHERE step_name = '__last_run_epoch__') AS last
+      FROM journal_steps
+     WHERE session_id = %(scope)s AND step_name IN ('__run_epoch__', '__last_run_epoch__')
+), chosen AS (
+    SELECT coalesce(current, 0) AS current, last,
+           coalesce(%(pinned)s::integer,
+                    CASE WHEN %(resume)s AND last IS NOT NULL THEN last END,
+                    coalesce(current, 0)) AS epoch
+      FROM marks
+)
+SELECT c.current, c.last, c.epoch, n.stream, n.step_name, n.value
+  FROM chosen c
+  LEFT JOIN LATERAL (
+      SELECT false AS stream, j.step_name, j.value FROM journal_steps j
+       WHERE c.epoch > 0 AND j.session_id = %(scope)s
+         AND j.step_name COLLATE "C" >= c.epoch::text || '/'
+         AND j.step_name COLLATE "C" < c.epoch::text || '0'
+      UNION ALL
+      SELECT false, j.step_name, j.value FROM journal_steps j
+       WHERE c.epoch = 0 AND j.session_id = %(scope)s
+         AND j.step_name !~ '^([0-9]+|[0-9a-f]{16})/'
+      UNION ALL
+      SELECT true, j.step_name, j.chunks FROM journal_streams j
+       WHERE c.epoch > 0 AND j.session_id = %(scope)s
+         AND j.step_name COLLATE "C" >= c.epoch::text || '/'
+         AND j.step_name COLLATE "C" < c.epoch::text || '0'
+      UNION ALL
+      SELECT true, j.step_name, j.chunks FROM journal_streams j
+       WHERE c.epoch = 0 AND j.session_id = %(scope)s
+         AND j.step_name !~ '^([0-9]+|[0-9a-f]{16})/'
+  ) n ON true;
+
+-- name: advance_epoch
+WITH stored AS (
+    SELECT loomflow_worker_epoch(value) AS epoch FROM journal_steps
+     WHERE session_id = %(scope)s AND step_name = '__run_epoch__'
+), written AS (
+    INSERT INTO journal_steps (session_id, step_name, value, created_at)
+    VALUES (%(scope)s, '__run_epoch__', %(value)s, %(created_at)s)
+    ON CONFLICT (session_id, step_name) DO UPDATE
+       SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
+     WHERE coalesce(loomflow_worker_epoch(journal_steps.value), -1) < %(new)s
+    RETURNING %(new)s::integer AS epoch
+)
+SELECT coalesce((SELECT epoch FROM written), (SELECT epoch FROM stored), 0);
+
+-- name: put_step_and_last_run
+INSERT INTO journal_steps (session_id, step_name, value, created_at)
+VALUES (%(scope)s, %(key)s, %(value)s, %(created_at)s),
+       (%(run_scope)s, '__last_run_epoch__', %(last_run)s, %(created_at)s)
+ON CONFLICT (session_id, step_name) DO UPDATE
+   SET value = EXCLUDED.value, created_at = EXCLUDED.created_at;
+
 -- name: load_namespace
 SELECT false AS stream, step_name, value FROM journal_steps
  WHERE session_id = %(scope)s
@@ -73,11 +129,6 @@ INSERT INTO journal_streams (session_id, step_name, chunks, created_at)
 VALUES (%(scope)s, %(key)s, %(value)s, %(created_at)s)
 ON CONFLICT (session_id, step_name) DO UPDATE
    SET chunks = EXCLUDED.chunks, created_at = EXCLUDED.created_at;
-
--- name: lock_epoch
-SELECT value FROM journal_steps
- WHERE session_id = %(scope)s AND step_name = '__run_epoch__'
-   FOR UPDATE;
 
 -- name: put_checkpoint
 INSERT INTO checkpoints (session_id, checkpoint_id, turn, created_at, payload)
