@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from psycopg import AsyncConnection, sql
+from psycopg import AsyncConnection
 
 from .errors import SchemaError
 from .sql import migrations, query
@@ -51,7 +51,7 @@ async def migrate(conn: AsyncConnection[Any]) -> list[int]:
         for migration in migrations():
             if migration.version in done:
                 continue
-            await conn.execute(sql.SQL(migration.sql))
+            await conn.execute(migration.sql)
             await conn.execute(
                 query("record_version"), {"version": migration.version, "name": migration.name}
             )
