@@ -42,6 +42,8 @@ class Settings(BaseSettings):
     # The broker's visibility timeout: longer than the longest run, so the
     # broker itself never starts a second copy of a running request.
     visibility_timeout: int = Field(default=6 * 3600, gt=0)
+    # Extra kombu transport options, as JSON (e.g. Redis sentinel settings).
+    broker_transport_options: dict[str, Any] = Field(default_factory=dict)
 
     pool_min_size: int = Field(default=1, ge=0)
     pool_max_size: int = Field(default=4, ge=1)

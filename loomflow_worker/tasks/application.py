@@ -43,7 +43,7 @@ def configure(new: Settings | None = None) -> Settings:
     transport: dict[str, Any] = {}
     if new.redis_key_prefix:
         transport["global_keyprefix"] = new.redis_key_prefix
-    broker_options = dict(transport)
+    broker_options = {**new.broker_transport_options, **transport}
     if new.is_redis_broker:
         broker_options["visibility_timeout"] = new.visibility_timeout
     app.conf.update(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from itertools import pairwise
 
@@ -286,3 +287,28 @@ def test_resume_agent_continues_the_last_run(fleet: Fleet) -> None:
     fresh = run_agent.delay(calls("r1"), "s")
     assert fresh.get(timeout=60)["output"] == "done: recorded r1"
     assert _counts(fleet.dsn) == {"r1": 2, "r2": 1}
+
+
+def test_a_visibility_timeout_shorter_than_the_run_starts_no_second_copy(fleet: Fleet) -> None:
+    # Redis hands the unacked message out again while the run is still going:
+    # the copy parks, nothing runs twice, one result.
+    env = {
+        "TEST_TOOL_SLEEP": "1.5",
+        "LOOMFLOW_WORKER_VISIBILITY_TIMEOUT": "1",
+        "LOOMFLOW_WORKER_BROKER_TRANSPORT_OPTIONS": json.dumps(
+            {"unacked_restore_interval": 1, "unacked_restore_throttle": 1}
+        ),
+    }
+    fleet.start("w1", concurrency=2, **env)
+    fleet.start("w2", concurrency=2, **env)
+    result = run_agent.delay(calls("v1", "v2", "v3"), "s")
+    assert result.get(timeout=90)["output"] == "done: recorded v1, recorded v2, recorded v3"
+    time.sleep(1.5)
+    received = fleet.log_text().count(f"run_agent[{result.id}] received")
+    assert received >= 2, f"the broker never redelivered ({received} deliveries)"
+    assert _counts(fleet.dsn) == {"v1": 1, "v2": 1, "v3": 1}
+    executions = sorted(_executions(fleet.dsn), key=lambda e: e[2])
+    for earlier, later in pairwise(executions):
+        assert earlier[3] <= later[2]
+    row = ledger(fleet.dsn, result.id)
+    assert row["status"] == "succeeded" and row["attempts"] == 1
