@@ -36,14 +36,31 @@ class Settings(BaseSettings):
     max_prompt_chars: int = Field(default=200_000, ge=1)
     max_metadata_bytes: int = Field(default=65_536, ge=2)
 
-    # How long a request parked behind an older one waits before it
-    # dispatches that older request again (when its dispatch looks lost).
-    redispatch_after: float = Field(default=30.0, gt=0)
+    # A queued request whose dispatch is older than this, at the head of an
+    # idle session, is dispatched again (its message looks lost); no request
+    # is dispatched again more often than this.
+    redispatch_after: float = Field(default=60.0, gt=0)
     # The broker's visibility timeout: longer than the longest run, so the
     # broker itself never starts a second copy of a running request.
     visibility_timeout: int = Field(default=6 * 3600, gt=0)
     # Extra kombu transport options, as JSON (e.g. Redis sentinel settings).
     broker_transport_options: dict[str, Any] = Field(default_factory=dict)
+
+    # Recovery. A running request stamps a heartbeat every heartbeat_interval
+    # seconds; one silent for longer than lease (a frozen worker) has its lock
+    # connection ended by the sweeper, which also re-dispatches requests whose
+    # worker died. One sweeper leads the fleet at a time.
+    heartbeat_interval: float = Field(default=2.0, gt=0)
+    lease: float = Field(default=30.0, gt=0)
+    sweep_interval: float = Field(default=1.0, gt=0)
+    sweeper: bool = True
+    # A run longer than this (seconds) ends `failed` with a timeout; an agent
+    # can set its own with register_agent(name, time_limit=...).
+    run_time_limit: float = Field(default=3600.0, gt=0)
+    # Rolling deploys: SIGTERM starts Celery's soft shutdown, which lets runs
+    # go on this long before they are stopped and requeued. Keep it below
+    # the orchestrator's grace period.
+    soft_shutdown_timeout: float = Field(default=20.0, ge=0)
 
     pool_min_size: int = Field(default=1, ge=0)
     pool_max_size: int = Field(default=4, ge=1)
@@ -58,11 +75,16 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _check_backoff(self) -> Settings:
+    def _check_consistency(self) -> Settings:
         if self.retry_backoff_max < self.retry_backoff:
             raise ValueError(
                 f"retry_backoff_max ({self.retry_backoff_max}) is below retry_backoff "
                 f"({self.retry_backoff})"
+            )
+        if self.lease <= self.heartbeat_interval:
+            raise ValueError(
+                f"lease ({self.lease}s) must be longer than heartbeat_interval "
+                f"({self.heartbeat_interval}s), or live runs would look frozen"
             )
         return self
 

@@ -5,6 +5,7 @@ from .errors import (
     InvalidInput,
     LockLost,
     LoomflowWorkerError,
+    RunStopped,
     SchemaError,
     SessionBusy,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "PostgresJournalStore",
     "PostgresRuntime",
     "RunStats",
+    "RunStopped",
     "SchemaError",
     "SessionBusy",
     "current_attempt",

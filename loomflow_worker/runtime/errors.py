@@ -25,9 +25,12 @@ class SessionBusy(LoomflowWorkerError):
     Raised when the scope's lock could not be taken within the wait the
     caller allowed (``lock_wait_timeout``)."""
 
-    def __init__(self, scope: str, waited_s: float | None) -> None:
+    def __init__(self, scope: str, waited_s: float | None, *, detail: str | None = None) -> None:
         self.scope = scope
         self.waited_s = waited_s
+        if detail is not None:
+            super().__init__(f"session scope {scope!r} is busy: {detail}; retry later")
+            return
         if waited_s is None or waited_s <= 0:
             detail = "and the run was not allowed to wait"
         else:
@@ -51,3 +54,14 @@ class LockLost(LoomflowWorkerError):
             f"lost the lock on session scope {scope!r} ({cause}); this attempt is fenced "
             "and wrote nothing more: run the request again to resume it from the journal"
         )
+
+
+class RunStopped(BaseException):
+    """Raised at a run's next step boundary after it was asked to stop.
+
+    A ``BaseException`` so that no ``except Exception`` (loomflow turns a
+    tool's exceptions into error results) keeps the run going."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"the run was stopped at a step boundary: {reason}")

@@ -361,6 +361,7 @@ class PostgresRuntime(JournaledRuntime):
             base = _step_key(name, (_episode_identity(args[0]),), {}, None)
         else:
             base = _step_key(name, args, kwargs, idempotency_key)
+        self._check_can_continue()
         key = await self._run_key(scope, base)
         found, value = await self._lookup_step(scope, key)
         if found:
@@ -372,16 +373,19 @@ class PostgresRuntime(JournaledRuntime):
                 # The model saw this call under a new id: answer under that id.
                 value = value.model_copy(update={"call_id": call_id})
             return value
-        self._check_not_fenced()
         result = await fn(*args, **kwargs)
         await self._write_step(scope, key, result)
         self.stats.steps_executed += 1
         return result
 
-    def _check_not_fenced(self) -> None:
+    def _check_can_continue(self) -> None:
+        """At a step boundary: a fenced run stops here, and so does one asked to stop."""
         attempt = _attempt_var.get()
-        if attempt is not None and attempt.fenced is not None:
-            raise attempt.fenced
+        if attempt is not None:
+            if attempt.fenced is not None:
+                raise attempt.fenced
+            if attempt.stop is not None:
+                raise attempt.stop
 
     def stream_step(
         self,
@@ -405,6 +409,7 @@ class PostgresRuntime(JournaledRuntime):
                 yield chunk
             return
         scope = _scope(session_id)
+        self._check_can_continue()
         key = await self._run_key(scope, _step_key(name, args, kwargs))
         attempt = _attempt_var.get()
         if attempt is not None:
@@ -417,7 +422,6 @@ class PostgresRuntime(JournaledRuntime):
             for chunk in cached:
                 yield chunk
             return
-        self._check_not_fenced()
         recorded: list[Any] = []
         async for chunk in fn(*args, **kwargs):
             recorded.append(chunk)

@@ -113,6 +113,8 @@ class Attempt:
         self.scope = scope
         self.lock_key = scope_lock_key(scope)
         self.fenced: LockLost | None = None
+        # Set to stop the run at its next step boundary (a cancel, a deadline).
+        self.stop: BaseException | None = None
         self.released = False
         self._steps: dict[tuple[str, str], bytes] = {}
         self._streams: dict[tuple[str, str], bytes] = {}

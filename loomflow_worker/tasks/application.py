@@ -11,15 +11,21 @@ import psycopg
 from celery import Celery, Task
 from celery.exceptions import Ignore
 from celery.result import AsyncResult
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import (
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
 
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
 from ..settings import Settings
 from .execute import Outcome, RunCancelled, RunDead, RunFailed, WorkerContext, execute
-from .ledger import EnqueuePool, Pending
+from .ledger import ON_BUSY, EnqueuePool, OnBusy, Pending
 from .loop import ChildLoop
 from .registry import DEFAULT_AGENT, import_agent_modules
 from .request import Kind, check_request
+from .sweeper import Sweeper
 
 log = logging.getLogger("loomflow_worker.tasks")
 
@@ -63,6 +69,8 @@ def configure(new: Settings | None = None) -> Settings:
         broker_connection_retry_on_startup=True,
         imports=list(new.agents),
         worker_hijack_root_logger=False,
+        worker_soft_shutdown_timeout=new.soft_shutdown_timeout,
+        worker_enable_soft_shutdown_on_idle=True,
     )
     _enqueue.close()
     _drop_connections()
@@ -113,6 +121,21 @@ def _close_child(**_: Any) -> None:
     _loop.stop()
 
 
+@worker_ready.connect
+def _start_sweeper(**_: Any) -> None:
+    if settings().sweeper:
+        sweeper = Sweeper(settings(), _dispatch)
+        _state["sweeper"] = sweeper
+        sweeper.start()
+
+
+@worker_shutdown.connect
+def _stop_sweeper(**_: Any) -> None:
+    sweeper: Sweeper | None = _state.pop("sweeper", None)
+    if sweeper is not None:
+        sweeper.stop()
+
+
 def _run_signature(
     prompt: str,
     session_id: str,
@@ -150,22 +173,61 @@ class AgentTask(Task):
         args: Any = None,
         kwargs: Any = None,
         task_id: str | None = None,
+        on_busy: OnBusy = "enqueue",
         **options: Any,
     ) -> AsyncResult:
+        """Check the request, record it in the ledger, then publish it.
+
+        ``on_busy`` says what to do when the session already has an
+        unfinished request: ``"enqueue"`` (wait for its turn), ``"reject"``
+        (raise :class:`SessionBusy`, nothing recorded) or ``"interrupt"``
+        (cancel the earlier requests, then run this one)."""
+        kwargs = dict(kwargs or {})
+        on_busy = kwargs.pop("on_busy", on_busy)
+        if on_busy not in ON_BUSY:
+            raise InvalidInput(f"on_busy must be one of {', '.join(ON_BUSY)}, not {on_busy!r}")
         current = settings()
         import_agent_modules(current.agents)
         request = check_request(current, kind=self.kind, **self._bind(args, kwargs))
         task_id = task_id or str(uuid.uuid4())
-        _enqueue.insert(
-            current.database_url.get_secret_value(), current.connect_timeout, task_id, request
+        cancelled = _enqueue.insert(
+            current.database_url.get_secret_value(), current.connect_timeout, task_id, request,
+            on_busy,
         )
         task_args, task_kwargs = request.task_args()
-        return super().apply_async(task_args, task_kwargs, task_id=task_id, **options)
+        result = super().apply_async(task_args, task_kwargs, task_id=task_id, **options)
+        for pending in cancelled:
+            _dispatch(pending)  # so its result (cancelled) is stored
+        return result
+
+    def delay(self, *args: Any, **kwargs: Any) -> AsyncResult:
+        return self.apply_async(args, kwargs)
 
     def dispatch(self, pending: Pending) -> None:
         """Publish a request that already has its ledger row (a handoff)."""
         task_args, task_kwargs = pending.task_args()
         super().apply_async(task_args, task_kwargs, task_id=pending.request_id)
+
+
+def _dispatch(pending: Pending) -> None:
+    (resume_agent if pending.kind == "resume" else run_agent).dispatch(pending)
+
+
+def cancel_run(request_id: str) -> str:
+    """Cancel a request: a queued one never starts, a running one stops at its
+    next step boundary; it ends ``cancelled`` and its session moves on.
+
+    Returns the request's status now: ``"cancelled"``, or ``"running"`` /
+    ``"queued"`` while the cancel takes effect, or the terminal status it
+    had already reached."""
+    current = settings()
+    status, pending = _enqueue.cancel(
+        current.database_url.get_secret_value(), current.connect_timeout, request_id
+    )
+    if status in ("cancelled", "queued"):
+        # A worker picks it up now, stores its result and hands the session on.
+        _dispatch(pending)
+    return str(status)
 
 
 def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
@@ -178,7 +240,7 @@ def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
                     extra={"action": "retry", "request": request_id})
         raise task.retry(exc=exc, countdown=countdown) from exc
     for pending in outcome.dispatch:
-        (resume_agent if pending.kind == "resume" else run_agent).dispatch(pending)
+        _dispatch(pending)
     if outcome.kind == "succeeded":
         return outcome.result
     if outcome.kind == "parked":

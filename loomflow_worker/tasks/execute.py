@@ -6,6 +6,8 @@ publishes the handoff."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -17,12 +19,19 @@ import anyio
 from loomflow.core.types import Event
 from loomflow.runtime.journaled import resuming_last_run
 
-from ..runtime import InvalidInput, LockLost, PostgresRuntime, SessionBusy, run_options
+from ..runtime import (
+    InvalidInput,
+    LockLost,
+    PostgresRuntime,
+    RunStopped,
+    SessionBusy,
+    run_options,
+)
 from ..runtime.errors import LoomflowWorkerError
 from ..runtime.store import Attempt, Conn
 from ..settings import Settings
 from . import ledger
-from .registry import agent_factory
+from .registry import agent_factory, agent_time_limit
 from .request import Kind, RunRequest, check_request
 
 log = logging.getLogger("loomflow_worker.tasks")
@@ -128,7 +137,13 @@ async def execute(
         # A duplicate of a finished request: its stored outcome, nothing run.
         log.info("request %s already %s", request_id, pre.status,
                  extra={"action": "duplicate", "request": request_id})
-        return Outcome(pre.status, result=pre.result, error=pre.error)  # type: ignore[arg-type]
+        outcome = Outcome(pre.status, result=pre.result, error=pre.error)  # type: ignore[arg-type]
+        async with runtime.pool.connection() as conn:
+            # It may have been handed the session (then cancelled): pass it on.
+            nxt = await ledger.next_unfinished(conn, req.scope)
+        if nxt is not None:
+            outcome.dispatch.append(nxt)
+        return await _dispatched(runtime, outcome)
     if pre.older is not None:
         log.info("request %s parked behind %s", request_id, pre.older.request_id,
                  extra={"action": "parked", "request": request_id, "session": req.session_id})
@@ -210,16 +225,35 @@ async def _run_holding(
         log.error("request %s dead: %s", request_id, error, extra={"action": "dead", **log_fields})
         return Outcome("dead", error=error, dispatch=_listed(nxt))
 
+    if started.cancel_requested:
+        nxt = await _finish(attempt, request_id, req, started, epoch, status="cancelled",
+                            error="cancelled before it started", error_type="Cancelled")
+        log.info("request %s cancelled before it started", request_id,
+                 extra={"action": "cancelled", **log_fields})
+        return Outcome("cancelled", error="cancelled before it started", dispatch=_listed(nxt))
+
     log.info("request %s attempt %d at epoch %d", request_id, started.attempt, epoch,
              extra={"action": "start", "attempt": started.attempt, **log_fields})
     agent = await ctx.agent(req.agent)
+    time_limit = agent_time_limit(req.agent) or ctx.settings.run_time_limit
+    beating = asyncio.get_running_loop().create_task(
+        _heartbeat(attempt, request_id, ctx.settings.heartbeat_interval)
+    )
+    timed_out = False
     try:
-        with run_options(attempt=attempt, epoch=epoch):
-            if req.kind == "resume":
-                with resuming_last_run():
-                    result = await _run_agent(agent, request_id, req)
-            else:
-                result = await _run_agent(agent, request_id, req)
+        try:
+            with run_options(attempt=attempt, epoch=epoch):
+                with anyio.move_on_after(time_limit) as deadline:
+                    if req.kind == "resume":
+                        with resuming_last_run():
+                            result = await _run_agent(agent, request_id, req)
+                    else:
+                        result = await _run_agent(agent, request_id, req)
+                timed_out = deadline.cancelled_caught
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
     except LockLost:
         raise
     except Exception as exc:  # the run raised: not a crash, so retry or fail
@@ -241,6 +275,28 @@ async def _run_holding(
         log.warning("request %s failed (%s); retry %d in %.1fs", request_id, exc, failures,
                     countdown, extra={"action": "retry", **log_fields})
         return Outcome("retry", error=f"{type(exc).__name__}: {exc}", countdown=countdown)
+    except BaseException as exc:
+        stopped = _stopped(exc)
+        if stopped is None:
+            raise
+        nxt = await _finish(attempt, request_id, req, started, epoch, status="cancelled",
+                            error=stopped.reason, error_type="Cancelled")
+        log.info("request %s cancelled at a step boundary", request_id,
+                 extra={"action": "cancelled", **log_fields})
+        return Outcome("cancelled", error=stopped.reason, dispatch=_listed(nxt))
+
+    if timed_out:
+        if attempt.fenced is not None:
+            raise attempt.fenced
+        error = (
+            f"TimeLimitExceeded: the run took longer than its {time_limit:g}s time limit "
+            "(register_agent(time_limit=...) or LOOMFLOW_WORKER_RUN_TIME_LIMIT)"
+        )
+        nxt = await _finish(attempt, request_id, req, started, epoch, status="failed",
+                            error=error, error_type="TimeLimitExceeded")
+        log.error("request %s failed: %s", request_id, error,
+                  extra={"action": "failed", **log_fields})
+        return Outcome("failed", error=error, dispatch=_listed(nxt))
 
     payload = {**result.model_dump(mode="json"), "request_id": request_id}
     nxt = await _finish(attempt, request_id, req, started, epoch,
@@ -258,6 +314,31 @@ async def _run_agent(agent: Any, request_id: str, req: RunRequest) -> Any:
         # Always pass emit: model calls then always journal to the same table.
         emit=_noop_emit,
     )
+
+
+def _stopped(exc: BaseException) -> RunStopped | None:
+    """The :class:`RunStopped` that ended a run, also from inside a task group."""
+    if isinstance(exc, RunStopped):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _stopped(inner)
+            if found is not None:
+                return found
+    return None
+
+
+async def _heartbeat(attempt: Attempt, request_id: str, interval: float) -> None:
+    """Stamp the request as alive on the lock connection; a frozen worker can't,
+    so its lease runs out. A cancel request stops the run at its next step."""
+    while True:
+        await anyio.sleep(interval)
+        try:
+            cancel = await attempt.io(lambda conn: ledger.heartbeat(conn, request_id))
+        except LockLost:
+            return
+        if cancel and attempt.stop is None:
+            attempt.stop = RunStopped("cancelled while running")
 
 
 def _listed(pending: ledger.Pending | None) -> list[ledger.Pending]:

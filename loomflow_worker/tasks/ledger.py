@@ -5,18 +5,26 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from ..runtime.errors import DatabaseUnavailable, SchemaError
+from ..runtime.errors import DatabaseUnavailable, InvalidInput, SchemaError, SessionBusy
 from ..runtime.sql import query
-from ..runtime.store import Conn, describe_dsn
+from ..runtime.store import Conn, describe_dsn, scope_lock_key
 from .request import RunRequest
 
 TERMINAL = ("succeeded", "failed", "cancelled", "dead")
+
+OnBusy = Literal["enqueue", "reject", "interrupt"]
+ON_BUSY: tuple[OnBusy, ...] = ("enqueue", "reject", "interrupt")
+
+
+def enqueue_lock_key(scope: str) -> int:
+    # Scopes never hold a NUL, so this key space can't meet a scope's own.
+    return scope_lock_key("\x00enqueue\x00" + scope)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ def _row_params(request_id: str, req: RunRequest) -> dict[str, Any]:
         "kind": req.kind,
         "prompt": req.prompt,
         "metadata": Jsonb(req.metadata),
+        "lock_key": scope_lock_key(req.scope),
     }
 
 
@@ -94,10 +103,41 @@ class EnqueuePool:
                 self._pool.close()
             self._pool = None
 
-    def insert(self, dsn: str, connect_timeout: int, request_id: str, req: RunRequest) -> None:
+    def insert(
+        self,
+        dsn: str,
+        connect_timeout: int,
+        request_id: str,
+        req: RunRequest,
+        on_busy: OnBusy = "enqueue",
+    ) -> list[Pending]:
+        """Record the request; returns the requests it cancelled on the spot
+        (``on_busy="interrupt"``), to be published so their results are stored."""
         try:
             with self.pool(dsn, connect_timeout).connection(timeout=connect_timeout) as conn:
-                conn.execute(query("insert_run"), _row_params(request_id, req))
+                if on_busy == "enqueue":
+                    conn.execute(query("insert_run"), _row_params(request_id, req))
+                    return []
+                with conn.transaction():
+                    # Enqueues on one scope take turns here, so "busy" is decided once.
+                    conn.execute(query("enqueue_lock"), {"key": enqueue_lock_key(req.scope)})
+                    if on_busy == "reject":
+                        busy = conn.execute(query("scope_busy"), {"scope": req.scope}).fetchone()
+                        if busy is not None:
+                            raise SessionBusy(
+                                req.scope, 0,
+                                detail=f"request {busy[0]} is {busy[1]} on it and "
+                                'on_busy="reject" was asked',
+                            )
+                        conn.execute(query("insert_run"), _row_params(request_id, req))
+                        return []
+                    conn.execute(query("insert_run"), _row_params(request_id, req))
+                    rows = conn.execute(
+                        query("interrupt_older"),
+                        {"scope": req.scope, "by": request_id,
+                         "reason": f"interrupted by request {request_id}"},
+                    ).fetchall()
+                    return [Pending(*row[1:8]) for row in rows if row[0] == "cancelled"]
         except psycopg.errors.UndefinedTable as exc:
             raise SchemaError(
                 "the runs table is missing: run `loomflow-worker migrate` (or start a worker, "
@@ -108,6 +148,22 @@ class EnqueuePool:
                 f"can't record the request in Postgres at {describe_dsn(dsn)}: {exc}; "
                 "nothing was enqueued"
             ) from exc
+
+    def cancel(self, dsn: str, connect_timeout: int, request_id: str) -> tuple[str, Pending]:
+        """Flag ``request_id`` cancelled; ``(status now, the request)``."""
+        try:
+            with self.pool(dsn, connect_timeout).connection(timeout=connect_timeout) as conn:
+                row = conn.execute(
+                    query("cancel_run"),
+                    {"request_id": request_id, "reason": "cancelled before it started"},
+                ).fetchone()
+        except (psycopg.OperationalError, TimeoutError) as exc:
+            raise DatabaseUnavailable(
+                f"can't reach Postgres at {describe_dsn(dsn)} to cancel: {exc}"
+            ) from exc
+        if row is None:
+            raise InvalidInput(f"no request {request_id!r} in the runs ledger")
+        return row[0], Pending(*row[1:8])
 
 
 # ---- the worker side (async, on the attempt's lock connection) ---------------------------
@@ -276,3 +332,10 @@ async def next_unfinished(conn: Conn, scope: str) -> Pending | None:
 
 async def mark_dispatched(conn: Conn, request_id: str) -> None:
     await conn.execute(query("mark_dispatched"), {"request_id": request_id})
+
+
+async def heartbeat(conn: Conn, request_id: str) -> bool:
+    """Stamp a running request as alive; ``True`` when a cancel was requested."""
+    cur = await conn.execute(query("heartbeat"), {"request_id": request_id})
+    row = await cur.fetchone()
+    return bool(row and row[0])

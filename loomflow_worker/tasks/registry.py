@@ -14,19 +14,30 @@ F = TypeVar("F", bound=AgentFactory)
 DEFAULT_AGENT = "default"
 
 _factories: dict[str, AgentFactory] = {}
+_time_limits: dict[str, float] = {}
 _imported: set[str] = set()
 
 
-def register_agent(name: str = DEFAULT_AGENT) -> Callable[[F], F]:
+def register_agent(
+    name: str = DEFAULT_AGENT, *, time_limit: float | None = None
+) -> Callable[[F], F]:
     """Register ``build(runtime) -> loomflow.Agent`` under ``name``.
 
     Workers call the factory inside their event loop with the runtime they
-    own; build the agent there (no connections opened at import)."""
+    own; build the agent there (no connections opened at import).
+    ``time_limit`` (seconds) overrides ``LOOMFLOW_WORKER_RUN_TIME_LIMIT``
+    for this agent's runs."""
     if not isinstance(name, str) or not name.strip():
         raise InvalidInput("register_agent needs a non-empty agent name")
+    if time_limit is not None and time_limit <= 0:
+        raise InvalidInput(f"time_limit must be positive seconds, not {time_limit}")
 
     def decorate(factory: F) -> F:
         _factories[name] = factory
+        if time_limit is not None:
+            _time_limits[name] = time_limit
+        else:
+            _time_limits.pop(name, None)
         return factory
 
     return decorate
@@ -55,6 +66,10 @@ def agent_factory(name: str) -> AgentFactory:
             f"unknown agent {name!r} (registered: {known}); register it with "
             "@loomflow_worker.register_agent and list its module in LOOMFLOW_WORKER_AGENTS"
         ) from None
+
+
+def agent_time_limit(name: str) -> float | None:
+    return _time_limits.get(name)
 
 
 def registered_agents() -> list[str]:

@@ -211,9 +211,10 @@ DELETE FROM checkpoints WHERE ctid = ANY(ARRAY(
 -- ---- the run ledger --------------------------------------------------------------------
 
 -- name: insert_run
-INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata)
+INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
+                  lock_key)
 VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind)s,
-        %(prompt)s, %(metadata)s)
+        %(prompt)s, %(metadata)s, %(lock_key)s)
 ON CONFLICT (request_id) DO NOTHING;
 
 -- name: insert_failed_run
@@ -298,3 +299,106 @@ SELECT r.status, r.result, r.error,
        WHERE o.scope = r.scope AND o.status IN ('queued', 'running') AND o.seq < r.seq
        ORDER BY o.seq LIMIT 1) o ON true
  WHERE r.request_id = %(request_id)s;
+
+-- name: heartbeat
+UPDATE runs SET heartbeat_at = now()
+ WHERE request_id = %(request_id)s AND status = 'running'
+RETURNING cancel_requested;
+
+-- ---- the sweeper ---------------------------------------------------------------------------
+
+-- name: leader_lock
+SELECT pg_try_advisory_lock(%(key)s);
+
+-- name: leader_claim
+INSERT INTO sweeper_leader (id, holder, backend_pid) VALUES (1, %(holder)s, pg_backend_pid())
+ON CONFLICT (id) DO UPDATE
+   SET holder = EXCLUDED.holder, backend_pid = EXCLUDED.backend_pid, heartbeat_at = now();
+
+-- name: leader_stale
+SELECT backend_pid FROM sweeper_leader
+ WHERE id = 1 AND heartbeat_at < now() - make_interval(secs => %(lease)s);
+
+-- name: terminate_backend
+SELECT pg_terminate_backend(%(pid)s);
+
+-- name: frozen_holders
+-- Running requests whose heartbeat is older than the lease while their
+-- scope's lock is still held, by the backend that holds it.
+SELECT r.request_id, l.pid
+  FROM runs r
+  JOIN pg_locks l
+    ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+   AND l.classid = ((r.lock_key >> 32) & 4294967295)::oid
+   AND l.objid = (r.lock_key & 4294967295)::oid
+ WHERE r.status = 'running' AND r.lock_key IS NOT NULL
+   AND r.heartbeat_at < now() - make_interval(secs => %(lease)s)
+   AND l.pid = r.holder_pid;
+
+-- name: orphans
+-- The oldest unfinished request of each scope whose lock nobody holds:
+-- running (its worker died: dispatched again at once) or queued with a
+-- dispatch that looks lost. Each is dispatched again at most once per
+-- redispatch interval.
+WITH heads AS (
+    SELECT DISTINCT ON (scope) request_id, kind, session_id, user_id, agent, prompt, metadata,
+           status, dispatched_at, swept_at, lock_key
+      FROM runs
+     WHERE status IN ('queued', 'running')
+     ORDER BY scope, seq
+)
+SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata, h.status
+  FROM heads h
+ WHERE h.lock_key IS NOT NULL
+   AND (h.swept_at IS NULL OR h.swept_at < now() - make_interval(secs => %(after)s))
+   AND (h.status = 'running' OR h.dispatched_at < now() - make_interval(secs => %(after)s))
+   AND NOT EXISTS (
+       SELECT 1 FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND l.classid = ((h.lock_key >> 32) & 4294967295)::oid
+          AND l.objid = (h.lock_key & 4294967295)::oid)
+ LIMIT %(limit)s;
+
+-- name: mark_swept
+UPDATE runs SET swept_at = now(), dispatched_at = greatest(dispatched_at, now())
+ WHERE request_id = %(request_id)s;
+
+-- ---- cancel and busy sessions -------------------------------------------------------------
+
+-- name: enqueue_lock
+SELECT pg_advisory_xact_lock(%(key)s);
+
+-- name: scope_busy
+SELECT request_id, status FROM runs
+ WHERE scope = %(scope)s AND status IN ('queued', 'running')
+ ORDER BY seq LIMIT 1;
+
+-- name: cancel_run
+-- A queued request that never started is cancelled on the spot (it has no
+-- epoch and journaled nothing); any other unfinished one is flagged and
+-- stops at its next step boundary, or when it is next picked up.
+UPDATE runs
+   SET cancel_requested = true,
+       status = CASE WHEN status = 'queued' AND epoch IS NULL THEN 'cancelled' ELSE status END,
+       error = CASE WHEN status = 'queued' AND epoch IS NULL THEN %(reason)s ELSE error END,
+       error_type = CASE WHEN status = 'queued' AND epoch IS NULL THEN 'Cancelled'
+                         ELSE error_type END,
+       finished_at = CASE WHEN status = 'queued' AND epoch IS NULL THEN now()
+                          ELSE finished_at END
+ WHERE request_id = %(request_id)s
+RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata;
+
+-- name: interrupt_older
+UPDATE runs
+   SET cancel_requested = true,
+       status = CASE WHEN status = 'queued' AND epoch IS NULL THEN 'cancelled' ELSE status END,
+       error = CASE WHEN status = 'queued' AND epoch IS NULL THEN %(reason)s ELSE error END,
+       error_type = CASE WHEN status = 'queued' AND epoch IS NULL THEN 'Cancelled'
+                         ELSE error_type END,
+       finished_at = CASE WHEN status = 'queued' AND epoch IS NULL THEN now()
+                          ELSE finished_at END
+ WHERE scope = %(scope)s AND status IN ('queued', 'running') AND request_id <> %(by)s
+   AND seq < (SELECT seq FROM runs WHERE request_id = %(by)s)
+RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata;
