@@ -1,5 +1,7 @@
 """loomflow-worker: durable loomflow agent runs on Postgres and Celery."""
 
+from typing import Any
+
 from .runtime import (
     DatabaseUnavailable,
     InvalidInput,
@@ -12,6 +14,16 @@ from .tasks.registry import register_agent
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> Any:
+    # The Celery side is imported on first use, so the runtime alone stays light.
+    if name == "cancel_run":
+        from .tasks.application import cancel_run
+
+        return cancel_run
+    raise AttributeError(f"module 'loomflow_worker' has no attribute {name!r}")
+
+
 __all__ = [
     "DatabaseUnavailable",
     "InvalidInput",
@@ -20,5 +32,6 @@ __all__ = [
     "PostgresRuntime",
     "SessionBusy",
     "__version__",
+    "cancel_run",
     "register_agent",
 ]

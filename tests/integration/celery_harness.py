@@ -21,6 +21,8 @@ from loomflow_worker import tasks
 from loomflow_worker.settings import Settings
 
 REDIS_URL = os.environ.get("LOOMFLOW_WORKER_TEST_REDIS", "redis://127.0.0.1:6379/0")
+AMQP_URL = os.environ.get("LOOMFLOW_WORKER_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
+BROKERS = {"redis": REDIS_URL, "rabbitmq": AMQP_URL}
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = "tests.integration.agents_fixture"
 
@@ -34,12 +36,22 @@ class Fleet:
     env: dict[str, str]
     workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
-    def start(self, name: str, concurrency: int = 2, **extra_env: str) -> subprocess.Popen[bytes]:
+    def start(
+        self, name: str, concurrency: int = 2, *, cli: bool = False, **extra_env: str
+    ) -> subprocess.Popen[bytes]:
+        """Start a worker; ``cli=True`` starts it with ``loomflow-worker worker``
+        (soft shutdown on SIGTERM) instead of plain ``celery worker``."""
         log = self.logs / f"{name}.log"
+        if log.exists():
+            log.unlink()
         env = {**self.env, **extra_env}
+        command = (
+            [sys.executable, "-m", "loomflow_worker.cli", "worker"]
+            if cli
+            else [sys.executable, "-m", "celery", "-A", "loomflow_worker.tasks", "worker"]
+        )
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "loomflow_worker.tasks", "worker",
-             "-c", str(concurrency), "-n", f"{name}@%h", "-P", "prefork",
+            [*command, "-c", str(concurrency), "-n", f"{name}@%h", "-P", "prefork",
              "--without-gossip", "--without-mingle", "-l", "INFO", "-f", str(log)],
             cwd=ROOT, env=env, stdout=(self.logs / f"{name}.out").open("wb"),
             stderr=subprocess.STDOUT,
@@ -62,6 +74,25 @@ class Fleet:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+    def terminate(self, name: str, timeout: float = 60) -> None:
+        """SIGTERM the worker's main process, as an orchestrator does, and wait."""
+        proc = self.workers.pop(name)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    def worker_of(self, child_pid: int) -> str:
+        """The name of the worker whose pool child is ``child_pid``."""
+        stat = Path(f"/proc/{child_pid}/stat").read_text()
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        for name, proc in self.workers.items():
+            if proc.pid in (parent, child_pid):
+                return name
+        raise LookupError(f"pid {child_pid} belongs to no worker of this fleet")
 
     def stop_all(self) -> None:
         for name in list(self.workers):
@@ -99,12 +130,21 @@ def wait_status(dsn: str, request_id: str, statuses: tuple[str, ...], timeout: f
 
 
 @pytest.fixture
-def fleet(dsn: str, tmp_path: Path) -> Iterator[Fleet]:
+def broker() -> str:
+    """The broker a fleet uses; parametrize with ``@pytest.mark.parametrize("broker",
+    ["redis", "rabbitmq"], indirect=True)``."""
+    return "redis"
+
+
+@pytest.fixture
+def fleet(dsn: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    broker_name = getattr(request, "param", None) or request.getfixturevalue("broker")
+    broker_url = BROKERS[broker_name]
     prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
     queue = f"lfw-{uuid.uuid4().hex[:8]}"
     settings = Settings(
         database_url=dsn,  # type: ignore[arg-type]
-        broker_url=REDIS_URL,  # type: ignore[arg-type]
+        broker_url=broker_url,  # type: ignore[arg-type]
         result_backend=REDIS_URL,  # type: ignore[arg-type]
         redis_key_prefix=prefix,
         queue=queue,
@@ -117,7 +157,7 @@ def fleet(dsn: str, tmp_path: Path) -> Iterator[Fleet]:
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("LOOMFLOW_WORKER_")},
         "LOOMFLOW_WORKER_DATABASE_URL": dsn,
-        "LOOMFLOW_WORKER_BROKER_URL": REDIS_URL,
+        "LOOMFLOW_WORKER_BROKER_URL": broker_url,
         "LOOMFLOW_WORKER_RESULT_BACKEND": REDIS_URL,
         "LOOMFLOW_WORKER_REDIS_KEY_PREFIX": prefix,
         "LOOMFLOW_WORKER_QUEUE": queue,
@@ -132,8 +172,19 @@ def fleet(dsn: str, tmp_path: Path) -> Iterator[Fleet]:
     finally:
         fleet.stop_all()
         tasks.configure(previous)
+        if broker_name == "rabbitmq":
+            _delete_amqp_queue(queue)
         client = redis.Redis.from_url(REDIS_URL)
         keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
         if keys:
             client.delete(*keys)
         client.close()
+
+
+def _delete_amqp_queue(queue: str) -> None:
+    from kombu import Connection
+
+    with Connection(AMQP_URL, connect_timeout=5) as conn:
+        channel = conn.channel()
+        with contextlib.suppress(Exception):
+            channel.queue_delete(queue)

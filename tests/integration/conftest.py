@@ -1,3 +1,3 @@
-from .celery_harness import fleet
+from .celery_harness import broker, fleet
 
-__all__ = ["fleet"]
+__all__ = ["broker", "fleet"]
