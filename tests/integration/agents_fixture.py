@@ -91,3 +91,15 @@ def _die_after_commit() -> None:
 
 if os.environ.get("TEST_DIE_AFTER_COMMIT"):
     _die_after_commit()
+
+
+@register_agent("quick", time_limit=1.0)
+def build_quick(runtime: Any) -> Agent:
+    """An agent whose runs may take one second at most."""
+    return Agent(
+        "a hurried agent",
+        model=DeterministicModel(),
+        tools=[_effects().tool()],
+        runtime=runtime,
+        auto_extract=False,
+    )
