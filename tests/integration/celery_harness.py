@@ -51,7 +51,9 @@ class Fleet:
             else [sys.executable, "-m", "celery", "-A", "loomflow_worker.tasks", "worker"]
         )
         proc = subprocess.Popen(
-            [*command, "-c", str(concurrency), "-n", f"{name}@%h", "-P", "prefork",
+            # Node names are unique per fleet: RabbitMQ holds one exclusive
+            # control queue per name, and other fleets may run beside this one.
+            [*command, "-c", str(concurrency), "-n", f"{name}-{self.queue}@%h", "-P", "prefork",
              "--without-gossip", "--without-mingle", "-l", "INFO", "-f", str(log)],
             cwd=ROOT, env=env, stdout=(self.logs / f"{name}.out").open("wb"),
             stderr=subprocess.STDOUT,

@@ -1,0 +1,145 @@
+"""Recovery from whole-worker deaths, frozen workers and rolling deploys."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import time
+
+import psycopg
+import pytest
+
+from loomflow_worker.tasks import run_agent
+from tests.integration.celery_harness import Fleet, ledger
+from tests.integration.helpers import calls
+from tests.integration.test_celery import _counts, _executions, _wait_for_execution
+
+RECOVERY = {
+    "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_LEASE": "3",
+    "LOOMFLOW_WORKER_MAX_CRASHES": "20",
+}
+
+
+def _completed_twice(dsn: str) -> list[str]:
+    """Tags whose tool ran to completion more than once."""
+    finished: dict[str, int] = {}
+    for tag, _pid, _start, end in _executions(dsn):
+        if end is not None:
+            finished[tag] = finished.get(tag, 0) + 1
+    return [tag for tag, n in finished.items() if n > 1]
+
+
+def _next_start(dsn: str, tag: str, after_pid: int, timeout: float = 30) -> float:
+    """When ``tag`` started again, in a process other than ``after_pid``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for found, pid, started, _ in _executions(dsn):
+            if found == tag and pid != after_pid:
+                return float(started.timestamp())
+        time.sleep(0.02)
+    raise AssertionError(f"{tag} never ran again")
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_a_whole_worker_killed_mid_run_resumes_elsewhere_in_seconds(
+    fleet: Fleet, broker: str
+) -> None:
+    # The Redis visibility timeout stays at its default (hours): recovery
+    # comes from the sweeper, which sees the dead worker's lock freed.
+    env = {**RECOVERY, "TEST_TOOL_SLEEP": "0.4"}
+    fleet.start("w1", concurrency=1, **env)
+    fleet.start("w2", concurrency=1, **env)
+    times: list[float] = []
+    for trial in range(10):
+        tags = [f"k{trial}-{i}" for i in range(3)]
+        result = run_agent.delay(calls(*tags), f"s{trial}")
+        _, pid, _, _ = _wait_for_execution(fleet.dsn, tags[1])
+        victim = fleet.worker_of(pid)
+        killed_at = time.time()
+        fleet.kill(victim)
+        times.append(_next_start(fleet.dsn, tags[1], pid) - killed_at)
+        assert result.get(timeout=60)["output"] == "done: " + ", ".join(
+            f"recorded {t}" for t in tags
+        )
+        counts = _counts(fleet.dsn)
+        assert counts[tags[0]] == 1 and counts[tags[2]] == 1 and counts[tags[1]] == 2
+        fleet.start(victim, concurrency=1, **env)
+    assert _completed_twice(fleet.dsn) == []
+    p50, worst = statistics.median(times), max(times)
+    print(f"\n{broker}: kill -> resumed step over {len(times)} trials: "
+          f"p50 {p50:.2f}s, max {worst:.2f}s ({', '.join(f'{t:.2f}' for t in times)})")
+    assert p50 < 5 and worst < 10
+
+
+def _journal_snapshot(dsn: str) -> list[tuple[object, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT session_id, step_name, md5(value), created_at FROM journal_steps "
+            "UNION ALL SELECT session_id, step_name, md5(chunks), created_at "
+            "FROM journal_streams ORDER BY 1, 2"
+        ).fetchall()
+
+
+def test_a_frozen_worker_is_fenced_and_its_request_recovered(fleet: Fleet) -> None:
+    env = {**RECOVERY, "TEST_TOOL_SLEEP": "1.0"}
+    fleet.start("w1", concurrency=1, **env)
+    fleet.start("w2", concurrency=1, **env)
+    tags = ["f1", "f2", "f3"]
+    result = run_agent.delay(calls(*tags), "s")
+    _, pid, _, _ = _wait_for_execution(fleet.dsn, "f2")
+    frozen = fleet.workers[fleet.worker_of(pid)]
+    os.killpg(frozen.pid, signal.SIGSTOP)
+    try:
+        frozen_at = time.monotonic()
+        value = result.get(timeout=60)
+        recovered_in = time.monotonic() - frozen_at
+        assert value["output"] == "done: recorded f1, recorded f2, recorded f3"
+        assert recovered_in > 3  # not before the lease ran out
+        before = _journal_snapshot(fleet.dsn)
+        row_before = ledger(fleet.dsn, result.id)
+    finally:
+        os.killpg(frozen.pid, signal.SIGCONT)
+    # Continued, the frozen worker finishes its tool, then finds itself fenced:
+    # it writes nothing more and finishes nothing.
+    time.sleep(4)
+    assert _journal_snapshot(fleet.dsn) == before
+    row_after = ledger(fleet.dsn, result.id)
+    assert row_after == row_before and row_after["status"] == "succeeded"
+    counts = _counts(fleet.dsn)
+    assert counts["f1"] == 1 and counts["f3"] == 1 and counts["f2"] == 2
+    assert "fenced" in fleet.log_text() or "LockLost" in fleet.log_text()
+    print(f"\nfrozen worker: request finished {recovered_in:.1f}s after the freeze")
+
+
+def test_a_rolling_deploy_loses_no_run(fleet: Fleet) -> None:
+    env = {
+        **RECOVERY,
+        "TEST_TOOL_SLEEP": "0.5",
+        "LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT": "1",
+    }
+    fleet.start("w1", concurrency=2, cli=True, **env)
+    fleet.start("w2", concurrency=2, cli=True, **env)
+    requests = []
+    for i in range(10):
+        tags = [f"d{i}-{j}" for j in range(4)]
+        requests.append((tags, run_agent.delay(calls(*tags), f"s{i}")))
+    _wait_for_execution(fleet.dsn, requests[0][0][1])
+    # Replace the fleet one worker at a time, as a Deployment's rolling update does.
+    started = time.monotonic()
+    fleet.start("w3", concurrency=2, cli=True, **env)
+    fleet.terminate("w1", timeout=30)
+    fleet.start("w4", concurrency=2, cli=True, **env)
+    fleet.terminate("w2", timeout=30)
+    deploy_took = time.monotonic() - started
+    for tags, result in requests:
+        assert result.get(timeout=90)["output"] == "done: " + ", ".join(
+            f"recorded {t}" for t in tags
+        )
+    assert _completed_twice(fleet.dsn) == []
+    statuses = {ledger(fleet.dsn, r.id)["status"] for _, r in requests}
+    assert statuses == {"succeeded"}
+    interrupted = sum(1 for _, _, _, end in _executions(fleet.dsn) if end is None)
+    print(f"\nrolling deploy: {deploy_took:.1f}s, {interrupted} tool calls interrupted and rerun")
