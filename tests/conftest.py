@@ -17,6 +17,26 @@ ADMIN_DSN = os.environ.get(
 )
 
 
+# Every write of a journal entry, kept by a trigger: a step key written twice
+# (bookkeeping keys aside) is a completed step that ran again, whatever the
+# tool's own records say about when its side effect finished.
+JOURNAL_WRITES_DDL = """
+CREATE TABLE journal_writes (
+    id BIGSERIAL PRIMARY KEY, session_id TEXT NOT NULL, step_name TEXT NOT NULL,
+    backend_pid INTEGER NOT NULL, written_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp());
+CREATE FUNCTION journal_writes_log() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO journal_writes (session_id, step_name, backend_pid)
+    VALUES (NEW.session_id, NEW.step_name, pg_backend_pid());
+    RETURN NEW;
+END $$;
+CREATE TRIGGER journal_steps_writes AFTER INSERT OR UPDATE ON journal_steps
+    FOR EACH ROW EXECUTE FUNCTION journal_writes_log();
+CREATE TRIGGER journal_streams_writes AFTER INSERT OR UPDATE ON journal_streams
+    FOR EACH ROW EXECUTE FUNCTION journal_writes_log();
+"""
+
+
 def dsn_for(dbname: str) -> str:
     return psycopg.conninfo.make_conninfo(ADMIN_DSN, dbname=dbname)
 
@@ -50,6 +70,7 @@ def template_db() -> Iterator[str]:
                 " started_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),"
                 " finished_at TIMESTAMPTZ)"
             )
+            conn.execute(JOURNAL_WRITES_DDL)
         yield name
     finally:
         _admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))

@@ -79,3 +79,16 @@ async def journal_rows(dsn: str) -> int:
         row = await cur.fetchone()
     assert row is not None
     return int(row[0])
+
+
+def steps_journaled_twice(dsn: str) -> list[tuple[str, str, int]]:
+    """Journal keys written more than once: completed steps that ran again.
+
+    The scope's bookkeeping keys (``__run_epoch__``...) are rewritten by design."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT session_id, step_name, count(*) FROM journal_writes "
+            "WHERE step_name NOT IN ('__run_epoch__', '__last_run_epoch__') "
+            "GROUP BY 1, 2 HAVING count(*) > 1"
+        ).fetchall()
+    return [(r[0], r[1], int(r[2])) for r in rows]

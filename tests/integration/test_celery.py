@@ -11,7 +11,7 @@ import pytest
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet, ledger
-from .helpers import calls
+from .helpers import calls, steps_journaled_twice
 
 
 def test_a_run_through_a_worker(fleet: Fleet) -> None:
@@ -91,6 +91,7 @@ def test_sigkill_of_a_pool_child_mid_tool(fleet: Fleet) -> None:
     assert 1 <= counts["t2"] <= 2
     row = ledger(fleet.dsn, result.id)
     assert row["status"] == "succeeded" and row["attempts"] == 2 and row["crashes"] == 1
+    assert steps_journaled_twice(fleet.dsn) == []
 
 
 def test_a_worker_killed_after_the_commit_returns_the_stored_result(

@@ -260,3 +260,19 @@ async def test_direct_steps_restamp_only_tool_results(runtime: PostgresRuntime) 
     assert again.call_id == "new"
     assert again.output == "out"
     assert runtime.stats.steps_replayed == 1
+
+
+async def test_no_step_is_journaled_twice_across_a_crash_and_the_log_would_show_it(
+    runtime: PostgresRuntime, dsn: str
+) -> None:
+    from .helpers import steps_journaled_twice
+
+    crashing = EffectsLog(dsn, on_start=crash_on("b"))
+    with crashes():
+        await make_agent(runtime, crashing).run(calls("a", "b"), session_id="s")
+    await make_agent(runtime, EffectsLog(dsn)).run(calls("a", "b"), session_id="s")
+    assert steps_journaled_twice(dsn) == []
+    # the check itself: a step written again shows up
+    await runtime.journal.put_step("s", "idem:tool_call_1_0:x", 1)
+    await runtime.journal.put_step("s", "idem:tool_call_1_0:x", 2)
+    assert steps_journaled_twice(dsn) == [("s", "idem:tool_call_1_0:x", 2)]

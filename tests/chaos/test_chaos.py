@@ -1,0 +1,185 @@
+"""100 requests on 10 sessions while workers and pool children are SIGKILLed.
+
+Every 1.5-3 s (seeded; set CHAOS_SEED to replay a schedule) either a whole
+worker is SIGKILLed and started again under the same name, or one pool
+child is (preferably one in the middle of a tool call; Celery replaces it).
+Afterwards: nothing lost, no completed tool call ran twice, only killed
+processes left tool calls unfinished, every session ran its requests in
+enqueue order without overlap, and every output is right."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from tests.chaos.checks import (
+    Sent,
+    alive,
+    all_terminal,
+    children,
+    executions,
+    problem_lines,
+    send,
+    verdict,
+    wait_terminal,
+)
+from tests.integration.celery_harness import Fleet
+
+REQUESTS = 100
+SESSIONS = 10
+WORKERS = ("w1", "w2", "w3")
+CONCURRENCY = 2
+MAX_KILLS = 8
+BURST = 20
+BURST_EVERY = (3.0, 5.0)
+ENV = {
+    "TEST_TOOL_SLEEP": "0.08",
+    "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_MAX_CRASHES": "10",
+    "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_LEASE": "5",
+}
+
+
+@dataclass(frozen=True)
+class Kill:
+    at: float  # seconds since the first request was sent
+    kind: str  # "worker" or "child"
+    worker: str
+    pids: tuple[int, ...]  # every process the kill ended
+    mid_tool: tuple[str, ...]  # tags in flight in those processes
+
+
+def _in_flight(fleet: Fleet) -> dict[int, list[str]]:
+    """Live processes of this fleet in the middle of a tool call, with their tags."""
+    found: dict[int, list[str]] = {}
+    for e in executions(fleet.dsn):
+        if e.finished_at is None and alive(e.pid):
+            found.setdefault(e.pid, []).append(e.tag)
+    return found
+
+
+def _busy(fleet: Fleet, wait: float) -> dict[int, tuple[str, list[str]]]:
+    """Pool children running a tool call, with their worker; waits up to ``wait``
+    seconds for one, so that most kills land mid-tool."""
+    deadline = time.monotonic() + wait
+    while True:
+        found: dict[int, tuple[str, list[str]]] = {}
+        for pid, tags in _in_flight(fleet).items():
+            try:
+                found[pid] = (fleet.worker_of(pid), tags)
+            except (LookupError, OSError):
+                continue
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.02)
+
+
+def _kill_one(fleet: Fleet, rng: random.Random, t0: float) -> Kill:
+    whole = rng.random() < 0.5
+    busy = _busy(fleet, wait=1.0)
+    if whole:
+        workers = sorted({name for name, _ in busy.values()}) or sorted(fleet.workers)
+        name = rng.choice(workers)
+        main = fleet.workers[name].pid
+        pids = (main, *children(main))
+        in_flight = _in_flight(fleet)
+        fleet.kill(name)
+        kill = Kill(time.monotonic() - t0, "worker", name, pids,
+                    tuple(t for p in pids for t in in_flight.get(p, [])))
+        fleet.start(name, concurrency=CONCURRENCY, **ENV)
+        return kill
+    if busy:
+        pid = rng.choice(sorted(busy))
+        name, tags = busy[pid]
+    else:  # nothing in a tool call: any pool child (idle, parked or mid-model)
+        name = rng.choice(sorted(fleet.workers))
+        pool = children(fleet.workers[name].pid)
+        if not pool:
+            return Kill(time.monotonic() - t0, "none", name, (), ())
+        pid, tags = rng.choice(sorted(pool)), []
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return Kill(time.monotonic() - t0, "none", name, (), ())
+    return Kill(time.monotonic() - t0, "child", name, (pid,), tuple(tags))
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_sigkills_lose_nothing_and_run_nothing_twice(fleet: Fleet, broker: str) -> None:
+    seed = int(os.environ.get("CHAOS_SEED") or random.randrange(1 << 32))
+    rng = random.Random(seed)
+    print(f"\n[{broker}] CHAOS_SEED={seed}")
+    began = time.monotonic()
+    for name in WORKERS:
+        fleet.start(name, concurrency=CONCURRENCY, **ENV)
+    started = time.monotonic()
+
+    # The requests arrive in bursts, so work stays in flight while the kills
+    # go on and every burst queues a few requests behind each other per session.
+    sent: list[Sent] = []
+    t0 = time.monotonic()
+    next_burst = t0
+    kills: list[Kill] = []
+    next_kill = t0 + rng.uniform(1.5, 3.0)
+    while len(sent) < REQUESTS or (
+        len(kills) < MAX_KILLS and not all_terminal(fleet.dsn, sent)
+    ):
+        now = time.monotonic()
+        if len(sent) < REQUESTS and now >= next_burst:
+            for i in range(len(sent), min(REQUESTS, len(sent) + BURST)):
+                k = i % SESSIONS
+                sent.append(send(i, f"s{k}", f"u{k}"))
+            next_burst = now + rng.uniform(*BURST_EVERY)
+            continue
+        if now < next_kill or len(kills) >= MAX_KILLS:
+            time.sleep(0.05)
+            continue
+        kill = _kill_one(fleet, rng, t0)
+        if kill.kind != "none":
+            kills.append(kill)
+            print(f"[{broker}] kill {len(kills)} at {kill.at:5.1f}s: {kill.kind} of "
+                  f"{kill.worker} pids {list(kill.pids)} mid-tool {list(kill.mid_tool)}")
+        next_kill = time.monotonic() + rng.uniform(1.5, 3.0)
+    chaos_over = time.monotonic()
+
+    final = wait_terminal(fleet.dsn, sent, timeout=150)
+    settled = time.monotonic()
+    v = verdict(fleet.dsn, sent)
+
+    killed_pids = {p for k in kills for p in k.pids}
+    worker_kills = sum(k.kind == "worker" for k in kills)
+    child_kills = sum(k.kind == "child" for k in kills)
+    bound = child_kills + CONCURRENCY * worker_kills
+    strays = [e for e in v.interrupted if e.pid not in killed_pids]
+    print(
+        f"[{broker}] workers ready in {started - began:.1f}s; chaos {chaos_over - t0:.1f}s; "
+        f"all terminal {settled - t0:.1f}s after the first request\n"
+        f"[{broker}] kills={len(kills)} (worker {worker_kills}, child {child_kills}) "
+        f"{v.summary()} interrupted_bound={bound} "
+        f"statuses={sorted(set(final.values()))}"
+    )
+    for label, items in (
+        ("lost", v.lost), ("completed twice", list(v.completed_twice.items())),
+        ("never completed", v.never_completed), ("order", v.order_violations),
+        ("overlap", v.overlaps), ("wrong output", v.wrong_outputs),
+        ("celery result", v.result_problems), ("unfinished in a live pid", strays),
+    ):
+        for item in items[:10]:
+            print(f"[{broker}] {label}: {item}")
+    logs = problem_lines(fleet)
+    context = f"seed {seed}; worker log lines:\n{logs}"
+    assert v.lost == [], context
+    assert v.completed_twice == {}, context
+    assert v.never_completed == [], context
+    assert strays == [], context
+    assert len(v.interrupted) <= bound, context
+    assert v.order_violations == [], context
+    assert v.overlaps == [], context
+    assert v.wrong_outputs == [], context
+    assert v.result_problems == [], context
