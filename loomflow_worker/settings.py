@@ -62,6 +62,17 @@ class Settings(BaseSettings):
     # the orchestrator's grace period.
     soft_shutdown_timeout: float = Field(default=20.0, ge=0)
 
+    # Live events: a bounded Redis stream per request (default: the result
+    # backend's or the broker's Redis), kept this long after its last event.
+    events_url: SecretStr | None = None
+    events_maxlen: int = Field(default=10_000, ge=10)
+    events_retention: float = Field(default=86_400.0, gt=0)
+    # Prometheus metrics, served by each worker's main process (0: off).
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    # Finished requests, their journals and checkpoints older than this many
+    # seconds are pruned by the sweeper's leader (0: never).
+    retention: float = Field(default=0.0, ge=0)
+
     pool_min_size: int = Field(default=1, ge=0)
     pool_max_size: int = Field(default=4, ge=1)
     connect_timeout: int = Field(default=10, ge=1)

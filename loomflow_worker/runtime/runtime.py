@@ -364,6 +364,7 @@ class PostgresRuntime(JournaledRuntime):
         self._check_can_continue()
         key = await self._run_key(scope, base)
         found, value = await self._lookup_step(scope, key)
+        self._mark_replayed(found)
         if found:
             self.stats.steps_replayed += 1
             call_id = kwargs.get("call_id")
@@ -377,6 +378,12 @@ class PostgresRuntime(JournaledRuntime):
         await self._write_step(scope, key, result)
         self.stats.steps_executed += 1
         return result
+
+    @staticmethod
+    def _mark_replayed(replayed: bool) -> None:
+        attempt = _attempt_var.get()
+        if attempt is not None:
+            attempt.last_replayed = replayed
 
     def _check_can_continue(self) -> None:
         """At a step boundary: a fenced run stops here, and so does one asked to stop."""
@@ -417,6 +424,7 @@ class PostgresRuntime(JournaledRuntime):
         else:
             stored = await self._pg.get_stream(scope, key)
             found, cached = stored is not None, stored
+        self._mark_replayed(found)
         if found:
             self.stats.steps_replayed += 1
             for chunk in cached:

@@ -115,6 +115,8 @@ class Attempt:
         self.fenced: LockLost | None = None
         # Set to stop the run at its next step boundary (a cancel, a deadline).
         self.stop: BaseException | None = None
+        # Whether the latest step came from the journal (marks live events).
+        self.last_replayed = False
         self.released = False
         self._steps: dict[tuple[str, str], bytes] = {}
         self._streams: dict[tuple[str, str], bytes] = {}

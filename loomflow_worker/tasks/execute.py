@@ -19,6 +19,7 @@ import anyio
 from loomflow.core.types import Event
 from loomflow.runtime.journaled import resuming_last_run
 
+from ..events import EventPublisher, events_url
 from ..runtime import (
     InvalidInput,
     LockLost,
@@ -62,6 +63,21 @@ async def _noop_emit(event: Event) -> None:
     return None
 
 
+def _emitter(ctx: WorkerContext, request_id: str, attempt_no: int, attempt: Attempt) -> Any:
+    """The run's ``emit``: every event to the request's live stream."""
+    events = ctx.events
+    if events is None:
+        return _noop_emit
+
+    async def emit(event: Event) -> None:
+        events.publish(
+            request_id, attempt_no, str(event.kind),
+            event.model_dump_json(fallback=repr), replayed=attempt.last_replayed,
+        )
+
+    return emit
+
+
 class WorkerContext:
     """What one pool child owns: its runtime and the agents built with it."""
 
@@ -69,6 +85,7 @@ class WorkerContext:
         self.settings = settings
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self._runtime: PostgresRuntime | None = None
+        self.events: EventPublisher | None = None
         self._agents: dict[str, Any] = {}
         self._connect_lock = anyio.Lock()
 
@@ -90,6 +107,14 @@ class WorkerContext:
                     await runtime.aclose()
                     raise
                 self._runtime = runtime
+                url = events_url(self.settings)
+                if url is not None:
+                    self.events = EventPublisher(
+                        url,
+                        prefix=self.settings.redis_key_prefix,
+                        maxlen=self.settings.events_maxlen,
+                        retention=self.settings.events_retention,
+                    )
             return self._runtime
 
     async def agent(self, name: str) -> Any:
@@ -103,6 +128,9 @@ class WorkerContext:
             if closer is not None:
                 await closer(timeout=5.0)
         self._agents.clear()
+        if self.events is not None:
+            await self.events.aclose()
+            self.events = None
         if self._runtime is not None:
             await self._runtime.aclose()
             self._runtime = None
@@ -124,6 +152,9 @@ async def execute(
     except (InvalidInput, TypeError) as exc:
         async with runtime.pool.connection() as conn:
             await ledger.record_invalid(conn, request_id, {**args, "kind": kind}, exc)
+        if ctx.events is not None:
+            ctx.events.end(request_id, 0, "failed", str(exc))
+            await ctx.events.flush()
         log.warning(
             "request %s refused: %s", request_id, exc,
             extra={"action": "refused", "request": request_id},
@@ -169,6 +200,8 @@ async def execute(
             nxt = await ledger.next_unfinished(conn, req.scope)
             if nxt is not None and nxt.request_id != request_id:
                 outcome.dispatch.append(nxt)
+    if ctx.events is not None:
+        await ctx.events.flush()
     return await _dispatched(runtime, outcome)
 
 
@@ -214,20 +247,25 @@ async def _run_holding(
         return Outcome("parked", dispatch=[started.older] if started.older_stale else [])
     assert started.epoch is not None
     epoch = started.epoch
+
+    async def finish_as(status: str, **outcome: Any) -> ledger.Pending | None:
+        return await _finish(
+            attempt, request_id, req, started, epoch, events=ctx.events, status=status, **outcome
+        )
     if started.crashes >= ctx.settings.max_crashes:
         error = (
             f"the worker died {started.crashes} times while running this request "
             f"(LOOMFLOW_WORKER_MAX_CRASHES={ctx.settings.max_crashes}); last attempt on "
             f"{ctx.holder}"
         )
-        nxt = await _finish(attempt, request_id, req, started, epoch,
-                            status="dead", error=error, error_type="WorkerDied")
+        nxt = await finish_as("dead", error=error, error_type="WorkerDied")
         log.error("request %s dead: %s", request_id, error, extra={"action": "dead", **log_fields})
         return Outcome("dead", error=error, dispatch=_listed(nxt))
 
     if started.cancel_requested:
-        nxt = await _finish(attempt, request_id, req, started, epoch, status="cancelled",
-                            error="cancelled before it started", error_type="Cancelled")
+        nxt = await finish_as(
+            "cancelled", error="cancelled before it started", error_type="Cancelled"
+        )
         log.info("request %s cancelled before it started", request_id,
                  extra={"action": "cancelled", **log_fields})
         return Outcome("cancelled", error="cancelled before it started", dispatch=_listed(nxt))
@@ -244,11 +282,12 @@ async def _run_holding(
         try:
             with run_options(attempt=attempt, epoch=epoch):
                 with anyio.move_on_after(time_limit) as deadline:
+                    emit = _emitter(ctx, request_id, started.attempt, attempt)
                     if req.kind == "resume":
                         with resuming_last_run():
-                            result = await _run_agent(agent, request_id, req)
+                            result = await _run_agent(agent, request_id, req, emit)
                     else:
-                        result = await _run_agent(agent, request_id, req)
+                        result = await _run_agent(agent, request_id, req, emit)
                 timed_out = deadline.cancelled_caught
         finally:
             beating.cancel()
@@ -262,8 +301,7 @@ async def _run_holding(
         failures = started.failures + 1
         if isinstance(exc, InvalidInput) or failures > ctx.settings.max_retries:
             error = f"{type(exc).__name__}: {exc}"
-            nxt = await _finish(attempt, request_id, req, started, epoch,
-                                status="failed", error=error, error_type=type(exc).__name__)
+            nxt = await finish_as("failed", error=error, error_type=type(exc).__name__)
             log.error("request %s failed after %d attempts: %s", request_id, started.attempt,
                       error, extra={"action": "failed", **log_fields})
             return Outcome("failed", error=error, dispatch=_listed(nxt))
@@ -279,8 +317,7 @@ async def _run_holding(
         stopped = _stopped(exc)
         if stopped is None:
             raise
-        nxt = await _finish(attempt, request_id, req, started, epoch, status="cancelled",
-                            error=stopped.reason, error_type="Cancelled")
+        nxt = await finish_as("cancelled", error=stopped.reason, error_type="Cancelled")
         log.info("request %s cancelled at a step boundary", request_id,
                  extra={"action": "cancelled", **log_fields})
         return Outcome("cancelled", error=stopped.reason, dispatch=_listed(nxt))
@@ -292,27 +329,25 @@ async def _run_holding(
             f"TimeLimitExceeded: the run took longer than its {time_limit:g}s time limit "
             "(register_agent(time_limit=...) or LOOMFLOW_WORKER_RUN_TIME_LIMIT)"
         )
-        nxt = await _finish(attempt, request_id, req, started, epoch, status="failed",
-                            error=error, error_type="TimeLimitExceeded")
+        nxt = await finish_as("failed", error=error, error_type="TimeLimitExceeded")
         log.error("request %s failed: %s", request_id, error,
                   extra={"action": "failed", **log_fields})
         return Outcome("failed", error=error, dispatch=_listed(nxt))
 
     payload = {**result.model_dump(mode="json"), "request_id": request_id}
-    nxt = await _finish(attempt, request_id, req, started, epoch,
-                        status="succeeded", result=payload)
+    nxt = await finish_as("succeeded", result=payload)
     log.info("request %s succeeded", request_id, extra={"action": "succeeded", **log_fields})
     return Outcome("succeeded", result=payload, dispatch=_listed(nxt))
 
 
-async def _run_agent(agent: Any, request_id: str, req: RunRequest) -> Any:
+async def _run_agent(agent: Any, request_id: str, req: RunRequest, emit: Any) -> Any:
     return await agent.run(
         req.prompt,
         session_id=req.session_id,
         user_id=req.user_id,
         metadata={**req.metadata, "request_id": request_id},
         # Always pass emit: model calls then always journal to the same table.
-        emit=_noop_emit,
+        emit=emit,
     )
 
 
@@ -356,8 +391,11 @@ async def _finish(
     result: Any = None,
     error: str | None = None,
     error_type: str | None = None,
+    events: EventPublisher | None = None,
 ) -> ledger.Pending | None:
-    """Status, result, epoch advance and the choice of the next request: one transaction."""
+    """Status, result, epoch advance and the choice of the next request: one transaction.
+
+    Then the request's live events end."""
     chosen: list[ledger.Pending | None] = [None]
 
     async def record(conn: Conn, new_epoch: int) -> None:
@@ -368,4 +406,6 @@ async def _finish(
 
     with anyio.CancelScope(shield=True):
         await attempt.finish(epoch, advance=True, on_finish=record)
+    if events is not None:
+        events.end(request_id, started.attempt, status, error)
     return chosen[0]

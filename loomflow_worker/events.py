@@ -1,0 +1,246 @@
+"""Live events of a run: a bounded Redis stream per request.
+
+Workers append every event of a run (model chunks, tool calls and results,
+completion, errors) to ``lfw:events:<request_id>``, each marked with the
+attempt that produced it and whether it came from a replayed step, and
+close the stream with an ``end`` event when the request reaches a terminal
+status. A reader attached at any time sees the run from its start, in
+order, and stops at the end: :func:`iter_events` (sync) and
+:func:`aiter_events` (async), for a web server to forward to its clients.
+
+Events are a view, not the record: the journal and the ledger are. A Redis
+outage drops events (counted and logged) and never fails a run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+
+from .settings import Settings
+
+log = logging.getLogger("loomflow_worker.events")
+
+END = "end"
+# Kinds that describe the attempt itself, never a replayed step.
+_ATTEMPT_KINDS = {"started", "completed", "error", END}
+
+
+def stream_key(prefix: str, request_id: str) -> str:
+    return f"{prefix}lfw:events:{request_id}"
+
+
+def events_url(settings: Settings) -> str | None:
+    """Where events go: ``EVENTS_URL``, else the result backend or broker if Redis."""
+    for url in (settings.events_url, settings.result_backend, settings.broker_url):
+        if url is not None and url.get_secret_value().startswith(("redis://", "rediss://")):
+            return url.get_secret_value()
+    return None
+
+
+@dataclass(frozen=True)
+class RunEvent:
+    """One event of a run, as read back from its stream."""
+
+    id: str
+    request_id: str
+    attempt: int
+    replayed: bool
+    kind: str
+    data: dict[str, Any]
+    at: float
+
+    @property
+    def is_end(self) -> bool:
+        return self.kind == END
+
+
+def _parse(request_id: str, entry_id: bytes | str, fields: dict[Any, Any]) -> RunEvent:
+    def text(key: str) -> str:
+        value = fields.get(key.encode(), fields.get(key, b""))
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    return RunEvent(
+        id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+        request_id=request_id,
+        attempt=int(text("attempt") or 0),
+        replayed=text("replayed") == "1",
+        kind=text("kind"),
+        data=json.loads(text("data") or "{}"),
+        at=float(text("at") or 0),
+    )
+
+
+class EventPublisher:
+    """Appends a worker's run events to Redis, batched, never failing a run."""
+
+    def __init__(self, url: str, *, prefix: str, maxlen: int, retention: float) -> None:
+        self._client: aredis.Redis = aredis.Redis.from_url(url, socket_timeout=5)
+        self._prefix = prefix
+        self._maxlen = maxlen
+        self._retention = max(1, int(retention))
+        self._queue: asyncio.Queue[tuple[str, dict[str, str]] | None] = asyncio.Queue()
+        self._flusher: asyncio.Task[None] | None = None
+        self.dropped = 0
+
+    def publish(
+        self, request_id: str, attempt: int, kind: str, data: str, *, replayed: bool
+    ) -> None:
+        """Queue one event; ``data`` is its payload as JSON text."""
+        fields = {
+            "attempt": str(attempt),
+            "replayed": "1" if replayed and kind not in _ATTEMPT_KINDS else "0",
+            "kind": kind,
+            "data": data,
+            "at": f"{time.time():.6f}",
+        }
+        if self._flusher is None:
+            self._flusher = asyncio.get_running_loop().create_task(self._flush_forever())
+        self._queue.put_nowait((request_id, fields))
+
+    async def flush(self) -> None:
+        """Wait until every event published so far was sent (or dropped)."""
+        await self._queue.join()
+
+    async def _flush_forever(self) -> None:
+        while True:
+            first = await self._queue.get()
+            batch = [first]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            try:
+                entries = [item for item in batch if item is not None]
+                if entries:
+                    await self._send(entries)
+            except (redis.RedisError, OSError) as exc:
+                self.dropped += len(batch)
+                log.warning("events: dropped %d events (%s)", len(batch), exc,
+                            extra={"action": "events_dropped"})
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+            if None in batch:
+                return
+
+    def end(self, request_id: str, attempt: int, status: str, error: str | None) -> None:
+        data = json.dumps({"status": status, "error": error}, separators=(",", ":"))
+        self.publish(request_id, attempt, END, data, replayed=False)
+
+    async def _send(self, entries: list[tuple[str, dict[str, str]]]) -> None:
+        async with self._client.pipeline(transaction=False) as pipe:
+            keys: set[str] = set()
+            for request_id, fields in entries:
+                key = stream_key(self._prefix, request_id)
+                keys.add(key)
+                pipe.xadd(key, fields, maxlen=self._maxlen, approximate=True)  # type: ignore[arg-type]
+            for key in keys:
+                pipe.expire(key, self._retention)
+            await pipe.execute()
+
+    async def aclose(self) -> None:
+        if self._flusher is not None:
+            self._queue.put_nowait(None)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._flusher, timeout=5)
+        await self._client.aclose()
+
+
+def _reader_args(settings: Settings | None, url: str | None) -> tuple[str, str]:
+    if settings is None:
+        from .tasks.application import settings as current
+
+        settings = current()
+    found = url or events_url(settings)
+    if found is None:
+        raise RuntimeError(
+            "no Redis to read events from: set LOOMFLOW_WORKER_EVENTS_URL (or use Redis as "
+            "the result backend or broker)"
+        )
+    return found, settings.redis_key_prefix
+
+
+class _Follow:
+    """Where a reader is in a stream, and when it is done (shared by sync and async)."""
+
+    def __init__(self, request_id: str, follow: bool, idle_timeout: float | None) -> None:
+        self.request_id = request_id
+        self.follow = follow
+        self.idle_timeout = idle_timeout
+        self.last = "0-0"
+        self.idle_since = time.monotonic()
+        self.done = False
+
+    @property
+    def block(self) -> int | None:
+        return 1000 if self.follow else None
+
+    def take(self, reply: Any) -> list[RunEvent]:
+        """The events of one XREAD reply; sets ``done`` at the end or when idle."""
+        if not reply:
+            idle = time.monotonic() - self.idle_since
+            self.done = not self.follow or (
+                self.idle_timeout is not None and idle > self.idle_timeout
+            )
+            return []
+        self.idle_since = time.monotonic()
+        events = []
+        for entry_id, fields in reply[0][1]:
+            event = _parse(self.request_id, entry_id, fields)
+            self.last = event.id
+            events.append(event)
+            if event.is_end:
+                self.done = True
+                break
+        return events
+
+
+def iter_events(
+    request_id: str,
+    *,
+    settings: Settings | None = None,
+    url: str | None = None,
+    follow: bool = True,
+    idle_timeout: float | None = None,
+) -> Iterator[RunEvent]:
+    """The events of a request from its start; with ``follow``, new ones as they
+    come, until its ``end`` event (or ``idle_timeout`` seconds without one)."""
+    found, prefix = _reader_args(settings, url)
+    key = stream_key(prefix, request_id)
+    cursor = _Follow(request_id, follow, idle_timeout)
+    client = redis.Redis.from_url(found)
+    try:
+        while not cursor.done:
+            yield from cursor.take(client.xread({key: cursor.last}, count=500, block=cursor.block))
+    finally:
+        client.close()
+
+
+async def aiter_events(
+    request_id: str,
+    *,
+    settings: Settings | None = None,
+    url: str | None = None,
+    follow: bool = True,
+    idle_timeout: float | None = None,
+) -> AsyncIterator[RunEvent]:
+    """:func:`iter_events` for an event loop."""
+    found, prefix = _reader_args(settings, url)
+    key = stream_key(prefix, request_id)
+    cursor = _Follow(request_id, follow, idle_timeout)
+    client: aredis.Redis = aredis.Redis.from_url(found)
+    try:
+        while not cursor.done:
+            reply = await client.xread({key: cursor.last}, count=500, block=cursor.block)
+            for event in cursor.take(reply):
+                yield event
+    finally:
+        await client.aclose()
