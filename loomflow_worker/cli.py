@@ -9,6 +9,7 @@ import anyio
 import click
 import psycopg
 
+from . import metrics
 from .runtime.errors import LoomflowWorkerError
 from .runtime.migrate import latest_version, migrate
 from .runtime.store import describe_dsn, probe
@@ -53,6 +54,8 @@ def worker(
     args += list(celery_args)
     # Set before the worker process starts: billiard reads it at import.
     os.environ["REMAP_SIGTERM"] = "SIGQUIT"
+    if settings.metrics_port:
+        metrics.prepare_multiprocess_dir()
     os.execv(sys.executable, args)
 
 

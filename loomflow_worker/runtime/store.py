@@ -232,6 +232,7 @@ class Attempt:
         blob = self.store._encode(value, key)
         if blob is None:
             return
+        started = time.perf_counter()
         params = {"scope": scope, "key": key, "value": blob, "created_at": time.time()}
         last_run = self.pending_last_run
         if last_run is None:
@@ -243,15 +244,18 @@ class Attempt:
             self.pending_last_run = None
             self.last_run = last_run
         self._steps[(scope, key)] = blob
+        self.store.observe_write(time.perf_counter() - started)
 
     async def write_stream(self, scope: str, key: str, chunks: list[Any]) -> None:
         blob = self.store._encode(list(chunks), key)
         if blob is None:
             return
         await self.flush_last_run()
+        started = time.perf_counter()
         params = {"scope": scope, "key": key, "value": blob, "created_at": time.time()}
         await self.io(lambda conn: conn.execute(query("put_stream"), params))
         self._streams[(scope, key)] = blob
+        self.store.observe_write(time.perf_counter() - started)
 
     def remember_step(self, scope: str, key: str, blob: bytes) -> None:
         self._steps[(scope, key)] = blob
@@ -356,6 +360,12 @@ class PostgresJournalStore:
             name="loomflow-worker-locks",
         )
         self._lock_pool_open = False
+        # Called with the seconds each journal write of a run took (metrics).
+        self.on_write: Callable[[float], None] | None = None
+
+    def observe_write(self, seconds: float) -> None:
+        if self.on_write is not None:
+            self.on_write(seconds)
 
     # ---- lifecycle -----------------------------------------------------------
 

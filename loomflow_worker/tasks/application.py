@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import uuid
 from typing import Any
 
@@ -12,12 +13,14 @@ from celery import Celery, Task
 from celery.exceptions import Ignore
 from celery.result import AsyncResult
 from celery.signals import (
+    worker_init,
     worker_process_init,
     worker_process_shutdown,
     worker_ready,
     worker_shutdown,
 )
 
+from .. import metrics
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
 from ..settings import Settings
 from .execute import Outcome, RunCancelled, RunDead, RunFailed, WorkerContext, execute
@@ -102,8 +105,16 @@ def _context() -> WorkerContext:
     return ctx
 
 
+@worker_init.connect
+def _prepare_worker(**_: Any) -> None:
+    if settings().metrics_port:
+        metrics.prepare_multiprocess_dir()
+
+
 @worker_process_init.connect
 def _open_child(**_: Any) -> None:
+    if settings().metrics_port:
+        metrics.setup()
     try:
         _loop.run(_context().runtime())
     except Exception:
@@ -119,10 +130,15 @@ def _close_child(**_: Any) -> None:
         except Exception:
             log.exception("closing the pool child's connections failed")
     _loop.stop()
+    if metrics.enabled():
+        metrics.process_exited(os.getpid())
 
 
 @worker_ready.connect
 def _start_sweeper(**_: Any) -> None:
+    if settings().metrics_port:
+        metrics.setup()
+        metrics.serve(settings().metrics_port)
     if settings().sweeper:
         sweeper = Sweeper(settings(), _dispatch)
         _state["sweeper"] = sweeper

@@ -19,6 +19,7 @@ import anyio
 from loomflow.core.types import Event
 from loomflow.runtime.journaled import resuming_last_run
 
+from .. import metrics
 from ..events import EventPublisher, events_url
 from ..runtime import (
     InvalidInput,
@@ -107,6 +108,9 @@ class WorkerContext:
                     await runtime.aclose()
                     raise
                 self._runtime = runtime
+                meter = metrics.get()
+                if meter is not None:
+                    runtime.journal.on_write = meter.journal_write.observe
                 url = events_url(self.settings)
                 if url is not None:
                     self.events = EventPublisher(
@@ -176,6 +180,7 @@ async def execute(
             outcome.dispatch.append(nxt)
         return await _dispatched(runtime, outcome)
     if pre.older is not None:
+        _count_parked("behind")
         log.info("request %s parked behind %s", request_id, pre.older.request_id,
                  extra={"action": "parked", "request": request_id, "session": req.session_id})
         return await _dispatched(
@@ -184,6 +189,7 @@ async def execute(
     try:
         attempt = await runtime.journal.acquire(req.scope, wait=0)
     except SessionBusy:
+        _count_parked("busy")
         log.info(
             "request %s parked: session busy", request_id,
             extra={"action": "parked", "request": request_id, "session": req.session_id},
@@ -272,6 +278,16 @@ async def _run_holding(
 
     log.info("request %s attempt %d at epoch %d", request_id, started.attempt, epoch,
              extra={"action": "start", "attempt": started.attempt, **log_fields})
+    meter = metrics.get()
+    if meter is not None:
+        how = "recovery" if started.since_heartbeat is not None else (
+            "retry" if started.failures else "first")
+        meter.attempts.labels(how).inc()
+        if started.since_heartbeat is not None:
+            meter.recovery.observe(started.since_heartbeat)
+        if started.since_handoff is not None:
+            meter.handoff.observe(started.since_handoff)
+    executed, replayed = runtime.stats.steps_executed, runtime.stats.steps_replayed
     agent = await ctx.agent(req.agent)
     time_limit = agent_time_limit(req.agent) or ctx.settings.run_time_limit
     beating = asyncio.get_running_loop().create_task(
@@ -293,6 +309,9 @@ async def _run_holding(
             beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beating
+            if meter is not None:
+                meter.steps.labels("executed").inc(runtime.stats.steps_executed - executed)
+                meter.steps.labels("replayed").inc(runtime.stats.steps_replayed - replayed)
     except LockLost:
         raise
     except Exception as exc:  # the run raised: not a crash, so retry or fail
@@ -349,6 +368,12 @@ async def _run_agent(agent: Any, request_id: str, req: RunRequest, emit: Any) ->
         # Always pass emit: model calls then always journal to the same table.
         emit=emit,
     )
+
+
+def _count_parked(reason: str) -> None:
+    meter = metrics.get()
+    if meter is not None:
+        meter.parked.labels(reason).inc()
 
 
 def _stopped(exc: BaseException) -> RunStopped | None:
@@ -408,4 +433,7 @@ async def _finish(
         await attempt.finish(epoch, advance=True, on_finish=record)
     if events is not None:
         events.end(request_id, started.attempt, status, error)
+    meter = metrics.get()
+    if meter is not None:
+        meter.requests.labels(status).inc()
     return chosen[0]

@@ -240,6 +240,10 @@ class Started:
     older: Pending | None = None
     older_stale: bool = False
     cancel_requested: bool = False
+    # Seconds since the request's last heartbeat (set when an attempt died),
+    # and since the previous request of its session finished (a handoff).
+    since_heartbeat: float | None = None
+    since_handoff: float | None = None
 
 
 async def start(
@@ -255,7 +259,7 @@ async def start(
         if row is None:
             raise LookupError(f"request {request_id} has no ledger row")
         (_, seq, row_scope, status, epoch, attempts, failures, crashes, result, error,
-         error_type, _kind, cancel) = row
+         error_type, _kind, cancel, since_heartbeat, since_handoff) = row
         if row_scope != scope:
             raise LookupError(f"request {request_id} belongs to scope {row_scope!r}, not {scope!r}")
         if status in TERMINAL:
@@ -279,8 +283,12 @@ async def start(
             {"request_id": request_id, "attempt": attempts, "worker": holder,
              "pid": os.getpid(), "epoch": epoch},
         )
-        return Started("running", seq, epoch, attempts, crashes, failures,
-                       cancel_requested=bool(cancel))
+        return Started(
+            "running", seq, epoch, attempts, crashes, failures,
+            cancel_requested=bool(cancel),
+            since_heartbeat=since_heartbeat if status == "running" else None,
+            since_handoff=since_handoff,
+        )
 
 
 async def finish(

@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg
 
+from .. import metrics
 from ..runtime.sql import query
 from ..settings import Settings
 from .ledger import Pending
@@ -114,8 +115,11 @@ class Sweeper:
         frozen = conn.execute(
             query("frozen_holders"), {"lease": self.settings.lease}
         ).fetchall()
+        meter = metrics.get()
         for request_id, pid in frozen:
             conn.execute(query("terminate_backend"), {"pid": pid})
+            if meter is not None:
+                meter.sweeper.labels("fence").inc()
             log.warning(
                 "sweeper: request %s stopped its heartbeat for over %gs; ended its worker's "
                 "lock connection (pid %s)", request_id, self.settings.lease, pid,
@@ -128,6 +132,8 @@ class Sweeper:
             pending = Pending(*row[:7])
             conn.execute(query("mark_swept"), {"request_id": pending.request_id})
             self.dispatch(pending)
+            if meter is not None:
+                meter.sweeper.labels("redispatch").inc()
             log.warning(
                 "sweeper: dispatched request %s again (it was %s with its session free)",
                 pending.request_id, row[7],

@@ -229,8 +229,13 @@ ON CONFLICT (request_id) DO UPDATE
 
 -- name: lock_run
 SELECT request_id, seq, scope, status, epoch, attempts, failures, crashes, result, error,
-       error_type, kind, cancel_requested
-  FROM runs WHERE request_id = %(request_id)s FOR UPDATE;
+       error_type, kind, cancel_requested,
+       extract(epoch FROM now() - heartbeat_at)::float8 AS since_heartbeat,
+       (SELECT extract(epoch FROM now() - p.finished_at)::float8
+          FROM runs p
+         WHERE p.scope = r.scope AND p.seq < r.seq AND p.finished_at > r.enqueued_at
+         ORDER BY p.seq DESC LIMIT 1) AS since_handoff
+  FROM runs r WHERE request_id = %(request_id)s FOR UPDATE;
 
 -- name: older_unfinished
 SELECT request_id, kind, session_id, user_id, agent, prompt, metadata,

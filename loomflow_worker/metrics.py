@@ -1,0 +1,103 @@
+"""Prometheus metrics of a worker, served by its main process.
+
+Pool children count in prometheus-client's multiprocess mode: each writes
+to files under ``PROMETHEUS_MULTIPROC_DIR`` and the main process serves
+the sum on ``LOOMFLOW_WORKER_METRICS_PORT``. prometheus-client is imported
+only when metrics are on, after that directory is set, so an application
+that merely enqueues keeps its own registry untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("loomflow_worker.metrics")
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass
+class Metrics:
+    requests: Any
+    attempts: Any
+    parked: Any
+    steps: Any
+    journal_write: Any
+    handoff: Any
+    recovery: Any
+    sweeper: Any
+
+
+_metrics: Metrics | None = None
+
+
+def enabled() -> bool:
+    return _metrics is not None
+
+
+def prepare_multiprocess_dir() -> str:
+    """Make sure pool children (forked later) write their samples to one folder."""
+    folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not folder:
+        folder = tempfile.mkdtemp(prefix="loomflow-worker-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = folder
+    return folder
+
+
+def setup() -> Metrics:
+    """Create the metrics (once per process)."""
+    global _metrics
+    if _metrics is None:
+        from prometheus_client import Counter, Histogram
+
+        _metrics = Metrics(
+            requests=Counter(
+                "loomflow_worker_requests", "Requests that reached an outcome", ["status"]
+            ),
+            attempts=Counter("loomflow_worker_attempts", "Attempts started", ["kind"]),
+            parked=Counter(
+                "loomflow_worker_parked", "Deliveries parked to wait for their turn", ["reason"]
+            ),
+            steps=Counter("loomflow_worker_steps", "Journaled steps", ["how"]),
+            journal_write=Histogram(
+                "loomflow_worker_journal_write_seconds", "Journal write latency", buckets=_SECONDS
+            ),
+            handoff=Histogram(
+                "loomflow_worker_handoff_seconds",
+                "From a request's finish to the start of the next one of its session",
+                buckets=_SECONDS,
+            ),
+            recovery=Histogram(
+                "loomflow_worker_recovery_seconds",
+                "From the last heartbeat of a crashed attempt to the start of the next",
+                buckets=_SECONDS,
+            ),
+            sweeper=Counter("loomflow_worker_sweeper_actions", "Sweeper actions", ["action"]),
+        )
+    return _metrics
+
+
+def get() -> Metrics | None:
+    return _metrics
+
+
+def serve(port: int) -> None:
+    """Serve the fleet member's metrics (all its processes) on ``port``."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    start_http_server(port, registry=registry)
+    log.info("metrics on port %d", port, extra={"action": "metrics_serving"})
+
+
+def process_exited(pid: int) -> None:
+    if _metrics is not None:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]

@@ -1,0 +1,65 @@
+"""The metrics endpoint of a worker, scraped while it works."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+import urllib.request
+
+from loomflow_worker.tasks import run_agent
+
+from .celery_harness import Fleet
+from .helpers import calls
+from .test_celery import _wait_for_execution
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _scrape(port: int) -> dict[str, float]:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+                text = reply.read().decode()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^(loomflow_worker_[^\s]+)\s+([0-9.e+-]+)$", line)
+        if match:
+            samples[match[1]] = float(match[2])
+    return samples
+
+
+def test_the_metrics_endpoint_shows_the_counters_moving(fleet: Fleet) -> None:
+    port = _free_port()
+    fleet.start("w1", concurrency=2, cli=True, TEST_TOOL_SLEEP="0.3",
+                LOOMFLOW_WORKER_METRICS_PORT=str(port))
+    first = run_agent.delay(calls("m1"), "s1")
+    first.get(timeout=60)
+    before = _scrape(port)
+    running = run_agent.delay(calls("m2", "m3", "m4"), "s2")
+    queued = run_agent.delay(calls("m5"), "s2")
+    _wait_for_execution(fleet.dsn, "m3")
+    during = _scrape(port)
+    running.get(timeout=60)
+    queued.get(timeout=60)
+    after = _scrape(port)
+
+    succeeded = 'loomflow_worker_requests_total{status="succeeded"}'
+    executed = 'loomflow_worker_steps_total{how="executed"}'
+    writes = "loomflow_worker_journal_write_seconds_count"
+    assert before[succeeded] == 1
+    assert during[writes] > before[writes]  # the running request journals as it goes
+    assert after[succeeded] == 3
+    assert after[executed] > during.get(executed, 0) > 0
+    assert after['loomflow_worker_attempts_total{kind="first"}'] == 3
+    assert after.get("loomflow_worker_handoff_seconds_count", 0) >= 1  # m5 waited for m2-m4
