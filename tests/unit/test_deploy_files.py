@@ -1,0 +1,873 @@
+"""The deploy files (``deploy/``), checked without a Docker engine or a cluster.
+
+- every YAML file parses, and every Kubernetes manifest validates against the Kubernetes API's
+  OpenAPI schemas, offline and strict (an unknown or misspelt field fails): kubernetes-validate
+  ships them; KEDA's ScaledObject and TriggerAuthentication are CRDs, checked by hand;
+- every ``LOOMFLOW_WORKER_*`` name the files use is a field of :class:`Settings`, every other
+  variable one of a short list, and the values configured parse as the package parses them;
+- every command is the console script of ``[project.scripts]`` with a subcommand it has, and the
+  probes ping the node name the worker really takes;
+- the grace periods (Compose's ``stop_grace_period``, Kubernetes'
+  ``terminationGracePeriodSeconds``) exceed the soft shutdown timeout configured in the same
+  files, with margin; KEDA watches the Redis list of the configured queue, on the broker's
+  Redis;
+- the Dockerfile runs as a non-root user and bakes in no secret; the Secret is placeholders.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+import typing
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
+import click
+import kubernetes_validate  # type: ignore[import-untyped]  # no py.typed
+import pytest
+import yaml
+from celery import Celery
+from pydantic import SecretStr
+
+from loomflow_worker.settings import Settings
+from loomflow_worker.testing import DeterministicModel
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+DOCKERFILE = DEPLOY / "Dockerfile"
+DOCKERIGNORE = DEPLOY / "Dockerfile.dockerignore"
+COMPOSE = DEPLOY / "compose.yaml"
+KUSTOMIZATION = K8S / "kustomization.yaml"
+
+ENV_PREFIX = "LOOMFLOW_WORKER_"
+# Variables the deploy files may set besides the package's own settings.
+OTHER_ENV = frozenset({
+    "ANTHROPIC_API_KEY",
+    "POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB",
+    "PATH", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "VIRTUAL_ENV",
+    "PIP_DISABLE_PIP_VERSION_CHECK", "PIP_NO_CACHE_DIR",
+})
+# What the workers' Secret must hold.
+WORKER_SECRETS = frozenset({
+    "LOOMFLOW_WORKER_DATABASE_URL", "LOOMFLOW_WORKER_BROKER_URL",
+    "LOOMFLOW_WORKER_RESULT_BACKEND", "ANTHROPIC_API_KEY",
+})
+PLACEHOLDER = "CHANGE_ME"
+# After its soft shutdown a worker stops and requeues its runs, closes its pool children and
+# stops its sweeper (which waits up to 10 s): the orchestrator's grace period must leave it
+# this much more (deploy/OPERATIONS.md).
+SHUTDOWN_MARGIN = 15.0
+# Postgres keeps these for superusers (superuser_reserved_connections' default).
+RESERVED_CONNECTIONS = 3
+K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())
+# A Kubernetes resource quantity: 500m, 1.5, 768Mi, 2G.
+QUANTITY = re.compile(r"\d+(\.\d+)?(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?")
+KEDA_API = "keda.sh/v1alpha1"
+KEDA_KINDS = frozenset({"ScaledObject", "TriggerAuthentication"})
+# ScaledObject fields (KEDA 2.x CRD), to catch a misspelt one: KEDA would ignore it.
+SCALED_OBJECT_SPEC = frozenset({
+    "scaleTargetRef", "pollingInterval", "cooldownPeriod", "initialCooldownPeriod",
+    "idleReplicaCount", "minReplicaCount", "maxReplicaCount", "fallback", "advanced", "triggers",
+})
+TRIGGER_FIELDS = frozenset(
+    {"type", "name", "metadata", "authenticationRef", "metricType", "useCachedMetrics"}
+)
+COMPOSE_CONDITIONS = frozenset(
+    {"service_started", "service_healthy", "service_completed_successfully"}
+)
+
+Doc = dict[str, Any]
+
+
+# ---- what the package reads ---------------------------------------------------------------
+
+
+def setting_names() -> set[str]:
+    return {ENV_PREFIX + name.upper() for name in Settings.model_fields}
+
+
+def secret_setting_names() -> set[str]:
+    """Settings typed ``SecretStr`` (or ``SecretStr | None``): never in a ConfigMap."""
+    names = set()
+    for name, field in Settings.model_fields.items():
+        annotation = field.annotation
+        if annotation is SecretStr or SecretStr in typing.get_args(annotation):
+            names.add(ENV_PREFIX + name.upper())
+    return names
+
+
+def console_script() -> tuple[str, click.Group]:
+    """The console script of ``[project.scripts]`` and the click group it runs."""
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert len(scripts) == 1, scripts
+    ((name, target),) = scripts.items()
+    module, _, attr = target.partition(":")
+    group = getattr(importlib.import_module(module), attr)
+    assert isinstance(group, click.Group)
+    return name, group
+
+
+def subcommands() -> set[str]:
+    return set(console_script()[1].commands)
+
+
+def settings_from(env: Mapping[str, str], monkeypatch: pytest.MonkeyPatch) -> Settings:
+    """The settings a process with exactly these LOOMFLOW_WORKER_* variables reads."""
+    with monkeypatch.context() as patch:
+        for name in list(os.environ):
+            if name.upper().startswith(ENV_PREFIX):
+                patch.delenv(name)
+        for name, value in env.items():
+            patch.setenv(name, value)
+        return Settings()
+
+
+def check_env_names(names: Iterable[str], where: str) -> None:
+    valid = setting_names()
+    for name in names:
+        if "LOOMFLOW" in name.upper():
+            assert name in valid, f"{where}: {name} is no setting (valid: {sorted(valid)})"
+        else:
+            assert name in OTHER_ENV, f"{where}: unexpected variable {name}"
+
+
+def worst_case_connections(concurrency: int, settings: Settings) -> int:
+    """Postgres connections one worker can hold (deploy/OPERATIONS.md): per pool child up to
+    2 lock connections, its pool and a LISTEN connection; one sweeper in the main process."""
+    return concurrency * (2 + settings.pool_max_size + 1) + 1
+
+
+def option_value(args: list[str], *flags: str) -> str | None:
+    for index, arg in enumerate(args):
+        for flag in flags:
+            if arg == flag:
+                return args[index + 1]
+            if flag.startswith("--") and arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def check_worker_args(args: list[str], where: str) -> int:
+    """A ``loomflow-worker`` argument list: a real subcommand; a worker's concurrency."""
+    assert args, f"{where}: no subcommand"
+    assert args[0] in subcommands(), f"{where}: {args[0]!r} is no subcommand of the CLI"
+    concurrency = option_value(args, "-c", "--concurrency")
+    if args[0] == "worker":
+        assert concurrency is not None, f"{where}: set the worker's concurrency explicitly"
+        assert int(concurrency) >= 1, where
+        return int(concurrency)
+    return 0
+
+
+def node_name(args: list[str]) -> str:
+    """The Celery node name a worker started with ``args`` takes, as a shell would name it."""
+    hostname = option_value(args, "-n", "--hostname")
+    return "celery@$HOSTNAME" if hostname is None else hostname.replace("%h", "$HOSTNAME")
+
+
+def check_ping(tokens: list[str], worker_args: list[str], where: str) -> None:
+    """A ``celery ... inspect ping`` probe of the worker started with ``worker_args``."""
+    assert tokens[:1] == ["celery"] or tokens[:3] == ["python", "-m", "celery"], (where, tokens)
+    app_module = option_value(tokens, "-A", "--app")
+    assert app_module is not None, f"{where}: no -A"
+    app = getattr(importlib.import_module(app_module), "app", None)
+    assert isinstance(app, Celery), f"{where}: {app_module} has no Celery app"
+    assert tokens[tokens.index("inspect") + 1] == "ping", f"{where}: {tokens}"
+    destination = option_value(tokens, "-d", "--destination")
+    assert destination == node_name(worker_args), (
+        f"{where}: pings {destination}, the worker is {node_name(worker_args)}"
+    )
+    timeout = option_value(tokens, "-t", "--timeout")
+    assert timeout is not None, f"{where}: without -t the ping waits 1 s only"
+
+
+# ---- YAML ---------------------------------------------------------------------------------
+
+
+def yaml_files() -> list[Path]:
+    return sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
+
+
+def load_all(path: Path) -> list[Doc]:
+    docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+    assert all(isinstance(doc, dict) for doc in docs), path
+    return docs
+
+
+@pytest.mark.parametrize("path", yaml_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_yaml_file_parses(path: Path) -> None:
+    assert load_all(path), f"{path} is empty"
+
+
+def test_the_deploy_files_exist() -> None:
+    for name in ("Dockerfile", "Dockerfile.dockerignore", "compose.yaml", "example_agents.py",
+                 "OPERATIONS.md", "k8s/kustomization.yaml"):
+        assert (DEPLOY / name).is_file(), name
+
+
+def test_every_loomflow_worker_name_in_deploy_is_a_setting() -> None:
+    """Comments and docs too: a misspelt name in OPERATIONS.md misleads as much."""
+    valid = setting_names()
+    for path in DEPLOY.rglob("*"):
+        if not path.is_file() or path.suffix == ".pyc":
+            continue
+        for name in re.findall(r"LOOMFLOW_WORKER_[A-Z0-9_]+", path.read_text()):
+            assert name in valid, f"{path.relative_to(ROOT)}: {name} is no setting"
+
+
+# ---- Dockerfile ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Instruction:
+    keyword: str
+    value: str
+    stage: int  # -1: before the first FROM
+
+
+def dockerfile() -> list[Instruction]:
+    instructions: list[Instruction] = []
+    stage = -1
+    pending = ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if line.startswith("#") or (not line and not pending):
+            continue  # comments (and parser directives), blank lines
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        logical = pending + line
+        pending = ""
+        keyword, _, value = logical.partition(" ")
+        if keyword.upper() == "FROM":
+            stage += 1
+        instructions.append(Instruction(keyword.upper(), value.strip(), stage))
+    assert not pending, "the Dockerfile ends inside a line continuation"
+    return instructions
+
+
+def final_stage() -> list[Instruction]:
+    instructions = dockerfile()
+    last = max(i.stage for i in instructions)
+    return [i for i in instructions if i.stage == last]
+
+
+def exec_form(instruction: Instruction) -> list[str]:
+    value = json.loads(instruction.value)
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), instruction
+    return value
+
+
+def assignments(instruction: Instruction) -> dict[str, str]:
+    """``ENV``/``ARG`` pairs: ``K=V ...``, ``ARG K`` or the legacy ``ENV K V``."""
+    tokens = shlex.split(instruction.value)
+    if instruction.keyword == "ENV" and "=" not in tokens[0]:
+        return {tokens[0]: " ".join(tokens[1:])}
+    pairs = {}
+    for token in tokens:
+        name, _, value = token.partition("=")
+        pairs[name] = value
+    return pairs
+
+
+def dockerfile_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for instruction in final_stage():
+        if instruction.keyword == "ENV":
+            env.update(assignments(instruction))
+    return env
+
+
+def test_dockerfile_is_multi_stage_on_python_slim() -> None:
+    instructions = dockerfile()
+    global_args: dict[str, str] = {}
+    for instruction in instructions:
+        if instruction.keyword == "ARG" and instruction.stage == -1:
+            global_args.update(assignments(instruction))
+    froms = [i for i in instructions if i.keyword == "FROM"]
+    assert len(froms) >= 2, "build the wheel in one stage, install it in another"
+    stage_names = []
+    for instruction in froms:
+        image, *rest = instruction.value.split()
+        image = re.sub(r"\$\{(\w+)\}|\$(\w+)",
+                       lambda m: global_args[m.group(1) or m.group(2)], image)
+        assert image == "python:3.11-slim", image
+        stage_names.append(rest[1] if len(rest) == 2 and rest[0].upper() == "AS" else "")
+    final = " ".join(i.value for i in final_stage())
+    assert any(
+        name and (f"from={name}" in final or f"--from={name}" in final)
+        for name in stage_names[:-1]
+    ), "the final stage installs nothing from the build stage"
+    assert "--find-links" in final and "--no-index" in final, "install the built wheels only"
+
+
+def test_dockerfile_runs_the_cli_as_a_non_root_user() -> None:
+    final = final_stage()
+    users = [i.value for i in final if i.keyword == "USER"]
+    assert users, "the final stage sets no USER: it runs as root"
+    user, _, group = users[-1].partition(":")
+    assert user not in ("root", "0") and group not in ("root", "0"), users[-1]
+    assert user.isdigit(), "a numeric USER, so that Kubernetes' runAsNonRoot can check it"
+
+    script, _ = console_script()
+    (entrypoint,) = [i for i in final if i.keyword == "ENTRYPOINT"]
+    assert exec_form(entrypoint) == [script]
+    (cmd,) = [i for i in final if i.keyword == "CMD"]
+    assert exec_form(cmd)[0] in subcommands()
+    (stopsignal,) = [i for i in final if i.keyword == "STOPSIGNAL"]
+    assert stopsignal.value == "SIGTERM"
+
+
+def looks_secret(name: str) -> bool:
+    parts = set(name.upper().split("_"))
+    return (
+        bool(parts & {"PASSWORD", "PASSWD", "SECRET", "TOKEN", "CREDENTIALS"})
+        or name.upper().endswith("KEY")
+        or name in secret_setting_names()
+    )
+
+
+def carries_credentials(value: str) -> bool:
+    return bool(re.search(r"://[^/\s:@]*:[^/\s@]+@", value)) or "sk-ant-" in value
+
+
+def test_dockerfile_bakes_in_no_secret() -> None:
+    for instruction in dockerfile():
+        if instruction.keyword not in ("ENV", "ARG", "LABEL"):
+            continue
+        for name, value in assignments(instruction).items():
+            assert not (looks_secret(name) and value), f"{instruction.keyword} {name}={value}"
+            assert not carries_credentials(value), f"{instruction.keyword} {name}: credentials"
+            if instruction.keyword == "ARG":
+                assert not looks_secret(name), f"ARG {name}: build args stay in the history"
+    check_env_names(dockerfile_env(), "Dockerfile")
+
+
+def copy_sources(instruction: Instruction) -> tuple[list[str], str]:
+    tokens = [t for t in shlex.split(instruction.value) if not t.startswith("--")]
+    return tokens[:-1], tokens[-1]
+
+
+def test_dockerfile_copies_files_that_exist_and_are_in_the_context() -> None:
+    patterns = [
+        line.strip() for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert patterns[0] == "*", "the context is an allow-list"
+    allowed = [p[1:].rstrip("/") for p in patterns if p.startswith("!")]
+    for entry in allowed:
+        assert (ROOT / entry).exists(), f"{DOCKERIGNORE.name}: {entry} does not exist"
+    for instruction in dockerfile():
+        if instruction.keyword not in ("COPY", "ADD") or "--from=" in instruction.value:
+            continue
+        sources, _ = copy_sources(instruction)
+        for source in sources:
+            assert (ROOT / source).exists(), f"{instruction.keyword} {source}: no such path"
+            assert any(
+                source == entry or source.startswith(entry + "/") for entry in allowed
+            ), f"{source} is left out of the build context by {DOCKERIGNORE.name}"
+
+
+def test_the_agents_modules_configured_are_in_the_image() -> None:
+    pythonpath = dockerfile_env().get("PYTHONPATH", "").split(":")
+    copied: dict[str, str] = {}
+    for instruction in final_stage():
+        if instruction.keyword == "COPY" and "--from=" not in instruction.value:
+            sources, target = copy_sources(instruction)
+            for source in sources:
+                copied[target if not target.endswith("/") else target + Path(source).name] = source
+    configured = {
+        "compose": [env.get("LOOMFLOW_WORKER_AGENTS", "") for env in compose_envs().values()],
+        "k8s": [worker_env().get("LOOMFLOW_WORKER_AGENTS", "")],
+    }
+    for where, values in configured.items():
+        for value in values:
+            for module in filter(None, (m.strip() for m in value.split(","))):
+                relative = module.replace(".", "/") + ".py"
+                assert any(f"{d.rstrip('/')}/{relative}" in copied for d in pythonpath), (
+                    f"{where}: agents module {module} is not copied onto the image's PYTHONPATH"
+                )
+
+
+# ---- the example agents module --------------------------------------------------------------
+
+
+@pytest.fixture
+def example_agents(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    from loomflow_worker.tasks import registry
+
+    factories, limits = dict(registry._factories), dict(registry._time_limits)
+    monkeypatch.syspath_prepend(str(DEPLOY))
+    sys.modules.pop("example_agents", None)
+    try:
+        yield importlib.import_module("example_agents")
+    finally:
+        sys.modules.pop("example_agents", None)
+        registry._factories.clear()
+        registry._factories.update(factories)
+        registry._time_limits.clear()
+        registry._time_limits.update(limits)
+
+
+def test_the_example_agent_runs_on_the_deterministic_model_without_a_key(
+    example_agents: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loomflow_worker.tasks.registry import agent_factory
+
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "")
+    agent = agent_factory("default")(None)
+    assert isinstance(example_agents.model(), DeterministicModel)
+
+    async def run() -> Any:
+        return await agent.run('call word_count {"text": "a b c"}\ncall utc_now {}')
+
+    output = anyio.run(run).output
+    assert re.fullmatch(r"done: 3, \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", output), output
+
+
+def test_the_example_agent_runs_on_claude_with_a_key(
+    example_agents: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loomflow_worker.tasks.registry import agent_factory
+
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-not-a-key")
+    agent = agent_factory("default")(None)
+    assert example_agents.model() == "claude-sonnet-4-6"
+    assert type(agent.model).__name__ == "AnthropicModel"  # the string resolved, offline
+
+
+# ---- Compose ------------------------------------------------------------------------------
+
+_INTERPOLATION = re.compile(
+    r"\$\$|\$\{(?P<braced>[A-Za-z_]\w*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}|\$(?P<bare>[A-Za-z_]\w*)"
+)
+
+
+def interpolate(value: str, seen: set[str]) -> str:
+    """Compose's interpolation, with every variable unset (so defaults apply)."""
+
+    def substitute(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group("braced") or match.group("bare")
+        seen.add(name)
+        op = match.group("op") or ""
+        return match.group("arg") if op in (":-", "-") else ""
+
+    return _INTERPOLATION.sub(substitute, value)
+
+
+def compose() -> Doc:
+    (doc,) = load_all(COMPOSE)
+    return doc
+
+
+def compose_env(service: Doc) -> dict[str, str]:
+    assert "env_file" not in service, "teach this test to read env_file"
+    raw = service.get("environment") or {}
+    if isinstance(raw, list):
+        raw = dict(item.partition("=")[::2] for item in raw)
+    return {name: "" if value is None else str(value) for name, value in raw.items()}
+
+
+def compose_envs() -> dict[str, dict[str, str]]:
+    """Each of our services' environment, interpolated."""
+    seen: set[str] = set()
+    return {
+        name: {k: interpolate(v, seen) for k, v in compose_env(service).items()}
+        for name, service in compose()["services"].items()
+        if is_ours(service)
+    }
+
+
+def is_ours(service: Doc) -> bool:
+    return "build" in service or str(service.get("image", "")).startswith("loomflow-worker")
+
+
+def compose_command(service: Doc) -> list[str]:
+    command = service["command"]
+    assert isinstance(command, list), "use the list form: no shell in between"
+    return [str(part) for part in command]
+
+
+def workers() -> dict[str, Doc]:
+    return {
+        name: service for name, service in compose()["services"].items()
+        if is_ours(service) and compose_command(service)[0] == "worker"
+    }
+
+
+def duration(text: str) -> float:
+    """A Compose duration: ``45s``, ``1m30s``, ``1.5h``."""
+    units = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)", text)
+    assert parts and "".join(n + u for n, u in parts) == text, f"bad duration {text!r}"
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_compose_services_and_their_order() -> None:
+    services = compose()["services"]
+    postgres, redis = services["postgres"], services["redis"]
+    assert str(postgres["image"]).split(":")[1].split(".")[0] == "16"
+    assert str(redis["image"]).split(":")[1].split(".")[0] == "7"
+    assert "pg_isready" in " ".join(postgres["healthcheck"]["test"])
+    assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
+    for name, service in services.items():
+        for target, spec in (service.get("depends_on") or {}).items():
+            assert target in services, f"{name} depends on unknown {target}"
+            assert spec["condition"] in COMPOSE_CONDITIONS, f"{name}: {spec['condition']}"
+
+    (migrate,) = [s for s in services.values() if is_ours(s) and compose_command(s)[0] == "migrate"]
+    assert compose_command(migrate) == ["migrate"]
+    assert migrate["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert migrate.get("restart", "no") == "no"
+    migrate_name = next(n for n, s in services.items() if s is migrate)
+
+    assert len(workers()) >= 2
+    for name, worker in workers().items():
+        conditions = {t: spec["condition"] for t, spec in worker["depends_on"].items()}
+        assert conditions[migrate_name] == "service_completed_successfully", name
+        assert conditions["redis"] == "service_healthy", name
+
+
+def test_compose_commands_are_cli_commands() -> None:
+    script, _ = console_script()
+    for name, service in compose()["services"].items():
+        if not is_ours(service):
+            continue
+        entrypoint = service.get("entrypoint")
+        assert entrypoint in (None, [script]), f"{name}: entrypoint {entrypoint}"
+        check_worker_args(compose_command(service), f"compose {name}")
+
+
+def test_compose_env_names_are_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: set[str] = set()
+    for name, service in compose()["services"].items():
+        env = {k: interpolate(v, seen) for k, v in compose_env(service).items()}
+        check_env_names(env, f"compose {name}")
+        if is_ours(service):
+            settings_from(env, monkeypatch)  # the values parse as the package parses them
+    check_env_names(seen, "compose ${...}")
+
+
+def test_compose_grace_period_exceeds_the_soft_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, worker in workers().items():
+        settings = settings_from(compose_envs()[name], monkeypatch)
+        grace = duration(str(worker["stop_grace_period"]))
+        assert grace >= settings.soft_shutdown_timeout + SHUTDOWN_MARGIN, (
+            f"{name}: stop_grace_period {grace}s, soft shutdown {settings.soft_shutdown_timeout}s"
+        )
+
+
+def test_compose_time_limits_are_consistent(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, env in compose_envs().items():
+        settings = settings_from(env, monkeypatch)
+        assert settings.visibility_timeout > settings.run_time_limit, name
+
+
+def test_compose_worker_healthcheck_pings_the_worker() -> None:
+    for name, worker in workers().items():
+        test = [interpolate(str(part), set()) for part in worker["healthcheck"]["test"]]
+        assert test[0] == "CMD-SHELL", name
+        check_ping(shlex.split(test[1]), compose_command(worker), f"compose {name}")
+
+
+def test_compose_postgres_has_connections_for_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    postgres_command = [str(p) for p in compose()["services"]["postgres"].get("command", [])]
+    setting = next((p for p in postgres_command if p.startswith("max_connections=")), None)
+    max_connections = 100 if setting is None else int(setting.split("=", 1)[1])
+    needed = 1  # the migration
+    for name, worker in workers().items():
+        settings = settings_from(compose_envs()[name], monkeypatch)
+        concurrency = check_worker_args(compose_command(worker), name)
+        needed += worst_case_connections(concurrency, settings)
+    assert needed <= max_connections - RESERVED_CONNECTIONS, (needed, max_connections)
+
+
+# ---- Kubernetes ---------------------------------------------------------------------------
+
+
+def kustomization() -> Doc:
+    (doc,) = load_all(KUSTOMIZATION)
+    return doc
+
+
+def manifests() -> list[tuple[str, Doc]]:
+    return [
+        (str(entry), doc)
+        for entry in kustomization()["resources"]
+        for doc in load_all(K8S / entry)
+    ]
+
+
+def of_kind(kind: str) -> list[Doc]:
+    return [doc for _, doc in manifests() if doc["kind"] == kind]
+
+
+def one(kind: str) -> Doc:
+    (doc,) = of_kind(kind)
+    return doc
+
+
+def by_name(kind: str) -> dict[str, Doc]:
+    return {doc["metadata"]["name"]: doc for doc in of_kind(kind)}
+
+
+def secret_data(secret: Doc) -> dict[str, str]:
+    assert "data" not in secret, "a template: use stringData, readable placeholders"
+    return {k: str(v) for k, v in (secret.get("stringData") or {}).items()}
+
+
+def containers(workload: Doc) -> list[Doc]:
+    spec = workload["spec"]["template"]["spec"]
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def container_env(container: Doc) -> dict[str, str]:
+    """What the container's environment holds: envFrom first, then env (which wins)."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(by_name("ConfigMap")[source["configMapRef"]["name"]]["data"])
+        if "secretRef" in source:
+            env.update(secret_data(by_name("Secret")[source["secretRef"]["name"]]))
+    for item in container.get("env", []):
+        env[item["name"]] = str(item.get("value", ""))
+    return env
+
+
+def worker_container() -> Doc:
+    container: Doc
+    (container,) = one("Deployment")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def worker_env() -> dict[str, str]:
+    return container_env(worker_container())
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    listed = set(kustomization()["resources"])
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {KUSTOMIZATION.name}
+    assert listed == on_disk
+    images = {image["name"] for image in kustomization().get("images", [])}
+    for workload in (one("Deployment"), one("Job")):
+        for container in containers(workload):
+            name = container["image"].rsplit(":", 1)[0]
+            assert name in images, f"{name}: kustomization's images would not set its tag"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_kubernetes_manifests_validate(version: str) -> None:
+    for where, doc in manifests():
+        if doc["kind"] in KEDA_KINDS and doc["apiVersion"] == KEDA_API:
+            continue  # CRDs: checked by hand below
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            pytest.fail(f"{where}: {doc['kind']} {path}: {exc.message} (Kubernetes {version})")
+        except kubernetes_validate.SchemaNotFoundError as exc:
+            pytest.fail(f"{where}: {exc.message}")
+
+
+def test_kustomize_builds_the_manifests() -> None:
+    """Runs only where kubectl is installed (its built-in kustomize)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    built = subprocess.run(
+        [kubectl, "kustomize", str(K8S)], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
+    docs = [doc for doc in yaml.safe_load_all(built) if doc]
+    assert sorted(d["kind"] for d in docs) == sorted(d["kind"] for _, d in manifests())
+    (image,) = kustomization()["images"]
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "Job"):
+            for container in containers(doc):
+                assert container["image"] == f"{image['newName']}:{image['newTag']}"
+        if doc["apiVersion"] != KEDA_API:
+            kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+
+
+def test_workloads_use_config_that_exists() -> None:
+    config_maps, secrets = by_name("ConfigMap"), by_name("Secret")
+    for workload in (one("Deployment"), one("Job")):
+        for container in containers(workload):
+            for source in container.get("envFrom", []):
+                if "configMapRef" in source:
+                    assert source["configMapRef"]["name"] in config_maps
+                if "secretRef" in source:
+                    assert source["secretRef"]["name"] in secrets
+            for item in container.get("env", []):
+                ref = item.get("valueFrom", {})
+                if "secretKeyRef" in ref:
+                    key = ref["secretKeyRef"]
+                    assert key["key"] in secret_data(secrets[key["name"]]), item
+                if "configMapKeyRef" in ref:
+                    key = ref["configMapKeyRef"]
+                    assert key["key"] in config_maps[key["name"]]["data"], item
+
+
+def test_kubernetes_env_names_are_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    for workload in (one("Deployment"), one("Job")):
+        for container in containers(workload):
+            env = container_env(container)
+            where = f"{workload['kind']} {container['name']}"
+            check_env_names(env, where)
+            settings_from(env, monkeypatch)  # the values parse as the package parses them
+
+
+def test_kubernetes_commands_are_cli_commands() -> None:
+    script, _ = console_script()
+    for workload in (one("Deployment"), one("Job")):
+        for container in containers(workload):
+            assert container.get("command") in (None, [script]), container["name"]
+            check_worker_args(container.get("args", []), f"{workload['kind']} {container['name']}")
+    assert worker_container()["args"][0] == "worker"
+    job = one("Job")
+    assert containers(job)[0]["args"] == ["migrate"]
+    # The API server refuses Always for a Job; the schema does not say so.
+    assert job["spec"]["template"]["spec"]["restartPolicy"] in ("Never", "OnFailure")
+    assert job["spec"]["backoffLimit"] >= 1
+    assert job["spec"]["ttlSecondsAfterFinished"] > 0
+
+
+def test_secrets_are_placeholders_in_the_secret() -> None:
+    config = one("ConfigMap")["data"]
+    leaked = secret_setting_names() & set(config)
+    assert not leaked, f"secrets in the ConfigMap: {sorted(leaked)}"
+    for item in worker_container().get("env", []):
+        assert not (item["name"] in secret_setting_names() and "value" in item), item["name"]
+    secret = by_name("Secret")[next(
+        s["secretRef"]["name"] for s in worker_container()["envFrom"] if "secretRef" in s
+    )]
+    assert set(secret_data(secret)) >= WORKER_SECRETS
+    for doc in of_kind("Secret"):
+        for key, value in secret_data(doc).items():
+            assert value == "" or PLACEHOLDER in value, f"Secret {key}: not a placeholder"
+
+
+def test_kubernetes_grace_period_exceeds_the_soft_shutdown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = settings_from(worker_env(), monkeypatch)
+    spec = one("Deployment")["spec"]["template"]["spec"]
+    grace = spec["terminationGracePeriodSeconds"]
+    assert grace >= settings.soft_shutdown_timeout + SHUTDOWN_MARGIN, (
+        f"terminationGracePeriodSeconds {grace}, soft shutdown {settings.soft_shutdown_timeout}"
+    )
+    assert settings.visibility_timeout > settings.run_time_limit
+
+
+def test_worker_deployment_rolls_one_pod_at_a_time() -> None:
+    deployment = one("Deployment")
+    spec = deployment["spec"]
+    assert spec["strategy"]["type"] == "RollingUpdate"
+    assert spec["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    assert "replicas" not in spec, "KEDA owns the replica count"
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    pdb = one("PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert "maxUnavailable" in pdb["spec"] or "minAvailable" in pdb["spec"]
+
+
+def test_worker_probes_ping_the_worker() -> None:
+    container = worker_container()
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = container[probe]["exec"]["command"]
+        assert command[:2] == ["sh", "-c"], f"{probe}: $HOSTNAME needs a shell"
+        check_ping(shlex.split(command[2]), container["args"], probe)
+        assert container[probe]["timeoutSeconds"] > float(
+            option_value(shlex.split(command[2]), "-t", "--timeout") or 0
+        ), f"{probe}: the kubelet gives up before the ping does"
+
+
+def test_worker_runs_as_non_root_with_resources() -> None:
+    for workload in (one("Deployment"), one("Job")):
+        pod = workload["spec"]["template"]["spec"]
+        for container in containers(workload):
+            merged = {**pod.get("securityContext", {}), **container.get("securityContext", {})}
+            assert merged.get("runAsNonRoot") is True, container["name"]
+            assert merged.get("runAsUser", 1) != 0, container["name"]
+            assert merged.get("allowPrivilegeEscalation") is False, container["name"]
+            resources = container["resources"]
+            assert {"cpu", "memory"} <= set(resources["requests"]), container["name"]
+            assert "memory" in resources["limits"], container["name"]
+            for kind in ("requests", "limits"):
+                for value in resources[kind].values():
+                    # The schema takes any string; the API server parses a quantity.
+                    assert QUANTITY.fullmatch(str(value)), f"{container['name']}: {value!r}"
+
+
+# ---- KEDA ---------------------------------------------------------------------------------
+
+
+def keda(kind: str) -> Doc:
+    (doc,) = [d for d in of_kind(kind) if d["apiVersion"] == KEDA_API]
+    return doc
+
+
+def test_keda_scaled_object_has_its_required_fields() -> None:
+    scaled = keda("ScaledObject")
+    assert scaled["metadata"]["name"]
+    spec = scaled["spec"]
+    assert set(spec) <= SCALED_OBJECT_SPEC, f"unknown fields: {set(spec) - SCALED_OBJECT_SPEC}"
+    target = spec["scaleTargetRef"]
+    deployment = one("Deployment")
+    assert target["name"] == deployment["metadata"]["name"]
+    assert target.get("kind", "Deployment") == "Deployment"
+    assert target.get("apiVersion", "apps/v1") == deployment["apiVersion"]
+    minimum, maximum = spec["minReplicaCount"], spec["maxReplicaCount"]
+    assert isinstance(minimum, int) and isinstance(maximum, int)
+    # Never 0: the sweeper runs in workers, and running requests are not in the list.
+    assert 1 <= minimum <= maximum
+    triggers = spec["triggers"]
+    assert isinstance(triggers, list) and triggers
+    auths = {d["metadata"]["name"]: d for d in of_kind("TriggerAuthentication")}
+    for trigger in triggers:
+        assert set(trigger) <= TRIGGER_FIELDS, set(trigger) - TRIGGER_FIELDS
+        assert trigger["type"]
+        metadata = trigger["metadata"]
+        # The CRD types metadata as map[string]string: a bare number is refused.
+        assert all(isinstance(v, str) for v in metadata.values()), metadata
+        if "authenticationRef" in trigger:
+            assert trigger["authenticationRef"]["name"] in auths
+
+
+def test_keda_trigger_authentication_reads_secrets_that_exist() -> None:
+    auth = keda("TriggerAuthentication")
+    secrets = by_name("Secret")
+    refs = auth["spec"]["secretTargetRef"]
+    assert refs
+    for ref in refs:
+        assert {"parameter", "name", "key"} <= set(ref), ref
+        assert ref["key"] in secret_data(secrets[ref["name"]]), ref
+
+
+def test_keda_watches_the_queue_on_the_brokers_redis(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = settings_from(worker_env(), monkeypatch)
+    (trigger,) = [t for t in keda("ScaledObject")["spec"]["triggers"] if t["type"] == "redis"]
+    metadata = trigger["metadata"]
+    assert metadata["listName"] == settings.redis_key_prefix + settings.queue
+    assert int(metadata["listLength"]) >= 1
+    broker = urlsplit(settings.broker_url.get_secret_value())
+    assert metadata["address"] == f"{broker.hostname}:{broker.port or 6379}"
+    assert metadata.get("databaseIndex", "0") == (broker.path.strip("/") or "0")
+    assert (metadata.get("enableTLS", "false") == "true") == (broker.scheme == "rediss")
