@@ -40,7 +40,10 @@ def stream_key(prefix: str, request_id: str) -> str:
 
 
 def events_url(settings: Settings) -> str | None:
-    """Where events go: ``EVENTS_URL``, else the result backend or broker if Redis."""
+    """Where events go: ``EVENTS_URL``, else the result backend or broker if Redis
+    (``None``: events are off)."""
+    if not settings.events:
+        return None
     for url in (settings.events_url, settings.result_backend, settings.broker_url):
         if url is not None and url.get_secret_value().startswith(("redis://", "rediss://")):
             return url.get_secret_value()
@@ -81,14 +84,23 @@ def _parse(request_id: str, entry_id: bytes | str, fields: dict[Any, Any]) -> Ru
 
 
 class EventPublisher:
-    """Appends a worker's run events to Redis, batched, never failing a run."""
+    """Appends a worker's run events to Redis, batched, never failing a run.
 
-    def __init__(self, url: str, *, prefix: str, maxlen: int, retention: float) -> None:
+    Events are buffered and sent every ``interval`` seconds in one pipeline
+    (and at :meth:`flush`, which the worker calls when a request ends), so a
+    run costs a few round trips to Redis, not one per event."""
+
+    def __init__(
+        self, url: str, *, prefix: str, maxlen: int, retention: float, interval: float = 0.1
+    ) -> None:
         self._client: aredis.Redis = aredis.Redis.from_url(url, socket_timeout=5)
         self._prefix = prefix
         self._maxlen = maxlen
         self._retention = max(1, int(retention))
-        self._queue: asyncio.Queue[tuple[str, dict[str, str]] | None] = asyncio.Queue()
+        self._interval = interval
+        self._buffer: list[tuple[str, dict[str, str]]] = []
+        self._pending = asyncio.Event()
+        self._sending = asyncio.Lock()
         self._flusher: asyncio.Task[None] | None = None
         self.dropped = 0
 
@@ -96,44 +108,40 @@ class EventPublisher:
         self, request_id: str, attempt: int, kind: str, data: str, *, replayed: bool
     ) -> None:
         """Queue one event; ``data`` is its payload as JSON text."""
-        fields = {
+        self._buffer.append((request_id, {
             "attempt": str(attempt),
             "replayed": "1" if replayed and kind not in _ATTEMPT_KINDS else "0",
             "kind": kind,
             "data": data,
             "at": f"{time.time():.6f}",
-        }
+        }))
+        self._pending.set()
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_forever())
-        self._queue.put_nowait((request_id, fields))
-
-    async def flush(self) -> None:
-        """Wait until every event published so far was sent (or dropped)."""
-        await self._queue.join()
-
-    async def _flush_forever(self) -> None:
-        while True:
-            first = await self._queue.get()
-            batch = [first]
-            while not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            try:
-                entries = [item for item in batch if item is not None]
-                if entries:
-                    await self._send(entries)
-            except (redis.RedisError, OSError) as exc:
-                self.dropped += len(batch)
-                log.warning("events: dropped %d events (%s)", len(batch), exc,
-                            extra={"action": "events_dropped"})
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
-            if None in batch:
-                return
 
     def end(self, request_id: str, attempt: int, status: str, error: str | None) -> None:
         data = json.dumps({"status": status, "error": error}, separators=(",", ":"))
         self.publish(request_id, attempt, END, data, replayed=False)
+
+    async def flush(self) -> None:
+        """Send every event published so far (or drop them, counted, if Redis fails)."""
+        async with self._sending:
+            entries, self._buffer = self._buffer, []
+            self._pending.clear()
+            if not entries:
+                return
+            try:
+                await self._send(entries)
+            except (redis.RedisError, OSError) as exc:
+                self.dropped += len(entries)
+                log.warning("events: dropped %d events (%s)", len(entries), exc,
+                            extra={"action": "events_dropped"})
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await self._pending.wait()
+            await asyncio.sleep(self._interval)
+            await self.flush()
 
     async def _send(self, entries: list[tuple[str, dict[str, str]]]) -> None:
         async with self._client.pipeline(transaction=False) as pipe:
@@ -148,9 +156,11 @@ class EventPublisher:
 
     async def aclose(self) -> None:
         if self._flusher is not None:
-            self._queue.put_nowait(None)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._flusher, timeout=5)
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+        with contextlib.suppress(Exception):
+            await self.flush()
         await self._client.aclose()
 
 

@@ -64,6 +64,7 @@ class Settings(BaseSettings):
 
     # Live events: a bounded Redis stream per request (default: the result
     # backend's or the broker's Redis), kept this long after its last event.
+    events: bool = True
     events_url: SecretStr | None = None
     events_maxlen: int = Field(default=10_000, ge=10)
     events_retention: float = Field(default=86_400.0, gt=0)

@@ -19,6 +19,7 @@ from celery.signals import (
     worker_ready,
     worker_shutdown,
 )
+from kombu import pools as kombu_pools
 
 from .. import metrics
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
@@ -85,12 +86,13 @@ def _drop_connections() -> None:
     # after a reconfiguration they must be made again from the new settings.
     app._backend_cache = None
     vars(app._local).pop("backend", None)
-    if app._pool is not None:
-        app._pool.force_close_all()
-        app._pool = None
+    app._pool = None
     amqp = app.__dict__.get("amqp")
     if amqp is not None:
         amqp._producer_pool = None
+    # kombu keeps connection and producer pools per broker URL in process-wide
+    # groups: close them all, or the app would get a closed pool back.
+    kombu_pools.reset()  # type: ignore[no-untyped-call]
 
 
 configure()
