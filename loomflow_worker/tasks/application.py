@@ -18,11 +18,13 @@ from celery.signals import (
     worker_process_shutdown,
     worker_ready,
     worker_shutdown,
+    worker_shutting_down,
 )
 from kombu import pools as kombu_pools
 
 from .. import metrics
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
+from ..runtime.sql import query
 from ..settings import Settings
 from .execute import Outcome, RunCancelled, RunDead, RunFailed, WorkerContext, execute
 from .ledger import ON_BUSY, EnqueuePool, OnBusy, Pending
@@ -147,11 +149,30 @@ def _start_sweeper(**_: Any) -> None:
         sweeper.start()
 
 
+@worker_shutting_down.connect
+def _mark_interrupted(sender: str | None = None, **_: Any) -> None:
+    """A deploy: the runs this worker stops were interrupted, not crashed."""
+    if not sender:
+        return
+    current = settings()
+    try:
+        with psycopg.connect(
+            current.database_url.get_secret_value(), autocommit=True,
+            connect_timeout=current.connect_timeout,
+        ) as conn:
+            conn.execute(query("mark_interrupted"), {"node": f"{sender}:"})
+    except psycopg.Error:
+        log.warning("could not mark this worker's runs interrupted", exc_info=True)
+
+
 @worker_shutdown.connect
-def _stop_sweeper(**_: Any) -> None:
+def _stop_sweeper(sender: Any = None, **_: Any) -> None:
     sweeper: Sweeper | None = _state.pop("sweeper", None)
     if sweeper is not None:
         sweeper.stop()
+    # Once more now that the pool is gone: an attempt started during the
+    # soft shutdown was interrupted too.
+    _mark_interrupted(getattr(sender, "hostname", None))
 
 
 def _run_signature(
@@ -251,7 +272,9 @@ def cancel_run(request_id: str) -> str:
 def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
     request_id = task.request.id
     try:
-        outcome: Outcome = _loop.run(execute(_context(), request_id, args, task.kind))
+        outcome: Outcome = _loop.run(
+            execute(_context(), request_id, args, task.kind, task.request.hostname)
+        )
     except (LockLost, DatabaseUnavailable, psycopg.OperationalError) as exc:
         countdown = _context().backoff(task.request.retries + 1)
         log.warning("request %s: %s; retrying in %.1fs", request_id, exc, countdown,

@@ -30,7 +30,7 @@ from ..runtime import (
     run_options,
 )
 from ..runtime.errors import LoomflowWorkerError
-from ..runtime.store import Attempt, Conn
+from ..runtime.store import Attempt
 from ..settings import Settings
 from . import ledger
 from .registry import agent_factory, agent_time_limit
@@ -148,8 +148,13 @@ class WorkerContext:
 
 
 async def execute(
-    ctx: WorkerContext, request_id: str, args: dict[str, Any], kind: Kind
+    ctx: WorkerContext,
+    request_id: str,
+    args: dict[str, Any],
+    kind: Kind,
+    node: str | None = None,
 ) -> Outcome:
+    """One attempt of ``request_id``; ``node`` is the Celery node running it."""
     runtime = await ctx.runtime()
     try:
         req = check_request(ctx.settings, kind=kind, **args)
@@ -196,7 +201,8 @@ async def execute(
         )
         return Outcome("parked")
     try:
-        outcome = await _run_holding(ctx, runtime, attempt, request_id, req)
+        holder = f"{node or ctx.holder.rsplit(':', 1)[0]}:{os.getpid()}"
+        outcome = await _run_holding(ctx, runtime, attempt, request_id, req, holder)
     finally:
         await runtime.journal.release(attempt)
     async with runtime.pool.connection() as conn:
@@ -226,12 +232,11 @@ async def _run_holding(
     attempt: Attempt,
     request_id: str,
     req: RunRequest,
+    holder: str,
 ) -> Outcome:
-    current, last = await attempt.read_epochs()
-    first_epoch = last if req.kind == "resume" and last is not None else current
     started = await attempt.io(
         lambda conn: ledger.start(
-            conn, request_id, req.scope, first_epoch, ctx.holder, ctx.settings.redispatch_after
+            conn, request_id, req.scope, holder, ctx.settings.redispatch_after
         )
     )
     log_fields = {"request": request_id, "session": req.session_id, "user": req.user_id}
@@ -262,7 +267,7 @@ async def _run_holding(
         error = (
             f"the worker died {started.crashes} times while running this request "
             f"(LOOMFLOW_WORKER_MAX_CRASHES={ctx.settings.max_crashes}); last attempt on "
-            f"{ctx.holder}"
+            f"{holder}"
         )
         nxt = await finish_as("dead", error=error, error_type="WorkerDied")
         log.error("request %s dead: %s", request_id, error, extra={"action": "dead", **log_fields})
@@ -418,22 +423,19 @@ async def _finish(
     error_type: str | None = None,
     events: EventPublisher | None = None,
 ) -> ledger.Pending | None:
-    """Status, result, epoch advance and the choice of the next request: one transaction.
-
-    Then the request's live events end."""
-    chosen: list[ledger.Pending | None] = [None]
-
-    async def record(conn: Conn, new_epoch: int) -> None:
-        chosen[0] = await ledger.finish(
-            conn, request_id, req.scope, started.attempt,
-            status=status, result=result, error=error, error_type=error_type,
-        )
-
+    """Status, result, epoch advance and the choice of the next request: one
+    statement. Then the request's live events end."""
+    await attempt.flush_last_run()
     with anyio.CancelScope(shield=True):
-        await attempt.finish(epoch, advance=True, on_finish=record)
+        chosen = await attempt.io(
+            lambda conn: ledger.finish(
+                conn, request_id, req.scope, started.attempt, epoch,
+                status=status, result=result, error=error, error_type=error_type,
+            )
+        )
     if events is not None:
         events.end(request_id, started.attempt, status, error)
     meter = metrics.get()
     if meter is not None:
         meter.requests.labels(status).inc()
-    return chosen[0]
+    return chosen

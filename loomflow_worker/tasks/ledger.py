@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import psycopg
+from loomflow.runtime import _codec
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
@@ -247,48 +249,34 @@ class Started:
 
 
 async def start(
-    conn: Conn, request_id: str, scope: str, current_epoch: int, holder: str, stale_after: float
+    conn: Conn, request_id: str, scope: str, holder: str, stale_after: float
 ) -> Started:
-    """Under the scope lock, in one transaction: a duplicate of a finished request
+    """Under the scope lock, in one statement: a duplicate of a finished request
     gets its stored outcome; a request behind an unfinished older one parks;
     otherwise the attempt is counted and the request marked running, its epoch
-    pinned on the first attempt."""
-    async with conn.transaction():
-        cur = await conn.execute(query("lock_run"), {"request_id": request_id})
-        row = await cur.fetchone()
-        if row is None:
-            raise LookupError(f"request {request_id} has no ledger row")
-        (_, seq, row_scope, status, epoch, attempts, failures, crashes, result, error,
-         error_type, _kind, cancel, since_heartbeat, since_handoff) = row
-        if row_scope != scope:
-            raise LookupError(f"request {request_id} belongs to scope {row_scope!r}, not {scope!r}")
-        if status in TERMINAL:
-            return Started(status, seq, epoch, attempts, crashes, failures, result, error,
-                           error_type)
-        cur = await conn.execute(
-            query("older_unfinished"), {"scope": scope, "seq": seq, "stale": stale_after}
-        )
-        older = await cur.fetchone()
-        if older is not None:
-            return Started("parked", seq, older=_pending(older), older_stale=bool(older[7]))
-        cur = await conn.execute(
-            query("start_run"),
-            {"request_id": request_id, "epoch": current_epoch, "holder": holder},
-        )
-        started = await cur.fetchone()
-        assert started is not None
-        epoch, attempts, crashes, failures = started
-        await conn.execute(
-            query("insert_attempt"),
-            {"request_id": request_id, "attempt": attempts, "worker": holder,
-             "pid": os.getpid(), "epoch": epoch},
-        )
-        return Started(
-            "running", seq, epoch, attempts, crashes, failures,
-            cancel_requested=bool(cancel),
-            since_heartbeat=since_heartbeat if status == "running" else None,
-            since_handoff=since_handoff,
-        )
+    pinned on the first attempt (the scope's current one, or its last run's
+    for a resume)."""
+    cur = await conn.execute(
+        query("start_request"),
+        {"request_id": request_id, "scope": scope, "holder": holder, "pid": os.getpid(),
+         "stale": stale_after},
+    )
+    row = await cur.fetchone()
+    if row is None:
+        raise LookupError(f"request {request_id} has no ledger row")
+    (status, seq, result, error, error_type, cancel, epoch, attempts, crashes, failures,
+     since_heartbeat, since_handoff) = row[:12]
+    older = row[12:]
+    if status in TERMINAL:
+        return Started(status, seq, result=result, error=error, error_type=error_type)
+    if older[0] is not None:
+        return Started("parked", seq, older=_pending(older[:7]), older_stale=bool(older[7]))
+    return Started(
+        "running", seq, epoch, attempts, crashes, failures,
+        cancel_requested=bool(cancel),
+        since_heartbeat=since_heartbeat,
+        since_handoff=since_handoff,
+    )
 
 
 async def finish(
@@ -296,25 +284,24 @@ async def finish(
     request_id: str,
     scope: str,
     attempt: int,
+    epoch: int,
     *,
     status: str,
     result: Any = None,
     error: str | None = None,
     error_type: str | None = None,
 ) -> Pending | None:
-    """Record the request's end and choose the next request of its scope.
-
-    Runs inside the transaction that advances the scope's epoch."""
-    await conn.execute(
-        query("finish_run"),
-        {"request_id": request_id, "status": status,
+    """The request's end in one statement: the scope's epoch advanced past
+    ``epoch`` (forward only), status, result and error recorded, the attempt
+    closed, and the next unfinished request of the scope chosen."""
+    cur = await conn.execute(
+        query("finish_request"),
+        {"request_id": request_id, "scope": scope, "attempt": attempt,
+         "new_epoch": epoch + 1, "epoch_value": _codec.dumps(epoch + 1),
+         "created_at": time.time(), "status": status,
          "result": None if result is None else Jsonb(result),
          "error": error, "error_type": error_type},
     )
-    await conn.execute(
-        query("end_attempt"), {"request_id": request_id, "attempt": attempt, "outcome": status}
-    )
-    cur = await conn.execute(query("next_unfinished"), {"scope": scope})
     return _pending(await cur.fetchone())
 
 

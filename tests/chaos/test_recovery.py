@@ -130,8 +130,16 @@ def test_a_rolling_deploy_loses_no_run(fleet: Fleet) -> None:
             f"recorded {t}" for t in tags
         )
     assert steps_journaled_twice(fleet.dsn) == []
-    statuses = {ledger(fleet.dsn, r.id)["status"] for _, r in requests}
-    assert statuses == {"succeeded"}
+    rows = [ledger(fleet.dsn, r.id) for _, r in requests]
+    assert {row["status"] for row in rows} == {"succeeded"}
+    # Runs stopped by the deploy were interrupted, not crashed: no step toward `dead`.
+    assert max(int(str(row["attempts"])) for row in rows) > 1
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        attempts = conn.execute(
+            "SELECT request_id, attempt, worker, outcome, started_at, ended_at FROM run_attempts "
+            "ORDER BY request_id, attempt"
+        ).fetchall()
+    assert {row["crashes"] for row in rows} == {0}, attempts
     # A tool whose side effect finished just before its worker stopped, but
     # whose journal entry was not yet written, runs again: at-least-once at
     # the step boundary. What never happens is a journaled step running again.

@@ -407,3 +407,192 @@ UPDATE runs
  WHERE scope = %(scope)s AND status IN ('queued', 'running') AND request_id <> %(by)s
    AND seq < (SELECT seq FROM runs WHERE request_id = %(by)s)
 RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata;
+
+-- ---- operating the fleet (loomflow_worker.admin, the CLI) ---------------------------------
+
+-- name: admin_list_runs
+SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
+       holder
+  FROM runs
+ WHERE (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
+   AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
+   AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s::text[]))
+   AND (%(older)s::float8 IS NULL OR enqueued_at < now() - make_interval(secs => %(older)s))
+   AND (%(newer)s::float8 IS NULL OR enqueued_at >= now() - make_interval(secs => %(newer)s))
+ ORDER BY seq DESC
+ LIMIT %(limit)s;
+
+-- name: admin_run_status
+SELECT status, result, error, error_type FROM runs WHERE request_id = %(request_id)s;
+
+-- name: admin_run_attempts
+SELECT attempt, worker, pid, epoch, started_at, ended_at, outcome
+  FROM run_attempts WHERE request_id = %(request_id)s
+ ORDER BY attempt;
+
+-- name: admin_run_journal
+-- The entries of one run: its scope's "<epoch>/..." keys, or at epoch 0 the
+-- keys in no namespace; the scope's epoch bookkeeping left out.
+SELECT false AS stream, step_name, created_at, value FROM journal_steps
+ WHERE session_id = %(scope)s
+   AND step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
+   AND CASE WHEN %(epoch)s::integer > 0
+            THEN step_name COLLATE "C" >= %(lo)s AND step_name COLLATE "C" < %(hi)s
+            ELSE step_name !~ '^([0-9]+|[0-9a-f]{16})/' END
+UNION ALL
+SELECT true, step_name, created_at, chunks FROM journal_streams
+ WHERE session_id = %(scope)s
+   AND CASE WHEN %(epoch)s::integer > 0
+            THEN step_name COLLATE "C" >= %(lo)s AND step_name COLLATE "C" < %(hi)s
+            ELSE step_name !~ '^([0-9]+|[0-9a-f]{16})/' END
+ ORDER BY created_at, step_name;
+
+-- name: admin_prune_counts
+-- What admin_prune_* would delete now (the progress bar's length).
+SELECT (SELECT count(*) FROM journal_steps j
+         WHERE j.created_at < %(before)s::float8
+           AND j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
+           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
+                              AND r.status IN ('queued', 'running'))),
+       (SELECT count(*) FROM journal_streams j
+         WHERE j.created_at < %(before)s::float8
+           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
+                              AND r.status IN ('queued', 'running'))),
+       (SELECT count(*) FROM checkpoints c
+         WHERE c.created_at < %(before)s::float8
+           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
+                              AND r.status IN ('queued', 'running'))),
+       (SELECT count(*) FROM runs
+         WHERE status IN ('succeeded', 'failed', 'cancelled', 'dead')
+           AND enqueued_at < %(cutoff)s AND finished_at < %(cutoff)s);
+
+-- name: admin_prune_steps
+-- prune_steps by age, sparing the scopes of unfinished requests (a run parked
+-- on a signal for longer than the cutoff still needs its journal to resume).
+DELETE FROM journal_steps WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM journal_steps j
+     WHERE j.created_at < %(before)s::float8
+       AND j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
+       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
+                          AND r.status IN ('queued', 'running'))
+     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
+
+-- name: admin_prune_streams
+DELETE FROM journal_streams WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM journal_streams j
+     WHERE j.created_at < %(before)s::float8
+       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
+                          AND r.status IN ('queued', 'running'))
+     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
+
+-- name: admin_prune_checkpoints
+DELETE FROM checkpoints WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM checkpoints c
+     WHERE c.created_at < %(before)s::float8
+       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
+                          AND r.status IN ('queued', 'running'))
+     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
+
+-- name: admin_prune_runs
+-- Finished requests (their attempts cascade). enqueued_at bounds the scan of
+-- runs_status: a request finished before the cutoff was enqueued before it.
+DELETE FROM runs WHERE request_id = ANY(ARRAY(
+    SELECT request_id FROM runs
+     WHERE status IN ('succeeded', 'failed', 'cancelled', 'dead')
+       AND enqueued_at < %(cutoff)s AND finished_at < %(cutoff)s
+     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
+
+-- name: admin_server_version
+SELECT current_setting('server_version');
+
+-- name: admin_schema_present
+SELECT to_regclass('loomflow_worker_schema') IS NOT NULL;
+
+-- ---- one statement to start a request, one to finish it ------------------------------
+
+-- name: start_request
+-- Under the scope lock: read the request, look for an older unfinished one,
+-- and (when there is none and the request is not finished) count the
+-- attempt, pin the epoch on the first attempt and mark it running, in one
+-- statement. A previous attempt that ended "interrupted" (its worker shut
+-- down for a deploy) does not count as a crash.
+WITH r AS (
+    SELECT request_id, seq, scope, status, epoch, kind, attempts, cancel_requested,
+           result, error, error_type, heartbeat_at, enqueued_at
+      FROM runs WHERE request_id = %(request_id)s FOR UPDATE
+), older AS (
+    SELECT o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
+           o.dispatched_at < now() - make_interval(secs => %(stale)s) AS stale
+      FROM runs o JOIN r ON o.scope = r.scope
+     WHERE o.status IN ('queued', 'running') AND o.seq < r.seq
+     ORDER BY o.seq LIMIT 1
+), marks AS (
+    SELECT max(loomflow_worker_epoch(value)) FILTER (WHERE step_name = '__run_epoch__') AS current,
+           max(loomflow_worker_epoch(value)) FILTER (WHERE step_name = '__last_run_epoch__') AS last
+      FROM journal_steps
+     WHERE session_id = %(scope)s AND step_name IN ('__run_epoch__', '__last_run_epoch__')
+), started AS (
+    UPDATE runs u
+       SET status = 'running',
+           epoch = coalesce(u.epoch, CASE WHEN r.kind = 'resume' AND m.last IS NOT NULL
+                                          THEN m.last ELSE coalesce(m.current, 0) END),
+           attempts = u.attempts + 1,
+           crashes = u.crashes + (r.status = 'running' AND NOT EXISTS (
+               SELECT 1 FROM run_attempts a
+                WHERE a.request_id = r.request_id AND a.attempt = r.attempts
+                  AND a.outcome = 'interrupted'))::int,
+           holder = %(holder)s,
+           holder_pid = pg_backend_pid(),
+           started_at = now(),
+           heartbeat_at = now()
+      FROM r, marks m
+     WHERE u.request_id = r.request_id AND r.status IN ('queued', 'running')
+       AND NOT EXISTS (SELECT 1 FROM older)
+    RETURNING u.epoch, u.attempts, u.crashes, u.failures
+), attempt_row AS (
+    INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch)
+    SELECT %(request_id)s, attempts, %(holder)s, %(pid)s, epoch FROM started
+    ON CONFLICT (request_id, attempt) DO NOTHING
+)
+SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
+       s.epoch, s.attempts, s.crashes, s.failures,
+       CASE WHEN r.status = 'running'
+            THEN extract(epoch FROM now() - r.heartbeat_at)::float8 END AS since_heartbeat,
+       (SELECT extract(epoch FROM now() - p.finished_at)::float8
+          FROM runs p
+         WHERE p.scope = r.scope AND p.seq < r.seq AND p.finished_at > r.enqueued_at
+         ORDER BY p.seq DESC LIMIT 1) AS since_handoff,
+       o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata, o.stale
+  FROM r
+  LEFT JOIN started s ON true
+  LEFT JOIN older o ON true;
+
+-- name: finish_request
+-- The request's end in one statement: the scope's epoch advanced past the
+-- pinned one (forward only), the status, result and error recorded, the
+-- attempt closed, and the next unfinished request of the scope chosen.
+WITH advanced AS (
+    INSERT INTO journal_steps (session_id, step_name, value, created_at)
+    VALUES (%(scope)s, '__run_epoch__', %(epoch_value)s, %(created_at)s)
+    ON CONFLICT (session_id, step_name) DO UPDATE
+       SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
+     WHERE coalesce(loomflow_worker_epoch(journal_steps.value), -1) < %(new_epoch)s
+), finished AS (
+    UPDATE runs
+       SET status = %(status)s, result = %(result)s, error = %(error)s,
+           error_type = %(error_type)s, finished_at = now(), holder_pid = NULL
+     WHERE request_id = %(request_id)s AND status IN ('queued', 'running')
+), closed AS (
+    UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(status)s
+     WHERE request_id = %(request_id)s AND attempt = %(attempt)s
+)
+SELECT request_id, kind, session_id, user_id, agent, prompt, metadata
+  FROM runs
+ WHERE scope = %(scope)s AND status IN ('queued', 'running') AND request_id <> %(request_id)s
+ ORDER BY seq LIMIT 1;
+
+-- name: mark_interrupted
+-- A worker shutting down (a deploy): its attempts still running end
+-- "interrupted", so their next attempt does not count a crash.
+UPDATE run_attempts SET outcome = 'interrupted'
+ WHERE starts_with(worker, %(node)s) AND ended_at IS NULL AND outcome IS NULL;
