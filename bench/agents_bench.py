@@ -1,0 +1,46 @@
+"""The agent both sides of ``bench_celery.py`` run: DeterministicModel and one pure tool.
+
+Workers of ours import this module (``LOOMFLOW_WORKER_AGENTS=bench.agents_bench``), which
+registers the agent as ``default``; the plain Celery app (``bench/plain_celery_app.py``)
+calls :func:`build_agent` itself. The tool does no I/O and does not sleep, so what is measured
+is the cost of the framework around the run: the broker, the journal, the ledger.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from loomflow import Agent, tool
+from loomflow.tools import Tool
+
+from loomflow_worker import register_agent
+from loomflow_worker.testing import DeterministicModel
+
+
+def calls(*tags: str) -> str:
+    """A prompt asking for one ``record`` call per tag, one after the other."""
+    return "\n".join(f"call record {json.dumps({'tag': t})}" for t in tags)
+
+
+def expected_output(*tags: str) -> str:
+    return "done: " + ", ".join(f"recorded {t}" for t in tags)
+
+
+def record_tool() -> Tool:
+    async def record(tag: str) -> str:
+        """Record a side effect tagged ``tag`` (here: nothing, at once)."""
+        return f"recorded {tag}"
+
+    return tool(name="record", description="Record a side effect.")(record)
+
+
+@register_agent()
+def build_agent(runtime: Any) -> Agent:
+    return Agent(
+        "bench agent",
+        model=DeterministicModel(),
+        tools=[record_tool()],
+        runtime=runtime,
+        auto_extract=False,
+    )
