@@ -171,8 +171,12 @@ async def execute(
         return Outcome("failed", error=str(exc))
 
     async with runtime.pool.connection() as conn:
-        await ledger.ensure_row(conn, request_id, req)
-        pre = await ledger.precheck(conn, request_id, ctx.settings.redispatch_after)
+        try:
+            pre = await ledger.precheck(conn, request_id, ctx.settings.redispatch_after)
+        except LookupError:
+            # Published by name, from a process with no database access.
+            await ledger.ensure_row(conn, request_id, req)
+            pre = await ledger.precheck(conn, request_id, ctx.settings.redispatch_after)
     if pre.status in ledger.TERMINAL:
         # A duplicate of a finished request: its stored outcome, nothing run.
         log.info("request %s already %s", request_id, pre.status,
@@ -205,16 +209,17 @@ async def execute(
         outcome = await _run_holding(ctx, runtime, attempt, request_id, req, holder)
     finally:
         await runtime.journal.release(attempt)
-    async with runtime.pool.connection() as conn:
-        if outcome.kind in ledger.TERMINAL and not outcome.dispatch:
+    if outcome.kind in ledger.TERMINAL and not outcome.dispatch:
+        async with runtime.pool.connection() as conn:
             # A request enqueued while this one finished may have parked on the
-            # lock after the handoff was chosen: look once more, unlocked.
+            # lock after the finish chose no one: look once more, unlocked.
             nxt = await ledger.next_unfinished(conn, req.scope)
             if nxt is not None and nxt.request_id != request_id:
+                await ledger.mark_dispatched(conn, nxt.request_id)
                 outcome.dispatch.append(nxt)
     if ctx.events is not None:
         await ctx.events.flush()
-    return await _dispatched(runtime, outcome)
+    return outcome
 
 
 async def _dispatched(runtime: PostgresRuntime, outcome: Outcome) -> Outcome:

@@ -585,11 +585,16 @@ WITH advanced AS (
 ), closed AS (
     UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(status)s
      WHERE request_id = %(request_id)s AND attempt = %(attempt)s
+), chosen AS (
+    SELECT request_id, kind, session_id, user_id, agent, prompt, metadata
+      FROM runs
+     WHERE scope = %(scope)s AND status IN ('queued', 'running') AND request_id <> %(request_id)s
+     ORDER BY seq LIMIT 1
+), handed AS (
+    -- The next request is dispatched right after this commit.
+    UPDATE runs SET dispatched_at = now() WHERE request_id = (SELECT request_id FROM chosen)
 )
-SELECT request_id, kind, session_id, user_id, agent, prompt, metadata
-  FROM runs
- WHERE scope = %(scope)s AND status IN ('queued', 'running') AND request_id <> %(request_id)s
- ORDER BY seq LIMIT 1;
+SELECT * FROM chosen;
 
 -- name: mark_interrupted
 -- A worker shutting down (a deploy): its attempts still running end
