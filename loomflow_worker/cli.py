@@ -2,30 +2,200 @@
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import os
 import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, ParamSpec
 
 import anyio
 import click
 import psycopg
+from pydantic import ValidationError
 
-from . import metrics
-from .runtime.errors import LoomflowWorkerError
+from . import admin, metrics
+from .runtime.errors import (
+    DatabaseUnavailable,
+    InvalidInput,
+    LoomflowWorkerError,
+    SchemaError,
+    SessionBusy,
+)
 from .runtime.migrate import latest_version, migrate
 from .runtime.store import describe_dsn, probe
 from .settings import Settings
 
-# Exit codes scripts can rely on.
+# Exit codes scripts can rely on (listed in the group's help).
 EXIT_OK = 0
 EXIT_FAILED = 1
+EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
+EXIT_NOT_FOUND = 4
+EXIT_BUSY = 5
+EXIT_TIMEOUT = 6
+
+_STATUS_EXIT = {"succeeded": EXIT_OK}
+
+P = ParamSpec("P")
+
+# Passwords of the configured connection strings: scrubbed from every error shown.
+_secrets: list[str] = []
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Durable loomflow agent runs on Postgres and Celery.
 
-    Settings come from LOOMFLOW_WORKER_* environment variables (see the README)."""
+    Settings come from LOOMFLOW_WORKER_* environment variables (see the README).
+
+    \b
+    Exit codes:
+      0  ok (the run succeeded; every doctor check passed)
+      1  the run failed, ended dead or was cancelled; a doctor check failed;
+         or the operator declined a prompt
+      2  usage error: bad arguments, input or settings
+      3  Postgres, the broker or Redis unavailable, or the schema missing
+      4  no such request
+      5  the session is busy (enqueue --on-busy reject)
+      6  timed out (enqueue --wait --timeout, tail --idle-timeout)"""
+    # The pool's own retries would repeat what the error message says.
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
+
+
+# ---- shared pieces --------------------------------------------------------------------------
+
+
+def _fail(code: int, message: str) -> None:
+    click.echo(f"error: {admin.redact(message, _secrets)}", err=True)
+    sys.exit(code)
+
+
+def _settings() -> Settings:
+    """The settings from the environment, or exit 2 naming what is wrong (never the
+    values given: they may hold passwords)."""
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        _fail(EXIT_USAGE, f"bad LOOMFLOW_WORKER_* settings: {admin.validation_message(exc)}")
+        raise AssertionError("unreachable") from exc
+    _secrets[:] = admin.secrets_of(settings)
+    return settings
+
+
+def _broker_errors() -> tuple[type[BaseException], ...]:
+    import kombu.exceptions
+    import redis
+
+    return (kombu.exceptions.OperationalError, redis.ConnectionError, redis.TimeoutError,
+            ConnectionError)
+
+
+def handled(fn: Callable[P, None]) -> Callable[P, None]:
+    """Errors as a one-line message and the exit code the group's help lists."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            fn(*args, **kwargs)
+        except (click.ClickException, click.exceptions.Abort, click.exceptions.Exit):
+            raise  # click's own: usage errors (exit 2), a declined prompt (exit 1)
+        except admin.RequestNotFound as exc:
+            _fail(EXIT_NOT_FOUND, str(exc))
+        except SessionBusy as exc:
+            _fail(EXIT_BUSY, str(exc))
+        except InvalidInput as exc:
+            _fail(EXIT_USAGE, str(exc))
+        except (DatabaseUnavailable, SchemaError) as exc:
+            _fail(EXIT_UNAVAILABLE, str(exc))
+        except psycopg.OperationalError as exc:
+            _fail(EXIT_UNAVAILABLE, f"Postgres: {str(exc).strip() or type(exc).__name__}")
+        except psycopg.ProgrammingError as exc:
+            _fail(EXIT_USAGE, f"Postgres refused the connection string or a query: {exc}")
+        except psycopg.Error as exc:
+            _fail(EXIT_UNAVAILABLE, f"Postgres: {type(exc).__name__}: {exc}")
+        except TimeoutError as exc:
+            _fail(EXIT_TIMEOUT, str(exc) or "timed out")
+        except _broker_errors() as exc:
+            _fail(EXIT_UNAVAILABLE, f"broker or Redis unavailable: {exc}")
+        except LoomflowWorkerError as exc:
+            _fail(EXIT_FAILED, str(exc))
+        except Exception:
+            # Unexpected: the traceback, with every configured password scrubbed.
+            click.echo(admin.redact(traceback.format_exc(), _secrets), err=True)
+            sys.exit(EXIT_FAILED)
+
+    return wrapper
+
+
+if TYPE_CHECKING:
+    _DurationParam = click.ParamType[timedelta, Any]
+    _JsonParam = click.ParamType[Any, Any]
+else:  # click before 8.2 has no generic ParamType
+    _DurationParam = _JsonParam = click.ParamType
+
+
+class Duration(_DurationParam):
+    """``30d``, ``12h``, ``90m``, ``45s``, or combinations like ``1d12h``."""
+
+    name = "duration"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> timedelta:
+        if isinstance(value, timedelta):
+            return value
+        try:
+            return admin.parse_duration(str(value))
+        except InvalidInput as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class JsonValue(_JsonParam):
+    name = "json"
+
+    def __init__(self, *, object_only: bool = False) -> None:
+        self.object_only = object_only
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            self.fail(f"not JSON ({exc}): {value!r}", param, ctx)
+        if self.object_only and not isinstance(parsed, dict):
+            self.fail(f"must be a JSON object, like '{{\"k\": \"v\"}}', not {value!r}", param, ctx)
+        return parsed
+
+
+def _when(value: datetime | float | None, *, precise: bool = False) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        value = datetime.fromtimestamp(value, tz=UTC)
+    value = value.astimezone(UTC)
+    if precise:
+        return value.strftime("%H:%M:%S.") + f"{value.microsecond // 1000:03d}"
+    return value.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> Iterator[str]:
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    for line in (headers, *rows):
+        yield "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+
+
+def _echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, default=str, sort_keys=True))
+
+
+# ---- worker, migrate ------------------------------------------------------------------------
 
 
 @main.command(
@@ -44,7 +214,7 @@ def worker(
     for LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT seconds, then are stopped and
     requeued at once, to resume on another worker. Keep that timeout below
     the orchestrator's grace period. Extra arguments go to `celery worker`."""
-    settings = Settings()
+    settings = _settings()
     args = [sys.executable, "-m", "celery", "-A", "loomflow_worker.tasks", "worker",
             "-l", loglevel, "-Q", settings.queue]
     if concurrency is not None:
@@ -62,7 +232,7 @@ def worker(
 @main.command(name="migrate")
 def migrate_command() -> None:
     """Apply the schema migrations the database lacks (safe to run concurrently)."""
-    settings = Settings()
+    settings = _settings()
     dsn = settings.database_url.get_secret_value()
 
     async def run() -> list[int]:
@@ -75,14 +245,433 @@ def migrate_command() -> None:
     try:
         applied = anyio.run(run)
     except LoomflowWorkerError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(EXIT_UNAVAILABLE)
+        _fail(EXIT_UNAVAILABLE, str(exc))
+        return
     where = describe_dsn(dsn)
     if applied:
         click.echo(f"{where}: applied {', '.join(f'{v:04d}' for v in applied)}; "
                    f"schema at version {latest_version()}")
     else:
         click.echo(f"{where}: schema already at version {latest_version()}")
+
+
+# ---- enqueue --------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("prompt")
+@click.option("--session", "session_id", required=True, help="The session to run in.")
+@click.option("--user", "user_id", default=None, help="The user the session belongs to.")
+@click.option("--agent", default="default", show_default=True, help="A registered agent.")
+@click.option("--metadata", type=JsonValue(object_only=True), default=None,
+              help="A JSON object passed to the run.")
+@click.option("--on-busy", type=click.Choice(["enqueue", "reject", "interrupt"]),
+              default="enqueue", show_default=True,
+              help="When the session has an unfinished request: wait for it, refuse "
+                   "(exit 5), or cancel it.")
+@click.option("--wait", is_flag=True, help="Wait for the run to end and print its result.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With --wait: give up after this many seconds (exit 6).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@handled
+def enqueue(
+    prompt: str,
+    session_id: str,
+    user_id: str | None,
+    agent: str,
+    metadata: dict[str, Any] | None,
+    on_busy: str,
+    wait: bool,
+    timeout: float | None,
+    as_json: bool,
+) -> None:
+    """Submit PROMPT to run in a session (PROMPT "-" reads it from stdin).
+
+    Prints the request id; with --wait, then the run's output (or, with
+    --json, one JSON object), and exits 0 if the run succeeded, 1 if not."""
+    import uuid
+
+    if timeout is not None and not wait:
+        raise click.UsageError("--timeout needs --wait")
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    _settings()
+    from .tasks.application import run_agent
+
+    request_id = str(uuid.uuid4())
+    try:
+        run_agent.apply_async(
+            (prompt, session_id),
+            {"user_id": user_id, "agent": agent, "metadata": metadata},
+            task_id=request_id,
+            on_busy=on_busy,
+        )
+    except _broker_errors() as exc:
+        _fail(
+            EXIT_UNAVAILABLE,
+            f"request {request_id} is recorded but could not be published ({exc}); a "
+            "worker's sweeper dispatches it again once the broker is back "
+            "(LOOMFLOW_WORKER_REDISPATCH_AFTER)",
+        )
+    if not wait:
+        if as_json:
+            _echo_json({"request_id": request_id, "status": "queued"})
+        else:
+            click.echo(request_id)
+        return
+    if not as_json:
+        click.echo(request_id)
+    with admin.connect(_settings()) as conn:
+        outcome = admin.wait_for(conn, request_id, timeout=timeout)
+    if as_json:
+        _echo_json({"request_id": request_id, "status": outcome.status, "result": outcome.result,
+                    "error": outcome.error, "error_type": outcome.error_type})
+    elif outcome.status == "succeeded":
+        output = (outcome.result or {}).get("output") if isinstance(outcome.result, dict) else None
+        click.echo(output if isinstance(output, str) else json.dumps(outcome.result))
+    else:
+        click.echo(f"request {request_id} {outcome.status}: {outcome.error or '(no error text)'}",
+                   err=True)
+    sys.exit(_STATUS_EXIT.get(outcome.status, EXIT_FAILED))
+
+
+# ---- runs, show -----------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--session", "session_id", default=None, help="Only this session.")
+@click.option("--user", "user_id", default=None, help="Only this user.")
+@click.option("--status", "statuses", multiple=True, type=click.Choice(admin.STATUSES),
+              help="Only these statuses (repeat the option for several).")
+@click.option("--older-than", type=Duration(), default=None,
+              help="Enqueued longer ago than this (e.g. 1d12h).")
+@click.option("--newer-than", type=Duration(), default=None,
+              help="Enqueued within this (e.g. 90m).")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, one object a line.")
+@handled
+def runs(
+    session_id: str | None,
+    user_id: str | None,
+    statuses: tuple[str, ...],
+    older_than: timedelta | None,
+    newer_than: timedelta | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List requests, newest first (times in UTC)."""
+    with admin.connect(_settings()) as conn:
+        found = admin.list_runs(
+            conn, session_id=session_id, user_id=user_id, statuses=statuses,
+            older_than=older_than, newer_than=newer_than, limit=limit,
+        )
+    if as_json:
+        for row in found:
+            _echo_json(asdict(row))
+        return
+    if not found:
+        click.echo("no requests match", err=True)
+        return
+    headers = ("REQUEST", "SESSION", "USER", "AGENT", "STATUS", "ATTEMPTS", "ENQUEUED",
+               "FINISHED", "WORKER")
+    rows = [
+        (r.request_id, r.session_id, r.user_id or "-", r.agent, r.status, str(r.attempts),
+         _when(r.enqueued_at), _when(r.finished_at), r.worker or "-")
+        for r in found
+    ]
+    for line in _table(headers, rows):
+        click.echo(line)
+
+
+@main.command()
+@click.argument("request_id", metavar="REQUEST")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@handled
+def show(request_id: str, as_json: bool) -> None:
+    """A request: status, prompt, attempts, result or error, and its journal,
+    each step with the attempt that executed it and those that replayed it."""
+    with admin.connect(_settings()) as conn:
+        detail = admin.get_run(conn, request_id)
+    if as_json:
+        _echo_json(detail.as_json())
+        return
+    who = f"session {detail.session_id}" + (f", user {detail.user_id}" if detail.user_id else "")
+    click.echo(f"request   {detail.request_id}")
+    click.echo(f"status    {detail.status}" + (
+        f" ({detail.error_type})" if detail.error_type and detail.status != "succeeded" else ""))
+    click.echo(f"run       {detail.kind} of agent {detail.agent} in {who}")
+    click.echo(f"epoch     {detail.epoch if detail.epoch is not None else '- (not started)'}")
+    click.echo(f"times     enqueued {_when(detail.enqueued_at)}, started "
+               f"{_when(detail.started_at)}, finished {_when(detail.finished_at)} (UTC)")
+    click.echo(f"counts    {detail.attempts_count} attempts, {detail.failures} failures, "
+               f"{detail.crashes} crashes")
+    click.echo("prompt    " + admin.shorten(detail.prompt, 200))
+    if detail.metadata:
+        click.echo("metadata  " + admin.shorten(json.dumps(detail.metadata), 200))
+    if detail.status == "succeeded" and isinstance(detail.result, dict):
+        click.echo("output    " + str(detail.result.get("output")))
+    elif detail.error:
+        label = "error" if detail.status != "queued" else "last error"
+        click.echo(f"{label:<9} {detail.error}")
+    click.echo("")
+    click.echo("attempts")
+    if detail.attempts:
+        rows = []
+        for i, a in enumerate(detail.attempts):
+            ongoing = i == len(detail.attempts) - 1 and detail.status == "running"
+            outcome = a.outcome or ("running" if ongoing else "worker died")
+            rows.append((str(a.attempt), a.worker, str(a.pid), _when(a.started_at, precise=True),
+                         _when(a.ended_at, precise=True), outcome))
+        for line in _table(("#", "WORKER", "PID", "STARTED", "ENDED", "OUTCOME"), rows):
+            click.echo("  " + line)
+    else:
+        click.echo("  none yet")
+    click.echo("")
+    namespace = f"namespace {detail.epoch}/" if detail.epoch else "the root namespace"
+    click.echo(f"journal   (scope {detail.scope!r}, {namespace})")
+    if not detail.journal:
+        click.echo("  no entries" + (" (pruned, or none written)" if detail.epoch is not None
+                                     else ""))
+    rows = []
+    for step in detail.journal:
+        took = "" if step.took is None else "+" + admin.format_duration(step.took)
+        key = admin.shorten(step.key.removeprefix(f"{detail.epoch}/"), 44)
+        rows.append((_when(step.written_at, precise=True), took,
+                     "stream" if step.stream else "step", key, step.history(),
+                     admin.shorten(step.summary, 60)))
+    if rows:
+        for line in _table(("WRITTEN", "AFTER", "KIND", "KEY", "HISTORY", "VALUE"), rows):
+            click.echo("  " + line)
+
+
+# ---- tail -----------------------------------------------------------------------------------
+
+
+def _event_summary(kind: str, data: dict[str, Any]) -> str:
+    payload = data.get("payload") if isinstance(data.get("payload"), dict) else {}
+    assert isinstance(payload, dict)
+    if kind == "end":
+        status = str(data.get("status"))
+        return status + (f": {data['error']}" if data.get("error") else "")
+    if kind == "started":
+        return "prompt " + repr(admin.shorten(str(payload.get("prompt", "")), 80))
+    if kind == "model_chunk":
+        chunk = payload.get("chunk") or {}
+        part = chunk.get("kind")
+        if part in ("text", "thinking"):
+            return f"{part} {chunk.get('text')!r}"
+        if part == "tool_call":
+            call = chunk.get("tool_call") or {}
+            return f"calls {call.get('tool')}({json.dumps(call.get('args'), sort_keys=True)})"
+        if part == "finish":
+            usage = chunk.get("usage") or {}
+            return (f"finish {chunk.get('finish_reason')} (tokens in "
+                    f"{usage.get('input_tokens', '?')}, out {usage.get('output_tokens', '?')})")
+    if kind == "tool_call":
+        call = payload.get("call") or {}
+        return f"{call.get('tool')}({json.dumps(call.get('args'), sort_keys=True)})"
+    if kind == "tool_result":
+        result = payload.get("result") or {}
+        if result.get("ok"):
+            return f"ok: {result.get('output')}"
+        return f"error: {result.get('error') or result.get('reason')}"
+    if kind == "completed":
+        result = payload.get("result")
+        output = result.get("output") if isinstance(result, dict) else result
+        return f"output {output!r}"
+    if kind == "error":
+        return f"{payload.get('type')}: {payload.get('message')}"
+    return json.dumps(payload, sort_keys=True, default=str)
+
+
+def _event_line(event: Any) -> str:
+    marker = "replay" if event.replayed else "      "
+    summary = admin.shorten(_event_summary(event.kind, event.data), 160)
+    return f"{_when(event.at, precise=True)} a{event.attempt} {marker} {event.kind:<12} {summary}"
+
+
+def _stream_pos(event_id: str) -> tuple[int, int]:
+    ms, _, seq = event_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@main.command()
+@click.argument("request_id", metavar="REQUEST")
+@click.option("--json", "as_json", is_flag=True, help="Print each event as JSON.")
+@click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Give up (exit 6) after this many seconds without an event.")
+@handled
+def tail(request_id: str, as_json: bool, idle_timeout: float | None) -> None:
+    """Follow a request's live events from its start until it ends, one line an
+    event (time UTC, attempt, replay marker, kind, summary); exits 0 if the run
+    succeeded, 1 if not."""
+    from .events import iter_events
+
+    settings = _settings()
+    check_every = 2.0
+    with admin.connect(settings) as conn:
+        status = admin.run_status(conn, request_id)
+        last = (0, -1)
+        final: str | None = None
+        quiet_since = time.monotonic()
+        while final is None:
+            follow = not status.finished
+            for event in iter_events(
+                request_id, settings=settings, follow=follow, idle_timeout=check_every
+            ):
+                position = _stream_pos(event.id)
+                if position <= last:
+                    continue
+                last = position
+                quiet_since = time.monotonic()
+                click.echo(json.dumps(asdict(event), sort_keys=True) if as_json
+                           else _event_line(event))
+                if event.is_end:
+                    final = str(event.data.get("status"))
+            if final is not None:
+                break
+            if not follow:
+                # Finished, and its stream holds no end event (expired, or events
+                # were dropped while Redis was away): the ledger has the word.
+                click.echo(f"(the live events hold no end; the ledger says {status.status})",
+                           err=True)
+                final = status.status
+                break
+            status = admin.run_status(conn, request_id)
+            if idle_timeout is not None and time.monotonic() - quiet_since > idle_timeout:
+                raise TimeoutError(
+                    f"no event of request {request_id} for {idle_timeout:g}s; it is "
+                    f"{status.status}"
+                )
+    sys.exit(_STATUS_EXIT.get(final, EXIT_FAILED))
+
+
+# ---- cancel, signal -------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("request_id", metavar="REQUEST")
+@handled
+def cancel(request_id: str) -> None:
+    """Cancel a request: a queued one never starts, a running one stops at its
+    next step. Prints its status now (running until the stop takes effect)."""
+    with admin.connect(_settings()) as conn:
+        admin.run_status(conn, request_id)
+    from . import cancel_run
+
+    status = cancel_run(request_id)
+    click.echo(f"{request_id}: {status}")
+
+
+@main.command(name="signal")
+@click.argument("session_id", metavar="SESSION")
+@click.argument("name")
+@click.argument("payload", metavar="[PAYLOAD_JSON]", type=JsonValue(), required=False)
+@handled
+def signal_command(session_id: str, name: str, payload: Any) -> None:
+    """Send the durable signal NAME to SESSION, with an optional JSON payload; a
+    run waiting for it (runtime.wait_for_signal) wakes, one not yet waiting
+    finds it when it does."""
+    with admin.connect(_settings()) as conn:
+        signal_id = admin.send_signal(conn, session_id, name, payload)
+    click.echo(f"signal {name!r} sent to session {session_id!r} (id {signal_id})")
+
+
+# ---- prune ----------------------------------------------------------------------------------
+
+_PLURAL = {
+    "journal_steps": ("journal step", "journal steps"),
+    "journal_streams": ("journal stream", "journal streams"),
+    "checkpoints": ("checkpoint", "checkpoints"),
+    "runs": ("finished request", "finished requests"),
+}
+
+
+def _describe_counts(counts: dict[str, int]) -> str:
+    return ", ".join(
+        f"{n} {_PLURAL[table][0] if n == 1 else _PLURAL[table][1]}" for table, n in counts.items()
+    )
+
+
+@main.command()
+@click.option("--older-than", type=Duration(), required=True,
+              help="Delete what is older than this, e.g. 30d or 1d12h.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=5000, show_default=True,
+              help="Rows per delete; each batch is its own short transaction.")
+@click.option("--yes", is_flag=True, help="Don't ask for confirmation.")
+@handled
+def prune(older_than: timedelta, batch_size: int, yes: bool) -> None:
+    """Delete journal entries, streams and checkpoints written, and requests
+    finished, longer ago than --older-than (scopes with an unfinished request
+    keep their journal; the scopes' epoch marks are kept)."""
+    before = datetime.now(UTC) - older_than
+    with admin.connect(_settings()) as conn:
+        counts = admin.prune_counts(conn, before)
+        total = sum(counts.values())
+        age = admin.format_duration(older_than.total_seconds())
+        if total == 0:
+            click.echo(f"nothing older than {age} to prune")
+            return
+        if not yes:
+            click.confirm(f"Delete {_describe_counts(counts)} (older than {age})?", abort=True)
+        pruner = admin.Pruner(before, batch_size=batch_size)
+        started = time.monotonic()
+        with click.progressbar(length=total, label="pruning", file=sys.stderr) as bar:
+            done = [0]
+
+            def advance(_table: str, rows: int) -> None:
+                step = max(0, min(rows, total - done[0]))
+                done[0] += step
+                bar.update(step)
+
+            with admin.translated():
+                totals = pruner.run(conn, on_batch=advance)
+    click.echo(f"deleted {_describe_counts(totals)} in "
+               f"{admin.format_duration(time.monotonic() - started)}")
+
+
+# ---- doctor ---------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--grace-period", type=click.FloatRange(min=0), envvar="LOOMFLOW_WORKER_GRACE_PERIOD",
+              default=30.0, show_default=True,
+              help="The orchestrator's shutdown grace period in seconds "
+                   "(default: LOOMFLOW_WORKER_GRACE_PERIOD, else 30).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, one check a line.")
+def doctor(grace_period: float, as_json: bool) -> None:
+    """Check the fleet's configuration and services, one line a check (OK or FAIL
+    and what to do); exits 0 when all pass, 1 otherwise."""
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        checks = [admin.Check("settings", False, admin.validation_message(exc),
+                              "fix the LOOMFLOW_WORKER_* variables named")]
+    else:
+        _secrets[:] = admin.secrets_of(settings)
+        checks = admin.doctor(settings, grace_period=grace_period)
+    for check in checks:
+        if as_json:
+            _echo_json({"check": check.name, "ok": check.ok,
+                        "detail": admin.redact(check.detail, _secrets),
+                        "hint": check.hint if not check.ok else ""})
+        else:
+            click.echo(admin.redact(check.line(), _secrets))
+    sys.exit(EXIT_OK if all(c.ok for c in checks) else EXIT_FAILED)
+
+
+# ---- demo -----------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--embedded", is_flag=True,
+              help="Use a private Postgres and Redis even when services are configured.")
+def demo(embedded: bool) -> None:
+    """Two workers, runs on three sessions, a worker killed mid-run and its run
+    resumed elsewhere."""
+    from .demo import run_demo
+
+    sys.exit(run_demo(embedded=embedded))
 
 
 if __name__ == "__main__":

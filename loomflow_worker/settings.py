@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     # idle session, is dispatched again (its message looks lost); no request
     # is dispatched again more often than this.
     redispatch_after: float = Field(default=60.0, gt=0)
+    # ...but when the broker's queue is empty (no backlog a message could be
+    # waiting in), a queued request nobody received for this long is lost.
+    handoff_grace: float = Field(default=5.0, gt=0)
     # The broker's visibility timeout: longer than the longest run, so the
     # broker itself never starts a second copy of a running request.
     visibility_timeout: int = Field(default=6 * 3600, gt=0)

@@ -131,16 +131,20 @@ class Attempt:
     def backend_pid(self) -> int:
         return self.conn.info.backend_pid
 
-    async def io(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
-        """Run ``fn`` on the lock connection; any loss of it fences the run."""
+    async def io(self, fn: Callable[[Conn], Awaitable[T]], within: float | None = None) -> T:
+        """Run ``fn`` on the lock connection; any loss of it fences the run.
+
+        ``within`` (default: the lock I/O timeout) bounds the wait: a lock
+        connection silent that long counts as lost."""
         if self.fenced is not None:
             raise self.fenced
+        limit = within if within is not None else self.store.lock_settings.io_timeout
         try:
-            with anyio.fail_after(self.store.lock_settings.io_timeout):
+            with anyio.fail_after(limit):
                 return await fn(self.conn)
         except (psycopg.OperationalError, psycopg.InterfaceError, TimeoutError) as exc:
             if isinstance(exc, TimeoutError):
-                cause = f"no answer within {self.store.lock_settings.io_timeout:g}s"
+                cause = f"no answer within {limit:g}s"
             else:
                 cause = f"{type(exc).__name__}: {str(exc).strip() or 'connection lost'}"
             self.fenced = LockLost(self.scope, cause)

@@ -138,13 +138,36 @@ def _close_child(**_: Any) -> None:
         metrics.process_exited(os.getpid())
 
 
+def _queue_length() -> int:
+    """Messages waiting in the request queue, as the broker counts them."""
+    with app.pool.acquire(block=True, timeout=5) as conn:
+        try:
+            declared = conn.default_channel.queue_declare(queue=settings().queue, passive=True)
+        except conn.channel_errors:
+            return 0  # no such queue: nothing waits in it
+        return int(declared.message_count)
+
+
+def _store_missing_result(request_id: str, status: str, result: Any, error: str | None) -> bool:
+    """Store a finished request's outcome in the result backend if it is not
+    there; ``True`` when it was missing."""
+    if app.backend.get_state(request_id) != "PENDING":
+        return False
+    if status == "succeeded":
+        app.backend.store_result(request_id, result, "SUCCESS")
+    else:
+        failure = {"dead": RunDead, "cancelled": RunCancelled}.get(status, RunFailed)
+        app.backend.store_result(request_id, failure(error or status), "FAILURE")
+    return True
+
+
 @worker_ready.connect
 def _start_sweeper(**_: Any) -> None:
     if settings().metrics_port:
         metrics.setup()
         metrics.serve(settings().metrics_port)
     if settings().sweeper:
-        sweeper = Sweeper(settings(), _dispatch)
+        sweeper = Sweeper(settings(), _dispatch, _queue_length, _store_missing_result)
         _state["sweeper"] = sweeper
         sweeper.start()
 

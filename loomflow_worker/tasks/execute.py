@@ -300,13 +300,14 @@ async def _run_holding(
     executed, replayed = runtime.stats.steps_executed, runtime.stats.steps_replayed
     agent = await ctx.agent(req.agent)
     time_limit = agent_time_limit(req.agent) or ctx.settings.run_time_limit
+    fence = anyio.CancelScope()
     beating = asyncio.get_running_loop().create_task(
-        _heartbeat(attempt, request_id, ctx.settings.heartbeat_interval)
+        _heartbeat(attempt, request_id, ctx.settings.heartbeat_interval, fence)
     )
     timed_out = False
     try:
         try:
-            with run_options(attempt=attempt, epoch=epoch):
+            with fence, run_options(attempt=attempt, epoch=epoch):
                 with anyio.move_on_after(time_limit) as deadline:
                     emit = _emitter(ctx, request_id, started.attempt, attempt)
                     if req.kind == "resume":
@@ -315,6 +316,8 @@ async def _run_holding(
                     else:
                         result = await _run_agent(agent, request_id, req, emit)
                 timed_out = deadline.cancelled_caught
+            if fence.cancelled_caught:
+                raise attempt.fenced or LockLost(req.scope, "the heartbeat failed")
         finally:
             beating.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -398,14 +401,24 @@ def _stopped(exc: BaseException) -> RunStopped | None:
     return None
 
 
-async def _heartbeat(attempt: Attempt, request_id: str, interval: float) -> None:
+async def _heartbeat(
+    attempt: Attempt, request_id: str, interval: float, fence: anyio.CancelScope
+) -> None:
     """Stamp the request as alive on the lock connection; a frozen worker can't,
-    so its lease runs out. A cancel request stops the run at its next step."""
+    so its lease runs out. A cancel request stops the run at its next step.
+
+    A heartbeat that fails or gets no answer within two intervals means the
+    lock is lost (or soon will be, when the server gives up on us): the run
+    stops at once, in the middle of its step, before the sweeper (which
+    waits for a stale heartbeat) can start it elsewhere."""
     while True:
         await anyio.sleep(interval)
         try:
-            cancel = await attempt.io(lambda conn: ledger.heartbeat(conn, request_id))
+            cancel = await attempt.io(
+                lambda conn: ledger.heartbeat(conn, request_id), within=2 * interval
+            )
         except LockLost:
+            fence.cancel()
             return
         if cancel and attempt.stop is None:
             attempt.stop = RunStopped("cancelled while running")

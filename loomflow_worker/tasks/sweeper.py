@@ -9,7 +9,11 @@ sweep:
   than the lease (a frozen worker): that fences it and frees its session;
 - dispatches again the oldest unfinished request of every session whose
   lock nobody holds: running (its worker died) or queued with a dispatch
-  that looks lost.
+  that looks lost;
+- with ``retention`` set, prunes journal entries, checkpoints and finished
+  requests older than it: right after taking the lead, then every few
+  minutes, a short batch at a time and for a bounded time per sweep, so
+  recovery keeps its pace while a large backlog goes.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 
-from .. import metrics
+from .. import admin, metrics
 from ..runtime.sql import query
 from ..settings import Settings
 from .ledger import Pending
@@ -33,16 +39,32 @@ log = logging.getLogger("loomflow_worker.sweeper")
 
 LEADER_KEY = 0x6C66_7773_7765_6570  # "lfwsweep"
 
+# Retention: how often the leader starts a prune, how long it may prune per
+# sweep, and how many rows each batch (one short transaction) deletes.
+PRUNE_EVERY = 300.0
+PRUNE_BUDGET = 0.5
+PRUNE_BATCH = 1000
+
 
 class Sweeper:
-    def __init__(self, settings: Settings, dispatch: Callable[[Pending], None]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        dispatch: Callable[[Pending], None],
+        queue_length: Callable[[], int] | None = None,
+        store_result: Callable[[str, str, Any, str | None], bool] | None = None,
+    ) -> None:
         self.settings = settings
         self.dispatch = dispatch
+        self.store_result = store_result
+        self.queue_length = queue_length
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection[Any] | None = None
         self.leader = False
+        self._pruner: admin.Pruner | None = None
+        self._next_prune = 0.0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="loomflow-worker sweeper",
@@ -82,6 +104,8 @@ class Sweeper:
                     self._conn = self._connect()
                 if self._lead(self._conn):
                     self.sweep(self._conn)
+                    self.repair_results(self._conn)
+                    self.retain(self._conn)
                 backoff = self.settings.sweep_interval
             except psycopg.Error as exc:
                 log.warning("sweeper: %s; reconnecting", exc, extra={"action": "sweeper_error"})
@@ -107,8 +131,43 @@ class Sweeper:
                 return False
             log.info("sweeper: leading the fleet from %s", self.holder,
                      extra={"action": "sweeper_leader"})
+            # A new leader prunes at once: the last one may have stopped midway.
+            self._pruner = None
+            self._next_prune = 0.0
         conn.execute(query("leader_claim"), {"holder": self.holder})
         return True
+
+    def _queue_is_empty(self) -> bool:
+        """Whether the broker holds no message for the queue: a queued request
+        that nobody received is then lost, not waiting its turn in a backlog."""
+        if self.queue_length is None:
+            return False
+        try:
+            return self.queue_length() == 0
+        except Exception:
+            return False
+
+    def repair_results(self, conn: psycopg.Connection[Any]) -> int:
+        """Store the result of finished requests whose worker died between its
+        commit and the result backend (the ledger has it); returns how many."""
+        if self.store_result is None:
+            return 0
+        rows = conn.execute(
+            query("unchecked_results"),
+            {"after": self.settings.handoff_grace, "within": 3600, "limit": 200},
+        ).fetchall()
+        repaired = 0
+        for request_id, status, result, error, _error_type in rows:
+            if self.store_result(request_id, status, result, error):
+                repaired += 1
+                log.warning(
+                    "sweeper: stored the %s result of request %s, which its worker "
+                    "never stored", status, request_id,
+                    extra={"action": "sweeper_result", "request": request_id},
+                )
+        if rows:
+            conn.execute(query("mark_result_checked"), {"request_ids": [r[0] for r in rows]})
+        return repaired
 
     def sweep(self, conn: psycopg.Connection[Any]) -> int:
         """One sweep; returns how many requests it dispatched again."""
@@ -125,8 +184,14 @@ class Sweeper:
                 "lock connection (pid %s)", request_id, self.settings.lease, pid,
                 extra={"action": "sweeper_fence", "request": request_id},
             )
+        queued_after = (
+            self.settings.handoff_grace if self._queue_is_empty()
+            else self.settings.redispatch_after
+        )
         orphans = conn.execute(
-            query("orphans"), {"after": self.settings.redispatch_after, "limit": 500}
+            query("orphans"),
+            {"after": self.settings.redispatch_after, "queued_after": queued_after,
+             "dead_after": 2 * self.settings.heartbeat_interval, "limit": 500},
         ).fetchall()
         for row in orphans:
             pending = Pending(*row[:7])
@@ -140,3 +205,30 @@ class Sweeper:
                 extra={"action": "sweeper_redispatch", "request": pending.request_id},
             )
         return len(orphans)
+
+    def retain(self, conn: psycopg.Connection[Any], *, budget: float = PRUNE_BUDGET) -> int:
+        """Prune what is older than ``retention`` for up to ``budget`` seconds;
+        returns the rows deleted. A prune started is carried on over the next
+        sweeps until done; the next one starts ``PRUNE_EVERY`` seconds later."""
+        retention = self.settings.retention
+        if retention <= 0:
+            return 0
+        if self._pruner is None:
+            if time.monotonic() < self._next_prune:
+                return 0
+            before = datetime.now(UTC) - timedelta(seconds=retention)
+            self._pruner = admin.Pruner(before, batch_size=PRUNE_BATCH)
+        pruner = self._pruner
+        already = pruner.total
+        pruner.run(conn, budget=budget)
+        if pruner.done:
+            self._pruner = None
+            self._next_prune = time.monotonic() + PRUNE_EVERY
+            if pruner.total:
+                log.info(
+                    "sweeper: pruned what is older than %s: %s",
+                    admin.format_duration(retention),
+                    ", ".join(f"{n} {table}" for table, n in pruner.totals.items() if n),
+                    extra={"action": "sweeper_prune", **pruner.totals},
+                )
+        return pruner.total - already

@@ -108,6 +108,53 @@ def wait_terminal(dsn: str, sent: list[Sent], timeout: float) -> dict[str, str]:
     return found
 
 
+AUDIT_DDL = r"""
+CREATE TABLE chaos_journal_audit (
+    id         BIGSERIAL PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    step_name  TEXT NOT NULL,
+    tag        TEXT NOT NULL,
+    at         TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),
+    backend    INTEGER NOT NULL DEFAULT pg_backend_pid()
+);
+CREATE FUNCTION chaos_journal_audit() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    tag TEXT := substring(encode(NEW.value, 'escape') from '"output":"recorded ([^"]*)"');
+BEGIN
+    IF tag IS NOT NULL THEN
+        INSERT INTO chaos_journal_audit (session_id, step_name, tag)
+        VALUES (NEW.session_id, NEW.step_name, tag);
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER chaos_journal_audit AFTER INSERT OR UPDATE ON journal_steps
+    FOR EACH ROW EXECUTE FUNCTION chaos_journal_audit();
+"""
+
+
+def install_journal_audit(dsn: str) -> None:
+    """Record, in the test database only, when each tool result was journaled
+    (the trigger's row commits with the journal write, or not at all)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(AUDIT_DDL)
+
+
+@dataclass(frozen=True)
+class Journaled:
+    tag: str
+    session_id: str
+    step_name: str
+    at: datetime
+
+
+def journal_writes(dsn: str) -> list[Journaled]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT tag, session_id, step_name, at FROM chaos_journal_audit ORDER BY id"
+        ).fetchall()
+    return [Journaled(*row) for row in rows]
+
+
 def children(pid: int) -> list[int]:
     """The live child processes of ``pid`` (a worker's pool children)."""
     found = []
@@ -141,6 +188,15 @@ class Verdict:
 
     lost: list[str] = field(default_factory=list)  # requests not `succeeded`
     completed_twice: dict[str, int] = field(default_factory=dict)  # tag -> extra completions
+    # G1 exactly: an execution that started after its tag's result was journaled.
+    g1_violations: list[str] = field(default_factory=list)
+    # one tag's result journaled under more than one key (namespace trouble)
+    keys_per_tag: list[str] = field(default_factory=list)
+    # a completed execution run again before its result was ever journaled (the
+    # at-least-once window G1 allows: killed between the tool's end and the write)
+    reruns_in_window: list[str] = field(default_factory=list)
+    # two executions of one tool call at the same time (two attempts running at once)
+    concurrent_runs: list[str] = field(default_factory=list)
     never_completed: list[str] = field(default_factory=list)  # tags with no completion
     interrupted: list[Execution] = field(default_factory=list)  # finished_at NULL
     order_violations: list[str] = field(default_factory=list)
@@ -154,6 +210,9 @@ class Verdict:
     def summary(self) -> str:
         return (
             f"lost={len(self.lost)} completed_twice={sum(self.completed_twice.values())} "
+            f"(in the at-least-once window: {len(self.reruns_in_window)}) "
+            f"g1_violations={len(self.g1_violations)} multi_key_tags={len(self.keys_per_tag)} "
+            f"concurrent_runs={len(self.concurrent_runs)} "
             f"never_completed={len(self.never_completed)} interrupted={len(self.interrupted)} "
             f"order_violations={len(self.order_violations)} overlaps={len(self.overlaps)} "
             f"wrong_outputs={len(self.wrong_outputs)} "
@@ -183,6 +242,8 @@ def verdict(dsn: str, sent: list[Sent], result_timeout: float = 30.0) -> Verdict
     # The Celery result of each request (stored by the worker, not the ledger).
     deadline = time.monotonic() + result_timeout
     for s in sent:
+        if time.monotonic() > deadline:  # one slow result must not eat the others' time
+            deadline = time.monotonic() + 2.0
         try:
             value = s.result.get(timeout=max(0.5, deadline - time.monotonic()),
                                  propagate=False)
@@ -201,6 +262,43 @@ def verdict(dsn: str, sent: list[Sent], result_timeout: float = 30.0) -> Verdict
     out.completed_twice = {tag: n - 1 for tag, n in completed.items() if n > 1}
     out.never_completed = [t for s in sent for t in s.tags if completed[t] == 0]
     out.interrupted = [e for e in found if e.finished_at is None]
+
+    writes: dict[str, list[Journaled]] = {}
+    for w in journal_writes(dsn):
+        writes.setdefault(w.tag, []).append(w)
+    for tag, ws in writes.items():
+        if len({(w.session_id, w.step_name) for w in ws}) > 1:
+            out.keys_per_tag.append(
+                f"{tag}: " + ", ".join(sorted({f"{w.session_id} {w.step_name}" for w in ws}))
+            )
+    runs_of: dict[str, list[Execution]] = {}
+    for e in found:
+        runs_of.setdefault(e.tag, []).append(e)
+    for tag, runs in runs_of.items():
+        first_write = min((w.at for w in writes.get(tag, [])), default=None)
+        for e in runs:
+            if first_write is not None and e.started_at > first_write:
+                out.g1_violations.append(
+                    f"{tag}: execution in pid {e.pid} started {e.started_at:%T.%f}, after its "
+                    f"result was journaled at {first_write:%T.%f}"
+                )
+        ordered = sorted(runs, key=lambda e: e.started_at)
+        for earlier, later in pairwise(ordered):
+            if earlier.finished_at is not None and earlier.finished_at > later.started_at:
+                out.concurrent_runs.append(
+                    f"{tag}: pid {earlier.pid} ran it until {earlier.finished_at:%T.%f} while "
+                    f"pid {later.pid} started it at {later.started_at:%T.%f}"
+                )
+        done = sorted((e for e in runs if e.finished_at is not None),
+                      key=lambda e: e.started_at)
+        if len(done) > 1 and not any(
+            first_write is not None and e.started_at > first_write for e in done
+        ):
+            out.reruns_in_window.append(
+                f"{tag}: completed at {done[0].finished_at:%T.%f} (pid {done[0].pid}), "
+                f"run again from {done[1].started_at:%T.%f} (pid {done[1].pid}); first "
+                f"journaled {'never' if first_write is None else f'{first_write:%T.%f}'}"
+            )
 
     by_request: dict[str, list[Execution]] = {}
     for e in found:
@@ -226,6 +324,48 @@ def verdict(dsn: str, sent: list[Sent], result_timeout: float = 30.0) -> Verdict
                     f"starting {start_b:%T.%f}"
                 )
     return out
+
+
+def slowest(dsn: str, sent: list[Sent], fleet: Fleet, count: int = 3) -> str:
+    """The requests that became terminal last: their ledger timeline and log lines."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT request_id FROM runs WHERE request_id = ANY(%s) "
+            "ORDER BY finished_at DESC NULLS FIRST LIMIT %s",
+            ([s.request_id for s in sent], count),
+        ).fetchall()
+    return timeline(dsn, fleet, [str(r[0]) for r in rows])
+
+
+def timeline(dsn: str, fleet: Fleet, request_ids: list[str]) -> str:
+    """Requests' ledger rows, attempts and log lines, for a failure message."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT request_id, session_id, status, attempts, crashes, failures, "
+            "enqueued_at, dispatched_at, swept_at, started_at, finished_at "
+            "FROM runs WHERE request_id = ANY(%s) ORDER BY finished_at DESC NULLS FIRST",
+            (request_ids,),
+        ).fetchall()
+        attempts = conn.execute(
+            "SELECT request_id, attempt, worker, pid, started_at, ended_at, outcome "
+            "FROM run_attempts WHERE request_id = ANY(%s) ORDER BY request_id, attempt",
+            ([r[0] for r in rows],),
+        ).fetchall()
+    lines = []
+    for r in rows:
+        lines.append(
+            f"{r[0]} {r[1]} {r[2]} attempts={r[3]} crashes={r[4]} failures={r[5]} "
+            f"enqueued={r[6]:%T.%f} dispatched={r[7]:%T.%f} "
+            f"swept={'-' if r[8] is None else f'{r[8]:%T.%f}'} "
+            f"started={'-' if r[9] is None else f'{r[9]:%T.%f}'} "
+            f"finished={'-' if r[10] is None else f'{r[10]:%T.%f}'}"
+        )
+        for a in attempts:
+            if a[0] == r[0]:
+                lines.append(f"    attempt {a[1]} {a[2]} pid {a[3]} {a[4]:%T.%f} -> "
+                             f"{'-' if a[5] is None else f'{a[5]:%T.%f}'} {a[6]}")
+        lines.append(grep_logs(fleet, r[0], limit=30))
+    return "\n".join(lines)
 
 
 def grep_logs(fleet: Fleet, *needles: str, limit: int = 40) -> str:

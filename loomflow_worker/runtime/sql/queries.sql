@@ -343,12 +343,14 @@ SELECT r.request_id, l.pid
 
 -- name: orphans
 -- The oldest unfinished request of each scope whose lock nobody holds:
--- running (its worker died: dispatched again at once) or queued with a
--- dispatch that looks lost. Each is dispatched again at most once per
--- redispatch interval.
+-- running, with a heartbeat older than dead_after (its worker died; a
+-- worker that merely lost its lock stops its own run within a heartbeat),
+-- or queued with a dispatch older than queued_after (a lost publish or
+-- handoff). A running one is dispatched again at once, then again only
+-- when an attempt started since died too, or after `after` seconds.
 WITH heads AS (
     SELECT DISTINCT ON (scope) request_id, kind, session_id, user_id, agent, prompt, metadata,
-           status, dispatched_at, swept_at, lock_key
+           status, dispatched_at, swept_at, started_at, heartbeat_at, lock_key
       FROM runs
      WHERE status IN ('queued', 'running')
      ORDER BY scope, seq
@@ -356,8 +358,15 @@ WITH heads AS (
 SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata, h.status
   FROM heads h
  WHERE h.lock_key IS NOT NULL
-   AND (h.swept_at IS NULL OR h.swept_at < now() - make_interval(secs => %(after)s))
-   AND (h.status = 'running' OR h.dispatched_at < now() - make_interval(secs => %(after)s))
+   AND CASE WHEN h.status = 'running' THEN
+            h.heartbeat_at < now() - make_interval(secs => %(dead_after)s)
+            AND (h.swept_at IS NULL OR h.swept_at < h.started_at
+                 OR h.swept_at < now() - make_interval(secs => %(after)s))
+       ELSE
+            h.dispatched_at < now() - make_interval(secs => %(queued_after)s)
+            AND (h.swept_at IS NULL
+                 OR h.swept_at < now() - make_interval(secs => %(queued_after)s))
+       END
    AND NOT EXISTS (
        SELECT 1 FROM pg_locks l
         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
@@ -601,3 +610,15 @@ SELECT * FROM chosen;
 -- "interrupted", so their next attempt does not count a crash.
 UPDATE run_attempts SET outcome = 'interrupted'
  WHERE starts_with(worker, %(node)s) AND ended_at IS NULL AND outcome IS NULL;
+
+-- name: unchecked_results
+-- Requests finished between `after` and `within` seconds ago whose result the
+-- sweeper has not yet checked in the result backend.
+SELECT request_id, status, result, error, error_type FROM runs
+ WHERE NOT result_checked AND status IN ('succeeded', 'failed', 'cancelled', 'dead')
+   AND finished_at < now() - make_interval(secs => %(after)s)
+   AND finished_at > now() - make_interval(secs => %(within)s)
+ ORDER BY finished_at LIMIT %(limit)s;
+
+-- name: mark_result_checked
+UPDATE runs SET result_checked = true WHERE request_id = ANY(%(request_ids)s);

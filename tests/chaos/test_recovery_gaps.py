@@ -1,0 +1,131 @@
+"""Recovery gaps the chaos tests once found, kept as regression tests: a worker
+lost right after its commit, a request whose worker dies twice, a run that lost
+its lock running beside its resumption, a reserved message lost with its worker."""
+
+from __future__ import annotations
+
+import time
+from itertools import pairwise
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict
+
+from loomflow_worker.tasks import run_agent
+from tests.chaos.checks import executions, send
+from tests.conftest import ADMIN_DSN
+from tests.integration.celery_harness import AGENTS, Fleet, ledger, wait_status
+from tests.integration.helpers import calls
+
+FAST_RECOVERY = {
+    "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_LEASE": "5",
+    "LOOMFLOW_WORKER_MAX_CRASHES": "10",
+}
+
+
+@pytest.mark.parametrize(
+    "broker",
+    ["redis", "rabbitmq"],
+)
+def test_a_worker_lost_right_after_its_commit_still_answers_and_hands_over(
+    fleet: Fleet, broker: str, tmp_path: Path
+) -> None:
+    """A node lost between a run's finishing commit and Celery storing its result
+    (and publishing the handoff): the caller still gets the result, and the next
+    request on the session starts within seconds (G2, "recovery takes seconds")."""
+    marker = tmp_path / "lost"
+    env = {
+        **FAST_RECOVERY,
+        "LOOMFLOW_WORKER_AGENTS": f"{AGENTS},tests.chaos.worker_loss_fixture",
+        "TEST_LOSE_WORKER_AFTER_COMMIT": str(marker),
+    }
+    fleet.start("w1", 1, cli=False, **env)
+    fleet.start("w2", 1, cli=False, **env)
+    first = send(0, "s", "u", "a")
+    second = send(1, "s", "u", "a")
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "no worker was lost"
+    assert ledger(fleet.dsn, first.request_id)["status"] == "succeeded"
+    # The next request on the session is handed over within seconds...
+    wait_status(fleet.dsn, second.request_id, ("succeeded",), timeout=15)
+    # ...and the caller of the first one gets its result.
+    assert first.result.get(timeout=10)["output"] == first.expected
+
+
+def _next_run(dsn: str, tag: str, not_pids: set[int], timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in executions(dsn):
+            if e.tag == tag and e.finished_at is None and e.pid not in not_pids:
+                return e.pid
+        time.sleep(0.02)
+    raise AssertionError(f"{tag} never ran (again)")
+
+
+def test_a_request_whose_worker_dies_twice_resumes_in_seconds(fleet: Fleet) -> None:
+    """Redis broker: the worker running a request is lost, the sweeper dispatches it
+    again, and the worker running that attempt is lost too. The request must resume
+    within seconds (nothing but the sweeper will dispatch it: the Redis visibility
+    timeout is hours)."""
+    env = {**FAST_RECOVERY, "TEST_TOOL_SLEEP": "1.5"}
+    for name in ("w1", "w2", "w3"):
+        fleet.start(name, 1, cli=False, **env)
+    request = send(0, "s", "u", "ab")
+    seen: set[int] = set()
+    for _ in range(2):
+        pid = _next_run(fleet.dsn, "s-r000-a", seen)
+        seen.add(pid)
+        fleet.kill(fleet.worker_of(pid))
+    assert request.result.get(timeout=20)["output"] == request.expected
+
+
+def test_a_run_that_lost_its_lock_does_not_run_beside_its_resumption(fleet: Fleet) -> None:
+    """Only the run's lock connection is ended (a network blip on that connection,
+    a server-side timeout, or the sweeper fencing a worker it thinks is frozen).
+    G3: at most one attempt of the request executes at any instant, so the step in
+    flight must not run to completion on the fenced worker while another worker
+    runs it again."""
+    env = {**FAST_RECOVERY, "TEST_TOOL_SLEEP": "3"}
+    fleet.start("w1", 1, cli=False, **env)
+    fleet.start("w2", 1, cli=False, **env)
+    request = send(0, "s", "u", "ab")
+    _next_run(fleet.dsn, "s-r000-a", set())
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        ended = conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = %s AND application_name = 'loomflow-worker lock'",
+            (conninfo_to_dict(fleet.dsn)["dbname"],),
+        ).fetchall()
+    assert ended, "no lock connection to end"
+    assert request.result.get(timeout=60)["output"] == request.expected
+    runs = sorted((e for e in executions(fleet.dsn) if e.tag == "s-r000-a"),
+                  key=lambda e: e.started_at)
+    completed = [e for e in runs if e.finished_at is not None]
+    assert len(completed) == 1, [(e.pid, e.started_at, e.finished_at) for e in runs]
+    for earlier, later in pairwise(runs):
+        assert earlier.finished_at is None or earlier.finished_at <= later.started_at
+
+
+def test_a_queued_request_reserved_by_a_lost_worker_resumes_in_seconds(fleet: Fleet) -> None:
+    """Redis broker. The worker that reserved a request's message dies before the
+    request starts: here the message is a retry waiting for its countdown (the
+    same happens to a message received a moment before the worker is lost, which
+    is how the chaos test met it). The ledger says ``queued``, nothing will
+    deliver the message for hours, and the sweeper waits redispatch_after."""
+    env = {**FAST_RECOVERY, "LOOMFLOW_WORKER_RETRY_BACKOFF": "4",
+           "LOOMFLOW_WORKER_RETRY_BACKOFF_MAX": "4", "TEST_FLAKY_FAILURES": "1"}
+    fleet.start("w1", 1, cli=False, **env)
+    request = run_agent.delay("flaky\n" + calls("x"), "s", agent="flaky")
+    deadline = time.monotonic() + 30
+    while ledger(fleet.dsn, request.id)["failures"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # w1 receives the retry and holds it for its countdown
+    fleet.kill("w1")
+    assert ledger(fleet.dsn, request.id)["status"] == "queued"
+    fleet.start("w2", 1, cli=False, **{**env, "TEST_FLAKY_FAILURES": "0"})
+    assert request.get(timeout=20)["output"] == "done: recorded x"

@@ -1,0 +1,233 @@
+"""Postgres and Redis connection loss while runs are in flight.
+
+The services themselves can't be restarted here, so their connections are
+ended instead, which is what a restart does to every client:
+
+- Postgres: from an admin connection, ``pg_terminate_backend`` of every
+  backend of the test database but the admin's own (pool connections, lock
+  connections and their advisory locks, the sweeper, the tool's own
+  connections, the test's enqueue pool);
+- Redis: ``CLIENT KILL`` of every connection the fleet's processes and this
+  test process hold (broker, result backend, pub/sub). Only ours: Redis is
+  shared with other test runs on this machine, which ``CLIENT KILL TYPE
+  normal`` would hit too.
+
+Each is done twice, while tool calls are in flight. Afterwards every request
+is ``succeeded`` with the right output (ledger and Celery result); no tool
+call ran after its result was journaled (G1, checked exactly by an audit
+trigger on journal_steps), so a completed call ran twice only inside G1's
+at-least-once window; no tool call ran on two workers at once; every session
+kept its order without overlap."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+from urllib.parse import urlparse
+
+import psycopg
+import pytest
+import redis
+from psycopg.conninfo import conninfo_to_dict
+
+from tests.chaos.checks import (
+    Sent,
+    executions,
+    fleet_pids,
+    grep_logs,
+    install_journal_audit,
+    problem_lines,
+    send,
+    verdict,
+    wait_terminal,
+)
+from tests.conftest import ADMIN_DSN
+from tests.integration.celery_harness import REDIS_URL, Fleet
+
+ENV = {
+    "TEST_TOOL_SLEEP": "0.3",
+    "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_MAX_CRASHES": "10",
+    "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_LEASE": "5",
+}
+REQUESTS = 10
+SESSIONS = 3
+ROUNDS = 2
+
+
+def _start(fleet: Fleet) -> list[Sent]:
+    install_journal_audit(fleet.dsn)
+    fleet.start("w1", 2, cli=False, **ENV)
+    fleet.start("w2", 2, cli=False, **ENV)
+    return [send(i, f"s{i % SESSIONS}", f"u{i % SESSIONS}", "abc") for i in range(REQUESTS)]
+
+
+def _wait_in_flight(dsn: str, after: float, count: int = 2, timeout: float = 30) -> list[str]:
+    """Wait until ``count`` tool calls that started after ``after`` (epoch seconds)
+    are in flight; returns their tags (fewer if the runs ended first)."""
+    deadline = time.monotonic() + timeout
+    tags: list[str] = []
+    while time.monotonic() < deadline:
+        tags = [
+            e.tag for e in executions(dsn)
+            if e.finished_at is None and e.started_at.timestamp() > after
+        ]
+        if len(tags) >= count:
+            break
+        time.sleep(0.02)
+    return tags
+
+
+def kill_postgres_backends(dsn: str) -> tuple[datetime, Counter[str]]:
+    """End every backend of ``dsn``'s database but our own, in one statement;
+    returns when (server clock) and how many of each application name."""
+    dbname = conninfo_to_dict(dsn)["dbname"]
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT application_name, pg_terminate_backend(pid), clock_timestamp() "
+            "FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            (dbname,),
+        ).fetchall()
+    at = min((row[2] for row in rows), default=datetime.now(UTC))
+    return at, Counter(str(name) or "(unnamed)" for name, ok, _ in rows if ok)
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes: set[int] = set()
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _local_ports_to(remote_port: int, inodes: set[int]) -> set[int]:
+    """Local ports of the TCP connections (among ``inodes``) to ``remote_port``."""
+    ports: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, remote, inode = fields[1], fields[2], int(fields[9])
+            if inode in inodes and int(remote.rsplit(":", 1)[1], 16) == remote_port:
+                ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
+def kill_redis_clients(pids: list[int]) -> Counter[str]:
+    """``CLIENT KILL`` every Redis connection held by ``pids``; counts by client name
+    and command."""
+    port = urlparse(REDIS_URL).port or 6379
+    inodes: set[int] = set()
+    for pid in pids:
+        inodes |= _socket_inodes(pid)
+    ports = _local_ports_to(port, inodes)
+    admin = redis.Redis.from_url(REDIS_URL)
+    killed: Counter[str] = Counter()
+    try:
+        me = int(admin.client_id())
+        for entry in admin.client_list():
+            client_port = int(str(entry["addr"]).rsplit(":", 1)[1])
+            ours = client_port in ports and int(entry["id"]) != me
+            if ours and admin.client_kill_filter(_id=entry["id"]):
+                killed[str(entry.get("cmd") or "?")] += 1
+    finally:
+        admin.close()
+    return killed
+
+
+def _check(fleet: Fleet, sent: list[Sent], label: str, in_flight: list[list[str]]) -> None:
+    final = wait_terminal(fleet.dsn, sent, timeout=90)
+    v = verdict(fleet.dsn, sent)
+    def count(needle: str) -> int:
+        return len(grep_logs(fleet, needle, limit=10_000).splitlines())
+
+    fenced, retries = count("fenced:"), count("retrying in")
+    redispatched, parked = count("dispatched request"), count("parked")
+    duplicates = count(" already succeeded")
+    print(f"[{label}] {v.summary()} in_flight_at_kills={sum(map(len, in_flight))} "
+          f"fenced={fenced} retries={retries} sweeper_redispatches={redispatched} "
+          f"parked={parked} duplicates_of_finished={duplicates} "
+          f"statuses={sorted(set(final.values()))}")
+    for name, items in (
+        ("lost", v.lost), ("completed twice", list(v.completed_twice.items())),
+        ("G1 violation", v.g1_violations), ("re-run in window", v.reruns_in_window),
+        ("several keys", v.keys_per_tag), ("concurrent runs", v.concurrent_runs),
+        ("never completed", v.never_completed), ("order", v.order_violations),
+        ("overlap", v.overlaps), ("wrong output", v.wrong_outputs),
+        ("celery result", v.result_problems),
+    ):
+        for item in items[:10]:
+            print(f"[{label}] {name}: {item}")
+    context = f"worker log lines:\n{problem_lines(fleet)}"
+    assert v.lost == [], context
+    assert v.g1_violations == [], context
+    assert v.keys_per_tag == [], context
+    assert v.concurrent_runs == [], context
+    # A completed tool call may run again only when the connections died between
+    # its start and its journal write (G1's at-least-once window; the audit tells).
+    assert sum(v.completed_twice.values()) == len(v.reruns_in_window), context
+    assert v.never_completed == [], context
+    assert len(v.interrupted) <= sum(map(len, in_flight)), context
+    assert v.order_violations == [], context
+    assert v.overlaps == [], context
+    assert v.wrong_outputs == [], context
+    assert v.result_problems == [], context
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_postgres_connections_killed_mid_run(fleet: Fleet, broker: str) -> None:
+    label = f"postgres/{broker}"
+    began = time.monotonic()
+    sent = _start(fleet)
+    in_flight: list[list[str]] = []
+    after = 0.0
+    for round_no in range(ROUNDS):
+        tags = _wait_in_flight(fleet.dsn, after)
+        if not tags:
+            break
+        after = time.time()
+        at, killed = kill_postgres_backends(fleet.dsn)
+        in_flight.append(tags)
+        print(f"\n[{label}] round {round_no + 1} at {at:%T.%f}: in flight {tags}; "
+              f"terminated {sum(killed.values())} backends {dict(killed)}")
+        assert killed["loomflow-worker lock"] >= 1, "no lock connection was ended"
+        time.sleep(1.0)  # let the fleet notice before looking for the next round
+    _check(fleet, sent, label, in_flight)
+    print(f"[{label}] took {time.monotonic() - began:.1f}s")
+
+
+def test_redis_connections_killed_mid_run(fleet: Fleet) -> None:
+    label = "redis/redis"
+    began = time.monotonic()
+    sent = _start(fleet)
+    in_flight: list[list[str]] = []
+    after = 0.0
+    for round_no in range(ROUNDS):
+        tags = _wait_in_flight(fleet.dsn, after)
+        if not tags:
+            break
+        after = time.time()
+        pids = [pid for group in fleet_pids(fleet).values() for pid in group]
+        killed = kill_redis_clients([*pids, os.getpid()])
+        in_flight.append(tags)
+        print(f"\n[{label}] round {round_no + 1}: in flight {tags}; "
+              f"killed {sum(killed.values())} Redis connections by last command {dict(killed)}")
+        assert sum(killed.values()) >= 1, "no Redis connection was killed"
+        time.sleep(1.0)
+    _check(fleet, sent, label, in_flight)
+    print(f"[{label}] took {time.monotonic() - began:.1f}s")
