@@ -8,7 +8,3 @@ CREATE TABLE IF NOT EXISTS sweeper_leader (
     backend_pid  INTEGER NOT NULL,
     heartbeat_at TIMESTAMPTZ NOT NULL DEFAULT now()
 );
-
--- When the sweeper last dispatched a request again, so it does so once per
--- redispatch interval, not on every sweep.
-ALTER TABLE runs ADD COLUMN IF NOT EXISTS swept_at TIMESTAMPTZ;
