@@ -362,8 +362,18 @@ class PostgresRuntime(JournaledRuntime):
         else:
             base = _step_key(name, args, kwargs, idempotency_key)
         self._check_can_continue()
-        key = await self._run_key(scope, base)
-        found, value = await self._lookup_step(scope, key)
+        run = _open_run_var.get()
+        attempt = _attempt_var.get()
+        if attempt is not None and run is not None and run.touched and run.scope == scope:
+            # The common case, with no await until the callable runs: the run's
+            # namespace is in memory already.
+            key = f"{run.ns}/{base}" if run.ns else base
+            found, value = attempt.cached_step(scope, run.ns, key)
+            if found is None:
+                found, value = await attempt.lookup_step(scope, run.ns, key)
+        else:
+            key = await self._run_key(scope, base)
+            found, value = await self._lookup_step(scope, key)
         self._mark_replayed(found)
         if found:
             self.stats.steps_replayed += 1

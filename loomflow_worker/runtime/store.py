@@ -169,6 +169,7 @@ class Attempt:
             cur = await conn.execute(
                 query("open_run"),
                 {"scope": self.scope, "pinned": pinned, "resume": resume_last},
+                binary=True,  # journal values arrive as raw bytes, not hex text
             )
             return await cur.fetchall()
 
@@ -214,6 +215,16 @@ class Attempt:
         for is_stream, key, blob in rows:
             (self._streams if is_stream else self._steps)[(scope, key)] = bytes(blob)
         self._loaded.add((scope, ns))
+
+    def cached_step(self, scope: str, ns: str, key: str) -> tuple[bool | None, Any]:
+        """``lookup_step`` without I/O: ``(None, None)`` when the namespace isn't
+        loaded yet."""
+        if (scope, ns) not in self._loaded:
+            return None, None
+        blob = self._steps.get((scope, key))
+        if blob is None:
+            return False, None
+        return self.store._decode(blob, key)
 
     async def lookup_step(self, scope: str, ns: str, key: str) -> tuple[bool, Any]:
         await self.load(scope, ns)
