@@ -103,3 +103,22 @@ def build_quick(runtime: Any) -> Agent:
         runtime=runtime,
         auto_extract=False,
     )
+
+
+@register_agent("claude")
+def build_claude(runtime: Any) -> Agent:
+    """loomflow's real AnthropicModel, pointed by ANTHROPIC_BASE_URL at the
+    tests' local Messages API; TEST_CLAUDE_INSTRUCTIONS stands in for a deploy
+    that changed the agent's instructions."""
+    from loomflow.model.anthropic import AnthropicModel
+
+    model = AnthropicModel(
+        "claude-sonnet-4-6", api_key=os.environ.get("ANTHROPIC_API_KEY"), request_timeout_s=10
+    )
+    return Agent(
+        os.environ.get("TEST_CLAUDE_INSTRUCTIONS", "v1"),
+        model=model,
+        tools=[_effects().tool()],
+        runtime=runtime,
+        auto_extract=False,
+    )

@@ -1,0 +1,135 @@
+"""The Anthropic crash/resume tests again, on real Celery workers.
+
+The local Messages API of ``test_anthropic`` runs in this process; the
+workers' "claude" agent (``agents_fixture``) drives loomflow's real
+``AnthropicModel`` against it through ``ANTHROPIC_BASE_URL``. The worker
+always passes ``emit`` to ``agent.run``, so every model call is an SSE
+stream. A pool child (or a whole worker) is SIGKILLed while tool ``b``
+runs, and the request must finish on its next attempt without sending a
+completed model call again and without a request the API refuses.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from loomflow_worker.tasks import run_agent
+
+from .celery_harness import Fleet, ledger
+from .helpers import steps_journaled_twice
+from .test_anthropic import ANSWER, API_KEY, PROMPT, MessagesAPI
+
+# Tool b sleeps this long in the workers: the window in which it is killed.
+TOOL_SLEEP = "1.0"
+
+
+@pytest.fixture
+def api() -> Iterator[MessagesAPI]:
+    server = MessagesAPI()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _start_worker(fleet: Fleet, name: str, api: MessagesAPI, instructions: str) -> None:
+    """A one-slot worker whose "claude" agent talks to ``api`` under ``instructions``."""
+    fleet.start(
+        name,
+        concurrency=1,
+        ANTHROPIC_BASE_URL=api.url,
+        ANTHROPIC_API_KEY=API_KEY,
+        TEST_CLAUDE_INSTRUCTIONS=instructions,
+        TEST_TOOL_SLEEP=TOOL_SLEEP,
+    )
+
+
+def _counts(dsn: str) -> dict[str, int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT tag, count(*) FROM loomflow_worker_effects GROUP BY tag"
+        ).fetchall()
+    return {str(tag): int(n) for tag, n in rows}
+
+
+def _pid_running(dsn: str, tag: str, timeout: float = 30) -> int:
+    """The pid of the process running tool ``tag`` right now (started, not finished)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT pid FROM loomflow_worker_effects "
+                "WHERE tag = %s AND finished_at IS NULL ORDER BY id DESC LIMIT 1",
+                (tag,),
+            ).fetchone()
+        if row is not None:
+            return int(row[0])
+        time.sleep(0.02)
+    raise AssertionError(f"tool {tag} never started")
+
+
+def _assert_ran_once_after_crash(fleet: Fleet, request_id: str) -> None:
+    assert _counts(fleet.dsn) == {"a": 1, "b": 2}  # b once interrupted, once to the end
+    row = ledger(fleet.dsn, request_id)
+    assert (row["status"], row["attempts"], row["crashes"]) == ("succeeded", 2, 1), row
+    assert steps_journaled_twice(fleet.dsn) == []
+
+
+def test_a_pool_child_killed_mid_tool_sends_no_completed_model_call_again(
+    fleet: Fleet, api: MessagesAPI
+) -> None:
+    _start_worker(fleet, "w1", api, "v1")
+    result = run_agent.delay(PROMPT, "s", user_id="u", agent="claude")
+    pid = _pid_running(fleet.dsn, "b")
+    assert fleet.worker_of(pid) == "w1"
+    assert api.turns() == [0, 1]  # both calls finished before b started
+    os.kill(pid, signal.SIGKILL)
+
+    value = result.get(timeout=30)
+    assert value["output"] == ANSWER
+    assert value["request_id"] == result.id
+    # Turns 0 and 1 replay from the journal on attempt 2; only turn 2 is sent then.
+    assert api.turns() == [0, 1, 2]
+    assert api.statuses() == [200, 200, 200]
+    assert {r.path for r in api.received} == {"/v1/messages"}
+    assert {r.api_key for r in api.received} == {API_KEY}
+    assert {r.streamed for r in api.received} == {True}  # the worker always streams
+    assert [r.system for r in api.received] == ["v1", "v1", "v1"]
+    # The last request answers, verbatim, the ids the server minted before the crash.
+    first, second, last = api.received
+    assert last.tool_result_ids() == [*first.minted, *second.minted]
+    _assert_ran_once_after_crash(fleet, result.id)
+
+
+def test_a_worker_restarted_with_new_instructions_restamps_the_replayed_tool_result(
+    fleet: Fleet, api: MessagesAPI
+) -> None:
+    _start_worker(fleet, "w1", api, "v1")
+    result = run_agent.delay(PROMPT, "s", user_id="u", agent="claude")
+    pid = _pid_running(fleet.dsn, "b")
+    assert fleet.worker_of(pid) == "w1"
+    # The whole worker dies mid-b; a deploy brings it back with new instructions.
+    fleet.kill("w1")
+    _start_worker(fleet, "w2", api, "v2")
+
+    value = result.get(timeout=30)
+    assert value["output"] == ANSWER
+    # The changed system prompt makes turns 0 and 1 new requests: the model is
+    # asked again and mints new ids, while tool a's result replays.
+    assert api.turns() == [0, 1, 0, 1, 2]
+    assert api.statuses() == [200] * 5  # never a 400
+    assert [r.system for r in api.received] == ["v1", "v1", "v2", "v2", "v2"]
+    assert {r.streamed for r in api.received} == {True}
+    old_a, _, new_a, new_b, last = api.received
+    assert new_a.minted != old_a.minted
+    # a's replayed result answers the id minted after the restart, not the old one.
+    assert new_b.tool_result_ids() == list(new_a.minted)
+    assert last.tool_result_ids() == [*new_a.minted, *new_b.minted]
+    _assert_ran_once_after_crash(fleet, result.id)
