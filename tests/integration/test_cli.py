@@ -1,0 +1,521 @@
+"""The ``loomflow-worker`` command, run as a subprocess against real workers and services."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+from loomflow.runtime import _codec
+from psycopg.types.json import Jsonb
+
+from loomflow_worker.events import iter_events
+from loomflow_worker.tasks import settings
+
+from .celery_harness import AGENTS, ROOT, Fleet, ledger, wait_status
+from .helpers import calls
+from .test_celery import _wait_for_execution
+
+WITH_WAITER = f"{AGENTS},tests.integration.cli_agents"
+
+
+def cli(
+    fleet: Fleet, *args: str, input: str | None = None, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m loomflow_worker.cli ARGS`` with the fleet's environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow_worker.cli", *args],
+        env={**fleet.env, **env}, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        input=input if input is not None else "",
+    )
+
+
+def spawn(fleet: Fleet, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "loomflow_worker.cli", *args],
+        env=fleet.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def enqueued(fleet: Fleet, prompt: str, session: str, *extra: str) -> str:
+    done = cli(fleet, "enqueue", prompt, "--session", session, *extra)
+    assert done.returncode == 0, done.stderr
+    request_id = done.stdout.strip()
+    uuid.UUID(request_id)
+    return request_id
+
+
+def show_json(fleet: Fleet, request_id: str) -> dict[str, object]:
+    done = cli(fleet, "show", request_id, "--json")
+    assert done.returncode == 0, done.stderr
+    value: dict[str, object] = json.loads(done.stdout)
+    return value
+
+
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+# ---- enqueue, runs, show ---------------------------------------------------------------------
+
+
+def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
+    fleet.start("w1", concurrency=1)
+    done = cli(fleet, "enqueue", calls("a", "b"), "--session", "s1", "--user", "u1",
+               "--metadata", '{"ticket": 7}', "--wait", "--timeout", "60")
+    assert done.returncode == 0, done.stderr
+    first_id, output = lines(done.stdout)
+    uuid.UUID(first_id)
+    assert output == "done: recorded a, recorded b"
+    assert ledger(fleet.dsn, first_id)["status"] == "succeeded"
+
+    done = cli(fleet, "enqueue", calls("c"), "--session", "s1", "--user", "u1", "--wait", "--json")
+    assert done.returncode == 0, done.stderr
+    second = json.loads(done.stdout)
+    assert second["status"] == "succeeded" and second["error"] is None
+    assert second["result"]["output"] == "done: recorded c"
+    second_id = second["request_id"]
+
+    # Without --wait: the id at once; the run goes on.
+    third_id = enqueued(fleet, calls("d"), "s2")
+    wait_status(fleet.dsn, third_id, ("succeeded",))
+
+    table = cli(fleet, "runs", "--session", "s1")
+    assert table.returncode == 0, table.stderr
+    header, *rows = lines(table.stdout)
+    assert header.split() == ["REQUEST", "SESSION", "USER", "AGENT", "STATUS", "ATTEMPTS",
+                              "ENQUEUED", "FINISHED", "WORKER"]
+    assert [r.split()[0] for r in rows] == [second_id, first_id]  # newest first
+    for row in rows:
+        cells = row.split()
+        assert cells[1:6] == ["s1", "u1", "default", "succeeded", "1"]
+        assert ":" in cells[-1]  # the worker, host:pid
+
+    as_json = [json.loads(line) for line in lines(cli(fleet, "runs", "--json").stdout)]
+    assert [r["request_id"] for r in as_json] == [third_id, second_id, first_id]
+    assert {r["status"] for r in as_json} == {"succeeded"}
+    assert cli(fleet, "runs", "--status", "failed", "--status", "dead").stdout == ""
+    assert len(lines(cli(fleet, "runs", "--newer-than", "1h", "--limit", "2").stdout)) == 3
+    assert cli(fleet, "runs", "--older-than", "1h").stdout == ""
+    assert lines(cli(fleet, "runs", "--user", "u1", "--json").stdout).__len__() == 2
+
+    shown = cli(fleet, "show", first_id)
+    assert shown.returncode == 0, shown.stderr
+    text = shown.stdout
+    assert "status    succeeded" in text
+    assert "output    done: recorded a, recorded b" in text
+    assert 'call record {"tag": "a"}' in text and '"ticket": 7' in text
+    assert "1 attempts, 0 failures, 0 crashes" in text
+    assert "succeeded" in text.split("attempts\n", 1)[1].splitlines()[1]
+    journal = text.split("journal ", 1)[1]
+    assert "ok: recorded a" in journal and "ok: recorded b" in journal
+    assert "replayed" not in journal
+
+    detail = show_json(fleet, first_id)
+    assert detail["status"] == "succeeded" and detail["epoch"] == 0
+    attempts = detail["attempts"]
+    assert isinstance(attempts, list) and len(attempts) == 1
+    assert attempts[0]["outcome"] == "succeeded"
+    steps = detail["journal"]
+    assert isinstance(steps, list) and steps
+    assert {(s["executed_in"], tuple(s["replayed_in"])) for s in steps} == {(1, ())}
+    names = [s["name"] for s in steps]
+    assert "idem:tool_call_1_0" in names and "idem:tool_call_2_0" in names
+    assert any(s["stream"] and s["name"] == "model_call_1" for s in steps)
+    # The second request ran in the next epoch: its journal, not the first's.
+    later = show_json(fleet, second_id)
+    assert later["epoch"] == 1
+    later_steps = later["journal"]
+    assert isinstance(later_steps, list)
+    assert [s["summary"] for s in later_steps if s["name"].startswith("idem:tool_call")] == [
+        "ok: recorded c"
+    ]
+    assert all(s["key"].startswith("1/") for s in later_steps)
+
+
+def test_show_after_a_sigkill_mid_tool_says_which_steps_replayed(fleet: Fleet) -> None:
+    fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.5")
+    request_id = enqueued(fleet, calls("t1", "t2", "t3"), "s", "--user", "u")
+    _, pid, _, _ = _wait_for_execution(fleet.dsn, "t2")
+    os.kill(pid, signal.SIGKILL)
+    wait_status(fleet.dsn, request_id, ("succeeded",), timeout=60)
+
+    detail = show_json(fleet, request_id)
+    attempts = detail["attempts"]
+    assert isinstance(attempts, list)
+    assert [(a["attempt"], a["outcome"]) for a in attempts] == [(1, None), (2, "succeeded")]
+    assert attempts[0]["pid"] == pid and attempts[1]["pid"] != pid
+    steps = detail["journal"]
+    assert isinstance(steps, list)
+    by_output = {s["summary"]: s for s in steps if s["name"].startswith("idem:tool_call")}
+    assert set(by_output) == {"ok: recorded t1", "ok: recorded t2", "ok: recorded t3"}
+    t1, t2, t3 = (by_output[f"ok: recorded {t}"] for t in ("t1", "t2", "t3"))
+    assert (t1["executed_in"], t1["replayed_in"]) == (1, [2])
+    assert t1["history"] == "executed in attempt 1, replayed in 2"
+    # t2 was cut short by the kill: no entry from attempt 1, executed by attempt 2.
+    assert (t2["executed_in"], t2["replayed_in"]) == (2, [])
+    assert (t3["executed_in"], t3["replayed_in"]) == (2, [])
+    # Everything attempt 1 journaled, attempt 2 replayed (the model calls too).
+    first = [s for s in steps if s["executed_in"] == 1]
+    assert first and all(s["replayed_in"] == [2] and s["rerun_in"] == [] for s in first)
+
+    # The live events say the same: attempt 2 replayed t1 and ran t2 and t3.
+    events = list(iter_events(request_id, settings=settings(), idle_timeout=30))
+    replayed = {
+        e.data["payload"]["result"]["output"]
+        for e in events if e.attempt == 2 and e.kind == "tool_result" and e.replayed
+    }
+    fresh = {
+        e.data["payload"]["result"]["output"]
+        for e in events if e.attempt == 2 and e.kind == "tool_result" and not e.replayed
+    }
+    assert replayed == {"recorded t1"} and fresh == {"recorded t2", "recorded t3"}
+
+    text = cli(fleet, "show", request_id).stdout
+    assert "2 attempts, 0 failures, 1 crashes" in text
+    attempt_rows = text.split("attempts\n", 1)[1].split("\n\n", 1)[0]
+    assert "worker died" in attempt_rows and "succeeded" in attempt_rows
+    journal = text.split("journal ", 1)[1].splitlines()
+    assert any("executed in attempt 1, replayed in 2" in ln and "recorded t1" in ln
+               for ln in journal)
+    assert any("executed in attempt 2" in ln and "recorded t2" in ln for ln in journal)
+
+
+# ---- tail ------------------------------------------------------------------------------------
+
+
+def test_tail_attached_before_during_and_after_prints_the_same_events(fleet: Fleet) -> None:
+    request_id = enqueued(fleet, calls("e1", "e2", "e3"), "s")  # no worker yet: it waits
+    before = spawn(fleet, "tail", request_id)
+    time.sleep(1.0)
+    assert before.poll() is None  # attached, nothing to print yet
+    fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.3")
+    _wait_for_execution(fleet.dsn, "e2")
+    during = spawn(fleet, "tail", request_id)
+    out_before, err_before = before.communicate(timeout=60)
+    out_during, err_during = during.communicate(timeout=60)
+    assert before.returncode == 0, err_before
+    assert during.returncode == 0, err_during
+    after = cli(fleet, "tail", request_id)
+    assert after.returncode == 0, after.stderr
+    assert out_before == out_during == after.stdout
+
+    printed = lines(after.stdout)
+    kinds = [line.split()[3] if "replay" in line.split() else line.split()[2] for line in printed]
+    assert kinds[0] == "started" and kinds[-1] == "end"
+    assert printed[-1].split()[-1] == "succeeded"
+    assert all(line.split()[1] == "a1" for line in printed)
+    tool_calls = [line for line in printed if " tool_call " in line]
+    assert [line.split("tool_call", 1)[1].strip() for line in tool_calls] == [
+        f'record({{"tag": "{tag}"}})' for tag in ("e1", "e2", "e3")
+    ]
+    results = [line.split("tool_result", 1)[1].strip() for line in printed
+               if " tool_result " in line]
+    assert results == ["ok: recorded e1", "ok: recorded e2", "ok: recorded e3"]
+    assert any("output 'done: recorded e1, recorded e2, recorded e3'" in line
+               for line in printed)
+
+    as_json = [json.loads(line) for line in lines(cli(fleet, "tail", request_id, "--json").stdout)]
+    assert len(as_json) == len(printed)
+    assert as_json[-1]["kind"] == "end" and as_json[-1]["data"]["status"] == "succeeded"
+    ids = [tuple(map(int, e["id"].split("-"))) for e in as_json]
+    assert ids == sorted(ids)
+
+
+def test_tail_of_a_resumed_run_marks_the_replayed_events(fleet: Fleet) -> None:
+    fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.5")
+    request_id = enqueued(fleet, calls("r1", "r2"), "s")
+    _, pid, _, _ = _wait_for_execution(fleet.dsn, "r2")
+    os.kill(pid, signal.SIGKILL)
+    done = cli(fleet, "tail", request_id)
+    assert done.returncode == 0, done.stderr
+    printed = lines(done.stdout)
+    second = [line for line in printed if line.split()[1] == "a2"]
+    replayed = [line for line in second if line.split()[2] == "replay"]
+    assert any("tool_result" in line and "ok: recorded r1" in line for line in replayed)
+    assert not any("recorded r2" in line for line in replayed)
+    assert printed[-1].split()[1:3] == ["a2", "end"]
+
+
+# ---- cancel, signal --------------------------------------------------------------------------
+
+
+def test_cancel_prints_the_status_and_tail_exits_nonzero(fleet: Fleet) -> None:
+    fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="1.0")
+    running = enqueued(fleet, calls("c1", "c2", "c3", "c4"), "s")
+    queued = enqueued(fleet, calls("never"), "s")
+    _wait_for_execution(fleet.dsn, "c1")
+
+    done = cli(fleet, "cancel", queued)
+    assert (done.returncode, done.stdout.strip()) == (0, f"{queued}: cancelled")
+    done = cli(fleet, "cancel", running)
+    assert (done.returncode, done.stdout.strip()) == (0, f"{running}: running")
+
+    tailed = cli(fleet, "tail", running)
+    assert tailed.returncode == 1, tailed.stderr
+    assert lines(tailed.stdout)[-1].split()[2:] == ["end", "cancelled:", "cancelled", "while",
+                                                    "running"]
+    assert cli(fleet, "tail", queued).returncode == 1
+    assert ledger(fleet.dsn, running)["status"] == "cancelled"
+    assert ledger(fleet.dsn, queued)["status"] == "cancelled"
+    # A finished request: its final status, nothing changed.
+    done = cli(fleet, "cancel", running)
+    assert (done.returncode, done.stdout.strip()) == (0, f"{running}: cancelled")
+    waited = cli(fleet, "enqueue", calls("x"), "--session", "s", "--wait")
+    assert waited.returncode == 0 and lines(waited.stdout)[1] == "done: recorded x"
+
+
+def test_signal_wakes_a_run_waiting_for_it(fleet: Fleet) -> None:
+    fleet.env["LOOMFLOW_WORKER_AGENTS"] = WITH_WAITER
+    fleet.start("w1", concurrency=1)
+    prompt = 'call wait_signal {"session": "sig", "name": "go"}'
+    request_id = enqueued(fleet, prompt, "s", "--agent", "waiter")
+    wait_status(fleet.dsn, request_id, ("running",))
+    time.sleep(0.5)
+    done = cli(fleet, "signal", "sig", "go", '{"x": [1, "two"]}')
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("signal 'go' sent to session 'sig' (id ")
+    wait_status(fleet.dsn, request_id, ("succeeded",))
+    result = ledger(fleet.dsn, request_id)["result"]
+    assert isinstance(result, dict)
+    assert result["output"] == 'done: got {"x": [1, "two"]}'
+
+    # Sent before anyone waits: a row until taken, its payload in loomflow's codec.
+    assert cli(fleet, "signal", "later", "ping").returncode == 0
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT session_id, name, payload FROM signals").fetchall()
+    assert [(r[0], r[1], _codec.loads(bytes(r[2]))) for r in rows] == [("later", "ping", None)]
+
+    bad = cli(fleet, "signal", "sig", "go", "{not json")
+    assert bad.returncode == 2 and "not JSON" in bad.stderr
+    bad = cli(fleet, "signal", "sig", " ")
+    assert bad.returncode == 2 and "signal name is empty" in bad.stderr
+
+
+# ---- prune and retention ---------------------------------------------------------------------
+
+OLD = 40 * 86400
+
+
+def _seed_old_and_new(dsn: str) -> dict[str, object]:
+    """Rows older than 30 days and recent ones, in every table prune touches."""
+    now = time.time()
+    old_ts = datetime.now(UTC) - timedelta(seconds=OLD)
+    new_ts = datetime.now(UTC) - timedelta(minutes=5)
+    blob = _codec.dumps("v")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for i in range(5):
+            conn.execute("INSERT INTO journal_steps VALUES ('idle', %s, %s, %s)",
+                         (f"old{i}", blob, now - OLD))
+        conn.execute("INSERT INTO journal_steps VALUES ('idle', '__run_epoch__', %s, %s)",
+                     (_codec.dumps(3), now - OLD))
+        conn.execute("INSERT INTO journal_steps VALUES ('idle', 'new', %s, %s)", (blob, now))
+        # A scope whose request is still queued keeps even its old journal.
+        conn.execute("INSERT INTO journal_steps VALUES ('busy', 'old', %s, %s)",
+                     (blob, now - OLD))
+        for i in range(3):
+            conn.execute("INSERT INTO journal_streams VALUES ('idle', %s, %s, %s)",
+                         (f"old{i}", blob, now - OLD))
+        conn.execute("INSERT INTO journal_streams VALUES ('idle', 'new', %s, %s)", (blob, now))
+        for i, ts in enumerate((now - OLD, now - OLD, now)):
+            conn.execute(
+                "INSERT INTO checkpoints VALUES ('idle', %s, 1, %s, %s)",
+                (f"cp{i}", ts, Jsonb({})),
+            )
+        runs = [("old-ok", "succeeded", old_ts), ("old-failed", "failed", old_ts),
+                ("old-dead", "dead", old_ts), ("old-cancelled", "cancelled", old_ts),
+                ("new-ok", "succeeded", new_ts), ("old-queued", "queued", None)]
+        for request_id, status, finished in runs:
+            conn.execute(
+                "INSERT INTO runs (request_id, scope, session_id, agent, prompt, status, "
+                "enqueued_at, finished_at) VALUES (%s, %s, %s, 'default', 'p', %s, %s, %s)",
+                (request_id, "busy" if status == "queued" else "idle",
+                 "busy" if status == "queued" else "idle", status,
+                 old_ts - timedelta(minutes=1) if request_id.startswith("old") else new_ts,
+                 finished),
+            )
+            conn.execute(
+                "INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch) "
+                "VALUES (%s, 1, 'w', 1, 0)", (request_id,),
+            )
+    return {"now": now}
+
+
+def _left(dsn: str) -> dict[str, list[str]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        def names(sql: str) -> list[str]:
+            return sorted(str(r[0]) for r in conn.execute(sql))
+
+        return {
+            "steps": names("SELECT session_id || ':' || step_name FROM journal_steps"),
+            "streams": names("SELECT step_name FROM journal_streams"),
+            "checkpoints": names("SELECT checkpoint_id FROM checkpoints"),
+            "runs": names("SELECT request_id FROM runs"),
+            "attempts": names("SELECT request_id FROM run_attempts"),
+        }
+
+
+KEPT = {
+    "steps": ["busy:old", "idle:__run_epoch__", "idle:new"],
+    "streams": ["new"],
+    "checkpoints": ["cp2"],
+    "runs": ["new-ok", "old-queued"],
+    "attempts": ["new-ok", "old-queued"],
+}
+
+
+def test_prune_deletes_old_rows_in_batches(fleet: Fleet) -> None:
+    _seed_old_and_new(fleet.dsn)
+    everything = _left(fleet.dsn)
+
+    declined = cli(fleet, "prune", "--older-than", "30d", input="n\n")
+    assert declined.returncode == 1
+    assert ("Delete 5 journal steps, 3 journal streams, 2 checkpoints, 4 finished requests "
+            "(older than 30d)?") in declined.stdout
+    assert _left(fleet.dsn) == everything
+
+    done = cli(fleet, "prune", "--older-than", "30d", "--batch-size", "2", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(
+        "deleted 5 journal steps, 3 journal streams, 2 checkpoints, 4 finished requests in "
+    )
+    assert "pruning" in done.stderr  # the progress bar
+    assert _left(fleet.dsn) == KEPT
+
+    again = cli(fleet, "prune", "--older-than", "1d12h", "--yes")
+    assert (again.returncode, again.stdout.strip()) == (0, "nothing older than 1d12h to prune")
+
+
+def test_the_sweeper_prunes_what_is_older_than_the_retention(fleet: Fleet) -> None:
+    _seed_old_and_new(fleet.dsn)
+    fleet.start("w1", concurrency=1, LOOMFLOW_WORKER_RETENTION=str(30 * 86400))
+    deadline = time.monotonic() + 30
+    while _left(fleet.dsn) != KEPT and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _left(fleet.dsn) == KEPT
+    assert "sweeper: pruned what is older than 30d" in fleet.log_text()
+    # Runs go on as usual, and their fresh journal stays.
+    done = cli(fleet, "enqueue", calls("kept"), "--session", "idle", "--wait")
+    assert done.returncode == 0, done.stderr
+    time.sleep(1.5)
+    assert "idle:new" in _left(fleet.dsn)["steps"]
+    assert len(_left(fleet.dsn)["steps"]) > len(KEPT["steps"])
+
+
+# ---- doctor ------------------------------------------------------------------------------------
+
+
+def _checks(output: str) -> dict[str, str]:
+    found = {}
+    for line in lines(output):
+        verdict, rest = line.split(None, 1)
+        name = rest.split(":", 1)[0]
+        found[name] = f"{verdict} {rest}"
+    return found
+
+
+def test_doctor_passes_on_a_healthy_fleet_and_says_what_to_fix(
+    fleet: Fleet, empty_dsn: str
+) -> None:
+    done = cli(fleet, "doctor")
+    assert done.returncode == 0, done.stdout + done.stderr
+    checks = _checks(done.stdout)
+    assert list(checks) == ["database", "schema", "broker", "result backend", "agents",
+                            "visibility timeout", "lease", "soft shutdown"]
+    assert all(c.startswith("OK ") for c in checks.values()), done.stdout
+    registered = checks["agents"].split("registered: ", 1)[1].split(", ")
+    assert {"default", "flaky", "quick"} <= set(registered)
+
+    bad_broker = cli(fleet, "doctor", LOOMFLOW_WORKER_BROKER_URL="redis://127.0.0.1:1/0")
+    assert bad_broker.returncode == 1
+    checks = _checks(bad_broker.stdout)
+    assert checks["broker"].startswith("FAIL broker: redis://127.0.0.1:1/0 unreachable: ")
+    assert "LOOMFLOW_WORKER_BROKER_URL" in checks["broker"]
+    assert [n for n, c in checks.items() if c.startswith("FAIL")] == ["broker"]
+
+    tight = cli(fleet, "doctor", "--json", LOOMFLOW_WORKER_GRACE_PERIOD="10",
+                LOOMFLOW_WORKER_VISIBILITY_TIMEOUT="600")
+    assert tight.returncode == 1
+    verdicts = {c["check"]: c for c in map(json.loads, lines(tight.stdout))}
+    assert not verdicts["soft shutdown"]["ok"] and not verdicts["visibility timeout"]["ok"]
+    assert "grace period 10s" in verdicts["soft shutdown"]["detail"]
+    assert "LOOMFLOW_WORKER_VISIBILITY_TIMEOUT" in verdicts["visibility timeout"]["hint"]
+    assert cli(fleet, "doctor", "--grace-period", "60",
+               LOOMFLOW_WORKER_GRACE_PERIOD="10").returncode == 0
+
+    unmigrated = cli(fleet, "doctor", LOOMFLOW_WORKER_DATABASE_URL=empty_dsn)
+    assert unmigrated.returncode == 1
+    assert "run `loomflow-worker migrate`" in _checks(unmigrated.stdout)["schema"]
+
+    no_db = cli(fleet, "doctor",
+                LOOMFLOW_WORKER_DATABASE_URL="postgresql://postgres@127.0.0.1:1/nowhere")
+    assert no_db.returncode == 1
+    assert _checks(no_db.stdout)["database"].startswith(
+        "FAIL database: can't connect to Postgres at 127.0.0.1:1/nowhere")
+
+    no_agents = cli(fleet, "doctor", LOOMFLOW_WORKER_AGENTS="tests.integration.no_such_module")
+    assert no_agents.returncode == 1
+    assert "can't import agents module" in _checks(no_agents.stdout)["agents"]
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+
+def test_bad_input_and_unknown_requests_exit_with_their_codes(
+    fleet: Fleet, empty_dsn: str
+) -> None:
+    for bad in ("3x", "12", "1h30d", "-5m", "1.5h"):
+        done = cli(fleet, "runs", "--older-than", bad)
+        assert done.returncode == 2, bad
+        assert "is not a duration" in done.stderr and "30d, 12h, 90m, 45s" in done.stderr
+    assert cli(fleet, "runs", "--older-than", "1d12h30m15s").returncode == 0
+    assert cli(fleet, "prune", "--older-than", "", "--yes").returncode == 2
+
+    unknown = str(uuid.uuid4())
+    for command in ("show", "tail", "cancel"):
+        done = cli(fleet, command, unknown)
+        assert done.returncode == 4, (command, done.stderr)
+        assert f"no request {unknown!r} in the runs ledger" in done.stderr
+
+    def enqueue(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return cli(fleet, "enqueue", calls("x"), "--session", "s", *args, **env)
+
+    for args, message in (
+        (("--metadata", "[1]"), "must be a JSON object"),
+        (("--metadata", "nope"), "not JSON"),
+        (("--agent", "nosuch"), "unknown agent 'nosuch'"),
+        (("--timeout", "5"), "--timeout needs --wait"),
+        (("--on-busy", "later"), "'later' is not one of"),
+    ):
+        done = enqueue(*args)
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+    blank = cli(fleet, "enqueue", "  ", "--session", "s")
+    assert blank.returncode == 2 and "prompt is empty" in blank.stderr
+    assert cli(fleet, "runs").stdout == ""  # nothing was recorded
+
+    # No worker: the request stays queued.
+    first = enqueue()
+    assert first.returncode == 0
+    busy = enqueue("--on-busy", "reject")
+    assert busy.returncode == 5 and "is busy" in busy.stderr
+    waited = enqueue("--wait", "--timeout", "1")
+    assert waited.returncode == 6 and "still queued after 1s" in waited.stderr
+    tailed = cli(fleet, "tail", first.stdout.strip(), "--idle-timeout", "2")
+    assert tailed.returncode == 6 and "no event of request" in tailed.stderr
+
+    down = "postgresql://postgres@127.0.0.1:1/nowhere"
+    for args in (("runs",), ("show", unknown), ("prune", "--older-than", "1d", "--yes"),
+                 ("signal", "s", "go"), ("enqueue", "p", "--session", "s")):
+        done = cli(fleet, *args, LOOMFLOW_WORKER_DATABASE_URL=down,
+                   LOOMFLOW_WORKER_CONNECT_TIMEOUT="2")
+        assert done.returncode == 3, (args, done.stderr)
+        assert "can't" in done.stderr and "127.0.0.1:1/nowhere" in done.stderr, done.stderr
+    unmigrated = cli(fleet, "runs", LOOMFLOW_WORKER_DATABASE_URL=empty_dsn)
+    assert unmigrated.returncode == 3 and "loomflow-worker migrate" in unmigrated.stderr
+    assert "Traceback" not in unmigrated.stderr

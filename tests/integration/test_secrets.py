@@ -1,0 +1,194 @@
+"""No password or API key in the worker's logs, a run's events, its stored result, or
+anything the CLI prints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict
+
+import psycopg
+import pytest
+import redis
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+from loomflow_worker.events import iter_events
+from loomflow_worker.tasks import settings
+
+from .celery_harness import REDIS_URL, Fleet, wait_status
+from .helpers import calls
+from .test_celery import _wait_for_execution
+from .test_cli import cli, enqueued, lines
+
+ADMIN_DSN = os.environ.get(
+    "LOOMFLOW_WORKER_TEST_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
+
+
+class Secrets:
+    def __init__(self, role: str, password: str, api_key: str, dsn: str) -> None:
+        self.role = role
+        self.password = password
+        self.api_key = api_key
+        self.dsn = dsn
+
+    def assert_absent(self, what: str, text: str) -> None:
+        assert text, f"{what}: nothing to look at"
+        assert self.password not in text, f"{what} shows the database password"
+        assert self.api_key not in text, f"{what} shows the API key"
+
+
+@pytest.fixture
+def secrets(fleet: Fleet) -> Iterator[Secrets]:
+    """A Postgres role with a password, owning the fleet's database, and a worker
+    environment that reaches Postgres through it with a fake Anthropic key."""
+    role = f"lfw_secret_{uuid.uuid4().hex[:8]}"
+    password = f"Pw{uuid.uuid4().hex}"
+    api_key = f"sk-ant-api03-{uuid.uuid4().hex}{uuid.uuid4().hex}"
+    parts = conninfo_to_dict(fleet.dsn)
+    dbname = str(parts["dbname"])
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+            sql.Identifier(role), sql.Literal(password)))
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        for statement in (
+            "GRANT ALL ON SCHEMA public TO {}",
+            "GRANT ALL ON ALL TABLES IN SCHEMA public TO {}",
+            "GRANT ALL ON ALL SEQUENCES IN SCHEMA public TO {}",
+        ):
+            conn.execute(sql.SQL(statement).format(sql.Identifier(role)))
+    # The server trusts 127.0.0.1, so any password logs in; it is in the URL all the same.
+    dsn = f"postgresql://{role}:{password}@{parts.get('host') or '127.0.0.1'}:" \
+          f"{parts.get('port') or 5432}/{dbname}"
+    fleet.env["LOOMFLOW_WORKER_DATABASE_URL"] = dsn
+    fleet.env["ANTHROPIC_API_KEY"] = api_key
+    try:
+        yield Secrets(role, password, api_key, dsn)
+    finally:
+        fleet.stop_all()
+        with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+                (role,),
+            )
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+
+
+def test_no_secret_in_logs_events_results_or_cli_output(
+    fleet: Fleet, secrets: Secrets
+) -> None:
+    fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.4", TEST_FLAKY_FAILURES="100",
+                LOOMFLOW_WORKER_MAX_RETRIES="0")
+    # The worker really connects as the role (its pool child, once started).
+    deadline = time.monotonic() + 30
+    connected = 0
+    while not connected and time.monotonic() < deadline:
+        with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE usename = %s", (secrets.role,)
+            ).fetchone()
+        connected = row[0] if row is not None else 0
+        time.sleep(0.1)
+    assert connected > 0
+
+    outputs: list[tuple[str, str]] = []
+
+    def run(*args: str, **env: str) -> str:
+        done = cli(fleet, *args, **env)
+        text = done.stdout + done.stderr
+        outputs.append((" ".join(args), text))
+        return done.stdout
+
+    # A run that succeeds, one killed mid-tool and resumed, one that fails.
+    waited = run("enqueue", calls("k1"), "--session", "s", "--wait")
+    ok_id = lines(waited)[0]
+    run("enqueue", calls("k2"), "--session", "s", "--wait", "--json")
+    crashed = enqueued(fleet, calls("c1", "c2"), "c")
+    _, pid, _, _ = _wait_for_execution(fleet.dsn, "c2")
+    os.kill(pid, signal.SIGKILL)
+    wait_status(fleet.dsn, crashed, ("succeeded",))
+    failed = run("enqueue", "flaky\n" + calls("f"), "--session", "f", "--agent", "flaky",
+                 "--wait")
+    failed_id = lines(failed)[0]
+    assert wait_status(fleet.dsn, failed_id, ("failed",)) == "failed"
+
+    # Every subcommand, and the error paths that name a connection.
+    for request_id in (ok_id, crashed, failed_id):
+        run("show", request_id)
+        run("show", request_id, "--json")
+        run("tail", request_id)
+        run("tail", request_id, "--json")
+    run("runs")
+    run("runs", "--json")
+    run("cancel", ok_id)
+    run("signal", "s", "hello", '{"a": 1}')
+    run("doctor")
+    run("doctor", "--json")
+    run("migrate")
+    run("show", str(uuid.uuid4()))
+    bad_broker = f"redis://:{secrets.password}@127.0.0.1:1/0"
+    run("doctor", LOOMFLOW_WORKER_BROKER_URL=bad_broker)
+    down = secrets.dsn.replace(f":{conninfo_to_dict(fleet.dsn).get('port') or 5432}/", ":1/")
+    assert secrets.password in down
+    run("runs", LOOMFLOW_WORKER_DATABASE_URL=down, LOOMFLOW_WORKER_CONNECT_TIMEOUT="2")
+    run("doctor", LOOMFLOW_WORKER_DATABASE_URL=down, LOOMFLOW_WORKER_CONNECT_TIMEOUT="2")
+    run("enqueue", "p", "--session", "s", LOOMFLOW_WORKER_DATABASE_URL=down,
+        LOOMFLOW_WORKER_CONNECT_TIMEOUT="2")
+    run("enqueue", "p", "--session", "s2", "--wait", "--timeout", "30",
+        LOOMFLOW_WORKER_BROKER_URL=bad_broker)
+    bad_escape = secrets.dsn.replace(secrets.password, secrets.password + "%zz")
+    run("runs", LOOMFLOW_WORKER_DATABASE_URL=bad_escape)
+    run("doctor", LOOMFLOW_WORKER_DATABASE_URL=bad_escape)
+    run("prune", "--older-than", "30d", "--yes")
+    for command, text in outputs:
+        secrets.assert_absent(f"`loomflow-worker {command}`", text)
+    # The CLI did run against the password-protected database, and said what went wrong
+    # when it could not.
+    first: dict[str, str] = {}
+    for command, text in outputs:
+        first.setdefault(command, text)
+        print(f"$ loomflow-worker {command}\n{text}")
+    assert "succeeded" in first["runs"]
+    assert first[f"show {ok_id}"].count("executed in attempt 1") >= 2
+    assert "FAIL broker: redis://:***@127.0.0.1:1/0 unreachable" in first["doctor"] or any(
+        "FAIL broker: redis://:***@127.0.0.1:1/0 unreachable" in text for _, text in outputs)
+    assert any("invalid percent-encoded token" in text and '"***' in text
+               for _, text in outputs)
+
+    # The worker's logs (its log file and its stdout/stderr).
+    fleet.stop_all()
+    logs = "".join(p.read_text(errors="replace") for p in fleet.logs.glob("w1.*"))
+    secrets.assert_absent("the worker's logs", logs)
+    assert "ready." in logs
+
+    # The events of every run, and every stored result and error.
+    for request_id in (ok_id, crashed, failed_id):
+        events = list(iter_events(request_id, settings=settings(), follow=False))
+        assert events and events[-1].kind == "end"
+        secrets.assert_absent(f"the events of {request_id}",
+                              json.dumps([asdict(e) for e in events]))
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT request_id, result::text, error FROM runs").fetchall()
+    assert len(rows) >= 4
+    secrets.assert_absent("the runs ledger", json.dumps(rows))
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        stored = [
+            client.get(key) or b""
+            for key in client.scan_iter(match=f"{fleet.prefix}celery-task-meta-*")
+        ]
+    finally:
+        client.close()
+    assert stored
+    secrets.assert_absent("the stored Celery results", b"".join(stored).decode(errors="replace"))
+
+    pruned = cli(fleet, "prune", "--older-than", "0s", "--yes")
+    assert pruned.returncode == 0 and "4 finished requests" in pruned.stdout
+    secrets.assert_absent("`loomflow-worker prune`", pruned.stdout + pruned.stderr)

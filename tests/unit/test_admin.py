@@ -1,0 +1,131 @@
+"""The pure parts of loomflow_worker.admin: durations, secrets, which attempt did what."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from loomflow.core.types import ModelChunk, ToolCall, ToolResult
+from loomflow.runtime import _codec
+from pydantic import SecretStr, ValidationError
+
+from loomflow_worker import admin
+from loomflow_worker.runtime import InvalidInput
+from loomflow_worker.settings import Settings
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("30d", 30 * 86400), ("12h", 43200), ("90m", 5400), ("45s", 45), ("1d12h", 129600),
+     ("1d2h3m4s", 93784), (" 2H ", 7200), ("0s", 0)],
+)
+def test_durations(text: str, seconds: int) -> None:
+    assert admin.parse_duration(text) == timedelta(seconds=seconds)
+
+
+@pytest.mark.parametrize("bad", ["", "30", "3x", "1h30d", "-5m", "1.5h", "d", "5 days", "5ms"])
+def test_bad_durations_say_what_is_expected(bad: str) -> None:
+    with pytest.raises(InvalidInput, match="is not a duration: use a number and a unit"):
+        admin.parse_duration(bad)
+
+
+def test_format_duration() -> None:
+    assert admin.format_duration(0.0123) == "12ms"
+    assert admin.format_duration(2.5) == "2.50s"
+    assert admin.format_duration(30 * 86400) == "30d"
+    assert admin.format_duration(129600) == "1d12h"
+
+
+def test_secrets_are_found_and_scrubbed_in_every_form() -> None:
+    settings = Settings(
+        database_url=SecretStr("postgresql://app:p%40ss-w0rd@db:5432/x"),
+        broker_url=SecretStr("redis://:brokerpw@r:6379/0"),
+        result_backend=SecretStr("redis://r:6379/1"),
+        events_url=SecretStr("host=db password=kvpass dbname=x"),
+    )
+    found = admin.secrets_of(settings)
+    assert found == ["p%40ss-w0rd", "brokerpw", "kvpass"]
+    text = "url postgresql://app:p%40ss-w0rd@db, decoded p@ss-w0rd, broker brokerpw, kv kvpass"
+    assert admin.redact(text, found) == (
+        "url postgresql://app:***@db, decoded ***, broker ***, kv ***")
+
+
+def test_urls_are_shown_without_passwords() -> None:
+    assert admin.sanitize_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+    assert admin.sanitize_url("amqp://guest:guest@h:5672//") == "amqp://guest:***@h:5672//"
+    assert admin.sanitize_url("redis://h:6379/0") == "redis://h:6379/0"
+    assert (admin.sanitize_url("sentinel://:a@h1:26379;sentinel://:b@h2:26379")
+            == "sentinel://:***@h1:26379;sentinel://:***@h2:26379")
+
+
+def test_a_settings_error_never_repeats_the_values_given() -> None:
+    with pytest.raises(ValidationError) as info:
+        Settings(database_url=SecretStr("postgresql://u:pw@h/x"), lease=1.0)
+    assert "pw@h" not in admin.validation_message(info.value)
+    assert "lease (1.0s) must be longer than heartbeat_interval" in admin.validation_message(
+        info.value)
+
+
+def test_step_names_drop_the_namespace_and_the_fingerprint() -> None:
+    assert admin.step_name("3/model_call_1@0123456789abcdef") == "model_call_1"
+    assert admin.step_name("idem:tool_call_1_0:" + "a" * 64) == "idem:tool_call_1_0"
+    assert admin.step_name("fetch") == "fetch"
+
+
+def _attempt(n: int, started: float, ended: float | None, outcome: str | None) -> admin.AttemptInfo:
+    def at(t: float | None) -> datetime | None:
+        return None if t is None else datetime.fromtimestamp(t, tz=UTC)
+
+    started_at = at(started)
+    assert started_at is not None
+    return admin.AttemptInfo(n, "w", 1, 0, started_at, at(ended), outcome)
+
+
+def test_attribution_of_steps_to_the_attempts_that_executed_and_replayed_them() -> None:
+    result = _codec.dumps(ToolResult(call_id="c", ok=True, output="recorded t1"))
+    chunks = _codec.dumps([
+        ModelChunk(kind="tool_call", tool_call=ToolCall(id="x", tool="record", args={"t": 1})),
+        ModelChunk(kind="finish", finish_reason="tool_use"),
+    ])
+    attempts = [_attempt(1, 100.0, None, None), _attempt(2, 200.0, None, "dead"),
+                _attempt(3, 300.0, 310.0, "succeeded")]
+    entries = [
+        (False, "idem:tool_call_1_0:" + "a" * 64, 101.0, result),  # attempt 1
+        (True, "model_call_1@" + "1" * 16, 100.5, chunks),  # attempt 1
+        (True, "model_call_2@" + "2" * 16, 102.0, chunks),  # attempt 1, run again in 3
+        (True, "model_call_2@" + "3" * 16, 301.0, chunks),  # attempt 3
+        (False, "fetch@" + "4" * 16, 102.5, _codec.dumps("a")),  # user steps: never "run again"
+        (False, "fetch@" + "5" * 16, 302.0, _codec.dumps("b")),
+        (False, "earlier@" + "6" * 16, 50.0, _codec.dumps(1)),  # before this request
+    ]
+    steps = admin.attribute_steps(entries, attempts)
+    by_key = {s.key: s for s in steps}
+    assert steps[0].key == "earlier@" + "6" * 16  # in write order
+    tool = by_key["idem:tool_call_1_0:" + "a" * 64]
+    assert (tool.executed_in, tool.replayed_in, tool.rerun_in) == (1, [3], [])
+    assert tool.history() == "executed in attempt 1, replayed in 3"
+    assert tool.summary == "ok: recorded t1"
+    assert tool.took == pytest.approx(0.5)  # since the attempt's previous write
+    assert by_key["model_call_1@" + "1" * 16].summary == 'model: calls record({"t": 1})'
+    model_2 = by_key["model_call_2@" + "2" * 16]
+    assert (model_2.replayed_in, model_2.rerun_in) == ([], [3])
+    assert model_2.history() == "executed in attempt 1, run again (new inputs) in 3"
+    assert by_key["model_call_2@" + "3" * 16].history() == "executed in attempt 3"
+    assert by_key["fetch@" + "4" * 16].history() == "executed in attempt 1, replayed in 3"
+    earlier = by_key["earlier@" + "6" * 16]
+    assert (earlier.executed_in, earlier.replayed_in) == (None, [1, 3])
+    assert earlier.history() == "written before this request, replayed in 1, 3"
+    assert earlier.took is None
+
+
+def test_a_value_that_is_not_loomflow_json_is_never_unpickled() -> None:
+    import pickle
+
+    assert admin.summarize_value(pickle.dumps({"x": 1}), "k").endswith("not JSON-encoded)")
+
+
+def test_pruner_refuses_a_naive_cutoff_or_an_empty_batch() -> None:
+    with pytest.raises(InvalidInput):
+        admin.Pruner(datetime.now(), batch_size=10)
+    with pytest.raises(InvalidInput):
+        admin.Pruner(datetime.now(UTC), batch_size=0)
