@@ -16,7 +16,11 @@ class Settings(BaseSettings):
     of modules that register agents, imported by every worker at start and
     by an application before it enqueues."""
 
-    model_config = SettingsConfigDict(env_prefix="LOOMFLOW_WORKER_", extra="ignore")
+    # Errors name the setting and the problem, never the value (it may hold a
+    # password).
+    model_config = SettingsConfigDict(
+        env_prefix="LOOMFLOW_WORKER_", extra="ignore", hide_input_in_errors=True
+    )
 
     database_url: SecretStr = SecretStr("postgresql://postgres@127.0.0.1:5432/postgres")
     broker_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")

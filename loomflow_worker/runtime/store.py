@@ -375,6 +375,7 @@ class PostgresJournalStore:
             name="loomflow-worker-locks",
         )
         self._lock_pool_open = False
+        self._opening: anyio.Lock | None = None
         # Called with the seconds each journal write of a run took (metrics).
         self.on_write: Callable[[float], None] | None = None
 
@@ -458,8 +459,15 @@ class PostgresJournalStore:
         ``wait`` is how long to wait for a busy scope: ``None`` forever,
         ``0`` not at all. Raises :class:`SessionBusy` when it runs out."""
         if not self._lock_pool_open:
-            await self._lock_pool.open(wait=True, timeout=self.lock_settings.connect_timeout)
-            self._lock_pool_open = True
+            # Many first runs may arrive at once: one of them opens the pool.
+            if self._opening is None:
+                self._opening = anyio.Lock()
+            async with self._opening:
+                if not self._lock_pool_open:
+                    await self._lock_pool.open(
+                        wait=True, timeout=self.lock_settings.connect_timeout
+                    )
+                    self._lock_pool_open = True
         key = scope_lock_key(scope)
         for tries_left in (1, 0):
             conn = await self._lock_connection()

@@ -21,6 +21,7 @@ from celery.signals import (
     worker_shutting_down,
 )
 from kombu import pools as kombu_pools
+from pydantic import ValidationError
 
 from .. import metrics
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
@@ -43,7 +44,12 @@ _enqueue = EnqueuePool()
 
 
 def settings() -> Settings:
-    current: Settings = _state["settings"]
+    """The settings the app runs with (raises if the environment's are invalid)."""
+    current: Settings | None = _state.get("settings")
+    if current is None:
+        raise InvalidInput(
+            f"the LOOMFLOW_WORKER_* settings are invalid: {_state.get('settings_error')}"
+        )
     return current
 
 
@@ -97,7 +103,12 @@ def _drop_connections() -> None:
     kombu_pools.reset()  # type: ignore[no-untyped-call]
 
 
-configure()
+try:
+    configure()
+except ValidationError as exc:
+    # Importing the package must not fail on bad settings (the CLI's doctor
+    # reports them); using the app does, with this error.
+    _state["settings_error"] = exc
 
 
 def _context() -> WorkerContext:

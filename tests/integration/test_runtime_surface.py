@@ -312,3 +312,20 @@ async def test_a_journal_written_by_loomflows_runtime_resumes_here(dsn: str) -> 
         )
         row = await cur.fetchone()
         assert row is not None and row[0] > 0
+
+
+async def test_many_first_runs_at_once_on_a_new_runtime(dsn: str) -> None:
+    runtime = await PostgresRuntime.connect(dsn)
+    opened: list[str] = []
+
+    async def one(session_id: str) -> None:
+        async with runtime.session(session_id):
+            opened.append(session_id)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(one, f"s{i}")
+    finally:
+        await runtime.aclose()
+    assert sorted(opened) == [f"s{i}" for i in range(6)]

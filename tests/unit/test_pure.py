@@ -80,3 +80,16 @@ def test_the_model_refuses_a_tool_result_with_a_stale_id() -> None:
     ]
     with pytest.raises(UnmatchedToolResult, match="toolu_old"):
         _reply(model, stale)
+
+
+def test_a_bad_setting_is_reported_without_its_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pydantic import ValidationError
+
+    from loomflow_worker.settings import Settings
+
+    monkeypatch.setenv("LOOMFLOW_WORKER_DATABASE_URL", "postgresql://u:sekrit-pw@db/x")
+    monkeypatch.setenv("LOOMFLOW_WORKER_MAX_RETRIES", "many")
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    assert "max_retries" in str(info.value)
+    assert "sekrit-pw" not in str(info.value)
