@@ -31,7 +31,7 @@ from typing import Any
 import anyio
 import psycopg
 import redis
-from kombu.utils.url import maskurl
+from kombu.utils.url import sanitize_url
 
 from .events import iter_events
 from .runtime import PostgresRuntime
@@ -190,7 +190,7 @@ def run_demo(*, embedded: bool = False) -> int:
     with services(embedded) as found:
         for note in found.notes:
             _say(f"- {note}")
-        _say(f"- Postgres {describe_dsn(found.database_url)}, Redis {maskurl(found.redis_url)}")
+        _say(f"- Postgres {describe_dsn(found.database_url)}, Redis {sanitize_url(found.redis_url)}")
         return _story(found, start)
 
 
