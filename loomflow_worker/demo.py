@@ -190,7 +190,8 @@ def run_demo(*, embedded: bool = False) -> int:
     with services(embedded) as found:
         for note in found.notes:
             _say(f"- {note}")
-        _say(f"- Postgres {describe_dsn(found.database_url)}, Redis {sanitize_url(found.redis_url)}")
+        redis_at = sanitize_url(found.redis_url)
+        _say(f"- Postgres {describe_dsn(found.database_url)}, Redis {redis_at}")
         return _story(found, start)
 
 
