@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import uuid
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,16 +80,19 @@ def services(embedded: bool) -> Iterator[Services]:
     try:
         notes = []
         if embed_pg:
-            try:
-                import pgserver  # type: ignore[import-untyped, unused-ignore]
-            except ImportError as exc:
-                raise SystemExit(
-                    "the demo needs Postgres: install the demo extra "
-                    "(pip install 'loomflow-worker[demo]') or set LOOMFLOW_WORKER_DATABASE_URL"
-                ) from exc
-            server = pgserver.get_server(  # type: ignore[attr-defined]
-                folder / "postgres", cleanup_mode="stop"
-            )
+            with warnings.catch_warnings():
+                # pgserver asks platformdirs for a runtime folder it does not need.
+                warnings.simplefilter("ignore")
+                try:
+                    import pgserver  # type: ignore[import-untyped, unused-ignore]
+                except ImportError as exc:
+                    raise SystemExit(
+                        "the demo needs Postgres: install the demo extra (pip install "
+                        "'loomflow-worker[demo]') or set LOOMFLOW_WORKER_DATABASE_URL"
+                    ) from exc
+                server = pgserver.get_server(  # type: ignore[attr-defined]
+                    folder / "postgres", cleanup_mode="stop"
+                )
             stack.callback(server.cleanup)
             db = server.get_uri()
             notes.append(f"started a private Postgres in {folder / 'postgres'}")
