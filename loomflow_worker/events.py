@@ -33,6 +33,8 @@ log = logging.getLogger("loomflow_worker.events")
 END = "end"
 # Kinds that describe the attempt itself, never a replayed step.
 _ATTEMPT_KINDS = {"started", "completed", "error", END}
+# Kinds that close a step: sent at once rather than with the next batch.
+_STEP_ENDS = {"tool_result", "completed", "error", END}
 
 
 def stream_key(prefix: str, request_id: str) -> str:
@@ -100,6 +102,7 @@ class EventPublisher:
         self._interval = interval
         self._buffer: list[tuple[str, dict[str, str]]] = []
         self._pending = asyncio.Event()
+        self._urgent = asyncio.Event()
         self._sending = asyncio.Lock()
         self._flusher: asyncio.Task[None] | None = None
         self.dropped = 0
@@ -118,6 +121,9 @@ class EventPublisher:
         self._pending.set()
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_forever())
+        if kind in _STEP_ENDS:
+            # A step is done: send now, so a crash right after loses nothing of it.
+            self._urgent.set()
 
     def end(self, request_id: str, attempt: int, status: str, error: str | None) -> None:
         data = json.dumps({"status": status, "error": error}, separators=(",", ":"))
@@ -140,7 +146,9 @@ class EventPublisher:
     async def _flush_forever(self) -> None:
         while True:
             await self._pending.wait()
-            await asyncio.sleep(self._interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._urgent.wait(), self._interval)
+            self._urgent.clear()
             await self.flush()
 
     async def _send(self, entries: list[tuple[str, dict[str, str]]]) -> None:
