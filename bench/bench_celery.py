@@ -22,7 +22,7 @@ Measures, on scratch databases it creates and drops and a Redis key prefix of it
 
 Run it with::
 
-    /work/venv/bin/python bench/bench_celery.py [--quick]
+    python bench/bench_celery.py [--quick]
 
 The admin connection string defaults to postgresql://postgres@127.0.0.1:5432/postgres
 (LOOMFLOW_WORKER_BENCH_ADMIN_DSN overrides it); Redis to redis://127.0.0.1:6379/0

@@ -13,7 +13,7 @@ concurrent runs (``PostgresRuntime``, each run a loop of fresh steps):
 
 It prints p50/p99 of each, their ratio to the first, and how long each prune took. Run it with::
 
-    /work/venv/bin/python bench/bench_prune.py [--quick]
+    python bench/bench_prune.py [--quick]
 
 The admin connection string defaults to postgresql://postgres@127.0.0.1:5432/postgres
 and is overridden by LOOMFLOW_WORKER_BENCH_ADMIN_DSN.

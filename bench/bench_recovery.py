@@ -18,7 +18,7 @@ thread each), so plain's waits for a restart that never comes overlap ours' tria
 
 Run it with::
 
-    /work/venv/bin/python bench/bench_recovery.py [--trials N] [--cap S] [--quick]
+    python bench/bench_recovery.py [--trials N] [--cap S] [--quick]
 
 Scratch databases, Redis key prefix and connection strings as in ``bench_celery.py``.
 """

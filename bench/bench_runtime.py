@@ -15,7 +15,7 @@ Measures, on a scratch database it creates and drops:
 The variants are interleaved in rounds (their order rotates every round) and
 medians are reported, because the machine is noisy. Run it with::
 
-    /work/venv/bin/python bench/bench_runtime.py [--quick]
+    python bench/bench_runtime.py [--quick]
 
 The admin connection string defaults to postgresql://postgres@127.0.0.1:5432/postgres
 and is overridden by LOOMFLOW_WORKER_BENCH_ADMIN_DSN.
