@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from importlib.metadata import version
@@ -899,6 +899,52 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the cleanup below, as Ctrl-C does
 
 
+def ours_config(
+    dsn: str, redis_url: str, prefix: str, queue: str, agents: str = AGENTS
+) -> tuple[dict[str, str], Settings]:
+    """Our workers' environment, and the same settings for this process."""
+    env = {
+        "LOOMFLOW_WORKER_DATABASE_URL": dsn,
+        "LOOMFLOW_WORKER_BROKER_URL": redis_url,
+        "LOOMFLOW_WORKER_RESULT_BACKEND": redis_url,
+        "LOOMFLOW_WORKER_REDIS_KEY_PREFIX": prefix,
+        "LOOMFLOW_WORKER_QUEUE": queue,
+        "LOOMFLOW_WORKER_AGENTS": agents,
+    }
+    settings = Settings(
+        database_url=dsn,  # type: ignore[arg-type]
+        broker_url=redis_url,  # type: ignore[arg-type]
+        result_backend=redis_url,  # type: ignore[arg-type]
+        redis_key_prefix=prefix,
+        queue=queue,
+        agents=[agents],
+    )
+    return env, settings
+
+
+def teardown(
+    fleet: Fleet, redis_url: str, prefix: str, admin_dsn: str, dbnames: Iterable[str]
+) -> int:
+    """Stop the workers, delete the keys and drop the databases; every step is
+    tried, whatever the one before it did. Returns how many keys went."""
+    deleted = 0
+    fleet.stop_all()
+    try:
+        tasks.configure(Settings())  # closes the enqueue pool on the scratch database
+    except Exception as exc:
+        print(f"resetting the Celery app failed: {exc}", file=sys.stderr)
+    try:
+        deleted = clean_redis(redis_url, prefix)
+    except Exception as exc:
+        print(f"deleting the redis keys under {prefix} failed: {exc}", file=sys.stderr)
+    for name in dbnames:
+        try:
+            drop_database(admin_dsn, name)
+        except Exception as exc:
+            print(f"dropping {name} failed: {exc}", file=sys.stderr)
+    return deleted
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -916,22 +962,7 @@ def main(argv: Sequence[str] | None = None) -> int:
            if not k.startswith(("LOOMFLOW_WORKER_", "BENCH_PLAIN_"))},
         "PYTHONPATH": str(ROOT),
     }
-    ours_env = {
-        "LOOMFLOW_WORKER_DATABASE_URL": dsns["ours"],
-        "LOOMFLOW_WORKER_BROKER_URL": redis_url,
-        "LOOMFLOW_WORKER_RESULT_BACKEND": redis_url,
-        "LOOMFLOW_WORKER_REDIS_KEY_PREFIX": prefix,
-        "LOOMFLOW_WORKER_QUEUE": queues["ours"],
-        "LOOMFLOW_WORKER_AGENTS": AGENTS,
-    }
-    ours_settings = Settings(
-        database_url=dsns["ours"],  # type: ignore[arg-type]
-        broker_url=redis_url,  # type: ignore[arg-type]
-        result_backend=redis_url,  # type: ignore[arg-type]
-        redis_key_prefix=prefix,
-        queue=queues["ours"],
-        agents=[AGENTS],
-    )
+    ours_env, ours_settings = ours_config(dsns["ours"], redis_url, prefix, queues["ours"])
     plain_config = plain.PlainConfig(
         database_url=dsns["plain"], broker_url=redis_url, result_backend=redis_url,
         redis_key_prefix=prefix, queue=queues["plain"], acks_late=args.plain_acks_late,
@@ -1005,21 +1036,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               args.split_rounds, tag)
         print("\n".join(report(args, tp, ho, split)))
     finally:
-        # Every step is tried, whatever the one before it did.
-        fleet.stop_all()
-        try:
-            tasks.configure(Settings())  # closes the enqueue pool on the scratch database
-        except Exception as exc:
-            print(f"resetting the Celery app failed: {exc}", file=sys.stderr)
-        try:
-            deleted = clean_redis(redis_url, prefix)
-        except Exception as exc:
-            print(f"deleting the redis keys under {prefix} failed: {exc}", file=sys.stderr)
-        for name in dbnames.values():
-            try:
-                drop_database(admin_dsn, name)
-            except Exception as exc:
-                print(f"dropping {name} failed: {exc}", file=sys.stderr)
+        deleted = teardown(fleet, redis_url, prefix, admin_dsn, dbnames.values())
     print(f"\n(dropped {', '.join(dbnames.values())}; deleted {deleted} redis keys under "
           f"{prefix}; total {time.perf_counter() - started:.1f} s)")
     return 0

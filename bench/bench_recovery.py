@@ -58,13 +58,13 @@ from bench.bench_celery import (  # noqa: E402
     REDIS_ENV,
     Fleet,
     _exit_on_sigterm,
-    clean_redis,
     git_state,
     migrate,
+    ours_config,
+    teardown,
 )
-from bench.bench_runtime import create_database, database_uri, drop_database  # noqa: E402
+from bench.bench_runtime import create_database, database_uri  # noqa: E402
 from loomflow_worker import tasks  # noqa: E402
-from loomflow_worker.settings import Settings  # noqa: E402
 from loomflow_worker.testing import EffectsLog  # noqa: E402
 
 AGENTS = "bench.agents_recovery"
@@ -306,24 +306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "PYTHONPATH": str(ROOT),
         TOOL_SLEEP_ENV: str(args.tool_sleep),
     }
-    ours_env = {
-        "LOOMFLOW_WORKER_DATABASE_URL": dsns["ours"],
-        "LOOMFLOW_WORKER_BROKER_URL": redis_url,
-        "LOOMFLOW_WORKER_RESULT_BACKEND": redis_url,
-        "LOOMFLOW_WORKER_REDIS_KEY_PREFIX": prefix,
-        "LOOMFLOW_WORKER_QUEUE": queues["ours"],
-        "LOOMFLOW_WORKER_AGENTS": AGENTS,
-        EFFECTS_DSN_ENV: dsns["ours"],
-        **OURS_RECOVERY_ENV,
-    }
-    ours_settings = Settings(
-        database_url=dsns["ours"],  # type: ignore[arg-type]
-        broker_url=redis_url,  # type: ignore[arg-type]
-        result_backend=redis_url,  # type: ignore[arg-type]
-        redis_key_prefix=prefix,
-        queue=queues["ours"],
-        agents=[AGENTS],
+    ours_env, ours_settings = ours_config(
+        dsns["ours"], redis_url, prefix, queues["ours"], agents=AGENTS
     )
+    ours_env = {**ours_env, EFFECTS_DSN_ENV: dsns["ours"], **OURS_RECOVERY_ENV}
     plain_config = plain.PlainConfig(
         database_url=dsns["plain"], broker_url=redis_url, result_backend=redis_url,
         redis_key_prefix=prefix, queue=queues["plain"], acks_late=False,
@@ -381,21 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise RuntimeError(f"{side.name}'s trials failed") from side.error
         print("\n".join(report(sides, args.cap)))
     finally:
-        # Every step is tried, whatever the one before it did.
-        fleet.stop_all()
-        try:
-            tasks.configure(Settings())  # closes the enqueue pool on the scratch database
-        except Exception as exc:
-            print(f"resetting the Celery app failed: {exc}", file=sys.stderr)
-        try:
-            deleted = clean_redis(redis_url, prefix)
-        except Exception as exc:
-            print(f"deleting the redis keys under {prefix} failed: {exc}", file=sys.stderr)
-        for name in dbnames.values():
-            try:
-                drop_database(admin_dsn, name)
-            except Exception as exc:
-                print(f"dropping {name} failed: {exc}", file=sys.stderr)
+        deleted = teardown(fleet, redis_url, prefix, admin_dsn, dbnames.values())
     print(f"\n(dropped {', '.join(dbnames.values())}; deleted {deleted} redis keys under "
           f"{prefix}; total {time.perf_counter() - started:.1f} s)")
     return 0
