@@ -277,15 +277,11 @@ class Attempt:
 
     # ---- epochs --------------------------------------------------------------
 
-    async def read_epochs(self) -> tuple[int, int | None]:
+    async def _stored_epochs(self, conn: Conn) -> tuple[int, int | None]:
         """``(current epoch, epoch of the last run or None)`` of the scope."""
-
-        async def run(conn: Conn) -> list[tuple[Any, ...]]:
-            cur = await conn.execute(query("read_epochs"), {"scope": self.scope})
-            return await cur.fetchall()
-
+        cur = await conn.execute(query("read_epochs"), {"scope": self.scope})
         found: dict[str, int] = {}
-        for key, blob in await self.io(run):
+        for key, blob in await cur.fetchall():
             ok, value = self.store._decode(bytes(blob), key)
             if ok and isinstance(value, int):
                 found[key] = value
@@ -317,10 +313,7 @@ class Attempt:
 
         async def advance_epoch(conn: Conn) -> int:
             if not advance:
-                cur = await conn.execute(query("read_epochs"), {"scope": self.scope})
-                stored = [self.store._decode(bytes(v), k) for k, v in await cur.fetchall()
-                          if k == EPOCH_KEY]
-                return stored[0][1] if stored and stored[0][0] else 0
+                return (await self._stored_epochs(conn))[0]
             cur = await conn.execute(query("advance_epoch"), params)
             row = await cur.fetchone()
             assert row is not None

@@ -135,8 +135,8 @@ class EnqueuePool:
                         return []
                     conn.execute(query("insert_run"), _row_params(request_id, req))
                     rows = conn.execute(
-                        query("interrupt_older"),
-                        {"scope": req.scope, "by": request_id,
+                        query("cancel_requests"),
+                        {"request_id": None, "scope": req.scope, "by": request_id,
                          "reason": f"interrupted by request {request_id}"},
                     ).fetchall()
                     return [Pending(*row[1:8]) for row in rows if row[0] == "cancelled"]
@@ -156,8 +156,9 @@ class EnqueuePool:
         try:
             with self.pool(dsn, connect_timeout).connection(timeout=connect_timeout) as conn:
                 row = conn.execute(
-                    query("cancel_run"),
-                    {"request_id": request_id, "reason": "cancelled before it started"},
+                    query("cancel_requests"),
+                    {"request_id": request_id, "scope": None, "by": None,
+                     "reason": "cancelled before it started"},
                 ).fetchone()
         except (psycopg.OperationalError, TimeoutError) as exc:
             raise DatabaseUnavailable(

@@ -26,9 +26,6 @@ SELECT pg_advisory_lock(%(key)s);
 -- name: unlock
 SELECT pg_advisory_unlock(%(key)s);
 
--- name: unlock_all
-SELECT pg_advisory_unlock_all();
-
 -- name: held_advisory_locks
 SELECT count(*) FROM pg_locks
  WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted;
@@ -227,50 +224,9 @@ ON CONFLICT (request_id) DO UPDATE
        finished_at = now()
  WHERE runs.status IN ('queued', 'running');
 
--- name: lock_run
-SELECT request_id, seq, scope, status, epoch, attempts, failures, crashes, result, error,
-       error_type, kind, cancel_requested,
-       extract(epoch FROM now() - heartbeat_at)::float8 AS since_heartbeat,
-       (SELECT extract(epoch FROM now() - p.finished_at)::float8
-          FROM runs p
-         WHERE p.scope = r.scope AND p.seq < r.seq AND p.finished_at > r.enqueued_at
-         ORDER BY p.seq DESC LIMIT 1) AS since_handoff
-  FROM runs r WHERE request_id = %(request_id)s FOR UPDATE;
-
--- name: older_unfinished
-SELECT request_id, kind, session_id, user_id, agent, prompt, metadata,
-       dispatched_at < now() - make_interval(secs => %(stale)s) AS stale
-  FROM runs
- WHERE scope = %(scope)s AND status IN ('queued', 'running') AND seq < %(seq)s
- ORDER BY seq LIMIT 1;
-
--- name: start_run
-UPDATE runs
-   SET status = 'running',
-       epoch = coalesce(epoch, %(epoch)s),
-       attempts = attempts + 1,
-       crashes = crashes + (status = 'running')::int,
-       holder = %(holder)s,
-       holder_pid = pg_backend_pid(),
-       started_at = now(),
-       heartbeat_at = now()
- WHERE request_id = %(request_id)s
-RETURNING epoch, attempts, crashes, failures;
-
--- name: insert_attempt
-INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch)
-VALUES (%(request_id)s, %(attempt)s, %(worker)s, %(pid)s, %(epoch)s)
-ON CONFLICT (request_id, attempt) DO NOTHING;
-
 -- name: end_attempt
 UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(outcome)s
  WHERE request_id = %(request_id)s AND attempt = %(attempt)s;
-
--- name: finish_run
-UPDATE runs
-   SET status = %(status)s, result = %(result)s, error = %(error)s, error_type = %(error_type)s,
-       finished_at = now(), holder_pid = NULL
- WHERE request_id = %(request_id)s AND status IN ('queued', 'running');
 
 -- name: retry_run
 UPDATE runs
@@ -389,10 +345,12 @@ SELECT request_id, status FROM runs
  WHERE scope = %(scope)s AND status IN ('queued', 'running')
  ORDER BY seq LIMIT 1;
 
--- name: cancel_run
--- A queued request that never started is cancelled on the spot (it has no
--- epoch and journaled nothing); any other unfinished one is flagged and
--- stops at its next step boundary, or when it is next picked up.
+-- name: cancel_requests
+-- Cancel one request (request_id), or every unfinished request of a scope
+-- older than a given one (scope and by). A queued request that never started
+-- is cancelled on the spot (it has no epoch and journaled nothing); any other
+-- unfinished one is flagged and stops at its next step boundary, or when it
+-- is next picked up.
 UPDATE runs
    SET cancel_requested = true,
        status = CASE WHEN status = 'queued' AND epoch IS NULL THEN 'cancelled' ELSE status END,
@@ -401,20 +359,10 @@ UPDATE runs
                          ELSE error_type END,
        finished_at = CASE WHEN status = 'queued' AND epoch IS NULL THEN now()
                           ELSE finished_at END
- WHERE request_id = %(request_id)s
-RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata;
-
--- name: interrupt_older
-UPDATE runs
-   SET cancel_requested = true,
-       status = CASE WHEN status = 'queued' AND epoch IS NULL THEN 'cancelled' ELSE status END,
-       error = CASE WHEN status = 'queued' AND epoch IS NULL THEN %(reason)s ELSE error END,
-       error_type = CASE WHEN status = 'queued' AND epoch IS NULL THEN 'Cancelled'
-                         ELSE error_type END,
-       finished_at = CASE WHEN status = 'queued' AND epoch IS NULL THEN now()
-                          ELSE finished_at END
- WHERE scope = %(scope)s AND status IN ('queued', 'running') AND request_id <> %(by)s
-   AND seq < (SELECT seq FROM runs WHERE request_id = %(by)s)
+ WHERE (%(request_id)s::text IS NOT NULL AND request_id = %(request_id)s::text)
+    OR (%(by)s::text IS NOT NULL AND scope = %(scope)s::text
+        AND status IN ('queued', 'running') AND request_id <> %(by)s::text
+        AND seq < (SELECT seq FROM runs WHERE request_id = %(by)s::text))
 RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata;
 
 -- ---- operating the fleet (loomflow_worker.admin, the CLI) ---------------------------------
