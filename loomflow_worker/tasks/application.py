@@ -38,6 +38,9 @@ log = logging.getLogger("loomflow_worker.tasks")
 
 app = Celery("loomflow_worker")
 
+#: How long a pool child that is exiting waits for its connections to close.
+CLOSE_TIMEOUT = 10.0
+
 _state: dict[str, Any] = {}
 _loop = ChildLoop()
 _enqueue = EnqueuePool()
@@ -141,8 +144,10 @@ def _close_child(**_: Any) -> None:
     ctx: WorkerContext | None = _state.pop("context", None)
     if ctx is not None and _loop.running:
         try:
-            _loop.run(ctx.aclose())
+            _loop.run(ctx.aclose(), timeout=CLOSE_TIMEOUT)
         except Exception:
+            # Bounded: a child that cannot close cleanly still exits, and
+            # Postgres frees whatever its connections held.
             log.exception("closing the pool child's connections failed")
     _loop.stop()
     if metrics.enabled():

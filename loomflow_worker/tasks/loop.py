@@ -16,6 +16,10 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+#: How long an interrupted coroutine gets to unwind (release its session
+#: lock, close its cursor) before the caller goes on without it.
+UNWIND_TIMEOUT = 5.0
+
 
 class ChildLoop:
     def __init__(self) -> None:
@@ -40,9 +44,30 @@ class ChildLoop:
     def running(self) -> bool:
         return self._loop is not None and self._pid == os.getpid()
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result.
+
+        When the wait ends early (``timeout``, or the ``SystemExit`` that
+        billiard raises in a pool child told to terminate), ``coro`` is
+        cancelled and given :data:`UNWIND_TIMEOUT` to unwind, so a run
+        stopped by a shutdown releases its session lock at once instead of
+        going on in the loop's thread while the process exits."""
+        started, unwound = threading.Event(), threading.Event()
+
+        async def guarded() -> T:
+            started.set()
+            try:
+                return await coro
+            finally:
+                unwound.set()
+
+        future = asyncio.run_coroutine_threadsafe(guarded(), self.loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            if future.cancel() and started.is_set():
+                unwound.wait(UNWIND_TIMEOUT)
+            raise
 
     def stop(self) -> None:
         with self._lock:

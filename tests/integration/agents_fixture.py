@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
+import sys
 from typing import Any
 
 from loomflow import Agent
@@ -11,6 +13,10 @@ from loomflow import Agent
 from loomflow_worker import register_agent
 from loomflow_worker.tasks import settings
 from loomflow_worker.testing import DeterministicModel, EffectsLog
+
+# SIGUSR2 prints every thread's stack to the worker's output: the harness
+# sends it to a worker that does not stop in time, to show where it hangs.
+faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
 
 
 async def _on_start(tag: str) -> None:

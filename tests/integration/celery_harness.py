@@ -83,6 +83,21 @@ class Fleet:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # Every process of the worker prints its threads' stacks, so the
+            # failure shows where it hangs: Celery's main process on SIGUSR1,
+            # the pool children on SIGUSR2 (see agents_fixture).
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+            with contextlib.suppress(OSError):
+                for child in children.read_text().split():
+                    os.kill(int(child), signal.SIGUSR2)
+                os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(2)
+            raise AssertionError(
+                f"worker {name} did not stop {timeout:g}s after SIGTERM:\n"
+                + (self.logs / f"{name}.out").read_text(errors="replace")[-12000:]
+                + "\n--- log\n" + (self.logs / f"{name}.log").read_text(errors="replace")[-6000:]
+            ) from None
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
