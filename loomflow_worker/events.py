@@ -90,16 +90,28 @@ class EventPublisher:
 
     Events are buffered and sent every ``interval`` seconds in one pipeline
     (and at :meth:`flush`, which the worker calls when a request ends), so a
-    run costs a few round trips to Redis, not one per event."""
+    run costs a few round trips to Redis, not one per event. An event that
+    closes a step is sent sooner, ``step_end_delay`` seconds after it (time
+    for the events right behind it to join the batch): a worker that dies
+    later than that has lost none of the step's events; one that dies sooner
+    loses them, and the next attempt sends them again, marked replayed."""
 
     def __init__(
-        self, url: str, *, prefix: str, maxlen: int, retention: float, interval: float = 0.1
+        self,
+        url: str,
+        *,
+        prefix: str,
+        maxlen: int,
+        retention: float,
+        interval: float = 0.1,
+        step_end_delay: float = 0.01,
     ) -> None:
         self._client: aredis.Redis = aredis.Redis.from_url(url, socket_timeout=5)
         self._prefix = prefix
         self._maxlen = maxlen
         self._retention = max(1, int(retention))
         self._interval = interval
+        self._step_end_delay = step_end_delay
         self._buffer: list[tuple[str, dict[str, str]]] = []
         self._pending = asyncio.Event()
         self._urgent = asyncio.Event()
@@ -122,7 +134,7 @@ class EventPublisher:
         if self._flusher is None:
             self._flusher = asyncio.get_running_loop().create_task(self._flush_forever())
         if kind in _STEP_ENDS:
-            # A step is done: send now, so a crash right after loses nothing of it.
+            # A step is done: send soon, so a crash after it loses nothing of it.
             self._urgent.set()
 
     def end(self, request_id: str, attempt: int, status: str, error: str | None) -> None:
@@ -148,6 +160,8 @@ class EventPublisher:
             await self._pending.wait()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._urgent.wait(), self._interval)
+            if self._urgent.is_set():
+                await asyncio.sleep(self._step_end_delay)
             self._urgent.clear()
             await self.flush()
 

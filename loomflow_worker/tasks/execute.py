@@ -38,6 +38,10 @@ from .request import Kind, RunRequest, check_request
 
 log = logging.getLogger("loomflow_worker.tasks")
 
+#: How long a queued request at the head of its session waits for the lock
+#: the request before it is releasing, before it parks.
+HANDOFF_LOCK_WAIT = 2.0
+
 
 class RunFailed(LoomflowWorkerError):
     """The request ended ``failed``; the message says why."""
@@ -58,6 +62,9 @@ class Outcome:
     error: str | None = None
     countdown: float = 0.0
     dispatch: list[ledger.Pending] = field(default_factory=list)
+    # The request ended and handed its scope on (whether or not it publishes
+    # the request it handed the scope to).
+    handed: bool = False
 
 
 async def _noop_emit(event: Event) -> None:
@@ -181,23 +188,34 @@ async def execute(
         # A duplicate of a finished request: its stored outcome, nothing run.
         log.info("request %s already %s", request_id, pre.status,
                  extra={"action": "duplicate", "request": request_id})
-        outcome = Outcome(pre.status, result=pre.result, error=pre.error)  # type: ignore[arg-type]
         async with runtime.pool.connection() as conn:
-            # It may have been handed the session (then cancelled): pass it on.
-            nxt = await ledger.next_unfinished(conn, req.scope)
-        if nxt is not None:
-            outcome.dispatch.append(nxt)
-        return await _dispatched(runtime, outcome)
+            # It may have been cancelled while queued, never handing its
+            # session on: pass it on.
+            handoff = await ledger.hand_over(conn, req.scope)
+        return _ended(pre.status, handoff, result=pre.result, error=pre.error)
     if pre.older is not None:
-        _count_parked("behind")
-        log.info("request %s parked behind %s", request_id, pre.older.request_id,
-                 extra={"action": "parked", "request": request_id, "session": req.session_id})
-        return await _dispatched(
-            runtime, Outcome("parked", dispatch=[pre.older] if pre.older_stale else [])
-        )
+        async with runtime.pool.connection() as conn:
+            if await ledger.park(conn, request_id):
+                _count_parked("behind")
+                log.info(
+                    "request %s parked behind %s", request_id, pre.older.request_id,
+                    extra={"action": "parked", "request": request_id, "session": req.session_id},
+                )
+                if pre.older_stale:
+                    await ledger.mark_dispatched(conn, pre.older.request_id)
+                    return Outcome("parked", dispatch=[pre.older])
+                return Outcome("parked")
+        # Handed the session since the look above: its turn, go on.
     try:
-        attempt = await runtime.journal.acquire(req.scope, wait=0)
+        # A queued request at the head of its session waits a moment for a
+        # lock still held: the request before it finished and is releasing
+        # it, and published nothing for this one, whose message this is.
+        attempt = await runtime.journal.acquire(
+            req.scope, wait=HANDOFF_LOCK_WAIT if pre.status == "queued" else 0
+        )
     except SessionBusy:
+        async with runtime.pool.connection() as conn:
+            await ledger.park(conn, request_id)
         _count_parked("busy")
         log.info(
             "request %s parked: session busy", request_id,
@@ -209,26 +227,28 @@ async def execute(
         outcome = await _run_holding(ctx, runtime, attempt, request_id, req, holder)
     finally:
         await runtime.journal.release(attempt)
-    if outcome.kind in ledger.TERMINAL and not outcome.dispatch:
+    if outcome.kind in ledger.TERMINAL and not outcome.handed:
         async with runtime.pool.connection() as conn:
             # A request enqueued while this one finished may have parked on the
             # lock after the finish chose no one: look once more, unlocked.
-            nxt = await ledger.next_unfinished(conn, req.scope)
-            if nxt is not None and nxt.request_id != request_id:
-                await ledger.mark_dispatched(conn, nxt.request_id)
-                outcome.dispatch.append(nxt)
+            handoff = await ledger.hand_over(conn, req.scope)
+        if handoff is not None:
+            outcome.dispatch.extend(handoff.publish)
     if ctx.events is not None:
         await ctx.events.flush()
     return outcome
 
 
-async def _dispatched(runtime: PostgresRuntime, outcome: Outcome) -> Outcome:
-    """Stamp the requests about to be published, so none looks lost."""
-    if outcome.dispatch:
-        async with runtime.pool.connection() as conn:
-            for pending in outcome.dispatch:
-                await ledger.mark_dispatched(conn, pending.request_id)
-    return outcome
+def _ended(
+    kind: str, handoff: ledger.Handoff | None, **fields: Any
+) -> Outcome:
+    """A request's end: what it handed its scope to is published when needed."""
+    return Outcome(
+        kind,  # type: ignore[arg-type]
+        dispatch=handoff.publish if handoff is not None else [],
+        handed=handoff is not None,
+        **fields,
+    )
 
 
 async def _run_holding(
@@ -249,22 +269,18 @@ async def _run_holding(
         # A duplicate of a finished request: its stored outcome, nothing run.
         log.info("request %s already %s", request_id, started.status,
                  extra={"action": "duplicate", **log_fields})
-        nxt = await attempt.io(lambda conn: ledger.next_unfinished(conn, req.scope))
-        return Outcome(
-            started.status,  # type: ignore[arg-type]
-            result=started.result,
-            error=started.error,
-            dispatch=[nxt] if nxt is not None else [],
-        )
+        handoff = await attempt.io(lambda conn: ledger.hand_over(conn, req.scope))
+        return _ended(started.status, handoff, result=started.result, error=started.error)
     if started.status == "parked":
         assert started.older is not None
+        await attempt.io(lambda conn: ledger.park(conn, request_id))
         log.info("request %s parked behind %s", request_id, started.older.request_id,
                  extra={"action": "parked", **log_fields})
         return Outcome("parked", dispatch=[started.older] if started.older_stale else [])
     assert started.epoch is not None
     epoch = started.epoch
 
-    async def finish_as(status: str, **outcome: Any) -> ledger.Pending | None:
+    async def finish_as(status: str, **outcome: Any) -> ledger.Handoff | None:
         return await _finish(
             attempt, request_id, req, started, epoch, events=ctx.events, status=status, **outcome
         )
@@ -276,7 +292,7 @@ async def _run_holding(
         )
         nxt = await finish_as("dead", error=error, error_type="WorkerDied")
         log.error("request %s dead: %s", request_id, error, extra={"action": "dead", **log_fields})
-        return Outcome("dead", error=error, dispatch=_listed(nxt))
+        return _ended("dead", nxt, error=error)
 
     if started.cancel_requested:
         nxt = await finish_as(
@@ -284,7 +300,7 @@ async def _run_holding(
         )
         log.info("request %s cancelled before it started", request_id,
                  extra={"action": "cancelled", **log_fields})
-        return Outcome("cancelled", error="cancelled before it started", dispatch=_listed(nxt))
+        return _ended("cancelled", nxt, error="cancelled before it started")
 
     log.info("request %s attempt %d at epoch %d", request_id, started.attempt, epoch,
              extra={"action": "start", "attempt": started.attempt, **log_fields})
@@ -336,7 +352,7 @@ async def _run_holding(
             nxt = await finish_as("failed", error=error, error_type=type(exc).__name__)
             log.error("request %s failed after %d attempts: %s", request_id, started.attempt,
                       error, extra={"action": "failed", **log_fields})
-            return Outcome("failed", error=error, dispatch=_listed(nxt))
+            return _ended("failed", nxt, error=error)
         countdown = ctx.backoff(failures)
         failure, attempt_no = exc, started.attempt
         await attempt.io(
@@ -352,7 +368,7 @@ async def _run_holding(
         nxt = await finish_as("cancelled", error=stopped.reason, error_type="Cancelled")
         log.info("request %s cancelled at a step boundary", request_id,
                  extra={"action": "cancelled", **log_fields})
-        return Outcome("cancelled", error=stopped.reason, dispatch=_listed(nxt))
+        return _ended("cancelled", nxt, error=stopped.reason)
 
     if timed_out:
         if attempt.fenced is not None:
@@ -364,12 +380,12 @@ async def _run_holding(
         nxt = await finish_as("failed", error=error, error_type="TimeLimitExceeded")
         log.error("request %s failed: %s", request_id, error,
                   extra={"action": "failed", **log_fields})
-        return Outcome("failed", error=error, dispatch=_listed(nxt))
+        return _ended("failed", nxt, error=error)
 
     payload = {**result.model_dump(mode="json"), "request_id": request_id}
     nxt = await finish_as("succeeded", result=payload)
     log.info("request %s succeeded", request_id, extra={"action": "succeeded", **log_fields})
-    return Outcome("succeeded", result=payload, dispatch=_listed(nxt))
+    return _ended("succeeded", nxt, result=payload)
 
 
 async def _run_agent(agent: Any, request_id: str, req: RunRequest, emit: Any) -> Any:
@@ -424,10 +440,6 @@ async def _heartbeat(
             attempt.stop = RunStopped("cancelled while running")
 
 
-def _listed(pending: ledger.Pending | None) -> list[ledger.Pending]:
-    return [pending] if pending is not None else []
-
-
 async def _finish(
     attempt: Attempt,
     request_id: str,
@@ -440,7 +452,7 @@ async def _finish(
     error: str | None = None,
     error_type: str | None = None,
     events: EventPublisher | None = None,
-) -> ledger.Pending | None:
+) -> ledger.Handoff | None:
     """Status, result, epoch advance and the choice of the next request: one
     statement. Then the request's live events end."""
     await attempt.flush_last_run()

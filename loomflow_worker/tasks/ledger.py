@@ -52,6 +52,27 @@ def _pending(row: tuple[Any, ...] | None) -> Pending | None:
     return None if row is None else Pending(*row[:7])
 
 
+@dataclass(frozen=True)
+class Handoff:
+    """The request a finishing one handed its scope to.
+
+    Its message is published again only when a worker already took the one
+    it was enqueued with and parked it (``received``); otherwise that message
+    is still on its way and runs it, and publishing again would only make a
+    duplicate for some worker to receive and drop."""
+
+    pending: Pending
+    received: bool
+
+    @property
+    def publish(self) -> list[Pending]:
+        return [self.pending] if self.received else []
+
+
+def _handoff(row: tuple[Any, ...] | None) -> Handoff | None:
+    return None if row is None else Handoff(Pending(*row[:7]), bool(row[7]))
+
+
 def _row_params(request_id: str, req: RunRequest) -> dict[str, Any]:
     return {
         "request_id": request_id,
@@ -291,10 +312,10 @@ async def finish(
     result: Any = None,
     error: str | None = None,
     error_type: str | None = None,
-) -> Pending | None:
+) -> Handoff | None:
     """The request's end in one statement: the scope's epoch advanced past
     ``epoch`` (forward only), status, result and error recorded, the attempt
-    closed, and the next unfinished request of the scope chosen."""
+    closed, and the scope handed to its next unfinished request."""
     cur = await conn.execute(
         query("finish_request"),
         {"request_id": request_id, "scope": scope, "attempt": attempt,
@@ -303,7 +324,7 @@ async def finish(
          "result": None if result is None else Jsonb(result),
          "error": error, "error_type": error_type},
     )
-    return _pending(await cur.fetchone())
+    return _handoff(await cur.fetchone())
 
 
 async def schedule_retry(
@@ -321,9 +342,21 @@ async def schedule_retry(
         )
 
 
-async def next_unfinished(conn: Conn, scope: str) -> Pending | None:
-    cur = await conn.execute(query("next_unfinished"), {"scope": scope})
-    return _pending(await cur.fetchone())
+async def hand_over(conn: Conn, scope: str) -> Handoff | None:
+    """Hand ``scope`` to its oldest unfinished request, unless it was handed
+    already (then whoever handed it published it, or its message runs it)."""
+    cur = await conn.execute(query("hand_over"), {"scope": scope})
+    return _handoff(await cur.fetchone())
+
+
+async def park(conn: Conn, request_id: str) -> bool:
+    """Record that a worker took ``request_id``'s message and is parking it,
+    so the request that hands its scope on publishes it again. ``False`` when
+    it was handed the scope already: it must not park then, nobody would
+    publish it again."""
+    cur = await conn.execute(query("park_request"), {"request_id": request_id})
+    row = await cur.fetchone()
+    return not (row and row[0])
 
 
 async def mark_dispatched(conn: Conn, request_id: str) -> None:

@@ -65,6 +65,29 @@ def test_forty_requests_on_five_sessions_keep_order_and_never_overlap(fleet: Fle
     assert {ledger(fleet.dsn, r.id)["status"] for *_, r in sent} == {"succeeded"}
 
 
+def test_a_handoff_publishes_only_a_request_whose_message_was_parked(fleet: Fleet) -> None:
+    # No sweeper: a request the handoff failed to reach would never run, so
+    # every result arriving proves none was lost. A request whose message is
+    # still on its way when its turn comes is not published again: no
+    # request is delivered after it finished.
+    for name in ("w1", "w2"):
+        fleet.start(name, concurrency=2, TEST_TOOL_SLEEP="0.01", LOOMFLOW_WORKER_SWEEPER="false")
+    sent = [
+        run_agent.delay(calls(f"h{i}"), f"s{i % 6}", user_id="u") for i in range(60)
+    ]
+    for i, result in enumerate(sent):
+        assert result.get(timeout=60)["output"] == f"done: recorded h{i}"
+    logs = [p.read_text(errors="replace") for p in fleet.logs.glob("*.log")]
+    received = sum(text.count("loomflow_worker.run_agent[") - text.count("] succeeded in")
+                   for text in logs)
+    parked = sum(text.count(" parked") for text in logs)
+    duplicates = sum(text.count(" already succeeded") for text in logs)
+    assert duplicates == 0, fleet.log_text()
+    # Each message parked was published once more, and that copy ran it.
+    assert received == len(sent) + parked, (received, parked)
+    assert {ledger(fleet.dsn, r.id)["status"] for r in sent} == {"succeeded"}
+
+
 def _wait_for_execution(
     dsn: str, tag: str, timeout: float = 60
 ) -> tuple[str, int, object, object]:

@@ -234,11 +234,23 @@ UPDATE runs
        dispatched_at = now() + make_interval(secs => %(countdown)s), holder_pid = NULL
  WHERE request_id = %(request_id)s AND status = 'running';
 
--- name: next_unfinished
-SELECT request_id, kind, session_id, user_id, agent, prompt, metadata
-  FROM runs
- WHERE scope = %(scope)s AND status IN ('queued', 'running')
- ORDER BY seq LIMIT 1;
+-- name: hand_over
+-- Hand the scope to its oldest unfinished request (as finish_request does)
+-- unless it was handed already.
+UPDATE runs SET dispatched_at = now(), handed_at = now()
+ WHERE request_id = (SELECT request_id FROM runs
+                      WHERE scope = %(scope)s AND status IN ('queued', 'running')
+                      ORDER BY seq LIMIT 1)
+   AND handed_at IS NULL
+RETURNING request_id, kind, session_id, user_id, agent, prompt, metadata,
+          received_at IS NOT NULL AS received;
+
+-- name: park_request
+-- A worker parks the request whose message it took: stamped, so the request
+-- that hands the scope on publishes it again. Already handed the scope (the
+-- older request finished since this worker looked), it must not park.
+UPDATE runs SET received_at = now() WHERE request_id = %(request_id)s
+RETURNING handed_at IS NOT NULL;
 
 -- name: mark_dispatched
 UPDATE runs SET dispatched_at = now() WHERE request_id = %(request_id)s;
@@ -548,10 +560,13 @@ WITH advanced AS (
      WHERE scope = %(scope)s AND status IN ('queued', 'running') AND request_id <> %(request_id)s
      ORDER BY seq LIMIT 1
 ), handed AS (
-    -- The next request is dispatched right after this commit.
-    UPDATE runs SET dispatched_at = now() WHERE request_id = (SELECT request_id FROM chosen)
+    -- Handed the scope; published again after this commit when a worker
+    -- already took its message and parked it (see park_request).
+    UPDATE runs SET dispatched_at = now(), handed_at = now()
+     WHERE request_id = (SELECT request_id FROM chosen)
+    RETURNING request_id, received_at IS NOT NULL AS received
 )
-SELECT * FROM chosen;
+SELECT c.*, h.received FROM chosen c JOIN handed h USING (request_id);
 
 -- name: mark_interrupted
 -- A worker shutting down (a deploy): its attempts still running end

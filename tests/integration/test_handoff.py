@@ -1,0 +1,102 @@
+"""The handoff between consecutive requests of a scope, statement by statement.
+
+A finishing request hands the scope to the next one and publishes it again
+only when a worker already took and parked its message; a worker about to
+park a message stops if the scope was handed to it meanwhile. Both decide in
+one UPDATE of the next request's row, so whichever comes second sees the
+first, whatever the interleaving: these tests hold one side's transaction
+open while the other runs, on the real Postgres."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+import psycopg
+import pytest
+
+from loomflow_worker.tasks import ledger
+from loomflow_worker.tasks.request import RunRequest
+
+pytestmark = pytest.mark.anyio
+
+FIRST, NEXT = "req-first", "req-next"
+REQUEST = RunRequest(prompt="p", session_id="s", user_id="u", agent="default", metadata={})
+
+
+@pytest.fixture
+async def conns(dsn: str) -> AsyncIterator[tuple[Any, Any]]:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as setup:
+        for request_id in (FIRST, NEXT):
+            await ledger.ensure_row(setup, request_id, REQUEST)
+        await setup.execute("UPDATE runs SET status = 'running' WHERE request_id = %s", (FIRST,))
+    async with await psycopg.AsyncConnection.connect(dsn) as hander, \
+            await psycopg.AsyncConnection.connect(dsn, autocommit=True) as parker:
+        yield hander, parker
+
+
+async def _finish_first(conn: Any) -> ledger.Handoff | None:
+    return await ledger.finish(conn, FIRST, REQUEST.scope, 1, 0, status="succeeded", result={})
+
+
+async def _hand_over_after_a_cancel(conn: Any) -> ledger.Handoff | None:
+    await conn.execute("UPDATE runs SET status = 'cancelled' WHERE request_id = %s", (FIRST,))
+    return await ledger.hand_over(conn, REQUEST.scope)
+
+
+HANDERS = [_finish_first, _hand_over_after_a_cancel]
+Hander = Callable[[Any], Awaitable[ledger.Handoff | None]]
+
+
+async def _blocked(
+    call: Callable[[], Awaitable[Any]], release: Callable[[], Awaitable[None]]
+) -> Any:
+    """Run ``call``, which must wait on a row lock until ``release`` runs."""
+    result: list[Any] = []
+
+    async def run() -> None:
+        result.append(await call())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        await anyio.sleep(0.3)
+        assert not result, "the second statement did not wait for the first"
+        await release()
+    return result[0]
+
+
+@pytest.mark.parametrize("hand", HANDERS)
+async def test_handed_first_the_parker_sees_it_and_does_not_park(
+    conns: tuple[Any, Any], hand: Hander
+) -> None:
+    hander, parker = conns
+    handoff = await hand(hander)  # transaction still open
+    assert handoff is not None and handoff.pending.request_id == NEXT
+    assert not handoff.received and handoff.publish == []
+    may_park = await _blocked(lambda: ledger.park(parker, NEXT), hander.commit)
+    assert may_park is False
+
+
+@pytest.mark.parametrize("hand", HANDERS)
+async def test_parked_first_the_hander_sees_it_and_publishes(
+    conns: tuple[Any, Any], hand: Hander
+) -> None:
+    hander, parker = conns
+    await parker.set_autocommit(False)
+    assert await ledger.park(parker, NEXT) is True  # transaction still open
+    handoff = await _blocked(lambda: hand(hander), parker.commit)
+    await hander.commit()
+    assert handoff is not None and handoff.received
+    assert [p.request_id for p in handoff.publish] == [NEXT]
+
+
+async def test_a_scope_is_handed_once(conns: tuple[Any, Any]) -> None:
+    hander, parker = conns
+    await ledger.park(parker, NEXT)
+    first = await _finish_first(hander)
+    await hander.commit()
+    assert first is not None and first.received
+    # A duplicate of the finished request looks again: already handed, so
+    # nothing is published twice.
+    assert await ledger.hand_over(hander, REQUEST.scope) is None
