@@ -37,6 +37,20 @@ _ATTEMPT_KINDS = {"started", "completed", "error", END}
 _STEP_ENDS = {"tool_result", "completed", "error", END}
 
 
+# The fields of a stream entry, in the order _APPEND takes them.
+_FIELDS = ("attempt", "replayed", "kind", "data", "at")
+# XADD each event (5 arguments apiece, after the stream's bound and lifetime),
+# then renew the stream's lifetime.
+_APPEND = """
+for i = 3, #ARGV, 5 do
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*',
+               'attempt', ARGV[i], 'replayed', ARGV[i + 1], 'kind', ARGV[i + 2],
+               'data', ARGV[i + 3], 'at', ARGV[i + 4])
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+"""
+
+
 def stream_key(prefix: str, request_id: str) -> str:
     return f"{prefix}lfw:events:{request_id}"
 
@@ -107,6 +121,7 @@ class EventPublisher:
         step_end_delay: float = 0.01,
     ) -> None:
         self._client: aredis.Redis = aredis.Redis.from_url(url, socket_timeout=5)
+        self._append = self._client.register_script(_APPEND)
         self._prefix = prefix
         self._maxlen = maxlen
         self._retention = max(1, int(retention))
@@ -166,15 +181,16 @@ class EventPublisher:
             await self.flush()
 
     async def _send(self, entries: list[tuple[str, dict[str, str]]]) -> None:
-        async with self._client.pipeline(transaction=False) as pipe:
-            keys: set[str] = set()
-            for request_id, fields in entries:
-                key = stream_key(self._prefix, request_id)
-                keys.add(key)
-                pipe.xadd(key, fields, maxlen=self._maxlen, approximate=True)  # type: ignore[arg-type]
-            for key in keys:
-                pipe.expire(key, self._retention)
-            await pipe.execute()
+        # One call per stream, appending all its new events: a round trip and
+        # a command for Redis to parse per stream rather than per event.
+        by_key: dict[str, list[str]] = {}
+        for request_id, fields in entries:
+            args = by_key.setdefault(
+                stream_key(self._prefix, request_id), [str(self._maxlen), str(self._retention)]
+            )
+            args += (fields[name] for name in _FIELDS)
+        for key, args in by_key.items():
+            await self._append(keys=[key], args=args)
 
     async def aclose(self) -> None:
         if self._flusher is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -30,7 +31,7 @@ from loomflow.runtime.journal import Checkpoint, CheckpointMeta, JournalEntry
 from psycopg import AsyncConnection
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import TupleRow
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from .codec import CodecStats, Serializer, check_serializer, decode, encode
 from .errors import DatabaseUnavailable, InvalidInput, LockLost, SessionBusy
@@ -61,6 +62,37 @@ def describe_dsn(conninfo: str) -> str:
         return "<unparsable connection string>"
     host = parts.get("host") or parts.get("hostaddr") or "localhost (socket)"
     return f"{host}:{parts.get('port') or 5432}/{parts.get('dbname') or parts.get('user') or ''}"
+
+
+class IdleCheck:
+    """A pool's ``check`` that spends a round trip only on a connection that
+    sat idle over ``after`` seconds. One returned a moment ago is as good as
+    it was then, and a busy worker's connections come back within
+    milliseconds; one that broke in between fails its next statement, which
+    the caller retries like any lost connection. ``returned`` is the pool's
+    ``reset``: it stamps each connection as it comes back."""
+
+    def __init__(self, after: float = 1.0) -> None:
+        self.after = after
+        self._back: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+    def _due(self, conn: Any) -> bool:
+        back = self._back.get(conn)
+        return back is None or time.monotonic() - back > self.after
+
+    def returned(self, conn: Any) -> None:
+        self._back[conn] = time.monotonic()
+
+    def check(self, conn: psycopg.Connection[Any]) -> None:
+        if self._due(conn):
+            ConnectionPool.check_connection(conn)
+
+    async def acheck(self, conn: AsyncConnection[Any]) -> None:
+        if self._due(conn):
+            await AsyncConnectionPool.check_connection(conn)
+
+    async def areturned(self, conn: AsyncConnection[Any]) -> None:
+        self.returned(conn)
 
 
 @dataclass(frozen=True)
@@ -247,29 +279,31 @@ class Attempt:
         blob = self.store._encode(value, key)
         if blob is None:
             return
-        started = time.perf_counter()
-        params = {"scope": scope, "key": key, "value": blob, "created_at": time.time()}
-        last_run = self.pending_last_run
-        if last_run is None:
-            await self.io(lambda conn: conn.execute(query("put_step"), params))
-        else:
-            params["run_scope"] = self.scope
-            params["last_run"] = self.store._encode(last_run, LAST_RUN_KEY)
-            await self.io(lambda conn: conn.execute(query("put_step_and_last_run"), params))
-            self.pending_last_run = None
-            self.last_run = last_run
+        await self._write("put_step", scope, key, blob)
         self._steps[(scope, key)] = blob
-        self.store.observe_write(time.perf_counter() - started)
 
     async def write_stream(self, scope: str, key: str, chunks: list[Any]) -> None:
         blob = self.store._encode(list(chunks), key)
         if blob is None:
             return
-        await self.flush_last_run()
+        await self._write("put_stream", scope, key, blob)
+        self._streams[(scope, key)] = blob
+
+    async def _write(self, statement: str, scope: str, key: str, blob: bytes) -> None:
+        """One upsert; the run's first also carries the scope's last-run mark."""
         started = time.perf_counter()
         params = {"scope": scope, "key": key, "value": blob, "created_at": time.time()}
-        await self.io(lambda conn: conn.execute(query("put_stream"), params))
-        self._streams[(scope, key)] = blob
+        last_run = self.pending_last_run
+        if last_run is None:
+            await self.io(lambda conn: conn.execute(query(statement), params))
+        else:
+            params["run_scope"] = self.scope
+            params["last_run"] = self.store._encode(last_run, LAST_RUN_KEY)
+            await self.io(
+                lambda conn: conn.execute(query(f"{statement}_and_last_run"), params)
+            )
+            self.pending_last_run = None
+            self.last_run = last_run
         self.store.observe_write(time.perf_counter() - started)
 
     def remember_step(self, scope: str, key: str, blob: bytes) -> None:
@@ -392,6 +426,7 @@ class PostgresJournalStore:
     ) -> PostgresJournalStore:
         settings = lock or LockSettings()
         await probe(dsn, settings.connect_timeout)
+        idle = IdleCheck()
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
             dsn,
             kwargs={"autocommit": True, "connect_timeout": settings.connect_timeout,
@@ -399,7 +434,8 @@ class PostgresJournalStore:
             min_size=min_size,
             max_size=max_size,
             open=False,
-            check=AsyncConnectionPool.check_connection,
+            check=idle.acheck,
+            reset=idle.areturned,
             name="loomflow-worker",
         )
         await pool.open(wait=True, timeout=settings.connect_timeout)

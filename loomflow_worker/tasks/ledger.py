@@ -15,7 +15,7 @@ from psycopg_pool import ConnectionPool
 
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, SchemaError, SessionBusy
 from ..runtime.sql import query
-from ..runtime.store import Conn, describe_dsn, scope_lock_key
+from ..runtime.store import Conn, IdleCheck, describe_dsn, scope_lock_key
 from .request import RunRequest
 
 TERMINAL = ("succeeded", "failed", "cancelled", "dead")
@@ -106,13 +106,15 @@ class EnqueuePool:
                     self._pool.close()
                 self._pool = None  # a forked child never touches its parent's sockets
             if self._pool is None:
+                idle = IdleCheck()
                 self._pool = ConnectionPool(
                     dsn,
                     min_size=0,
                     max_size=4,
                     kwargs={"autocommit": True, "connect_timeout": connect_timeout,
                             "application_name": "loomflow-worker enqueue"},
-                    check=ConnectionPool.check_connection,
+                    check=idle.check,
+                    reset=idle.returned,
                     open=True,
                     name="loomflow-worker-enqueue",
                 )

@@ -127,6 +127,18 @@ VALUES (%(scope)s, %(key)s, %(value)s, %(created_at)s)
 ON CONFLICT (session_id, step_name) DO UPDATE
    SET chunks = EXCLUDED.chunks, created_at = EXCLUDED.created_at;
 
+-- name: put_stream_and_last_run
+WITH last_run AS (
+    INSERT INTO journal_steps (session_id, step_name, value, created_at)
+    VALUES (%(run_scope)s, '__last_run_epoch__', %(last_run)s, %(created_at)s)
+    ON CONFLICT (session_id, step_name) DO UPDATE
+       SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
+)
+INSERT INTO journal_streams (session_id, step_name, chunks, created_at)
+VALUES (%(scope)s, %(key)s, %(value)s, %(created_at)s)
+ON CONFLICT (session_id, step_name) DO UPDATE
+   SET chunks = EXCLUDED.chunks, created_at = EXCLUDED.created_at;
+
 -- name: put_checkpoint
 INSERT INTO checkpoints (session_id, checkpoint_id, turn, created_at, payload)
 VALUES (%(session_id)s, %(checkpoint_id)s, %(turn)s, %(created_at)s, %(payload)s)
