@@ -19,10 +19,9 @@ def _end_backend(dsn: str, conn: psycopg.Connection[object]) -> None:
 def test_a_connection_back_a_moment_ago_is_not_checked_an_idle_one_is(dsn: str) -> None:
     idle = IdleCheck(after=0.5)
     with psycopg.connect(dsn, autocommit=True) as conn:
+        _end_backend(dsn, conn)
         with pytest.raises(psycopg.OperationalError):
-            # Never seen: checked, and found broken.
-            _end_backend(dsn, conn)
-            idle.check(conn)
+            idle.check(conn)  # never seen: checked, and found broken
     with psycopg.connect(dsn, autocommit=True) as conn:
         idle.returned(conn)
         _end_backend(dsn, conn)
