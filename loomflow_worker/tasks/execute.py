@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import anyio
 from loomflow.core.types import Event
+from loomflow.memory.inmemory import InMemoryMemory
 from loomflow.runtime.journaled import resuming_last_run
 
 from .. import metrics
@@ -130,7 +131,16 @@ class WorkerContext:
 
     async def agent(self, name: str) -> Any:
         if name not in self._agents:
-            self._agents[name] = agent_factory(name)(await self.runtime())
+            agent = agent_factory(name)(await self.runtime())
+            if isinstance(getattr(agent, "_memory", None), InMemoryMemory):
+                log.warning(
+                    "agent %r keeps its memory in this process (loomflow's default): each "
+                    "worker recalls a different history, and a request resumed on another "
+                    "worker sends its model calls again. Give it a memory every worker "
+                    "shares (loomflow's PostgresMemory or RedisMemory).", name,
+                    extra={"action": "memory_per_process", "agent": name},
+                )
+            self._agents[name] = agent
         return self._agents[name]
 
     async def aclose(self) -> None:

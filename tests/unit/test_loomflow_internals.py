@@ -51,3 +51,14 @@ def test_codec_and_scope_layout() -> None:
     assert _codec.loads(_codec.dumps({"a": (1, 2)})) == {"a": (1, 2)}
     assert journal_scope("s", None) == "s"
     assert journal_scope("s", "u") == "user:1:u:s"
+
+
+def test_an_agent_keeps_its_memory_where_the_worker_looks_for_it() -> None:
+    # The worker warns about process-local memory by looking at Agent._memory.
+    from loomflow import Agent
+    from loomflow.memory.inmemory import InMemoryMemory
+
+    from loomflow_worker.testing import DeterministicModel
+
+    agent = Agent("a", model=DeterministicModel(), auto_extract=False)
+    assert isinstance(agent._memory, InMemoryMemory)
