@@ -487,6 +487,21 @@ class PostgresJournalStore:
 
         ``wait`` is how long to wait for a busy scope: ``None`` forever,
         ``0`` not at all. Raises :class:`SessionBusy` when it runs out."""
+        attempt = await self.acquire_if(scope, wait, None)
+        assert attempt is not None
+        return attempt
+
+    async def acquire_if(
+        self,
+        scope: str,
+        wait: float | None,
+        gate: Callable[[Conn, int], Awaitable[bool | None]] | None,
+    ) -> Attempt | None:
+        """:meth:`acquire`, with ``gate(conn, key)`` run instead of the plain
+        try-lock: one statement that decides whether to take the lock and
+        tries to (``pg_try_advisory_lock(key)``) in the same round trip. It
+        returns whether it got the lock, or ``None`` when it chose not to
+        try: then there is no attempt (``None``)."""
         if not self._lock_pool_open:
             # Many first runs may arrive at once: one of them opens the pool.
             if self._opening is None:
@@ -501,9 +516,16 @@ class PostgresJournalStore:
         for tries_left in (1, 0):
             conn = await self._lock_connection()
             try:
-                cur = await conn.execute(query("try_lock"), {"key": key})
-                row = await cur.fetchone()
-                got = bool(row and row[0])
+                if gate is None:
+                    cur = await conn.execute(query("try_lock"), {"key": key})
+                    row = await cur.fetchone()
+                    tried: bool | None = bool(row and row[0])
+                else:
+                    tried = await gate(conn, key)
+                if tried is None:
+                    await self._lock_pool.putconn(conn)
+                    return None
+                got = tried
                 if not got and (wait is None or wait > 0):
                     got = await self._wait_lock(conn, key, wait)
             except psycopg.OperationalError:

@@ -39,7 +39,7 @@ log = logging.getLogger("loomflow_worker.tasks")
 app = Celery("loomflow_worker")
 
 #: How long a pool child that is exiting waits for its connections to close.
-CLOSE_TIMEOUT = 10.0
+CLOSE_TIMEOUT = 5.0
 
 _state: dict[str, Any] = {}
 _loop = ChildLoop()

@@ -31,7 +31,7 @@ from ..runtime import (
     run_options,
 )
 from ..runtime.errors import LoomflowWorkerError
-from ..runtime.store import Attempt
+from ..runtime.store import Attempt, Conn
 from ..settings import Settings
 from . import ledger
 from .registry import agent_factory, agent_time_limit
@@ -39,8 +39,9 @@ from .request import Kind, RunRequest, check_request
 
 log = logging.getLogger("loomflow_worker.tasks")
 
-#: How long a queued request at the head of its session waits for the lock
-#: the request before it is releasing, before it parks.
+#: How long a request at the head of its session waits for its lock (the
+#: request before it releasing it, or a crashed holder's being freed)
+#: before it parks.
 HANDOFF_LOCK_WAIT = 2.0
 
 
@@ -187,23 +188,39 @@ async def execute(
         )
         return Outcome("failed", error=str(exc))
 
-    async with runtime.pool.connection() as conn:
-        try:
-            pre = await ledger.precheck(conn, request_id, ctx.settings.redispatch_after)
-        except LookupError:
+    pre: ledger.Precheck | None = None
+
+    async def precheck_and_lock(conn: Conn, key: int) -> bool | None:
+        nonlocal pre
+        pre = await ledger.precheck(conn, request_id, ctx.settings.redispatch_after, key)
+        return None if pre is None else pre.locked
+
+    # A request at the head of its session waits a moment for a lock still
+    # held: usually the request before it finished and is releasing it, and
+    # published nothing for this one, whose message this is.
+    try:
+        attempt = await runtime.journal.acquire_if(req.scope, HANDOFF_LOCK_WAIT, precheck_and_lock)
+        if attempt is None and pre is None:
             # Published by name, from a process with no database access.
-            await ledger.ensure_row(conn, request_id, req)
-            pre = await ledger.precheck(conn, request_id, ctx.settings.redispatch_after)
-    if pre.status in ledger.TERMINAL:
-        # A duplicate of a finished request: its stored outcome, nothing run.
-        log.info("request %s already %s", request_id, pre.status,
-                 extra={"action": "duplicate", "request": request_id})
-        async with runtime.pool.connection() as conn:
-            # It may have been cancelled while queued, never handing its
-            # session on: pass it on.
-            handoff = await ledger.hand_over(conn, req.scope)
-        return _ended(pre.status, handoff, result=pre.result, error=pre.error)
-    if pre.older is not None:
+            async with runtime.pool.connection() as conn:
+                await ledger.ensure_row(conn, request_id, req)
+            attempt = await runtime.journal.acquire_if(
+                req.scope, HANDOFF_LOCK_WAIT, precheck_and_lock
+            )
+    except SessionBusy:
+        return await _park_busy(runtime, request_id, req)
+    if attempt is None:
+        assert pre is not None
+        if pre.status in ledger.TERMINAL:
+            # A duplicate of a finished request: its stored outcome, nothing run.
+            log.info("request %s already %s", request_id, pre.status,
+                     extra={"action": "duplicate", "request": request_id})
+            async with runtime.pool.connection() as conn:
+                # It may have been cancelled while queued, never handing its
+                # session on: pass it on.
+                handoff = await ledger.hand_over(conn, req.scope)
+            return _ended(pre.status, handoff, result=pre.result, error=pre.error)
+        assert pre.older is not None
         async with runtime.pool.connection() as conn:
             if await ledger.park(conn, request_id):
                 _count_parked("behind")
@@ -216,22 +233,10 @@ async def execute(
                     return Outcome("parked", dispatch=[pre.older])
                 return Outcome("parked")
         # Handed the session since the look above: its turn, go on.
-    try:
-        # A queued request at the head of its session waits a moment for a
-        # lock still held: the request before it finished and is releasing
-        # it, and published nothing for this one, whose message this is.
-        attempt = await runtime.journal.acquire(
-            req.scope, wait=HANDOFF_LOCK_WAIT if pre.status == "queued" else 0
-        )
-    except SessionBusy:
-        async with runtime.pool.connection() as conn:
-            await ledger.park(conn, request_id)
-        _count_parked("busy")
-        log.info(
-            "request %s parked: session busy", request_id,
-            extra={"action": "parked", "request": request_id, "session": req.session_id},
-        )
-        return Outcome("parked")
+        try:
+            attempt = await runtime.journal.acquire(req.scope, wait=HANDOFF_LOCK_WAIT)
+        except SessionBusy:
+            return await _park_busy(runtime, request_id, req)
     try:
         holder = f"{node or ctx.holder.rsplit(':', 1)[0]}:{os.getpid()}"
         outcome = await _run_holding(ctx, runtime, attempt, request_id, req, holder)
@@ -247,6 +252,17 @@ async def execute(
     if ctx.events is not None:
         await ctx.events.flush()
     return outcome
+
+
+async def _park_busy(runtime: PostgresRuntime, request_id: str, req: RunRequest) -> Outcome:
+    async with runtime.pool.connection() as conn:
+        await ledger.park(conn, request_id)
+    _count_parked("busy")
+    log.info(
+        "request %s parked: session busy", request_id,
+        extra={"action": "parked", "request": request_id, "session": req.session_id},
+    )
+    return Outcome("parked")
 
 
 def _ended(

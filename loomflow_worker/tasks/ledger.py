@@ -228,26 +228,34 @@ async def record_invalid(
 
 @dataclass(frozen=True)
 class Precheck:
-    """The ledger read without the lock: only the oldest unfinished request of a
-    scope goes on to take the scope lock, so a request that is bound to park
-    never holds the lock, even for a moment, against the one that must run."""
+    """The ledger read that decides whether to take the scope lock: only the
+    oldest unfinished request of a scope tries, in the same statement, so a
+    request that is bound to park never holds the lock, even for a moment,
+    against the one that must run."""
 
     status: str
     result: Any
     error: str | None
     older: Pending | None
     older_stale: bool
+    # Whether the scope's lock was taken (``None``: not tried).
+    locked: bool | None = None
 
 
-async def precheck(conn: Conn, request_id: str, stale_after: float) -> Precheck:
+async def precheck(
+    conn: Conn, request_id: str, stale_after: float, lock_key: int
+) -> Precheck | None:
+    """The ledger's view of ``request_id`` (``None``: it has no row), and its
+    scope's lock (``lock_key``) tried in the same statement when it may run."""
     cur = await conn.execute(
-        query("precheck_run"), {"request_id": request_id, "stale": stale_after}
+        query("precheck_run"), {"request_id": request_id, "stale": stale_after, "key": lock_key}
     )
     row = await cur.fetchone()
     if row is None:
-        raise LookupError(f"request {request_id} has no ledger row")
+        return None
     older = _pending(row[3:10]) if row[3] is not None else None
-    return Precheck(row[0], row[1], row[2], older, bool(row[10]))
+    return Precheck(row[0], row[1], row[2], older, bool(row[10]),
+                    None if row[11] is None else bool(row[11]))
 
 
 @dataclass(frozen=True)

@@ -274,8 +274,13 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadat
   FROM runs WHERE request_id = %(request_id)s;
 
 -- name: precheck_run
+-- The request, the oldest unfinished request of its scope before it, and,
+-- in the same statement, the scope's lock when the request is unfinished and
+-- nothing is before it (NULL: not tried).
 SELECT r.status, r.result, r.error,
-       o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata, o.stale
+       o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata, o.stale,
+       CASE WHEN r.status IN ('queued', 'running') AND o.request_id IS NULL
+            THEN pg_try_advisory_lock(%(key)s) END
   FROM runs r
   LEFT JOIN LATERAL (
       SELECT request_id, kind, session_id, user_id, agent, prompt, metadata,
