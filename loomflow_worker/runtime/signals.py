@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -85,7 +84,6 @@ class SignalListener:
             "name": name,
             "scope": scope,
             "key": key,
-            "created_at": time.time(),
         }
 
         await attempt.flush_last_run()

@@ -223,7 +223,7 @@ class Attempt:
         if epoch is None:
             return
         params = {"scope": self.scope, "key": LAST_RUN_KEY,
-                  "value": self.store._encode(epoch, LAST_RUN_KEY), "created_at": time.time()}
+                  "value": self.store._encode(epoch, LAST_RUN_KEY)}
         await self.io(lambda conn: conn.execute(query("put_step"), params))
         self.pending_last_run = None
         self.last_run = epoch
@@ -292,7 +292,7 @@ class Attempt:
     async def _write(self, statement: str, scope: str, key: str, blob: bytes) -> None:
         """One upsert; the run's first also carries the scope's last-run mark."""
         started = time.perf_counter()
-        params = {"scope": scope, "key": key, "value": blob, "created_at": time.time()}
+        params: dict[str, Any] = {"scope": scope, "key": key, "value": blob}
         last_run = self.pending_last_run
         if last_run is None:
             await self.io(lambda conn: conn.execute(query(statement), params))
@@ -342,7 +342,6 @@ class Attempt:
             "scope": self.scope,
             "new": epoch + 1,
             "value": self.store._encode(epoch + 1, EPOCH_KEY),
-            "created_at": time.time(),
         }
 
         async def advance_epoch(conn: Conn) -> int:
@@ -625,7 +624,7 @@ class PostgresJournalStore:
         async with self.pool.connection() as conn:
             await conn.execute(
                 query("put_step"),
-                {"scope": session_id, "key": step_name, "value": blob, "created_at": time.time()},
+                {"scope": session_id, "key": step_name, "value": blob},
             )
 
     async def get_stream(self, session_id: str, step_name: str) -> list[Any] | None:
@@ -642,7 +641,7 @@ class PostgresJournalStore:
         async with self.pool.connection() as conn:
             await conn.execute(
                 query("put_stream"),
-                {"scope": session_id, "key": step_name, "value": blob, "created_at": time.time()},
+                {"scope": session_id, "key": step_name, "value": blob},
             )
 
     # ---- checkpoints ------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -330,7 +329,7 @@ async def finish(
         query("finish_request"),
         {"request_id": request_id, "scope": scope, "attempt": attempt,
          "new_epoch": epoch + 1, "epoch_value": _codec.dumps(epoch + 1),
-         "created_at": time.time(), "status": status,
+         "status": status,
          "result": None if result is None else Jsonb(result),
          "error": error, "error_type": error_type},
     )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import psycopg
 import pytest
 from loomflow import Agent
 from loomflow.core.types import Episode, ToolResult
@@ -276,3 +278,25 @@ async def test_no_step_is_journaled_twice_across_a_crash_and_the_log_would_show_
     await runtime.journal.put_step("s", "idem:tool_call_1_0:x", 1)
     await runtime.journal.put_step("s", "idem:tool_call_1_0:x", 2)
     assert steps_journaled_twice(dsn) == [("s", "idem:tool_call_1_0:x", 2)]
+
+
+async def test_journal_entries_carry_the_databases_clock_not_the_workers(
+    runtime: PostgresRuntime, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Attempts are stamped by Postgres; so are journal entries, or `show`
+    # would credit a step to the wrong attempt whenever a worker's clock is off.
+    fast = time.time() + 3600
+    monkeypatch.setattr(time, "time", lambda: fast)  # this worker's clock: an hour ahead
+    await make_agent(runtime, EffectsLog(dsn)).run(calls("a", "b"), session_id="s", user_id="u")
+    monkeypatch.undo()
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT count(*), max(abs(created_at - extract(epoch FROM now()))) FROM ("
+            " SELECT created_at FROM journal_steps UNION ALL"
+            " SELECT created_at FROM journal_streams) j"
+        )
+        row = await cur.fetchone()
+    assert row is not None
+    entries, off_by = row
+    assert entries >= 5  # model calls, tool calls, the run marks
+    assert off_by < 60, f"an entry is {off_by:.0f}s off the database's clock"

@@ -1,5 +1,7 @@
 -- Every query the runtime runs, under "-- name: <name>" headers.
 -- Parameters are psycopg placeholders; nothing is assembled from input.
+-- Journal entries are stamped with the database's clock, the one that also
+-- stamps attempts: which attempt wrote a step never depends on a worker's clock.
 
 -- name: schema_versions
 SELECT version FROM loomflow_worker_schema ORDER BY version;
@@ -76,7 +78,7 @@ WITH stored AS (
      WHERE session_id = %(scope)s AND step_name = '__run_epoch__'
 ), written AS (
     INSERT INTO journal_steps (session_id, step_name, value, created_at)
-    VALUES (%(scope)s, '__run_epoch__', %(value)s, %(created_at)s)
+    VALUES (%(scope)s, '__run_epoch__', %(value)s, extract(epoch FROM clock_timestamp()))
     ON CONFLICT (session_id, step_name) DO UPDATE
        SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
      WHERE coalesce(loomflow_worker_epoch(journal_steps.value), -1) < %(new)s
@@ -86,8 +88,8 @@ SELECT coalesce((SELECT epoch FROM written), (SELECT epoch FROM stored), 0);
 
 -- name: put_step_and_last_run
 INSERT INTO journal_steps (session_id, step_name, value, created_at)
-VALUES (%(scope)s, %(key)s, %(value)s, %(created_at)s),
-       (%(run_scope)s, '__last_run_epoch__', %(last_run)s, %(created_at)s)
+VALUES (%(scope)s, %(key)s, %(value)s, extract(epoch FROM clock_timestamp())),
+       (%(run_scope)s, '__last_run_epoch__', %(last_run)s, extract(epoch FROM clock_timestamp()))
 ON CONFLICT (session_id, step_name) DO UPDATE
    SET value = EXCLUDED.value, created_at = EXCLUDED.created_at;
 
@@ -113,7 +115,7 @@ SELECT value, created_at FROM journal_steps
 
 -- name: put_step
 INSERT INTO journal_steps (session_id, step_name, value, created_at)
-VALUES (%(scope)s, %(key)s, %(value)s, %(created_at)s)
+VALUES (%(scope)s, %(key)s, %(value)s, extract(epoch FROM clock_timestamp()))
 ON CONFLICT (session_id, step_name) DO UPDATE
    SET value = EXCLUDED.value, created_at = EXCLUDED.created_at;
 
@@ -123,19 +125,19 @@ SELECT chunks FROM journal_streams
 
 -- name: put_stream
 INSERT INTO journal_streams (session_id, step_name, chunks, created_at)
-VALUES (%(scope)s, %(key)s, %(value)s, %(created_at)s)
+VALUES (%(scope)s, %(key)s, %(value)s, extract(epoch FROM clock_timestamp()))
 ON CONFLICT (session_id, step_name) DO UPDATE
    SET chunks = EXCLUDED.chunks, created_at = EXCLUDED.created_at;
 
 -- name: put_stream_and_last_run
 WITH last_run AS (
     INSERT INTO journal_steps (session_id, step_name, value, created_at)
-    VALUES (%(run_scope)s, '__last_run_epoch__', %(last_run)s, %(created_at)s)
+    VALUES (%(run_scope)s, '__last_run_epoch__', %(last_run)s, extract(epoch FROM clock_timestamp()))
     ON CONFLICT (session_id, step_name) DO UPDATE
        SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
 )
 INSERT INTO journal_streams (session_id, step_name, chunks, created_at)
-VALUES (%(scope)s, %(key)s, %(value)s, %(created_at)s)
+VALUES (%(scope)s, %(key)s, %(value)s, extract(epoch FROM clock_timestamp()))
 ON CONFLICT (session_id, step_name) DO UPDATE
    SET chunks = EXCLUDED.chunks, created_at = EXCLUDED.created_at;
 
@@ -189,7 +191,7 @@ WITH taken AS (
     RETURNING payload
 ), journaled AS (
     INSERT INTO journal_steps (session_id, step_name, value, created_at)
-    SELECT %(scope)s, %(key)s, payload, %(created_at)s FROM taken
+    SELECT %(scope)s, %(key)s, payload, extract(epoch FROM clock_timestamp()) FROM taken
     ON CONFLICT (session_id, step_name) DO NOTHING
 )
 SELECT payload FROM taken;
@@ -559,7 +561,7 @@ SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
 -- attempt closed, and the next unfinished request of the scope chosen.
 WITH advanced AS (
     INSERT INTO journal_steps (session_id, step_name, value, created_at)
-    VALUES (%(scope)s, '__run_epoch__', %(epoch_value)s, %(created_at)s)
+    VALUES (%(scope)s, '__run_epoch__', %(epoch_value)s, extract(epoch FROM clock_timestamp()))
     ON CONFLICT (session_id, step_name) DO UPDATE
        SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
      WHERE coalesce(loomflow_worker_epoch(journal_steps.value), -1) < %(new_epoch)s
