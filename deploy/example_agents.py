@@ -28,7 +28,7 @@ from typing import Any
 from loomflow import Agent, tool
 from loomflow.tools import Tool
 
-from loomflow_worker import register_agent
+from loomflow_worker import NoMemory, register_agent
 from loomflow_worker.testing import DeterministicModel
 
 CLAUDE_MODEL = "claude-sonnet-4-6"
@@ -75,5 +75,9 @@ def build(runtime: Any) -> Agent:
         model=model(),
         tools=tools(),
         runtime=runtime,
+        # No history across requests: a run's inputs are the same on every
+        # worker. For history, give it a memory every worker shares (loomflow's
+        # PostgresMemory or RedisMemory); loomflow's default lives in one process.
+        memory=NoMemory(),
         auto_extract=False,
     )

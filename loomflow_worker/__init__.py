@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from .memory import NoMemory
 from .runtime import (
     DatabaseUnavailable,
     InvalidInput,
@@ -29,6 +30,7 @@ __all__ = [
     "InvalidInput",
     "LockLost",
     "LoomflowWorkerError",
+    "NoMemory",
     "PostgresRuntime",
     "SessionBusy",
     "__version__",

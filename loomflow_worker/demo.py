@@ -34,7 +34,7 @@ import psycopg
 import redis
 from kombu.utils.url import sanitize_url
 
-from .events import iter_events
+from . import admin
 from .runtime import PostgresRuntime
 from .runtime.store import describe_dsn
 from .settings import Settings
@@ -331,15 +331,19 @@ def _summary(
     resumed = []
     _say("")
     _say("runs (steps = model calls and tool calls)")
+    with admin.connect(settings, application_name="loomflow-worker demo") as conn:
+        details = {result.id: admin.get_run(conn, result.id) for _, _, result in requests}
     for session, _steps, result in requests:
-        per_attempt: dict[int, list[int]] = {}
-        for event in iter_events(result.id, settings=settings, follow=False):
-            counts = per_attempt.setdefault(event.attempt, [0, 0])
-            if event.kind == "tool_result" or (
-                event.kind == "model_chunk"
-                and (event.data.get("payload", {}).get("chunk") or {}).get("kind") == "finish"
-            ):
-                counts[1 if event.replayed else 0] += 1
+        # From the journal, the record: which attempt executed each model call
+        # and tool call, and which attempts replayed it.
+        per_attempt: dict[int, list[int]] = {a.attempt: [0, 0] for a in details[result.id].attempts}
+        for step in details[result.id].journal:
+            if not step.name.startswith(("model_call", "idem:tool_call")):
+                continue
+            if step.executed_in in per_attempt:
+                per_attempt[step.executed_in][0] += 1
+            for number in step.replayed_in:
+                per_attempt.setdefault(number, [0, 0])[1] += 1
         attempts = sorted(a for a in per_attempt if a > 0)
         if len(attempts) > 1:
             resumed.append(result.id[:8])

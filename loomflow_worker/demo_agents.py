@@ -11,6 +11,7 @@ from typing import Any
 
 from loomflow import Agent
 
+from .memory import NoMemory
 from .tasks import settings
 from .tasks.registry import register_agent
 from .testing import DeterministicModel, EffectsLog
@@ -32,5 +33,8 @@ def build(runtime: Any) -> Agent:
         model=model,
         tools=[effects.tool()],
         runtime=runtime,
+        # Each request carries all it needs: no memory, so a run's inputs are
+        # the same on every worker and a resumed run replays its model calls.
+        memory=NoMemory(),
         auto_extract=False,
     )

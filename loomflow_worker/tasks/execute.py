@@ -133,12 +133,13 @@ class WorkerContext:
     async def agent(self, name: str) -> Any:
         if name not in self._agents:
             agent = agent_factory(name)(await self.runtime())
-            if isinstance(getattr(agent, "_memory", None), InMemoryMemory):
+            if type(getattr(agent, "_memory", None)) is InMemoryMemory:
                 log.warning(
                     "agent %r keeps its memory in this process (loomflow's default): each "
                     "worker recalls a different history, and a request resumed on another "
                     "worker sends its model calls again. Give it a memory every worker "
-                    "shares (loomflow's PostgresMemory or RedisMemory).", name,
+                    "shares (loomflow's PostgresMemory or RedisMemory), or "
+                    "loomflow_worker.NoMemory if it needs none.", name,
                     extra={"action": "memory_per_process", "agent": name},
                 )
             self._agents[name] = agent

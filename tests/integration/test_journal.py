@@ -12,6 +12,7 @@ from loomflow.core.types import Episode, ToolResult
 from loomflow.memory.inmemory import InMemoryMemory
 from loomflow.runtime import InMemoryJournalStore, JournaledRuntime
 
+from loomflow_worker import NoMemory
 from loomflow_worker.runtime import PostgresRuntime, run_options
 from loomflow_worker.testing import DeterministicModel, EffectsLog, UnmatchedToolResult
 
@@ -300,3 +301,32 @@ async def test_journal_entries_carry_the_databases_clock_not_the_workers(
     entries, off_by = row
     assert entries >= 5  # model calls, tool calls, the run marks
     assert off_by < 60, f"an entry is {off_by:.0f}s off the database's clock"
+
+
+@pytest.mark.parametrize("memory", ["in-process", "none"])
+async def test_a_run_resumed_by_a_worker_with_another_history(
+    runtime: PostgresRuntime, dsn: str, memory: str
+) -> None:
+    # Worker 1 ran another request of this user, then crashed mid-run; worker
+    # 2 resumes it. With loomflow's in-process memory worker 2 recalls a
+    # different history, so the model inputs differ and the completed model
+    # calls are sent again; with NoMemory they replay.
+    def new_memory() -> InMemoryMemory:
+        return NoMemory() if memory == "none" else InMemoryMemory()
+
+    worker1 = new_memory()
+    await make_agent(runtime, EffectsLog(dsn), memory=worker1).run(
+        calls("x"), session_id="earlier", user_id="u"
+    )
+    first = DeterministicModel()
+    with crashes():
+        await make_agent(
+            runtime, EffectsLog(dsn, on_start=crash_on("b")), model=first, memory=worker1
+        ).run(calls("a", "b", "c"), session_id="s", user_id="u")
+    assert first.calls == 2
+    second = DeterministicModel()
+    result = await make_agent(runtime, EffectsLog(dsn), model=second, memory=new_memory()).run(
+        calls("a", "b", "c"), session_id="s", user_id="u"
+    )
+    assert result.output == "done: recorded a, recorded b, recorded c"
+    assert second.calls == (2 if memory == "none" else 4)
