@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlparse
@@ -191,9 +192,9 @@ def _check(fleet: Fleet, sent: list[Sent], label: str, in_flight: list[list[str]
     assert v.result_problems == [], context
 
 
-@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
-def test_postgres_connections_killed_mid_run(fleet: Fleet, broker: str) -> None:
-    label = f"postgres/{broker}"
+def _kill_in_rounds(fleet: Fleet, label: str, kill: Callable[[int, list[str]], None]) -> None:
+    """Send the runs, then up to ROUNDS times: wait for tool calls in flight and
+    ``kill(round_no, tags)`` connections under them; then check every run."""
     began = time.monotonic()
     sent = _start(fleet)
     in_flight: list[list[str]] = []
@@ -203,33 +204,34 @@ def test_postgres_connections_killed_mid_run(fleet: Fleet, broker: str) -> None:
         if not tags:
             break
         after = time.time()
-        at, killed = kill_postgres_backends(fleet.dsn)
+        kill(round_no, tags)
         in_flight.append(tags)
-        print(f"\n[{label}] round {round_no + 1} at {at:%T.%f}: in flight {tags}; "
-              f"terminated {sum(killed.values())} backends {dict(killed)}")
-        assert killed["loomflow-worker lock"] >= 1, "no lock connection was ended"
         time.sleep(1.0)  # let the fleet notice before looking for the next round
     _check(fleet, sent, label, in_flight)
     print(f"[{label}] took {time.monotonic() - began:.1f}s")
 
 
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_postgres_connections_killed_mid_run(fleet: Fleet, broker: str) -> None:
+    label = f"postgres/{broker}"
+
+    def kill(round_no: int, tags: list[str]) -> None:
+        at, killed = kill_postgres_backends(fleet.dsn)
+        print(f"\n[{label}] round {round_no + 1} at {at:%T.%f}: in flight {tags}; "
+              f"terminated {sum(killed.values())} backends {dict(killed)}")
+        assert killed["loomflow-worker lock"] >= 1, "no lock connection was ended"
+
+    _kill_in_rounds(fleet, label, kill)
+
+
 def test_redis_connections_killed_mid_run(fleet: Fleet) -> None:
     label = "redis/redis"
-    began = time.monotonic()
-    sent = _start(fleet)
-    in_flight: list[list[str]] = []
-    after = 0.0
-    for round_no in range(ROUNDS):
-        tags = _wait_in_flight(fleet.dsn, after)
-        if not tags:
-            break
-        after = time.time()
+
+    def kill(round_no: int, tags: list[str]) -> None:
         pids = [pid for group in fleet_pids(fleet).values() for pid in group]
         killed = kill_redis_clients([*pids, os.getpid()])
-        in_flight.append(tags)
         print(f"\n[{label}] round {round_no + 1}: in flight {tags}; "
               f"killed {sum(killed.values())} Redis connections by last command {dict(killed)}")
         assert sum(killed.values()) >= 1, "no Redis connection was killed"
-        time.sleep(1.0)
-    _check(fleet, sent, label, in_flight)
-    print(f"[{label}] took {time.monotonic() - began:.1f}s")
+
+    _kill_in_rounds(fleet, label, kill)
