@@ -33,7 +33,7 @@ log = logging.getLogger("loomflow_worker.events")
 END = "end"
 # Kinds that describe the attempt itself, never a replayed step.
 _ATTEMPT_KINDS = {"started", "completed", "error", END}
-# Kinds that close a step: sent at once rather than with the next batch.
+# Kinds that close a step: sent step_end_delay after them, not with the next batch.
 _STEP_ENDS = {"tool_result", "completed", "error", END}
 
 
