@@ -326,6 +326,22 @@ def verdict(dsn: str, sent: list[Sent], result_timeout: float = 30.0) -> Verdict
     return out
 
 
+def assert_sound(v: Verdict, context: str) -> None:
+    """What every fault-injection run must show, whatever it did to the fleet."""
+    assert v.lost == [], context
+    assert v.g1_violations == [], context
+    assert v.keys_per_tag == [], context
+    assert v.concurrent_runs == [], context
+    # A completed tool call may run again only when the fault fell between its
+    # end and its journal write (G1's at-least-once window; the audit tells).
+    assert sum(v.completed_twice.values()) == len(v.reruns_in_window), context
+    assert v.never_completed == [], context
+    assert v.order_violations == [], context
+    assert v.overlaps == [], context
+    assert v.wrong_outputs == [], context
+    assert v.result_problems == [], context
+
+
 def slowest(dsn: str, sent: list[Sent], fleet: Fleet, count: int = 3) -> str:
     """The requests that became terminal last: their ledger timeline and log lines."""
     with psycopg.connect(dsn, autocommit=True) as conn:
