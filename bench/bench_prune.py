@@ -139,7 +139,7 @@ async def measure(
     dsn: str, writers: int, baseline: float, batch_size: int, sweeper: bool, rows: int,
     runs: int,
 ) -> None:
-    rt = await PostgresRuntime.connect(dsn, max_size=writers + 2, max_runs=writers + 2)
+    rt = await PostgresRuntime.connect(dsn, max_size=writers + 2, lock_connections=2)
     try:
         # One run alone first: the runtime opens its lock pool on first use, and
         # concurrent first uses trip over each other (see the report).

@@ -201,24 +201,36 @@ def _echo_json(value: Any) -> None:
 @main.command(
     context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
 )
-@click.option("-c", "--concurrency", type=int, default=None, help="Pool children.")
+@click.option("-c", "--concurrency", type=click.IntRange(min=1), default=None,
+              help="Runs at once in this process (default: LOOMFLOW_WORKER_CONCURRENCY, 100).")
+@click.option("-P", "--pool", "pool_kind", type=click.Choice(["threads", "prefork", "solo"]),
+              default="threads", show_default=True,
+              help="threads: one process carries --concurrency runs on its event loop; "
+                   "prefork: one run per child process (CPU-heavy agents); solo: one run.")
 @click.option("-n", "--hostname", default=None, help="Node name, e.g. worker1@%h.")
 @click.option("-l", "--loglevel", default="INFO", show_default=True)
 @click.argument("celery_args", nargs=-1, type=click.UNPROCESSED)
 def worker(
-    concurrency: int | None, hostname: str | None, loglevel: str, celery_args: tuple[str, ...]
+    concurrency: int | None,
+    pool_kind: str,
+    hostname: str | None,
+    loglevel: str,
+    celery_args: tuple[str, ...],
 ) -> None:
     """Start a worker with the package's defaults.
 
-    SIGTERM starts Celery's soft shutdown (REMAP_SIGTERM=SIGQUIT): runs go on
-    for LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT seconds, then are stopped and
+    One process carries up to --concurrency runs at once on its event loop
+    (agent runs wait on the model, not the CPU); to use more cores, run one
+    worker per core (more pods or containers). SIGTERM starts Celery's soft
+    shutdown (REMAP_SIGTERM=SIGQUIT): runs go on for
+    LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT seconds, then are stopped and
     requeued at once, to resume on another worker. Keep that timeout below
     the orchestrator's grace period. Extra arguments go to `celery worker`."""
     settings = _settings()
+    if concurrency is None:
+        concurrency = settings.concurrency if pool_kind == "threads" else 2
     args = [sys.executable, "-m", "celery", "-A", "loomflow_worker.tasks", "worker",
-            "-l", loglevel, "-Q", settings.queue]
-    if concurrency is not None:
-        args += ["-c", str(concurrency)]
+            "-l", loglevel, "-Q", settings.queue, "-P", pool_kind, "-c", str(concurrency)]
     if hostname is not None:
         args += ["-n", hostname]
     args += list(celery_args)

@@ -81,8 +81,15 @@ class Settings(BaseSettings):
     # seconds are pruned by the sweeper's leader (0: never).
     retention: float = Field(default=0.0, ge=0)
 
+    # Runs one worker process carries at once on its event loop
+    # (`loomflow-worker worker`, Celery's threads pool), and the lock
+    # connections they share: each holds the session locks of many runs and
+    # carries their journal writes, so Postgres connections per process stay
+    # LOCK_CONNECTIONS + POOL_MAX_SIZE + 1 (the sweeper), whatever the runs.
+    concurrency: int = Field(default=100, ge=1, le=10_000)
+    lock_connections: int = Field(default=2, ge=1, le=64)
     pool_min_size: int = Field(default=1, ge=0)
-    pool_max_size: int = Field(default=4, ge=1)
+    pool_max_size: int = Field(default=2, ge=1)
     connect_timeout: int = Field(default=10, ge=1)
     lock_io_timeout: float = Field(default=30.0, gt=0)
 

@@ -148,7 +148,7 @@ class PostgresRuntime(JournaledRuntime):
         serializer: Serializer = "json",
         lock_wait_timeout: float | None = 60.0,
         lock_io_timeout: float = 30.0,
-        max_runs: int = 20,
+        lock_connections: int = 2,
         signal_poll_interval: float = 2.0,
         _owns_pool: bool = False,
     ) -> None:
@@ -163,7 +163,7 @@ class PostgresRuntime(JournaledRuntime):
             max_checkpoints_per_session=max_checkpoints_per_session,
             serializer=serializer,
             lock=LockSettings(wait_timeout=lock_wait_timeout, io_timeout=lock_io_timeout),
-            max_runs=max_runs,
+            lock_connections=lock_connections,
             owns_pool=_owns_pool,
         )
         super().__init__(store=store)
@@ -183,7 +183,7 @@ class PostgresRuntime(JournaledRuntime):
         serializer: Serializer = "json",
         lock_wait_timeout: float | None = 60.0,
         lock_io_timeout: float = 30.0,
-        max_runs: int = 20,
+        lock_connections: int = 2,
         signal_poll_interval: float = 2.0,
         connect_timeout: int = 10,
     ) -> PostgresRuntime:
@@ -203,7 +203,7 @@ class PostgresRuntime(JournaledRuntime):
             serializer=serializer,
             lock_wait_timeout=lock_wait_timeout,
             lock_io_timeout=lock_io_timeout,
-            max_runs=max_runs,
+            lock_connections=lock_connections,
             signal_poll_interval=signal_poll_interval,
             _owns_pool=True,
         )

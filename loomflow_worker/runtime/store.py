@@ -16,6 +16,8 @@ Two kinds of connection:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -30,18 +32,18 @@ import psycopg
 from loomflow.runtime.journal import Checkpoint, CheckpointMeta, JournalEntry
 from psycopg import AsyncConnection
 from psycopg.conninfo import conninfo_to_dict
-from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from .codec import CodecStats, Serializer, check_serializer, decode, encode
 from .errors import DatabaseUnavailable, InvalidInput, LockLost, SessionBusy
+from .lockconn import Conn as Conn
+from .lockconn import JournalRow, LockConnection
 from .migrate import migrate
 from .sql import query
 
 log = logging.getLogger("loomflow_worker.runtime")
 
 T = TypeVar("T")
-Conn = AsyncConnection[TupleRow]
 
 EPOCH_KEY = "__run_epoch__"
 LAST_RUN_KEY = "__last_run_epoch__"
@@ -135,18 +137,22 @@ def _namespace_bounds(ns: str) -> tuple[str, str]:
 
 
 class Attempt:
-    """One outermost run holding its scope: the lock connection and the
-    journal entries of the namespaces the run has opened, kept in memory
-    so a replayed step costs no round trip."""
+    """One outermost run holding its scope: its lease on a shared lock
+    connection, and the journal entries of the namespaces the run has
+    opened, kept in memory so a replayed step costs no round trip."""
 
-    def __init__(self, store: PostgresJournalStore, conn: Conn, scope: str) -> None:
+    def __init__(self, store: PostgresJournalStore, line: LockConnection, scope: str) -> None:
         self.store = store
-        self.conn = conn
+        self.line = line
         self.scope = scope
         self.lock_key = scope_lock_key(scope)
         self.fenced: LockLost | None = None
+        # Called once when the attempt is fenced (its lock connection lost).
+        self.on_fenced: list[Callable[[LockLost], None]] = []
         # Set to stop the run at its next step boundary (a cancel, a deadline).
         self.stop: BaseException | None = None
+        # The request the attempt runs, when it runs one (heartbeats).
+        self.request_id: str | None = None
         # Whether the latest step came from the journal (marks live events).
         self.last_replayed = False
         self.released = False
@@ -161,33 +167,20 @@ class Attempt:
 
     @property
     def backend_pid(self) -> int:
-        return self.conn.info.backend_pid
+        return self.line.backend_pid
 
-    async def io(self, fn: Callable[[Conn], Awaitable[T]], within: float | None = None) -> T:
-        """Run ``fn`` on the lock connection; any loss of it fences the run.
+    def fence(self, cause: LockLost) -> None:
+        if self.fenced is not None:
+            return
+        self.fenced = cause
+        for callback in self.on_fenced:
+            callback(cause)
 
-        ``within`` (default: the lock I/O timeout) bounds the wait: a lock
-        connection silent that long counts as lost."""
+    async def io(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
+        """Run ``fn`` in a turn on the lock connection; its loss fences the run."""
         if self.fenced is not None:
             raise self.fenced
-        limit = within if within is not None else self.store.lock_settings.io_timeout
-        try:
-            with anyio.fail_after(limit):
-                return await fn(self.conn)
-        except (psycopg.OperationalError, psycopg.InterfaceError, TimeoutError) as exc:
-            if isinstance(exc, TimeoutError):
-                cause = f"no answer within {limit:g}s"
-            else:
-                cause = f"{type(exc).__name__}: {str(exc).strip() or 'connection lost'}"
-            self.fenced = LockLost(self.scope, cause)
-            log.error(
-                "run on scope %s fenced: %s",
-                self.scope,
-                cause,
-                extra={"action": "fenced", "scope": self.scope},
-            )
-            await self.store._discard(self.conn)
-            raise self.fenced from exc
+        return await self.line.run(fn)
 
     # ---- reading -----------------------------------------------------------
 
@@ -222,11 +215,7 @@ class Attempt:
         epoch = self.pending_last_run
         if epoch is None:
             return
-        params = {"scope": self.scope, "key": LAST_RUN_KEY,
-                  "value": self.store._encode(epoch, LAST_RUN_KEY)}
-        await self.io(lambda conn: conn.execute(query("put_step"), params))
-        self.pending_last_run = None
-        self.last_run = epoch
+        await self._write([])
 
     async def load(self, scope: str, ns: str) -> None:
         """Load the namespace ``ns`` of ``scope`` into memory in one query."""
@@ -279,29 +268,29 @@ class Attempt:
         blob = self.store._encode(value, key)
         if blob is None:
             return
-        await self._write("put_step", scope, key, blob)
+        await self._write([JournalRow("steps", scope, key, blob)])
         self._steps[(scope, key)] = blob
 
     async def write_stream(self, scope: str, key: str, chunks: list[Any]) -> None:
         blob = self.store._encode(list(chunks), key)
         if blob is None:
             return
-        await self._write("put_stream", scope, key, blob)
+        await self._write([JournalRow("streams", scope, key, blob)])
         self._streams[(scope, key)] = blob
 
-    async def _write(self, statement: str, scope: str, key: str, blob: bytes) -> None:
-        """One upsert; the run's first also carries the scope's last-run mark."""
+    async def _write(self, rows: list[JournalRow]) -> None:
+        """Journal ``rows`` (batched with other runs' writes on the lock
+        connection); the run's first write also carries the last-run mark."""
+        if self.fenced is not None:
+            raise self.fenced
         started = time.perf_counter()
-        params: dict[str, Any] = {"scope": scope, "key": key, "value": blob}
         last_run = self.pending_last_run
-        if last_run is None:
-            await self.io(lambda conn: conn.execute(query(statement), params))
-        else:
-            params["run_scope"] = self.scope
-            params["last_run"] = self.store._encode(last_run, LAST_RUN_KEY)
-            await self.io(
-                lambda conn: conn.execute(query(f"{statement}_and_last_run"), params)
-            )
+        if last_run is not None:
+            mark = self.store._encode(last_run, LAST_RUN_KEY)
+            assert mark is not None
+            rows = [*rows, JournalRow("steps", self.scope, LAST_RUN_KEY, mark)]
+        await self.line.write(rows)
+        if last_run is not None:
             self.pending_last_run = None
             self.last_run = last_run
         self.store.observe_write(time.perf_counter() - started)
@@ -373,7 +362,7 @@ class PostgresJournalStore:
         max_checkpoints_per_session: int = 20,
         serializer: Serializer = "json",
         lock: LockSettings | None = None,
-        max_runs: int = 20,
+        lock_connections: int = 2,
         owns_pool: bool = False,
     ) -> None:
         if not isinstance(pool, AsyncConnectionPool):
@@ -382,8 +371,10 @@ class PostgresJournalStore:
                 f"{type(pool).__module__}.{type(pool).__qualname__}; or use "
                 "await PostgresRuntime.connect(dsn)"
             )
-        if max_runs < 1:
-            raise InvalidInput(f"max_runs must be at least 1, not {max_runs}")
+        if not isinstance(lock_connections, int) or lock_connections < 1:
+            raise InvalidInput(
+                f"lock_connections must be an integer of at least 1, not {lock_connections!r}"
+            )
         self.pool = pool
         self.conninfo, self.conn_kwargs = pool_target(pool)
         self.serializer = check_serializer(serializer)
@@ -391,17 +382,17 @@ class PostgresJournalStore:
         self.lock_settings = lock or LockSettings()
         self.stats = RunStats()
         self._owns_pool = owns_pool
-        self._lock_pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-            self.conninfo,
-            kwargs={**self.conn_kwargs, **self.lock_settings.client_kwargs()},
-            min_size=1,
-            max_size=max_runs,
-            open=False,
-            configure=self._configure_lock_conn,
-            name="loomflow-worker-locks",
-        )
-        self._lock_pool_open = False
-        self._opening: anyio.Lock | None = None
+        self.lock_connections = lock_connections
+        # The lock connections open now; a lost one is replaced on demand.
+        self.lines: list[LockConnection] = []
+        self._opened = 0
+        self._opening: asyncio.Lock | None = None
+        # Scope lock keys held (or being taken) by this process, and the
+        # attempts waiting for one held here: a session lock is reentrant
+        # on its connection, so this process must never take one twice.
+        self._held: dict[int, Attempt | None] = {}
+        self._freed: dict[int, asyncio.Event] = {}
+        self._closed = False
         # Called with the seconds each journal write of a run took (metrics).
         self.on_write: Callable[[float], None] | None = None
 
@@ -421,7 +412,7 @@ class PostgresJournalStore:
         max_checkpoints_per_session: int = 20,
         serializer: Serializer = "json",
         lock: LockSettings | None = None,
-        max_runs: int = 20,
+        lock_connections: int = 2,
     ) -> PostgresJournalStore:
         settings = lock or LockSettings()
         await probe(dsn, settings.connect_timeout)
@@ -443,7 +434,7 @@ class PostgresJournalStore:
             max_checkpoints_per_session=max_checkpoints_per_session,
             serializer=serializer,
             lock=settings,
-            max_runs=max_runs,
+            lock_connections=lock_connections,
             owns_pool=True,
         )
 
@@ -452,32 +443,60 @@ class PostgresJournalStore:
             await migrate(conn)
 
     async def aclose(self) -> None:
-        if self._lock_pool_open:
-            await self._lock_pool.close()
-            self._lock_pool_open = False
+        self._closed = True
+        lines, self.lines = self.lines, []
+        for line in lines:
+            await line.aclose()
         if self._owns_pool:
             await self.pool.close()
 
-    async def _configure_lock_conn(self, conn: Conn) -> None:
+    async def _open_line(self) -> LockConnection:
         s = self.lock_settings
-        # The server side of the same keepalive, so a partitioned worker's
-        # lock is freed in seconds rather than after the kernel's two hours.
-        await conn.execute(
-            "SELECT set_config('tcp_keepalives_idle', %s, false),"
-            " set_config('tcp_keepalives_interval', %s, false),"
-            " set_config('tcp_keepalives_count', %s, false),"
-            " set_config('tcp_user_timeout', %s, false)",
-            (str(s.keepalives_idle), str(s.keepalives_interval), str(s.keepalives_count),
-             str(s.tcp_user_timeout_ms)),
-        )
+        try:
+            conn: Conn = await AsyncConnection.connect(
+                self.conninfo, **{**self.conn_kwargs, **s.client_kwargs()}
+            )
+        except psycopg.OperationalError as exc:
+            raise DatabaseUnavailable(
+                f"no lock connection to {describe_dsn(self.conninfo)}: {exc}"
+            ) from exc
+        try:
+            # The server side of the same keepalive, so a partitioned worker's
+            # locks are freed in seconds rather than after the kernel's two hours.
+            await conn.execute(
+                "SELECT set_config('tcp_keepalives_idle', %s, false),"
+                " set_config('tcp_keepalives_interval', %s, false),"
+                " set_config('tcp_keepalives_count', %s, false),"
+                " set_config('tcp_user_timeout', %s, false)",
+                (str(s.keepalives_idle), str(s.keepalives_interval), str(s.keepalives_count),
+                 str(s.tcp_user_timeout_ms)),
+            )
+        except BaseException:
+            await conn.close()
+            raise
+        self._opened += 1
+        line = LockConnection(conn, io_timeout=s.io_timeout, index=self._opened)
+        line.start()
+        return line
 
-    async def _discard(self, conn: Conn) -> None:
-        """Close a lock connection whose state is unknown (frees any lock)."""
-        with anyio.CancelScope(shield=True):
-            try:
-                await conn.close()
-            except Exception:
-                log.debug("closing a broken lock connection failed", exc_info=True)
+    async def _line(self) -> LockConnection:
+        """The least loaded lock connection, opening one while there are fewer
+        than ``lock_connections`` and every open one carries a run."""
+        live = [line for line in self.lines if line.fenced is None]
+        idle = min(live, key=lambda line: line.load, default=None)
+        if idle is not None and (idle.load == 0 or len(live) >= self.lock_connections):
+            return idle
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._closed:
+                raise DatabaseUnavailable("the runtime is closed")
+            if sum(line.fenced is None for line in self.lines) < self.lock_connections:
+                line = await self._open_line()
+                self.lines = [*(x for x in self.lines if x.fenced is None), line]
+            return min(
+                (x for x in self.lines if x.fenced is None), key=lambda line: line.load
+            )
 
     # ---- attempts (one per outermost run) ----------------------------------------
 
@@ -494,105 +513,85 @@ class PostgresJournalStore:
         self,
         scope: str,
         wait: float | None,
-        gate: Callable[[Conn, int], Awaitable[bool | None]] | None,
+        gate: Callable[[Conn, int, bool], Awaitable[bool | None]] | None,
     ) -> Attempt | None:
-        """:meth:`acquire`, with ``gate(conn, key)`` run instead of the plain
-        try-lock: one statement that decides whether to take the lock and
-        tries to (``pg_try_advisory_lock(key)``) in the same round trip. It
-        returns whether it got the lock, or ``None`` when it chose not to
-        try: then there is no attempt (``None``)."""
-        if not self._lock_pool_open:
-            # Many first runs may arrive at once: one of them opens the pool.
-            if self._opening is None:
-                self._opening = anyio.Lock()
-            async with self._opening:
-                if not self._lock_pool_open:
-                    await self._lock_pool.open(
-                        wait=True, timeout=self.lock_settings.connect_timeout
-                    )
-                    self._lock_pool_open = True
+        """:meth:`acquire`, with ``gate(conn, key, may_lock)`` run instead of
+        the plain try-lock: one statement that decides whether to take the
+        lock and, when ``may_lock``, tries to (``pg_try_advisory_lock(key)``)
+        in the same round trip. It returns whether it got the lock, or
+        ``None`` when it chose not to try: then there is no attempt.
+
+        Waiting never blocks a shared connection: the lock is tried again,
+        at once when a run of this process frees it, else after a short
+        growing pause."""
         key = scope_lock_key(scope)
-        for tries_left in (1, 0):
-            conn = await self._lock_connection()
+        deadline = None if wait is None else time.monotonic() + wait
+        pause = 0.002
+        while True:
+            line = await self._line()
+            may_lock = key not in self._held
+            if may_lock:
+                self._held[key] = None  # taken here while the statement runs
             try:
-                if gate is None:
-                    cur = await conn.execute(query("try_lock"), {"key": key})
-                    row = await cur.fetchone()
-                    tried: bool | None = bool(row and row[0])
-                else:
-                    tried = await gate(conn, key)
-                if tried is None:
-                    await self._lock_pool.putconn(conn)
-                    return None
-                got = tried
-                if not got and (wait is None or wait > 0):
-                    got = await self._wait_lock(conn, key, wait)
-            except psycopg.OperationalError:
-                # An idle lock connection the server dropped: one more try.
-                await self._discard(conn)
-                await self._lock_pool.putconn(conn)
-                if tries_left:
-                    continue
-                raise
+                tried = await line.run(_try_lock(gate, key, may_lock))
             except BaseException:
-                # State unknown (cancelled mid-wait): closing the connection frees
-                # whatever it may hold.
-                await self._discard(conn)
-                await self._lock_pool.putconn(conn)
+                if may_lock:
+                    self._forget(key)
                 raise
-            if not got:
-                await self._lock_pool.putconn(conn)
+            if tried and may_lock:
+                attempt = Attempt(self, line, scope)
+                self._held[key] = attempt
+                line.attempts.add(attempt)
+                return attempt
+            if may_lock:
+                self._forget(key)
+            if tried is None:
+                return None
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise SessionBusy(scope, wait)
-            return Attempt(self, conn, scope)
-        raise AssertionError("unreachable")
+            freed = self._freed.setdefault(key, asyncio.Event())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(freed.wait(), pause if left is None else min(pause, left))
+            pause = min(pause * 2, 0.05)
 
-    async def _lock_connection(self) -> Conn:
-        try:
-            conn: Conn = await self._lock_pool.getconn(timeout=self.lock_settings.connect_timeout)
-        except psycopg.OperationalError as exc:
-            raise DatabaseUnavailable(
-                f"no lock connection to {describe_dsn(self.conninfo)}: {exc}"
-            ) from exc
-        return conn
-
-    async def _wait_lock(self, conn: Conn, key: int, wait: float | None) -> bool:
-        timeout = "0" if wait is None else f"{max(1, int(wait * 1000))}ms"
-        await conn.execute("SELECT set_config('lock_timeout', %s, false)", (timeout,))
-        try:
-            await conn.execute(query("wait_lock"), {"key": key})
-            return True
-        except psycopg.errors.LockNotAvailable:
-            return False
-        finally:
-            await conn.execute("SELECT set_config('lock_timeout', '0', false)")
+    def _forget(self, key: int) -> None:
+        self._held.pop(key, None)
+        freed = self._freed.pop(key, None)
+        if freed is not None:
+            freed.set()
 
     async def release(self, attempt: Attempt) -> None:
-        """Unlock the attempt's scope and return its connection, checked."""
+        """Unlock the attempt's scope, checking that this process holds it no
+        more; a connection where it would still be held is closed."""
         if attempt.released:
             return
         attempt.released = True
-        conn = attempt.conn
-        with anyio.CancelScope(shield=True):
-            if attempt.fenced is None and not conn.closed:
-                try:
-                    with anyio.fail_after(self.lock_settings.io_timeout):
-                        # Unlock, then check that nothing is left: one round trip.
-                        async with conn.pipeline():
-                            key = {"key": attempt.lock_key}
-                            unlocked = await conn.execute(query("unlock"), key)
-                            left = await conn.execute(query("held_advisory_locks"))
-                        row, held = await unlocked.fetchone(), await left.fetchone()
-                    if not (row and row[0]) or held is None or held[0] != 0:
+        line = attempt.line
+        key = {"key": attempt.lock_key}
+
+        async def unlock(conn: Conn) -> tuple[Any, ...] | None:
+            cur = await conn.execute(query("unlock_scope"), key)
+            return await cur.fetchone()
+
+        try:
+            if attempt.fenced is None and line.fenced is None:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        row = await line.run(unlock)
+                    except LockLost:
+                        row = (True, False)  # the connection is gone, and its locks
+                    if row is None or not row[0] or row[1]:
                         log.error(
-                            "scope %s: lock not held at release or locks left over; "
-                            "discarding the connection",
-                            attempt.scope,
+                            "scope %s: lock not held at release, or held still; closing "
+                            "its lock connection", attempt.scope,
                             extra={"action": "unlock_mismatch", "scope": attempt.scope},
                         )
-                        await self._discard(conn)
-                except (psycopg.Error, TimeoutError):
-                    await self._discard(conn)
-            await self._lock_pool.putconn(conn)
+                        line.fence(f"the lock of scope {attempt.scope!r} was not released")
+        finally:
+            line.attempts.discard(attempt)
+            if self._held.get(attempt.lock_key) is attempt:
+                self._forget(attempt.lock_key)
 
     # ---- values -------------------------------------------------------------------
 
@@ -753,3 +752,22 @@ async def probe(dsn: str, connect_timeout: int) -> None:
             "server is running and the connection string (LOOMFLOW_WORKER_DATABASE_URL) is right"
         ) from exc
     await conn.close()
+
+
+def _try_lock(
+    gate: Callable[[Conn, int, bool], Awaitable[bool | None]] | None, key: int, may_lock: bool
+) -> Callable[[Conn], Awaitable[bool | None]]:
+    """The statement that tries a scope's lock (``gate``'s, when given); with
+    ``may_lock`` false the lock is held in this process already and is not
+    asked for."""
+
+    async def attempt(conn: Conn) -> bool | None:
+        if gate is not None:
+            return await gate(conn, key, may_lock)
+        if not may_lock:
+            return False
+        cur = await conn.execute(query("try_lock"), {"key": key})
+        row = await cur.fetchone()
+        return bool(row and row[0])
+
+    return attempt

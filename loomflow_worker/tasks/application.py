@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import inspect
 import logging
 import os
@@ -10,7 +12,7 @@ from typing import Any
 
 import psycopg
 from celery import Celery, Task
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, Reject
 from celery.result import AsyncResult
 from celery.signals import (
     worker_init,
@@ -27,9 +29,11 @@ from .. import metrics
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
 from ..runtime.sql import query
 from ..settings import Settings
+from . import pool
 from .execute import Outcome, RunCancelled, RunDead, RunFailed, WorkerContext, execute
 from .ledger import ON_BUSY, EnqueuePool, OnBusy, Pending
 from .loop import ChildLoop
+from .pool import REFUSED_POOLS, RunPool, pool_name
 from .registry import DEFAULT_AGENT, import_agent_modules
 from .request import Kind, check_request
 from .sweeper import Sweeper
@@ -44,6 +48,7 @@ CLOSE_TIMEOUT = 5.0
 _state: dict[str, Any] = {}
 _loop = ChildLoop()
 _enqueue = EnqueuePool()
+pool.stop_run = _loop.cancel
 
 
 def settings() -> Settings:
@@ -118,13 +123,30 @@ def _context() -> WorkerContext:
     ctx: WorkerContext | None = _state.get("context")
     if ctx is None:
         import_agent_modules(settings().agents)
-        ctx = WorkerContext(settings())
+        ctx = WorkerContext(settings(), slots=_state.get("slots", 1))
         _state["context"] = ctx
     return ctx
 
 
 @worker_init.connect
-def _prepare_worker(**_: Any) -> None:
+def _prepare_worker(sender: Any = None, **_: Any) -> None:
+    """Check the pool: the threads pool carries ``-c`` runs on the process's
+    event loop (and becomes :class:`~.pool.RunPool`, whose runs can be
+    stopped one by one); prefork and solo run one per process; gevent and
+    eventlet would block their hub with the loop's thread, so the worker
+    refuses them."""
+    if sender is not None:
+        name = pool_name(sender.pool_cls)
+        if name in REFUSED_POOLS:
+            raise SystemExit(
+                f"loomflow-worker: the {name} pool is not supported: a worker process carries "
+                "its runs on one asyncio event loop, which the threads pool feeds. Start it "
+                "with `loomflow-worker worker` (threads, LOOMFLOW_WORKER_CONCURRENCY runs per "
+                "process) or `celery ... worker -P threads -c 100`."
+            )
+        if name == "threads":
+            sender.pool_cls = RunPool
+            _state["slots"] = int(sender.concurrency or 1)
     if settings().metrics_port:
         metrics.prepare_multiprocess_dir()
 
@@ -182,6 +204,12 @@ def _start_sweeper(**_: Any) -> None:
     if settings().metrics_port:
         metrics.setup()
         metrics.serve(settings().metrics_port)
+    if "slots" in _state:
+        # The threads pool runs in this process: connect (and migrate) now.
+        try:
+            _loop.run(_context().runtime())
+        except Exception:
+            log.exception("the worker could not connect to Postgres yet; will retry per task")
     if settings().sweeper:
         sweeper = Sweeper(settings(), _dispatch, _queue_length, _store_missing_result)
         _state["sweeper"] = sweeper
@@ -209,6 +237,8 @@ def _stop_sweeper(sender: Any = None, **_: Any) -> None:
     sweeper: Sweeper | None = _state.pop("sweeper", None)
     if sweeper is not None:
         sweeper.stop()
+    if "slots" in _state:
+        _close_child()  # the threads pool ran in this process
     # Once more now that the pool is gone: an attempt started during the
     # soft shutdown was interrupted too.
     _mark_interrupted(getattr(sender, "hostname", None))
@@ -312,8 +342,15 @@ def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
     request_id = task.request.id
     try:
         outcome: Outcome = _loop.run(
-            execute(_context(), request_id, args, task.kind, task.request.hostname)
+            execute(_context(), request_id, args, task.kind, task.request.hostname),
+            key=request_id,
         )
+    except (concurrent.futures.CancelledError, asyncio.CancelledError) as exc:
+        # Stopped by the worker (a shutdown): the run was interrupted and its
+        # session lock released; the message goes back to the queue.
+        log.info("request %s interrupted; requeued", request_id,
+                 extra={"action": "interrupted", "request": request_id})
+        raise Reject(exc, requeue=True) from exc
     except (LockLost, DatabaseUnavailable, psycopg.OperationalError) as exc:
         countdown = _context().backoff(task.request.retries + 1)
         log.warning("request %s: %s; retrying in %.1fs", request_id, exc, countdown,

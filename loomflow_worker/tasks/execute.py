@@ -31,6 +31,7 @@ from ..runtime import (
     run_options,
 )
 from ..runtime.errors import LoomflowWorkerError
+from ..runtime.lockconn import LockConnection
 from ..runtime.store import Attempt, Conn
 from ..settings import Settings
 from . import ledger
@@ -91,13 +92,16 @@ def _emitter(ctx: WorkerContext, request_id: str, attempt_no: int, attempt: Atte
 class WorkerContext:
     """What one pool child owns: its runtime and the agents built with it."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, slots: int = 1) -> None:
+        """``slots``: how many runs this process carries at once."""
         self.settings = settings
+        self.slots = slots
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self._runtime: PostgresRuntime | None = None
         self.events: EventPublisher | None = None
         self._agents: dict[str, Any] = {}
         self._connect_lock = anyio.Lock()
+        self._beating: asyncio.Task[None] | None = None
 
     async def runtime(self) -> PostgresRuntime:
         async with self._connect_lock:
@@ -108,7 +112,7 @@ class WorkerContext:
                     max_size=self.settings.pool_max_size,
                     lock_wait_timeout=0,
                     lock_io_timeout=self.settings.lock_io_timeout,
-                    max_runs=2,
+                    lock_connections=min(self.settings.lock_connections, self.slots),
                     connect_timeout=self.settings.connect_timeout,
                 )
                 try:
@@ -117,6 +121,9 @@ class WorkerContext:
                     await runtime.aclose()
                     raise
                 self._runtime = runtime
+                self._beating = asyncio.get_running_loop().create_task(
+                    self._heartbeats(runtime), name="loomflow-worker heartbeat"
+                )
                 meter = metrics.get()
                 if meter is not None:
                     runtime.journal.on_write = meter.journal_write.observe
@@ -145,7 +152,25 @@ class WorkerContext:
             self._agents[name] = agent
         return self._agents[name]
 
+    async def _heartbeats(self, runtime: PostgresRuntime) -> None:
+        """Stamp every running request of the process as alive: one statement
+        per lock connection and interval. A frozen process stamps nothing,
+        so its lease runs out and the sweeper fences it as a whole."""
+        interval = self.settings.heartbeat_interval
+        while True:
+            await anyio.sleep(interval)
+            async with anyio.create_task_group() as beats:
+                for line in list(runtime.journal.lines):
+                    running = [a for a in line.attempts if a.request_id is not None]
+                    if running and line.fenced is None:
+                        beats.start_soon(_beat, line, running, interval)
+
     async def aclose(self) -> None:
+        beating, self._beating = self._beating, None
+        if beating is not None:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
         for agent in self._agents.values():
             closer = getattr(agent, "aclose", None)
             if closer is not None:
@@ -191,9 +216,11 @@ async def execute(
 
     pre: ledger.Precheck | None = None
 
-    async def precheck_and_lock(conn: Conn, key: int) -> bool | None:
+    async def precheck_and_lock(conn: Conn, key: int, may_lock: bool) -> bool | None:
         nonlocal pre
-        pre = await ledger.precheck(conn, request_id, ctx.settings.redispatch_after, key)
+        pre = await ledger.precheck(
+            conn, request_id, ctx.settings.redispatch_after, key, may_lock
+        )
         return None if pre is None else pre.locked
 
     # A request at the head of its session waits a moment for a lock still
@@ -343,10 +370,11 @@ async def _run_holding(
     executed, replayed = runtime.stats.steps_executed, runtime.stats.steps_replayed
     agent = await ctx.agent(req.agent)
     time_limit = agent_time_limit(req.agent) or ctx.settings.run_time_limit
+    # The process's heartbeat stamps the request from now on; when the lock
+    # connection is lost, the run stops at once, mid-step.
     fence = anyio.CancelScope()
-    beating = asyncio.get_running_loop().create_task(
-        _heartbeat(attempt, request_id, ctx.settings.heartbeat_interval, fence)
-    )
+    attempt.request_id = request_id
+    attempt.on_fenced.append(lambda _: fence.cancel())
     timed_out = False
     try:
         try:
@@ -362,9 +390,7 @@ async def _run_holding(
             if fence.cancelled_caught:
                 raise attempt.fenced or LockLost(req.scope, "the heartbeat failed")
         finally:
-            beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beating
+            attempt.request_id = None
             if meter is not None:
                 meter.steps.labels("executed").inc(runtime.stats.steps_executed - executed)
                 meter.steps.labels("replayed").inc(runtime.stats.steps_replayed - replayed)
@@ -391,6 +417,18 @@ async def _run_holding(
     except BaseException as exc:
         stopped = _stopped(exc)
         if stopped is None:
+            if isinstance(exc, asyncio.CancelledError) and attempt.fenced is None:
+                # Stopped from outside (a shutdown): this attempt was interrupted,
+                # which the next one must not count as a crash. Recorded under
+                # the lock, before the next attempt can start.
+                attempt_no = started.attempt
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await attempt.io(
+                        lambda conn: ledger.end_attempt(conn, request_id, attempt_no,
+                                                        "interrupted")
+                    )
+                log.info("request %s interrupted", request_id,
+                         extra={"action": "interrupted", **log_fields})
             raise
         nxt = await finish_as("cancelled", error=stopped.reason, error_type="Cancelled")
         log.info("request %s cancelled at a step boundary", request_id,
@@ -444,26 +482,24 @@ def _stopped(exc: BaseException) -> RunStopped | None:
     return None
 
 
-async def _heartbeat(
-    attempt: Attempt, request_id: str, interval: float, fence: anyio.CancelScope
-) -> None:
-    """Stamp the request as alive on the lock connection; a frozen worker can't,
-    so its lease runs out. A cancel request stops the run at its next step.
-
-    A heartbeat that fails or gets no answer within two intervals means the
-    lock is lost (or soon will be, when the server gives up on us): the run
-    stops at once, in the middle of its step, before the sweeper (which
-    waits for a stale heartbeat) can start it elsewhere."""
-    while True:
-        await anyio.sleep(interval)
-        try:
-            cancel = await attempt.io(
-                lambda conn: ledger.heartbeat(conn, request_id), within=2 * interval
-            )
-        except LockLost:
-            fence.cancel()
-            return
-        if cancel and attempt.stop is None:
+async def _beat(line: LockConnection, running: list[Attempt], interval: float) -> None:
+    """One heartbeat of the requests running on ``line``. One that fails or
+    gets no answer within two intervals means the locks are lost (or soon
+    will be, when the server gives up on us): every run on the connection
+    stops at once, mid-step, before the sweeper (which waits for a stale
+    heartbeat) can start it elsewhere. A cancel request stops a run at its
+    next step."""
+    ids = [a.request_id for a in running if a.request_id is not None]
+    try:
+        with anyio.fail_after(2 * interval):
+            cancelled = await line.run(lambda conn: ledger.heartbeat(conn, ids))
+    except LockLost:
+        return
+    except TimeoutError:
+        line.fence(f"no heartbeat answer within {2 * interval:g}s")
+        return
+    for attempt in running:
+        if attempt.request_id in cancelled and attempt.stop is None:
             attempt.stop = RunStopped("cancelled while running")
 
 

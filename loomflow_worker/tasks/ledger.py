@@ -242,12 +242,14 @@ class Precheck:
 
 
 async def precheck(
-    conn: Conn, request_id: str, stale_after: float, lock_key: int
+    conn: Conn, request_id: str, stale_after: float, lock_key: int, may_lock: bool = True
 ) -> Precheck | None:
     """The ledger's view of ``request_id`` (``None``: it has no row), and its
-    scope's lock (``lock_key``) tried in the same statement when it may run."""
+    scope's lock (``lock_key``) tried in the same statement when it may run
+    (and ``may_lock``: this process does not hold it already)."""
     cur = await conn.execute(
-        query("precheck_run"), {"request_id": request_id, "stale": stale_after, "key": lock_key}
+        query("precheck_run"),
+        {"request_id": request_id, "stale": stale_after, "key": lock_key, "may_lock": may_lock},
     )
     row = await cur.fetchone()
     if row is None:
@@ -351,6 +353,12 @@ async def schedule_retry(
         )
 
 
+async def end_attempt(conn: Conn, request_id: str, attempt: int, outcome: str) -> None:
+    await conn.execute(
+        query("end_attempt"), {"request_id": request_id, "attempt": attempt, "outcome": outcome}
+    )
+
+
 async def hand_over(conn: Conn, scope: str) -> Handoff | None:
     """Hand ``scope`` to its oldest unfinished request, unless it was handed
     already (then whoever handed it published it, or its message runs it)."""
@@ -372,8 +380,8 @@ async def mark_dispatched(conn: Conn, request_id: str) -> None:
     await conn.execute(query("mark_dispatched"), {"request_id": request_id})
 
 
-async def heartbeat(conn: Conn, request_id: str) -> bool:
-    """Stamp a running request as alive; ``True`` when a cancel was requested."""
-    cur = await conn.execute(query("heartbeat"), {"request_id": request_id})
-    row = await cur.fetchone()
-    return bool(row and row[0])
+async def heartbeat(conn: Conn, request_ids: list[str]) -> set[str]:
+    """Stamp running requests as alive in one statement; returns those whose
+    cancel was requested."""
+    cur = await conn.execute(query("heartbeat"), {"request_ids": request_ids})
+    return {request_id for request_id, cancel in await cur.fetchall() if cancel}

@@ -9,6 +9,7 @@ Nothing is opened before the fork."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 from collections.abc import Coroutine
@@ -27,6 +28,7 @@ class ChildLoop:
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._lock = threading.Lock()
+        self._running: dict[str, concurrent.futures.Future[Any]] = {}
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -44,7 +46,14 @@ class ChildLoop:
     def running(self) -> bool:
         return self._loop is not None and self._pid == os.getpid()
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def cancel(self, key: str) -> bool:
+        """Cancel the coroutine run under ``key``; ``False`` when none is."""
+        future = self._running.get(key)
+        return future is not None and future.cancel()
+
+    def run(
+        self, coro: Coroutine[Any, Any, T], timeout: float | None = None, key: str | None = None
+    ) -> T:
         """Run ``coro`` on the loop and wait for its result.
 
         When the wait ends early (``timeout``, or the ``SystemExit`` that
@@ -62,12 +71,17 @@ class ChildLoop:
                 unwound.set()
 
         future = asyncio.run_coroutine_threadsafe(guarded(), self.loop)
+        if key is not None:
+            self._running[key] = future
         try:
             return future.result(timeout)
         except BaseException:
             if future.cancel() and started.is_set():
                 unwound.wait(UNWIND_TIMEOUT)
             raise
+        finally:
+            if key is not None and self._running.get(key) is future:
+                del self._running[key]
 
     def stop(self) -> None:
         with self._lock:

@@ -282,7 +282,8 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadat
 SELECT r.status, r.result, r.error,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata, o.stale,
        CASE WHEN r.status IN ('queued', 'running') AND o.request_id IS NULL
-            THEN pg_try_advisory_lock(%(key)s) END
+            THEN CASE WHEN %(may_lock)s THEN pg_try_advisory_lock(%(key)s) ELSE false END
+       END
   FROM runs r
   LEFT JOIN LATERAL (
       SELECT request_id, kind, session_id, user_id, agent, prompt, metadata,
@@ -293,9 +294,11 @@ SELECT r.status, r.result, r.error,
  WHERE r.request_id = %(request_id)s;
 
 -- name: heartbeat
+-- Every running request of one lock connection, stamped in one statement;
+-- those asked to stop come back.
 UPDATE runs SET heartbeat_at = now()
- WHERE request_id = %(request_id)s AND status = 'running'
-RETURNING cancel_requested;
+ WHERE request_id = ANY(%(request_ids)s::text[]) AND status = 'running'
+RETURNING request_id, cancel_requested;
 
 -- ---- the sweeper ---------------------------------------------------------------------------
 
@@ -604,3 +607,37 @@ SELECT request_id, status, result, error, error_type FROM runs
 
 -- name: mark_result_checked
 UPDATE runs SET result_checked = true WHERE request_id = ANY(%(request_ids)s);
+
+-- ---- lock connections shared by many runs -----------------------------------------------
+
+-- name: put_journal_batch
+-- The journal writes of every run on one lock connection that arrived while
+-- its previous statement was in flight, in one statement (each key once).
+WITH steps AS (
+    INSERT INTO journal_steps (session_id, step_name, value, created_at)
+    SELECT s, k, v, extract(epoch FROM clock_timestamp())
+      FROM unnest(%(step_scopes)s::text[], %(step_keys)s::text[], %(step_values)s::bytea[])
+           AS t(s, k, v)
+    ON CONFLICT (session_id, step_name) DO UPDATE
+       SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
+), streams AS (
+    INSERT INTO journal_streams (session_id, step_name, chunks, created_at)
+    SELECT s, k, v, extract(epoch FROM clock_timestamp())
+      FROM unnest(%(stream_scopes)s::text[], %(stream_keys)s::text[],
+                  %(stream_values)s::bytea[]) AS t(s, k, v)
+    ON CONFLICT (session_id, step_name) DO UPDATE
+       SET chunks = EXCLUDED.chunks, created_at = EXCLUDED.created_at
+)
+SELECT 1;
+
+-- name: unlock_scope
+-- Release one scope's lock and say whether this backend still holds it
+-- (it must not: the lock was taken once).
+WITH released AS (SELECT pg_advisory_unlock(%(key)s) AS ok)
+SELECT r.ok, EXISTS (
+    SELECT 1 FROM pg_locks l
+     WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+       AND l.pid = pg_backend_pid()
+       AND l.classid = ((%(key)s::bigint >> 32) & 4294967295)::oid
+       AND l.objid = (%(key)s::bigint & 4294967295)::oid)
+  FROM released r;

@@ -1,0 +1,314 @@
+"""A lock connection: one Postgres connection that carries many runs.
+
+Postgres lets one session hold any number of advisory locks, so the scope
+locks of every run a process has in flight live on a small fixed set of
+these connections, and so do the runs' journal reads and writes (fencing:
+whatever is written through a connection is written by the backend that
+holds the lock).
+
+A connection runs one statement at a time, so each lock connection has a
+server task of its own that takes work from a queue:
+
+- journal writes that arrive while a statement is in flight are sent
+  together as one statement when it ends, so a step costs about one round
+  trip however many runs write at once;
+- any other work (start a request, finish it, take or release a lock) is
+  a callable given the connection for one exclusive turn, which may be a
+  transaction of several statements;
+- a caller that is cancelled stops waiting, but never a statement half
+  sent: the shared connection stays usable for the other runs.
+
+When the connection fails (its backend ended, the network lost, no answer
+within the I/O timeout) every run on it is fenced at once: queued work
+fails with :class:`LockLost`, the connection is closed (Postgres frees the
+locks) and each lease's ``on_fenced`` callbacks run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import psycopg
+from psycopg import AsyncConnection
+from psycopg.rows import TupleRow
+
+from .errors import LockLost
+from .sql import query
+
+if TYPE_CHECKING:
+    from .store import Attempt
+
+log = logging.getLogger("loomflow_worker.runtime")
+
+T = TypeVar("T")
+Conn = AsyncConnection[TupleRow]
+
+Table = Literal["steps", "streams"]
+
+
+@dataclass(frozen=True)
+class JournalRow:
+    """One journal entry to upsert."""
+
+    table: Table
+    scope: str
+    key: str
+    value: bytes
+
+
+@dataclass
+class _Work:
+    fn: Callable[[Conn], Awaitable[Any]]
+    done: asyncio.Future[Any]
+
+
+@dataclass
+class _Write:
+    rows: list[JournalRow]
+    done: asyncio.Future[None]
+    started: float = field(default=0.0)
+
+
+class LockConnection:
+    """One lock connection and the server task that owns it."""
+
+    def __init__(self, conn: Conn, *, io_timeout: float, index: int = 0) -> None:
+        self.conn = conn
+        self.index = index
+        self.io_timeout = io_timeout
+        self.backend_pid = conn.info.backend_pid
+        # The cause of the fence once the connection failed.
+        self.fenced: LockLost | None = None
+        self.attempts: set[Attempt] = set()
+        self._work: deque[_Work] = deque()
+        self._writes: list[_Write] = []
+        # The callers of the statement in flight.
+        self._current: list[asyncio.Future[Any]] = []
+        self._wake = asyncio.Event()
+        self._server: asyncio.Task[None] | None = None
+        # Called with the seconds each batch of journal writes took (metrics).
+        self.on_write: Callable[[float], None] | None = None
+        self.batches = 0
+        self.rows_written = 0
+
+    def start(self) -> None:
+        self._server = asyncio.get_running_loop().create_task(
+            self._serve(), name=f"loomflow-worker lock connection {self.index}"
+        )
+
+    @property
+    def load(self) -> int:
+        return len(self.attempts)
+
+    # ---- what callers use --------------------------------------------------------------
+
+    async def run(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
+        """``fn(conn)`` in an exclusive turn on the connection."""
+        if self.fenced is not None:
+            raise self.fenced
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._work.append(_Work(fn, done))
+        self._wake.set()
+        return await done
+
+    async def write(self, rows: list[JournalRow]) -> None:
+        """Upsert ``rows``, batched with the writes of other runs."""
+        if self.fenced is not None:
+            raise self.fenced
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._writes.append(_Write(rows, done))
+        self._wake.set()
+        await done
+
+    def fence(self, cause: str, exc: BaseException | None = None) -> LockLost:
+        """Mark the connection lost: every run on it is fenced, the connection
+        is closed. Returns the :class:`LockLost` the runs see."""
+        if self.fenced is not None:
+            return self.fenced
+        fenced = LockLost(self._scopes(), cause)
+        if exc is not None:
+            fenced.__cause__ = exc
+        self.fenced = fenced
+        log.error(
+            "lock connection %d (backend %s) lost: %s; fencing its %d runs",
+            self.index, self.backend_pid, cause, len(self.attempts),
+            extra={"action": "fenced", "backend": self.backend_pid, "runs": len(self.attempts)},
+        )
+        for done in self._current:
+            _fail(done, fenced)
+        for work in self._work:
+            _fail(work.done, fenced)
+        for write in self._writes:
+            _fail(write.done, fenced)
+        self._work.clear()
+        self._writes.clear()
+        for attempt in list(self.attempts):
+            attempt.fence(fenced)
+        self._wake.set()
+        server = self._server
+        if server is not None and server is not asyncio.current_task():
+            # Stop a statement that may hang; the server closes the connection.
+            server.cancel()
+        return fenced
+
+    async def aclose(self) -> None:
+        if self.fenced is None:
+            self.fenced = LockLost(self._scopes(), "the runtime closed")
+        self._wake.set()
+        server, self._server = self._server, None
+        if server is not None:
+            server.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await server
+        else:
+            await self._close()
+
+    def _scopes(self) -> str:
+        scopes = sorted(a.scope for a in self.attempts)
+        if len(scopes) == 1:
+            return scopes[0]
+        return f"{len(scopes)} scopes on lock connection {self.index}"
+
+    async def _close(self) -> None:
+        try:
+            await asyncio.wait_for(self.conn.close(), timeout=5)
+        except Exception:
+            log.debug("closing a lock connection failed", exc_info=True)
+
+    # ---- the server task ---------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        try:
+            while self.fenced is None:
+                # Writes and other work take turns, so neither waits on the other
+                # for long however busy the connection is.
+                if self._writes:
+                    await self._flush()
+                if self._work and self.fenced is None:
+                    work = self._work.popleft()
+                    if not work.done.done():
+                        await self._turn(work)
+                if not self._writes and not self._work:
+                    self._wake.clear()
+                    await self._wake.wait()
+        finally:
+            # Closing frees every lock the connection holds.
+            self.fenced = self.fenced or LockLost(self._scopes(), "the connection closed")
+            for work in self._work:
+                _fail(work.done, self.fenced)
+            for write in self._writes:
+                _fail(write.done, self.fenced)
+            await asyncio.shield(self._close())
+
+    async def _guarded(
+        self, fn: Callable[[Conn], Awaitable[T]], waiting: list[asyncio.Future[Any]]
+    ) -> T:
+        """``fn(conn)``, for the callers ``waiting`` on it. No answer within the
+        I/O timeout fences the connection there and then: the callers hear of
+        it at once, whatever the driver then takes to give up on the query."""
+        self._current = waiting
+        silent = f"no answer within {self.io_timeout:g}s"
+        watchdog = asyncio.get_running_loop().call_later(
+            self.io_timeout, lambda: self.fence(silent, TimeoutError(silent))
+        )
+        try:
+            return await fn(self.conn)
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            raise self.fence(
+                f"{type(exc).__name__}: {str(exc).strip() or 'connection lost'}", exc
+            ) from exc
+        finally:
+            watchdog.cancel()
+            self._current = []
+
+    async def _turn(self, work: _Work) -> None:
+        try:
+            result = await self._guarded(work.fn, [work.done])
+        except BaseException as exc:
+            _fail(work.done, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        if not work.done.done():
+            work.done.set_result(result)
+
+    async def _flush(self) -> None:
+        writes, self._writes = self._writes, []
+        rows = [row for write in writes for row in write.rows]
+        started = asyncio.get_running_loop().time()
+        try:
+            await self._guarded(
+                functools.partial(_upsert, rows=rows), [w.done for w in writes]
+            )
+        except LockLost as exc:
+            for write in writes:
+                _fail(write.done, exc)
+            return
+        except psycopg.Error as exc:
+            if len(writes) == 1:
+                _fail(writes[0].done, exc)
+                return
+            # One bad entry must not fail the others: each write on its own.
+            for write in writes:
+                try:
+                    await self._guarded(
+                        functools.partial(_upsert, rows=write.rows), [write.done]
+                    )
+                except BaseException as exc:
+                    _fail(write.done, exc)
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                else:
+                    _succeed(write.done)
+            return
+        self.batches += 1
+        self.rows_written += len(rows)
+        if self.on_write is not None:
+            self.on_write(asyncio.get_running_loop().time() - started)
+        for write in writes:
+            _succeed(write.done)
+
+
+def _fail(done: asyncio.Future[Any], exc: BaseException) -> None:
+    if not done.done():
+        if isinstance(exc, asyncio.CancelledError):
+            done.cancel()
+        else:
+            done.set_exception(exc)
+
+
+def _succeed(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
+
+
+async def _upsert(conn: Conn, rows: list[JournalRow]) -> None:
+    """Upsert journal rows: one plain statement for one row, else one
+    statement for the whole batch (the last value of a key wins)."""
+    if len(rows) == 1:
+        row = rows[0]
+        await conn.execute(
+            query("put_step" if row.table == "steps" else "put_stream"),
+            {"scope": row.scope, "key": row.key, "value": row.value},
+        )
+        return
+    latest: dict[tuple[Table, str, str], bytes] = {}
+    for row in rows:
+        latest[(row.table, row.scope, row.key)] = row.value
+    params: dict[str, list[Any]] = {
+        "step_scopes": [], "step_keys": [], "step_values": [],
+        "stream_scopes": [], "stream_keys": [], "stream_values": [],
+    }
+    for (table, scope, key), value in latest.items():
+        prefix = "step" if table == "steps" else "stream"
+        params[f"{prefix}_scopes"].append(scope)
+        params[f"{prefix}_keys"].append(key)
+        params[f"{prefix}_values"].append(value)
+    await conn.execute(query("put_journal_batch"), params)

@@ -1,0 +1,76 @@
+"""The worker's pool: many runs per process, each one stoppable on its own.
+
+Runs wait on the model, not the CPU, so one process carries many of them on
+its event loop (:mod:`.loop`). Celery's threads pool feeds that loop: each
+thread hands its task's run to the loop and waits, so Celery keeps doing
+what it does best (prefetching no more messages than free threads, late
+acks, retries, results) and the loop does the waiting.
+
+Celery's threads pool cannot stop one task (``terminate_job`` is not
+implemented there), which soft shutdown and ``revoke(terminate=True)``
+need. :class:`RunPool` adds that: stopping a task cancels its run on the
+loop, which releases the session lock at once and requeues the message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from celery.concurrency.thread import ApplyResult
+from celery.concurrency.thread import TaskPool as ThreadTaskPool
+
+#: Pools that cannot carry the process's event loop: the worker refuses them.
+REFUSED_POOLS = ("gevent", "eventlet")
+
+#: Stops the run of one request (set by the Celery app).
+stop_run: Callable[[str], bool] | None = None
+
+
+class StoppableResult(ApplyResult):  # type: ignore[misc]
+    """A task's handle in :class:`RunPool`; ``terminate`` stops its run."""
+
+    def __init__(self, result: ApplyResult, request_id: str | None) -> None:
+        super().__init__(result.f)
+        self.request_id = request_id
+
+    def terminate(self, signal: Any = None) -> None:
+        if self.request_id is not None and stop_run is not None:
+            stop_run(self.request_id)
+
+
+class RunPool(ThreadTaskPool):  # type: ignore[misc]
+    """Celery's threads pool, whose tasks can be stopped one by one."""
+
+    def on_apply(
+        self,
+        target: Callable[..., Any],
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        callback: Callable[..., Any] | None = None,
+        accept_callback: Callable[..., Any] | None = None,
+        correlation_id: str | None = None,
+        **options: Any,
+    ) -> StoppableResult:
+        result = super().on_apply(target, args, kwargs, callback, accept_callback, **options)
+        return StoppableResult(result, correlation_id)
+
+    def terminate_job(self, pid: int, signal: Any = None) -> None:
+        """Every task shares this process's pid: a task is stopped through its
+        own :class:`StoppableResult` instead."""
+
+
+def pool_name(pool: Any) -> str:
+    """The short name of a Celery pool given as a class or a name."""
+    if isinstance(pool, str):
+        return pool.rsplit(":", 1)[0].rsplit(".", 1)[-1] if ":" in pool else pool
+    if isinstance(pool, type) and issubclass(pool, RunPool):
+        return "threads"
+    module = getattr(pool, "__module__", "") or ""
+    return {
+        "celery.concurrency.thread": "threads",
+        "celery.concurrency.prefork": "prefork",
+        "celery.concurrency.solo": "solo",
+        "celery.concurrency.gevent": "gevent",
+        "celery.concurrency.eventlet": "eventlet",
+    }.get(module, module or repr(pool))
