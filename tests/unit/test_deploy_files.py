@@ -7,6 +7,10 @@
   variable one of a short list, and the values configured parse as the package parses them;
 - every command is the console script of ``[project.scripts]`` with a subcommand it has, and the
   probes ping the node name the worker really takes;
+- every worker is one process on the threads pool (or prefork, never gevent or eventlet) at the
+  default concurrency, KEDA's target per pod is that concurrency, a pod's resources are those
+  OPERATIONS.md gives for it, and the Postgres connection counts stated in the files are the
+  formula's for the settings configured beside them;
 - the grace periods (Compose's ``stop_grace_period``, Kubernetes'
   ``terminationGracePeriodSeconds``) exceed the soft shutdown timeout configured in the same
   files, with margin; KEDA watches the Redis list of the configured queue, on the broker's
@@ -72,6 +76,17 @@ PLACEHOLDER = "CHANGE_ME"
 SHUTDOWN_MARGIN = 15.0
 # Postgres keeps these for superusers (superuser_reserved_connections' default).
 RESERVED_CONNECTIONS = 3
+# Runs one worker process carries at once on the threads pool (the CONCURRENCY default), and
+# LOCK_CONNECTIONS' default: the lock connections that hold the session locks of all its runs.
+DEFAULT_CONCURRENCY = 100
+DEFAULT_LOCK_CONNECTIONS = 2
+# Celery pools a worker may run: threads (the default) carries many runs per process, prefork
+# one run per child, solo one run. The worker refuses gevent and eventlet at start.
+POOLS = frozenset({"threads", "prefork", "solo"})
+REFUSED_POOLS = frozenset({"gevent", "eventlet"})
+# A pod's resources at DEFAULT_CONCURRENCY, safe per deploy/OPERATIONS.md; more runs, more.
+MEMORY_REQUEST = "512Mi"
+MEMORY_LIMIT = "1Gi"
 K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())
 # A Kubernetes resource quantity: 500m, 1.5, 768Mi, 2G.
 QUANTITY = re.compile(r"\d+(\.\d+)?(m|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)?")
@@ -144,10 +159,48 @@ def check_env_names(names: Iterable[str], where: str) -> None:
             assert name in OTHER_ENV, f"{where}: unexpected variable {name}"
 
 
-def worst_case_connections(concurrency: int, settings: Settings) -> int:
-    """Postgres connections one worker can hold (deploy/OPERATIONS.md): per pool child up to
-    2 lock connections, its pool and a LISTEN connection; one sweeper in the main process."""
-    return concurrency * (2 + settings.pool_max_size + 1) + 1
+def lock_connections(settings: Settings) -> int:
+    """``LOCK_CONNECTIONS``: its default where the settings have no such field."""
+    return int(getattr(settings, "lock_connections", DEFAULT_LOCK_CONNECTIONS))
+
+
+def worst_case_connections(settings: Settings, pool: str = "threads", concurrency: int = 1) -> int:
+    """Postgres connections one worker can hold (deploy/OPERATIONS.md), whatever its runs:
+    its lock connections, its pool, a LISTEN connection while a run waits for a signal and
+    the sweeper's. A prefork worker has all but the sweeper's per pool child."""
+    per_process = lock_connections(settings) + settings.pool_max_size + 1
+    return (concurrency if pool == "prefork" else 1) * per_process + 1
+
+
+def stated_connections_per_process(text: str) -> int:
+    """The number a file's comment gives for a worker process's Postgres connections, checked
+    against its parts as the comment names them."""
+    comments = " ".join(
+        line.split("#", 1)[1] for line in text.splitlines() if line.lstrip().startswith("#")
+    )
+    found = re.findall(
+        r"Postgres connections per worker process: at most (\d+) = LOCK_CONNECTIONS (\d+)"
+        r" \+ POOL_MAX_SIZE (\d+) \+ 1 sweeper \+ 1 signal listener",
+        " ".join(comments.split()),
+    )
+    assert len(found) == 1, "state the connections per worker process once, in its parts"
+    total, locks, pool = (int(n) for n in found[0])
+    assert total == locks + pool + 2
+    return total
+
+
+def operations_text() -> str:
+    """deploy/OPERATIONS.md with its whitespace runs made single spaces."""
+    return " ".join((DEPLOY / "OPERATIONS.md").read_text().split())
+
+
+def quantity(text: str) -> float:
+    """A Kubernetes resource quantity as a number: ``500m`` -> 0.5, ``1Gi`` -> 2**30."""
+    match = QUANTITY.fullmatch(text)
+    assert match, f"not a quantity: {text!r}"
+    suffixes = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+                "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
+    return float(text[: len(text) - len(match.group(2) or "")]) * suffixes[match.group(2) or ""]
 
 
 def option_value(args: list[str], *flags: str) -> str | None:
@@ -160,12 +213,20 @@ def option_value(args: list[str], *flags: str) -> str | None:
     return None
 
 
+def worker_pool(args: list[str]) -> str:
+    """The Celery pool a worker started with ``args`` runs: threads unless it says otherwise."""
+    return option_value(args, "-P", "--pool") or "threads"
+
+
 def check_worker_args(args: list[str], where: str) -> int:
-    """A ``loomflow-worker`` argument list: a real subcommand; a worker's concurrency."""
+    """A ``loomflow-worker`` argument list: a real subcommand; a worker's pool and concurrency."""
     assert args, f"{where}: no subcommand"
     assert args[0] in subcommands(), f"{where}: {args[0]!r} is no subcommand of the CLI"
     concurrency = option_value(args, "-c", "--concurrency")
     if args[0] == "worker":
+        pool = worker_pool(args)
+        assert pool not in REFUSED_POOLS, f"{where}: -P {pool} is refused; use the threads pool"
+        assert pool in POOLS, f"{where}: unknown pool {pool!r}"
         assert concurrency is not None, f"{where}: set the worker's concurrency explicitly"
         assert int(concurrency) >= 1, where
         return int(concurrency)
@@ -594,9 +655,39 @@ def test_compose_postgres_has_connections_for_the_workers(
     needed = 1  # the migration
     for name, worker in workers().items():
         settings = settings_from(compose_envs()[name], monkeypatch)
-        concurrency = check_worker_args(compose_command(worker), name)
-        needed += worst_case_connections(concurrency, settings)
+        command = compose_command(worker)
+        concurrency = check_worker_args(command, name)
+        needed += worst_case_connections(settings, worker_pool(command), concurrency)
     assert needed <= max_connections - RESERVED_CONNECTIONS, (needed, max_connections)
+
+
+def test_compose_workers_are_one_process_each_at_the_default_concurrency() -> None:
+    """More cores: more worker services (each with a node name of its own), not prefork."""
+    hostnames = []
+    for name, worker in workers().items():
+        command = compose_command(worker)
+        assert worker_pool(command) == "threads", f"{name}: {command}"
+        assert check_worker_args(command, name) == DEFAULT_CONCURRENCY, f"{name}: {command}"
+        replicas = (worker.get("deploy") or {}).get("replicas", 1)
+        assert replicas == 1 or "hostname" not in worker, (
+            f"{name}: {replicas} replicas of one hostname share a Celery node name"
+        )
+        hostnames.append(node_name(command).replace("$HOSTNAME", worker.get("hostname", name)))
+    assert len(set(hostnames)) == len(hostnames), hostnames
+
+
+def test_compose_states_the_connections_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    stated = stated_connections_per_process(COMPOSE.read_text())
+    for name, worker in workers().items():
+        settings = settings_from(compose_envs()[name], monkeypatch)
+        command = compose_command(worker)
+        assert stated == worst_case_connections(
+            settings, worker_pool(command), check_worker_args(command, name)
+        ), name
+    example = re.search(r"two workers need (\d+) [x\u00d7] (\d+) = (\d+)", operations_text())
+    assert example, "OPERATIONS.md: the compose example"
+    count, each, total = (int(n) for n in example.groups())
+    assert (count, each, total) == (len(workers()), stated, len(workers()) * stated)
 
 
 # ---- Kubernetes ---------------------------------------------------------------------------
@@ -763,6 +854,67 @@ def test_secrets_are_placeholders_in_the_secret() -> None:
             assert value == "" or PLACEHOLDER in value, f"Secret {key}: not a placeholder"
 
 
+def worker_args() -> list[str]:
+    args: list[str] = worker_container()["args"]
+    return args
+
+
+def test_kubernetes_worker_is_one_process_at_the_default_concurrency() -> None:
+    args = worker_args()
+    assert worker_pool(args) == "threads", args
+    assert check_worker_args(args, "Deployment") == DEFAULT_CONCURRENCY, args
+
+
+def test_the_default_concurrency_is_the_packages() -> None:
+    field = Settings.model_fields.get("concurrency")
+    if field is None:
+        pytest.skip("Settings has no concurrency field")
+    assert field.default == DEFAULT_CONCURRENCY
+
+
+def test_kubernetes_pod_is_sized_for_its_runs() -> None:
+    """One process: about one core, no CPU limit (throttling delays every run's heartbeat);
+    memory at least what OPERATIONS.md calls safe, scaled by the concurrency."""
+    resources = worker_container()["resources"]
+    assert 0.5 <= quantity(str(resources["requests"]["cpu"])) <= 1.0, resources
+    assert "cpu" not in resources["limits"], resources
+    scale = max(1.0, check_worker_args(worker_args(), "Deployment") / DEFAULT_CONCURRENCY)
+    request = quantity(str(resources["requests"]["memory"]))
+    limit = quantity(str(resources["limits"]["memory"]))
+    assert request >= scale * quantity(MEMORY_REQUEST), resources
+    assert limit >= scale * quantity(MEMORY_LIMIT), resources
+    stated = f"{MEMORY_REQUEST} with a {MEMORY_LIMIT} limit per pod"
+    stated += f" for concurrency {DEFAULT_CONCURRENCY}"
+    assert stated in operations_text(), "OPERATIONS.md states other figures"
+
+
+def test_kubernetes_connection_budget_matches_the_formula(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = settings_from(worker_env(), monkeypatch)
+    args = worker_args()
+    per_process = worst_case_connections(settings, worker_pool(args), check_worker_args(args, ""))
+    config = (K8S / "configmap.yaml").read_text()
+    assert stated_connections_per_process(config) == per_process
+    assert f"pods x {per_process}" in config
+
+    operations = operations_text()
+    formula = re.search(
+        r"per worker process = LOCK_CONNECTIONS \+ POOL_MAX_SIZE \+ 1 \+ 1 = "
+        r"(\d+) \+ (\d+) \+ 1 \+ 1 = (\d+)", operations
+    )
+    assert formula, "OPERATIONS.md: the formula per worker process"
+    assert [int(n) for n in formula.groups()] == [
+        lock_connections(settings), settings.pool_max_size, per_process
+    ]
+    example = re.search(r"at most (\d+) \+ (\d+) pods: (\d+) [x\u00d7] (\d+) = (\d+)", operations)
+    assert example, "OPERATIONS.md: the example of k8s/'s defaults"
+    most, surge, pods, each, total = (int(n) for n in example.groups())
+    assert most == keda("ScaledObject")["spec"]["maxReplicaCount"]
+    assert surge == one("Deployment")["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
+    assert (pods, each, total) == (most + surge, per_process, (most + surge) * per_process)
+
+
 def test_kubernetes_grace_period_exceeds_the_soft_shutdown(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -867,6 +1019,8 @@ def test_keda_watches_the_queue_on_the_brokers_redis(monkeypatch: pytest.MonkeyP
     metadata = trigger["metadata"]
     assert metadata["listName"] == settings.redis_key_prefix + settings.queue
     assert int(metadata["listLength"]) >= 1
+    # A pod takes as many messages as it has run slots: one more pod per `concurrency` waiting.
+    assert int(metadata["listLength"]) == check_worker_args(worker_args(), "Deployment")
     broker = urlsplit(settings.broker_url.get_secret_value())
     assert metadata["address"] == f"{broker.hostname}:{broker.port or 6379}"
     assert metadata.get("databaseIndex", "0") == (broker.path.strip("/") or "0")
