@@ -198,17 +198,20 @@ class EffectsLog:
 
         async def record(tag: str) -> str:
             """Record one execution of a side effect tagged ``tag``."""
+            # No connection is held while the tool sleeps: many runs of one
+            # process record their effects at once.
             async with await psycopg.AsyncConnection.connect(log.dsn, autocommit=True) as conn:
                 cur = await conn.execute(
                     "INSERT INTO loomflow_worker_effects (tag, pid) VALUES (%s, %s) RETURNING id",
                     (tag, os.getpid()),
                 )
                 row = await cur.fetchone()
-                assert row is not None
-                if log.on_start is not None:
-                    await log.on_start(tag)
-                if log.sleep:
-                    await anyio.sleep(log.sleep)
+            assert row is not None
+            if log.on_start is not None:
+                await log.on_start(tag)
+            if log.sleep:
+                await anyio.sleep(log.sleep)
+            async with await psycopg.AsyncConnection.connect(log.dsn, autocommit=True) as conn:
                 await conn.execute(
                     "UPDATE loomflow_worker_effects SET finished_at = clock_timestamp() "
                     "WHERE id = %s",

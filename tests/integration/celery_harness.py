@@ -37,7 +37,13 @@ class Fleet:
     workers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start(
-        self, name: str, concurrency: int = 2, *, cli: bool = False, **extra_env: str
+        self,
+        name: str,
+        concurrency: int = 2,
+        *,
+        cli: bool = False,
+        pool: str = "prefork",
+        **extra_env: str,
     ) -> subprocess.Popen[bytes]:
         """Start a worker; ``cli=True`` starts it with ``loomflow-worker worker``
         (soft shutdown on SIGTERM) instead of plain ``celery worker``."""
@@ -53,7 +59,7 @@ class Fleet:
         proc = subprocess.Popen(
             # Node names are unique per fleet: RabbitMQ holds one exclusive
             # control queue per name, and other fleets may run beside this one.
-            [*command, "-c", str(concurrency), "-n", f"{name}-{self.queue}@%h", "-P", "prefork",
+            [*command, "-c", str(concurrency), "-n", f"{name}-{self.queue}@%h", "-P", pool,
              "--without-gossip", "--without-mingle", "-l", "INFO", "-f", str(log)],
             cwd=ROOT, env=env, stdout=(self.logs / f"{name}.out").open("wb"),
             stderr=subprocess.STDOUT,

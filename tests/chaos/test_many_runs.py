@@ -1,0 +1,153 @@
+"""Many runs in one worker process: a lost lock connection, a SIGKILL of the
+whole process, and a soft shutdown, each with every run in flight."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+
+import psycopg
+
+from tests.chaos.checks import (
+    Sent,
+    assert_sound,
+    install_journal_audit,
+    send,
+    verdict,
+    wait_terminal,
+)
+from tests.integration.celery_harness import Fleet
+
+FAST_RECOVERY = {
+    "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_LEASE": "3",
+    "LOOMFLOW_WORKER_MAX_CRASHES": "20",
+    # Each tool call takes a second: every run is in flight when the fault comes.
+    "TEST_TOOL_SLEEP": "1.0",
+}
+
+
+def _running(dsn: str, sent: list[Sent]) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM runs WHERE request_id = ANY(%s) AND status = 'running'",
+            ([s.request_id for s in sent],),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _wait_running(dsn: str, sent: list[Sent], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while _running(dsn, sent) < len(sent):
+        assert time.monotonic() < deadline, f"only {_running(dsn, sent)} running"
+        time.sleep(0.05)
+
+
+def _lock_backends(dsn: str) -> list[int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name = 'loomflow-worker lock'"
+        ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def _worker_backends(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name LIKE 'loomflow-worker%%'"
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _resumed(dsn: str, sent: list[Sent], after: datetime) -> list[datetime]:
+    """When each request's first attempt started after ``after``."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT request_id, min(started_at) FROM run_attempts "
+            "WHERE request_id = ANY(%s) AND started_at > %s GROUP BY request_id",
+            ([s.request_id for s in sent], after),
+        ).fetchall()
+    return [r[1] for r in rows]
+
+
+def test_fifty_runs_on_one_lock_connection_fenced_together(fleet: Fleet) -> None:
+    install_journal_audit(fleet.dsn)
+    fleet.start("w1", concurrency=50, pool="threads",
+                LOOMFLOW_WORKER_LOCK_CONNECTIONS="1", **FAST_RECOVERY)
+    sent = [send(i, f"s{i}", "u", letters="abc") for i in range(50)]
+    _wait_running(fleet.dsn, sent)
+
+    # The 50 session locks live on one connection; the process needs a few in all.
+    backends = _lock_backends(fleet.dsn)
+    assert len(backends) == 1, backends
+    assert _worker_backends(fleet.dsn) <= 5
+
+    with psycopg.connect(fleet.dsn, autocommit=True) as admin:
+        ended = admin.execute("SELECT pg_terminate_backend(%s, 5000)", (backends[0],)).fetchone()
+        assert ended == (True,)
+        cut = admin.execute("SELECT clock_timestamp()").fetchone()
+    assert cut is not None
+    fleet.start("w2", concurrency=50, pool="threads", **FAST_RECOVERY)
+
+    wait_terminal(fleet.dsn, sent, timeout=120)
+    v = verdict(fleet.dsn, sent)
+    assert_sound(v, v.summary())
+    # Every run was fenced and resumed by a new attempt ...
+    resumed = _resumed(fleet.dsn, sent, cut[0])
+    assert len(resumed) == 50, v.summary()
+    # ... and no fenced attempt wrote to the journal after the cut: every entry
+    # of a scope written since came after its request's next attempt began.
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute(
+            """
+            SELECT count(*) FROM journal_writes w
+              JOIN runs r ON r.scope = w.session_id
+             WHERE r.request_id = ANY(%(ids)s) AND w.written_at > %(cut)s
+               AND w.written_at < (SELECT min(a.started_at) FROM run_attempts a
+                                    WHERE a.request_id = r.request_id
+                                      AND a.started_at > %(cut)s)
+            """,
+            {"ids": [s.request_id for s in sent], "cut": cut[0]},
+        ).fetchone()
+    assert row == (0,)
+
+
+def test_a_process_killed_with_a_hundred_runs_in_flight(fleet: Fleet) -> None:
+    install_journal_audit(fleet.dsn)
+    fleet.start("w1", concurrency=100, pool="threads", **FAST_RECOVERY)
+    sent = [send(i, f"s{i}", "u", letters="abc") for i in range(100)]
+    _wait_running(fleet.dsn, sent)
+    fleet.start("w2", concurrency=100, pool="threads", **FAST_RECOVERY)
+    with psycopg.connect(fleet.dsn, autocommit=True) as admin:
+        cut = admin.execute("SELECT clock_timestamp()").fetchone()
+    assert cut is not None
+    fleet.kill("w1")
+
+    wait_terminal(fleet.dsn, sent, timeout=180)
+    v = verdict(fleet.dsn, sent)
+    assert_sound(v, v.summary())
+    resumed = _resumed(fleet.dsn, sent, cut[0])
+    assert len(resumed) == 100, v.summary()
+    last = (max(resumed) - cut[0]).total_seconds()
+    print(f"the last of 100 runs resumed {last:.2f}s after the kill")
+
+
+def test_soft_shutdown_with_a_hundred_runs_in_flight_loses_none(fleet: Fleet) -> None:
+    install_journal_audit(fleet.dsn)
+    env = {**FAST_RECOVERY, "LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT": "1"}
+    fleet.start("w1", concurrency=100, cli=True, pool="threads", **env)
+    sent = [send(i, f"s{i}", "u", letters="abc") for i in range(100)]
+    _wait_running(fleet.dsn, sent)
+    fleet.start("w2", concurrency=100, pool="threads", **env)
+    fleet.terminate("w1", timeout=30)
+
+    wait_terminal(fleet.dsn, sent, timeout=180)
+    v = verdict(fleet.dsn, sent)
+    assert_sound(v, v.summary())
+    # Interrupted by a deploy, not crashed.
+    assert v.crashes == 0, v.summary()
