@@ -4,11 +4,17 @@ Workers of ours import this module (``LOOMFLOW_WORKER_AGENTS=bench.agents_bench`
 registers the agent as ``default``; the plain Celery app (``bench/plain_celery_app.py``)
 calls :func:`build_agent` itself. The tool does no I/O and does not sleep, so what is measured
 is the cost of the framework around the run: the broker, the journal, the ledger.
+
+With ``BENCH_MODEL_LATENCY`` set (seconds), every model call first waits that long, as a
+real model does (``bench_concurrency.py``): the run is then IO-bound, not CPU-bound.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 from loomflow import Agent, tool
@@ -35,11 +41,33 @@ def record_tool() -> Tool:
     return tool(name="record", description="Record a side effect.")(record)
 
 
+class WaitingModel(DeterministicModel):
+    """DeterministicModel whose every call first waits ``latency`` seconds."""
+
+    def __init__(self, latency: float) -> None:
+        super().__init__()
+        self.latency = latency
+
+    async def complete(self, messages: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(self.latency)
+        return await super().complete(messages, **kwargs)
+
+    async def stream(self, messages: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        await asyncio.sleep(self.latency)
+        async for chunk in super().stream(messages, **kwargs):
+            yield chunk
+
+
+def bench_model() -> DeterministicModel:
+    latency = float(os.environ.get("BENCH_MODEL_LATENCY", "0") or 0)
+    return WaitingModel(latency) if latency > 0 else DeterministicModel()
+
+
 @register_agent()
 def build_agent(runtime: Any) -> Agent:
     return Agent(
         "bench agent",
-        model=DeterministicModel(),
+        model=bench_model(),
         tools=[record_tool()],
         runtime=runtime,
         auto_extract=False,

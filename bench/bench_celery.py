@@ -116,13 +116,15 @@ class Fleet:
     env: dict[str, str]
     workers: dict[str, Worker] = field(default_factory=dict)
 
-    def start(self, name: str, app: str, concurrency: int, env: dict[str, str]) -> None:
+    def start(
+        self, name: str, app: str, concurrency: int, env: dict[str, str], pool: str = "prefork"
+    ) -> None:
         log = self.logs / f"{name}.log"
         out = (self.logs / f"{name}.out").open("wb")
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", app, "worker",
-                 "-c", str(concurrency), "-n", f"{name}.{self.tag}@%h", "-P", "prefork",
+                 "-c", str(concurrency), "-n", f"{name}.{self.tag}@%h", "-P", pool,
                  "--without-gossip", "--without-mingle", "-l", "INFO", "-f", str(log)],
                 cwd=ROOT, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -417,6 +417,7 @@ async def _hold(rt: PostgresRuntime, sid: str, pipe: Connection) -> None:
 async def _wait(rt: PostgresRuntime, sid: str, pipe: Connection) -> None:
     """Process B: open ``sid`` (blocking on A's lock); report when the first step starts."""
     called = time.time()
+    pipe.send(("waiting",))
     async with rt.session(sid):
         started = time.time()
         await rt.step("b", noop)
@@ -446,9 +447,9 @@ def _handoff_worker(role: str, dsn: str, pipe: Connection) -> None:
         raise
 
 
-WAITING_SQL = """
+HELD_SQL = """
 SELECT count(*) FROM pg_locks
- WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
+ WHERE locktype = 'advisory' AND granted AND objsubid = 1
    AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
    AND classid::bigint = %s AND objid::bigint = %s
 """
@@ -486,18 +487,15 @@ def bench_handoff(dsn: str, trials: int, warmup: int, hold_ms: float) -> Handoff
                 a.send(("hold", sid))
                 _recv(a, "held")
                 b.send(("go", sid))
-                # B must be parked on the lock before A lets go.
-                deadline = time.monotonic() + IPC_TIMEOUT_S
-                while True:
-                    row = watch.execute(WAITING_SQL, (key >> 32, key & 0xFFFF_FFFF)).fetchone()
-                    if row and row[0] == 1:
-                        break
-                    if b.poll():
-                        raise RuntimeError(f"B did not wait for the lock: {b.recv()!r}")
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("B never showed up waiting on the scope's lock")
-                    time.sleep(0.001)
+                # B must be waiting for the lock before A lets go: it tells when it
+                # opens the session, and A (seen holding it in pg_locks) waits hold_ms.
+                _recv(b, "waiting")
                 time.sleep(hold_ms / 1000)
+                if b.poll():
+                    raise RuntimeError(f"B did not wait for the lock: {b.recv()!r}")
+                row = watch.execute(HELD_SQL, (key >> 32, key & 0xFFFF_FFFF)).fetchone()
+                if not row or row[0] != 1:
+                    raise RuntimeError("A does not hold the scope's lock while B waits")
                 a.send(("release",))
                 _, a_exit_begin, a_exit_end = _recv(a, "released")
                 _, b_called, b_started = _recv(b, "done")
@@ -579,7 +577,7 @@ def report(
         h, e, w = handoff.handoff_ns, handoff.from_exit_begin_ns, handoff.b_waited_ns
         p("")
         p(f"3. lock handoff between two processes, {len(h)} trials "
-          f"(B parked on the lock, seen in pg_locks, then A held {handoff.hold_ms:g} ms more)")
+          f"(B waiting for the lock, held by A as pg_locks shows, for {handoff.hold_ms:g} ms)")
         for label, values in (
             ("B first step - A session exited (handoff)", h),
             ("B first step - A began leaving its session", e),
@@ -626,7 +624,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--handoffs", type=int, default=40,
                         help="lock handoff trials, 0 to skip (default 40)")
     parser.add_argument("--hold-ms", type=float, default=50.0,
-                        help="how long A keeps the lock after B is seen waiting (default 50)")
+                        help="how long A keeps the lock after B starts waiting (default 50)")
     parser.add_argument("--quick", action="store_true",
                         help="small numbers for a smoke run")
     args = parser.parse_args(argv)

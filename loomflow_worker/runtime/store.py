@@ -49,6 +49,11 @@ EPOCH_KEY = "__run_epoch__"
 LAST_RUN_KEY = "__last_run_epoch__"
 _LOCK_SALT = b"loomflow-worker/scope/"
 
+#: A run waiting for a scope another process holds tries its lock again after
+#: 1, 2, 4, 8, then every 10 ms (one short statement on a shared connection
+#: each time); one held in this process is tried again the moment it is freed.
+WAIT_POLL_MAX = 0.01
+
 
 def scope_lock_key(scope: str) -> int:
     """The advisory lock key (a signed bigint) of a journal scope."""
@@ -526,7 +531,7 @@ class PostgresJournalStore:
         growing pause."""
         key = scope_lock_key(scope)
         deadline = None if wait is None else time.monotonic() + wait
-        pause = 0.002
+        pause = 0.001
         while True:
             line = await self._line()
             may_lock = key not in self._held
@@ -553,7 +558,7 @@ class PostgresJournalStore:
             freed = self._freed.setdefault(key, asyncio.Event())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(freed.wait(), pause if left is None else min(pause, left))
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, WAIT_POLL_MAX)
 
     def _forget(self, key: int) -> None:
         self._held.pop(key, None)

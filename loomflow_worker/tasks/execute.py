@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
+import anyio.to_thread
 from loomflow.core.types import Event
 from loomflow.memory.inmemory import InMemoryMemory
 from loomflow.runtime.journaled import resuming_last_run
@@ -121,6 +122,11 @@ class WorkerContext:
                     await runtime.aclose()
                     raise
                 self._runtime = runtime
+                # loomflow runs a synchronous tool in a worker thread, so it never
+                # blocks the other runs; anyio's default of 40 such threads at once
+                # would make the runs of a busy process queue for them.
+                limiter = anyio.to_thread.current_default_thread_limiter()
+                limiter.total_tokens = max(limiter.total_tokens, self.slots)
                 self._beating = asyncio.get_running_loop().create_task(
                     self._heartbeats(runtime), name="loomflow-worker heartbeat"
                 )

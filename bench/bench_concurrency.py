@@ -1,0 +1,330 @@
+"""Many IO-bound runs on one worker process, against prefork workers of 20 children.
+
+A real agent run waits on the model nearly all its time. Here the bench agent's model waits
+``--latency`` seconds (1.0) before each call; each run makes 3 model calls and 2 tool calls
+(about 3 s). ``--runs`` runs (1,000) on as many sessions go to one worker at a time,
+side by side in one run of this script:
+
+- ``ours threads``: ``loomflow-worker``'s worker as it ships (Celery's threads pool feeding
+  the process's event loop), ``-P threads -c <--concurrency>`` (200), ONE process;
+- ``ours prefork``: the same worker at ``-P prefork -c 20`` (one run per child process);
+- ``plain prefork``: a plain Celery task running the same agent on loomflow's own
+  ``PostgresRuntime`` (``bench/plain_celery_app.py``), ``-P prefork -c 20``.
+
+For each: wall time from the first enqueue to the last result, against the ideal
+(runs x 3 x latency / concurrency), runs per second, the worker's peak RSS and PSS (main
+process and children, sampled every 0.2 s from /proc), the peak number of Postgres
+connections to its database, and the retries, warnings and errors in its log.
+
+Targets for ``ours threads`` at ``--concurrency 200``: wall <= 1.3x ideal, >= 50 runs/s,
+peak RSS <= 400 MB, <= 6 Postgres connections, 0 retries.
+
+Run it with::
+
+    python bench/bench_concurrency.py [--runs 1000] [--concurrency 200] [--quick]
+
+``--quick`` runs 200 runs and skips nothing. The admin connection string and Redis are
+taken as in ``bench_celery.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import anyio  # noqa: E402
+import psycopg  # noqa: E402
+from celery.result import AsyncResult  # noqa: E402
+
+from bench import plain_celery_app as plain  # noqa: E402
+from bench.agents_bench import calls, expected_output  # noqa: E402
+from bench.bench_celery import (  # noqa: E402
+    ADMIN_DSN_ENV,
+    DEFAULT_ADMIN_DSN,
+    DEFAULT_REDIS,
+    REDIS_ENV,
+    Fleet,
+    _exit_on_sigterm,
+    git_state,
+    migrate,
+    ours_config,
+    teardown,
+)
+from bench.bench_runtime import create_database, database_uri  # noqa: E402
+from loomflow_worker import tasks  # noqa: E402
+
+MODEL_CALLS = 3
+TARGET_IDEAL_RATIO = 1.3
+TARGET_RUNS_PER_S = 50.0
+TARGET_RSS_MB = 400.0
+TARGET_CONNECTIONS = 6
+PREFORK_CONCURRENCY = 20
+
+
+@dataclass
+class Peaks:
+    rss_mb: float = 0.0
+    pss_mb: float = 0.0
+    connections: int = 0
+
+
+@dataclass
+class SideResult:
+    label: str
+    concurrency: int
+    runs: int
+    wall_s: float
+    enqueue_s: float
+    ideal_s: float
+    wrong: int
+    peaks: Peaks
+    log_counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.wall_s / self.ideal_s
+
+    @property
+    def runs_per_s(self) -> float:
+        return self.runs / self.wall_s
+
+
+def _group_memory(pgid: int) -> tuple[float, float]:
+    """(RSS, PSS) in MB of every process in the process group ``pgid``."""
+    rss = pss = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            for line in (entry / "smaps_rollup").read_text().splitlines():
+                if line.startswith("Rss:"):
+                    rss += int(line.split()[1])
+                elif line.startswith("Pss:"):
+                    pss += int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return rss / 1024, pss / 1024
+
+
+class Sampler:
+    """Samples the worker's memory and its database's connections until stopped."""
+
+    def __init__(self, pgid: int, admin_dsn: str, dbname: str) -> None:
+        self.pgid = pgid
+        self.admin_dsn = admin_dsn
+        self.dbname = dbname
+        self.peaks = Peaks()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            while not self._stop.wait(0.2):
+                rss, pss = _group_memory(self.pgid)
+                row = conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = %s",
+                    (self.dbname,),
+                ).fetchone()
+                self.peaks.rss_mb = max(self.peaks.rss_mb, rss)
+                self.peaks.pss_mb = max(self.peaks.pss_mb, pss)
+                self.peaks.connections = max(self.peaks.connections, int(row[0]) if row else 0)
+
+
+LOG_PATTERNS = {
+    "retries": re.compile(r"retry|retrying", re.IGNORECASE),
+    "warnings": re.compile(r"\bWARNING\b"),
+    "errors": re.compile(r"\bERROR\b|\bCRITICAL\b"),
+}
+
+
+def count_log(path: Path) -> dict[str, int]:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return {name: len(p.findall(text)) for name, p in LOG_PATTERNS.items()}
+
+
+def run_side(
+    label: str,
+    fleet: Fleet,
+    name: str,
+    app: str,
+    pool: str,
+    concurrency: int,
+    env: dict[str, str],
+    submit: Callable[[str, str], AsyncResult],
+    admin_dsn: str,
+    dbname: str,
+    runs: int,
+    latency: float,
+    tag: str,
+) -> SideResult:
+    fleet.start(name, app, concurrency, env, pool=pool)
+    fleet.wait_ready([name])
+    worker = fleet.workers[name]
+    sent: list[tuple[AsyncResult, str]] = []
+    with Sampler(worker.proc.pid, admin_dsn, dbname) as sampler:
+        started = time.perf_counter()
+        for i in range(runs):
+            tags = (f"{tag}-{i}-a", f"{tag}-{i}-b")
+            sent.append((submit(calls(*tags), f"{tag}-s{i}"), expected_output(*tags)))
+        enqueued = time.perf_counter() - started
+        wrong = 0
+        for result, expected in sent:
+            value = result.get(timeout=max(600.0, runs * latency), propagate=False)
+            if not isinstance(value, dict) or value.get("output") != expected:
+                wrong += 1
+        wall = time.perf_counter() - started
+    counts = count_log(worker.log)
+    fleet.stop([name])
+    ideal = runs * MODEL_CALLS * latency / concurrency
+    return SideResult(label, concurrency, runs, wall, enqueued, ideal, wrong, sampler.peaks,
+                      counts)
+
+
+def report(results: Sequence[SideResult]) -> list[str]:
+    lines = [
+        f"{'side':<16} {'conc':>5} {'wall':>8} {'ideal':>7} {'x ideal':>8} {'runs/s':>7} "
+        f"{'RSS MB':>7} {'PSS MB':>7} {'PG conns':>8} {'retries':>7} {'warn':>5} {'err':>4} "
+        f"{'wrong':>5}"
+    ]
+    for r in results:
+        lines.append(
+            f"{r.label:<16} {r.concurrency:>5} {r.wall_s:>7.1f}s {r.ideal_s:>6.1f}s "
+            f"{r.ratio:>7.2f}x {r.runs_per_s:>7.1f} {r.peaks.rss_mb:>7.0f} "
+            f"{r.peaks.pss_mb:>7.0f} {r.peaks.connections:>8} {r.log_counts['retries']:>7} "
+            f"{r.log_counts['warnings']:>5} {r.log_counts['errors']:>4} {r.wrong:>5}"
+        )
+    ours = results[0]
+    lines.append("")
+    lines.append(
+        f"enqueue of {ours.runs} runs took {ours.enqueue_s:.1f}s (inside the wall time)"
+    )
+    for other in results[1:]:
+        lines.append(
+            f"ours threads vs {other.label}: {other.wall_s / ours.wall_s:.1f}x faster, "
+            f"{other.peaks.rss_mb / max(ours.peaks.rss_mb, 1):.1f}x less RSS, "
+            f"{other.peaks.connections / max(ours.peaks.connections, 1):.1f}x fewer "
+            "Postgres connections"
+        )
+    checks = [
+        (f"wall <= {TARGET_IDEAL_RATIO}x ideal", ours.ratio <= TARGET_IDEAL_RATIO),
+        (f">= {TARGET_RUNS_PER_S:g} runs/s", ours.runs_per_s >= TARGET_RUNS_PER_S),
+        (f"peak RSS <= {TARGET_RSS_MB:g} MB", ours.peaks.rss_mb <= TARGET_RSS_MB),
+        (f"<= {TARGET_CONNECTIONS} Postgres connections",
+         ours.peaks.connections <= TARGET_CONNECTIONS),
+        ("0 retries", ours.log_counts["retries"] == 0),
+        ("every result right", ours.wrong == 0),
+    ]
+    lines.append("targets (ours threads): " + "; ".join(
+        f"{name}: {'met' if ok else 'MISSED'}" for name, ok in checks
+    ))
+    return lines
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--runs", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=200,
+                        help="runs at once in the one threads-pool process (ours)")
+    parser.add_argument("--latency", type=float, default=1.0,
+                        help="seconds each model call waits")
+    parser.add_argument("--only-threads", action="store_true",
+                        help="skip the two prefork sides (they take runs*3*latency/20 s each)")
+    parser.add_argument("--quick", action="store_true", help="200 runs")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.runs = 200
+    if args.runs < 1 or args.concurrency < 1 or args.latency <= 0:
+        parser.error("--runs and --concurrency must be at least 1, --latency above 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    admin_dsn = os.environ.get(ADMIN_DSN_ENV, DEFAULT_ADMIN_DSN)
+    redis_url = os.environ.get(REDIS_ENV, DEFAULT_REDIS)
+    tag = uuid.uuid4().hex[:8]
+    dbnames = {"ours": f"lfw_bench_{tag}", "plain": f"lfw_bench_{tag}_plain"}
+    dsns = {v: database_uri(admin_dsn, n) for v, n in dbnames.items()}
+    prefix = f"lfwbench:{tag}:"
+    latency_env = {"BENCH_MODEL_LATENCY": str(args.latency)}
+    base_env = {
+        **{k: v for k, v in os.environ.items()
+           if not k.startswith(("LOOMFLOW_WORKER_", "BENCH_PLAIN_", "BENCH_MODEL_"))},
+        "PYTHONPATH": str(ROOT),
+    }
+    ours_env, ours_settings = ours_config(dsns["ours"], redis_url, prefix, f"lfwb-{tag}-ours")
+    plain_config = plain.PlainConfig(
+        database_url=dsns["plain"], broker_url=redis_url, result_backend=redis_url,
+        redis_key_prefix=prefix, queue=f"lfwb-{tag}-plain", acks_late=True,
+        pool_min_size=ours_settings.pool_min_size, pool_max_size=ours_settings.pool_max_size,
+    )
+    logs = Path(tempfile.mkdtemp(prefix=f"lfw_bench_concurrency_{tag}_"))
+    fleet = Fleet(logs, tag, base_env)
+    try:
+        for name in dbnames.values():
+            create_database(admin_dsn, name)
+        anyio.run(migrate, dsns["ours"], dsns["plain"])
+        print(f"{args.runs} runs on {args.runs} sessions, 3 model calls (each waiting "
+              f"{args.latency:g}s) and 2 tool calls per run; {os.cpu_count()} CPUs; "
+              f"{git_state()}; load average {os.getloadavg()[0]:.2f}; logs in {logs}",
+              flush=True)
+        tasks.configure(ours_settings)
+        plain.configure(plain_config)
+
+        def ours_submit(prompt: str, session: str) -> AsyncResult:
+            return tasks.run_agent.delay(prompt, session)
+
+        def plain_submit(prompt: str, session: str) -> AsyncResult:
+            return plain.run_agent.delay(prompt, session)
+
+        sides = [("ours threads", "ours-t", "loomflow_worker.tasks", "threads",
+                  args.concurrency, {**ours_env, **latency_env}, ours_submit, "ours")]
+        if not args.only_threads:
+            sides += [
+                ("ours prefork", "ours-p", "loomflow_worker.tasks", "prefork",
+                 PREFORK_CONCURRENCY, {**ours_env, **latency_env}, ours_submit, "ours"),
+                ("plain prefork", "plain-p", "bench.plain_celery_app", "prefork",
+                 PREFORK_CONCURRENCY, {**plain_config.env(), **latency_env}, plain_submit,
+                 "plain"),
+            ]
+        results = []
+        for i, (label, name, app, pool, conc, env, submit, db) in enumerate(sides):
+            result = run_side(label, fleet, name, app, pool, conc, env, submit, admin_dsn,
+                              dbnames[db], args.runs, args.latency, f"{tag}{i}")
+            print(f"  {label}: {result.wall_s:.1f}s", flush=True)
+            results.append(result)
+        print("\n".join(report(results)))
+    finally:
+        teardown(fleet, redis_url, prefix, admin_dsn, dbnames.values())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

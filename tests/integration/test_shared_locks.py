@@ -1,0 +1,184 @@
+"""Many runs in one process share a few lock connections (no Celery)."""
+
+from __future__ import annotations
+
+import time
+from itertools import pairwise
+from typing import Any
+
+import anyio
+import psycopg
+import pytest
+from loomflow import Agent, tool
+
+from loomflow_worker.runtime import LockLost, PostgresRuntime, current_attempt
+from loomflow_worker.testing import DeterministicModel, EffectsLog
+
+from .helpers import calls, make_agent, steps_journaled_twice
+
+pytestmark = pytest.mark.anyio
+
+
+async def _lock_backends(dsn: str) -> int:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name = 'loomflow-worker lock'"
+        )
+        row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_fifty_runs_share_two_lock_connections_and_batch_their_writes(dsn: str) -> None:
+    effects = EffectsLog(dsn, sleep=0.3)
+    await effects.setup()
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=2)
+    seen: list[int] = []
+
+    async def one(i: int) -> None:
+        agent = make_agent(runtime, effects)
+        result = await agent.run(calls(f"r{i}-a", f"r{i}-b"), session_id=f"s{i}", user_id="u")
+        assert result.output == f"done: recorded r{i}-a, recorded r{i}-b"
+
+    async def watch() -> None:
+        while True:
+            seen.append(await _lock_backends(dsn))
+            await anyio.sleep(0.05)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            async with anyio.create_task_group() as runs:
+                for i in range(50):
+                    runs.start_soon(one, i)
+            tg.cancel_scope.cancel()
+        lines = list(runtime.journal.lines)
+        assert len(lines) == 2
+        rows = sum(line.rows_written for line in lines)
+        batches = sum(line.batches for line in lines)
+    finally:
+        await runtime.aclose()
+    assert max(seen) == 2
+    # 50 runs x (4 model and tool steps + the last-run mark): far fewer statements.
+    assert rows >= 50 * 5
+    assert batches < rows / 2, (batches, rows)
+    assert (await effects.counts()) == {f"r{i}-{x}": 1 for i in range(50) for x in "ab"}
+    assert steps_journaled_twice(dsn) == []
+
+
+async def test_runs_of_one_process_on_one_session_take_turns(dsn: str) -> None:
+    """A session lock is reentrant on its connection: the process must not take it twice."""
+    effects = EffectsLog(dsn, sleep=0.2)
+    await effects.setup()
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1, lock_wait_timeout=30)
+    try:
+        async def one(i: int) -> None:
+            await make_agent(runtime, effects).run(calls(f"t{i}-a", f"t{i}-b"), session_id="s")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(one, i)
+    finally:
+        await runtime.aclose()
+    spans = sorted(
+        (min(e.started_at for e in runs), max(e.finished_at for e in runs if e.finished_at))
+        for runs in _by_request(await effects.executions()).values()
+    )
+    assert len(spans) == 4
+    for (_, end), (start, _) in pairwise(spans):
+        assert end <= start, spans
+
+
+def _by_request(executions: list[Any]) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for e in executions:
+        out.setdefault(e.tag.split("-")[0], []).append(e)
+    return out
+
+
+async def test_a_synchronous_tool_does_not_hold_up_the_other_runs(dsn: str) -> None:
+    effects = EffectsLog(dsn)
+    await effects.setup()
+    runtime = await PostgresRuntime.connect(dsn)
+
+    @tool(name="crunch", description="A slow synchronous computation.")
+    def crunch(seconds: float) -> str:
+        time.sleep(seconds)  # blocks its thread, not the loop
+        return "crunched"
+
+    slow = Agent("slow", model=DeterministicModel(), tools=[crunch], runtime=runtime,
+                 auto_extract=False)
+    finished: dict[str, float] = {}
+    started = time.perf_counter()
+
+    async def run_slow() -> None:
+        await slow.run('call crunch {"seconds": 2.0}', session_id="slow", user_id="u")
+        finished["slow"] = time.perf_counter() - started
+
+    async def run_quick(i: int) -> None:
+        await make_agent(runtime, effects).run(calls(f"q{i}"), session_id=f"q{i}", user_id="u")
+        finished[f"q{i}"] = time.perf_counter() - started
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_slow)
+            await anyio.sleep(0.2)  # the slow tool is running
+            for i in range(10):
+                tg.start_soon(run_quick, i)
+    finally:
+        await runtime.aclose()
+    quick = [v for k, v in finished.items() if k != "slow"]
+    assert len(quick) == 10
+    assert max(quick) < finished["slow"] - 0.5, finished
+
+
+async def test_a_lost_lock_connection_fences_every_run_on_it(dsn: str) -> None:
+    cut: dict[str, Any] = {}
+    running = anyio.Event()
+    effects = EffectsLog(dsn, sleep=1.0)
+    await effects.setup()
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
+
+    async def note_backend(tag: str) -> None:
+        attempt = current_attempt()
+        assert attempt is not None
+        cut.setdefault("pid", attempt.backend_pid)
+        running.set()
+
+    effects.on_start = note_backend
+    outcomes: list[BaseException | None] = []
+
+    async def one(i: int) -> None:
+        try:
+            await make_agent(runtime, effects).run(
+                calls(f"f{i}-a", f"f{i}-b"), session_id=f"f{i}", user_id="u"
+            )
+            outcomes.append(None)
+        except LockLost as exc:
+            outcomes.append(exc)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(20):
+                tg.start_soon(one, i)
+            await running.wait()
+            await anyio.sleep(0.3)  # every run is in its first tool call
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as admin:
+                cur = await admin.execute("SELECT pg_terminate_backend(%s, 5000)", (cut["pid"],))
+                assert await cur.fetchone() == (True,)
+                cur = await admin.execute("SELECT clock_timestamp()")
+                row = await cur.fetchone()
+                assert row is not None
+                cut["at"] = row[0]
+    finally:
+        await runtime.aclose()
+    assert len(outcomes) == 20
+    assert all(isinstance(o, LockLost) for o in outcomes), outcomes
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT count(*) FROM journal_writes WHERE written_at > %s", (cut["at"],)
+        )
+        assert await cur.fetchone() == (0,)
+    # No second tool call ran: each run stopped at the step after the cut.
+    assert not any(tag.endswith("-b") for tag in (await effects.counts()))
