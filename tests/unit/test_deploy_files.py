@@ -159,16 +159,11 @@ def check_env_names(names: Iterable[str], where: str) -> None:
             assert name in OTHER_ENV, f"{where}: unexpected variable {name}"
 
 
-def lock_connections(settings: Settings) -> int:
-    """``LOCK_CONNECTIONS``: its default where the settings have no such field."""
-    return int(getattr(settings, "lock_connections", DEFAULT_LOCK_CONNECTIONS))
-
-
 def worst_case_connections(settings: Settings, pool: str = "threads", concurrency: int = 1) -> int:
     """Postgres connections one worker can hold (deploy/OPERATIONS.md), whatever its runs:
     its lock connections, its pool, a LISTEN connection while a run waits for a signal and
     the sweeper's. A prefork worker has all but the sweeper's per pool child."""
-    per_process = lock_connections(settings) + settings.pool_max_size + 1
+    per_process = settings.lock_connections + settings.pool_max_size + 1
     return (concurrency if pool == "prefork" else 1) * per_process + 1
 
 
@@ -866,10 +861,8 @@ def test_kubernetes_worker_is_one_process_at_the_default_concurrency() -> None:
 
 
 def test_the_default_concurrency_is_the_packages() -> None:
-    field = Settings.model_fields.get("concurrency")
-    if field is None:
-        pytest.skip("Settings has no concurrency field")
-    assert field.default == DEFAULT_CONCURRENCY
+    assert Settings.model_fields["concurrency"].default == DEFAULT_CONCURRENCY
+    assert Settings.model_fields["lock_connections"].default == DEFAULT_LOCK_CONNECTIONS
 
 
 def test_kubernetes_pod_is_sized_for_its_runs() -> None:
@@ -905,7 +898,7 @@ def test_kubernetes_connection_budget_matches_the_formula(
     )
     assert formula, "OPERATIONS.md: the formula per worker process"
     assert [int(n) for n in formula.groups()] == [
-        lock_connections(settings), settings.pool_max_size, per_process
+        settings.lock_connections, settings.pool_max_size, per_process
     ]
     example = re.search(r"at most (\d+) \+ (\d+) pods: (\d+) [x\u00d7] (\d+) = (\d+)", operations)
     assert example, "OPERATIONS.md: the example of k8s/'s defaults"
