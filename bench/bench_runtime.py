@@ -9,8 +9,11 @@ Measures, on a scratch database it creates and drops:
 2. replaying a crashed run of 1,000 steps (every step answered from the journal,
    the callable never runs), ours against loomflow's;
 3. the handoff of one scope's lock between two OS processes: how long after
-   process A's run has left its session process B, blocked on the lock, starts
-   its first step.
+   process A's run has left its session process B, waiting for the lock, starts
+   its first step;
+4. resuming a finished agent run of 100 tool calls (every model and tool call
+   replayed), ours against loomflow's ``JournaledRuntime()`` and its in-memory
+   journal.
 
 The variants are interleaved in rounds (their order rotates every round) and
 medians are reported, because the machine is noisy. Run it with::
@@ -73,6 +76,7 @@ TARGET_OURS_OVER_UPSERT = 1.3
 TARGET_LOOM_OVER_OURS_FRESH = 2.0
 TARGET_LOOM_OVER_OURS_REPLAY = 20.0
 TARGET_HANDOFF_P50_MS = 20.0
+TARGET_RESUME_OVER_MEMORY = 1.2
 
 LOCK_WAIT_S = 300.0  # process B waits this long for the scope at most
 IPC_TIMEOUT_S = 60.0
@@ -389,6 +393,71 @@ async def bench_in_process(
     return fresh, replay
 
 
+# ---- 4. resuming a finished agent run --------------------------------------------------------
+
+
+@dataclass
+class ResumeResult:
+    tools: int
+    times: dict[str, list[float]] = field(
+        default_factory=lambda: {"ours": [], "in-memory": []}
+    )
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.times[name])
+
+    def ratios(self) -> list[float]:
+        return [o / m for o, m in zip(self.times["ours"], self.times["in-memory"], strict=True)]
+
+
+async def _noop_emit(event: Any) -> None:
+    return None
+
+
+async def bench_resume(dsn: str, tools: int, rounds: int) -> ResumeResult:
+    """A finished run of ``tools`` sequential tool calls, resumed (every model and tool
+    call replayed, as ``resume_agent`` does): ours against loomflow's ``JournaledRuntime()``
+    with its in-memory journal, on the same agent, interleaved."""
+    from loomflow import Agent
+    from loomflow.runtime.journaled import resuming_last_run
+
+    from bench.agents_bench import calls, record_tool
+    from loomflow_worker import NoMemory
+    from loomflow_worker.testing import DeterministicModel
+
+    ours = await PostgresRuntime.connect(dsn)
+    runtimes: dict[str, JournaledRuntime] = {"ours": ours, "in-memory": JournaledRuntime()}
+    prompt = calls(*(f"t{i}" for i in range(tools)))
+    result = ResumeResult(tools=tools)
+    try:
+        agents = {
+            # No memory: a resumed run then sends the model what it sent before.
+            name: Agent("bench agent", model=DeterministicModel(), tools=[record_tool()],
+                        runtime=rt, memory=NoMemory(), auto_extract=False)
+            for name, rt in runtimes.items()
+        }
+        for name, agent in agents.items():
+            await agent.run(prompt, session_id=f"resume-{name}", emit=_noop_emit)
+        for r in range(rounds + 1):
+            order = list(agents) if r % 2 == 0 else list(reversed(agents))
+            for name in order:
+                model = agents[name].model
+                before = model.calls
+                gc.collect()
+                started = time.perf_counter_ns()
+                with resuming_last_run():
+                    await agents[name].run(prompt, session_id=f"resume-{name}",
+                                           emit=_noop_emit)
+                took = time.perf_counter_ns() - started
+                if model.calls != before:
+                    raise AssertionError(f"{name}: the resume called the model again")
+                if r > 0:  # the first round warms up
+                    result.times[name].append(took)
+    finally:
+        await ours.aclose()
+    return result
+
+
 # ---- 3. lock handoff between processes ---------------------------------------------------------
 
 
@@ -530,6 +599,7 @@ def report(
     fresh: FreshResult,
     replay: ReplayResult,
     handoff: HandoffResult | None,
+    resume: ResumeResult | None = None,
 ) -> list[str]:
     out: list[str] = []
     p = out.append
@@ -602,6 +672,13 @@ def report(
           f"loomflow {ms(replay.median('loomflow', kind)):.0f} ms -> {ratio:.1f}x "
           f"(target >= {TARGET_LOOM_OVER_OURS_REPLAY:g}: "
           f"{verdict(ratio >= TARGET_LOOM_OVER_OURS_REPLAY)})")
+    if resume is not None:
+        ratio = statistics.median(resume.ratios())
+        p(f"resume of a finished {resume.tools}-tool run ({len(resume.times['ours'])} "
+          f"rounds): ours {ms(resume.median('ours')):.1f} ms, loomflow's JournaledRuntime() "
+          f"(in memory) {ms(resume.median('in-memory')):.1f} ms -> {ratio:.2f}x "
+          f"(target <= {TARGET_RESUME_OVER_MEMORY:g}: "
+          f"{verdict(ratio <= TARGET_RESUME_OVER_MEMORY)})")
     if handoff is not None:
         p50 = ms(percentile(handoff.handoff_ns, 0.5))
         p(f"lock handoff ({len(handoff.handoff_ns)} trials): p50 {p50:.1f} ms, p99 "
@@ -625,6 +702,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="lock handoff trials, 0 to skip (default 40)")
     parser.add_argument("--hold-ms", type=float, default=50.0,
                         help="how long A keeps the lock after B starts waiting (default 50)")
+    parser.add_argument("--resume-tools", type=int, default=100,
+                        help="tool calls in the finished run that is resumed, 0 to skip "
+                             "(default 100)")
     parser.add_argument("--quick", action="store_true",
                         help="small numbers for a smoke run")
     args = parser.parse_args(argv)
@@ -664,7 +744,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.handoffs
             else None
         )
-        print("\n".join(report(args, fresh, replay, handoff)))
+        resume = (
+            anyio.run(bench_resume, dsn, args.resume_tools, max(args.rounds, 5))
+            if args.resume_tools
+            else None
+        )
+        print("\n".join(report(args, fresh, replay, handoff, resume)))
     finally:
         drop_database(admin_dsn, dbname)
     print(f"\n(dropped {dbname}; total {time.perf_counter() - started:.1f} s)")
