@@ -11,6 +11,10 @@ pid of the pool child that runs them), waits until the second call starts, and S
 - ``worker``: the whole worker, main process and children (``os.killpg`` on its process group;
   the worker is started again once the trial is over).
 
+Then, ours only: ``--full-runs`` (100) runs in flight on ONE threads-pool worker process,
+SIGKILLed while every run is in its second tool call; the time until the last of them has
+resumed in another process (p50 and max over ``--full-trials`` trials).
+
 Recovery time = the moment that tool call starts again in another process (its ``started_at``,
 Postgres' clock on this host) - the moment of the kill. A trial with no restart within
 ``--cap`` seconds counts as not recovered. The two sides run their trials at the same time (a
@@ -199,6 +203,74 @@ def run_side(side: Side, fleet: Fleet, args: argparse.Namespace, tag: str,
         stop.set()
 
 
+# ---- a whole process with many runs in flight (ours only) ---------------------------------------
+
+
+@dataclass
+class FullTrial:
+    runs: int
+    resumed_s: list[float]  # per run: kill -> its interrupted tool call starts elsewhere
+
+    @property
+    def last_s(self) -> float:
+        return max(self.resumed_s)
+
+
+def _all_running(conn: psycopg.Connection[Any], tags: list[str]) -> bool:
+    row = conn.execute(
+        "SELECT count(DISTINCT tag) FROM loomflow_worker_effects "
+        "WHERE tag = ANY(%s) AND finished_at IS NULL",
+        (tags,),
+    ).fetchone()
+    return bool(row and row[0] == len(tags))
+
+
+def _restarts(conn: psycopg.Connection[Any], tags: list[str], not_pid: int) -> dict[str, float]:
+    rows = conn.execute(
+        "SELECT tag, min(extract(epoch FROM started_at)) FROM loomflow_worker_effects "
+        "WHERE tag = ANY(%s) AND pid <> %s GROUP BY tag",
+        (tags, not_pid),
+    ).fetchall()
+    return {str(r[0]): float(r[1]) for r in rows}
+
+
+def run_full_trial(
+    fleet: Fleet, env: dict[str, str], dsn: str, runs: int, n_calls: int, cap: float,
+    tag: str, index: int,
+) -> FullTrial:
+    """``runs`` requests in flight on ONE threads-pool process, which is SIGKILLed while
+    every one of them is in its second tool call; another process resumes them."""
+    victim, spare = f"full{index}a", f"full{index}b"
+    fleet.start(victim, "loomflow_worker.tasks", runs, env, pool="threads")
+    fleet.wait_ready([victim])
+    requests = [[f"full-{index}-{tag}-{r}-{i}" for i in range(n_calls)] for r in range(runs)]
+    for r, tags in enumerate(requests):
+        tasks.run_agent.delay(calls(*tags), f"full-{index}-{tag}-s{r}")
+    second = [tags[1] for tags in requests]
+    stop = threading.Event()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if not _poll(lambda: _all_running(conn, second), START_TIMEOUT_S, stop):
+            raise RuntimeError(f"the {runs} runs were never all in flight at once")
+        fleet.start(spare, "loomflow_worker.tasks", runs, env, pool="threads")
+        fleet.wait_ready([spare])
+        pid = fleet.workers[victim].proc.pid
+        killed_at = time.time()
+        os.killpg(pid, signal.SIGKILL)
+        fleet.workers[victim].proc.wait(timeout=30)
+        del fleet.workers[victim]
+        restarted = _poll(
+            lambda: (found if len(found := _restarts(conn, second, pid)) == runs else None),
+            cap, stop,
+        )
+        if restarted is None:
+            raise RuntimeError(f"not every run resumed within {cap:g} s")
+        last = [tags[-1] for tags in requests]
+        if not _poll(lambda: all(_finished(conn, t) for t in last), FINISH_TIMEOUT_S, stop):
+            raise RuntimeError("the resumed runs did not all finish")
+    fleet.stop([spare])
+    return FullTrial(runs, [at - killed_at for at in restarted.values()])
+
+
 # ---- report ------------------------------------------------------------------------------------
 
 
@@ -214,7 +286,7 @@ def _p50(trials: Sequence[Trial]) -> float | None:
     return None if p50 == float("inf") else p50
 
 
-def report(sides: dict[str, Side], cap: float) -> list[str]:
+def report(sides: dict[str, Side], cap: float, full: Sequence[FullTrial] = ()) -> list[str]:
     out: list[str] = []
     p = out.append
     p("")
@@ -257,6 +329,13 @@ def report(sides: dict[str, Side], cap: float) -> list[str]:
     p("  messages); ours acks late, rejects on a lost pool child, and its sweeper re-dispatches "
       "a dead")
     p("  worker's run once its heartbeat is older than 2 x heartbeat interval (here 1 s).")
+    if full:
+        lasts = [t.last_s for t in full]
+        p(f"- one process with {full[0].runs} runs in flight SIGKILLed (ours, threads pool): "
+          f"the last of the {full[0].runs} resumed after p50 {statistics.median(lasts):.2f} s, "
+          f"max {max(lasts):.2f} s over {len(full)} trials ("
+          + ", ".join(f"{x:.2f}" for x in lasts) + "); per run, p50 "
+          f"{statistics.median([x for t in full for x in t.resumed_s]):.2f} s")
     return out
 
 
@@ -273,11 +352,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="slow tool calls per request, at least 2 (default 3)")
     parser.add_argument("--tool-sleep", type=float, default=0.5,
                         help="seconds each tool call sleeps (default 0.5)")
+    parser.add_argument("--full-runs", type=int, default=100,
+                        help="runs in flight in the one process killed whole, 0 to skip "
+                             "(default 100)")
+    parser.add_argument("--full-trials", type=int, default=3,
+                        help="trials of the full-process kill (default 3)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 2 trials per kind and side, cap 8 s")
     args = parser.parse_args(argv)
     if args.quick:
-        args.trials, args.cap = 2, 8.0
+        args.trials, args.cap, args.full_trials = 2, 8.0, 1
     if args.trials < 1:
         parser.error("--trials must be at least 1")
     if args.cap <= 0:
@@ -365,7 +449,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         for side in sides.values():
             if side.error is not None:
                 raise RuntimeError(f"{side.name}'s trials failed") from side.error
-        print("\n".join(report(sides, args.cap)))
+        full: list[FullTrial] = []
+        if args.full_runs:
+            for name in [n for s in sides.values() for n in s.workers]:
+                fleet.stop([name])
+            # Every run is still in its second tool call when the process dies.
+            full_env = {**ours_env, TOOL_SLEEP_ENV: str(max(args.tool_sleep, 3.0))}
+            for index in range(args.full_trials):
+                trial = run_full_trial(fleet, full_env, dsns["ours"], args.full_runs,
+                                       args.calls, max(args.cap, 30.0), tag, index)
+                print(f"   ours  full   #{index + 1}: {args.full_runs} runs, the last resumed "
+                      f"{trial.last_s:.2f} s after the kill", flush=True)
+                full.append(trial)
+        print("\n".join(report(sides, args.cap, full)))
     finally:
         deleted = teardown(fleet, redis_url, prefix, admin_dsn, dbnames.values())
     print(f"\n(dropped {', '.join(dbnames.values())}; deleted {deleted} redis keys under "

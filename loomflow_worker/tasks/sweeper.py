@@ -175,14 +175,20 @@ class Sweeper:
             query("frozen_holders"), {"lease": self.settings.lease}
         ).fetchall()
         meter = metrics.get()
+        # One lock connection carries many runs: it is ended once, for all of them.
+        by_backend: dict[int, list[str]] = {}
         for request_id, pid in frozen:
+            by_backend.setdefault(pid, []).append(request_id)
+        for pid, request_ids in by_backend.items():
             conn.execute(query("terminate_backend"), {"pid": pid})
             if meter is not None:
-                meter.sweeper.labels("fence").inc()
+                meter.sweeper.labels("fence").inc(len(request_ids))
             log.warning(
-                "sweeper: request %s stopped its heartbeat for over %gs; ended its worker's "
-                "lock connection (pid %s)", request_id, self.settings.lease, pid,
-                extra={"action": "sweeper_fence", "request": request_id},
+                "sweeper: %d running request(s) stopped their heartbeat for over %gs (%s); "
+                "ended their worker's lock connection (pid %s)", len(request_ids),
+                self.settings.lease, ", ".join(request_ids[:5]) + (
+                    ", ..." if len(request_ids) > 5 else ""), pid,
+                extra={"action": "sweeper_fence", "requests": request_ids, "backend": pid},
             )
         queued_after = (
             self.settings.handoff_grace if self._queue_is_empty()

@@ -3,8 +3,12 @@ whole process, and a soft shutdown, each with every run in flight."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 from datetime import datetime
+from pathlib import Path
 
 import psycopg
 
@@ -151,3 +155,69 @@ def test_soft_shutdown_with_a_hundred_runs_in_flight_loses_none(fleet: Fleet) ->
     assert_sound(v, v.summary())
     # Interrupted by a deploy, not crashed.
     assert v.crashes == 0, v.summary()
+
+
+def test_a_frozen_process_is_fenced_as_a_whole(fleet: Fleet) -> None:
+    install_journal_audit(fleet.dsn)
+    fleet.start("w1", concurrency=30, pool="threads", **FAST_RECOVERY)
+    sent = [send(i, f"s{i}", "u", letters="abc") for i in range(30)]
+    _wait_running(fleet.dsn, sent)
+    fleet.start("w2", concurrency=30, pool="threads", **FAST_RECOVERY)
+    frozen = fleet.workers["w1"]
+    with psycopg.connect(fleet.dsn, autocommit=True) as admin:
+        cut = admin.execute("SELECT clock_timestamp()").fetchone()
+    assert cut is not None
+    os.killpg(frozen.pid, signal.SIGSTOP)
+    try:
+        wait_terminal(fleet.dsn, sent, timeout=120)
+        # Its lock connections were ended by the sweeper, all of them.
+        assert _lock_backends_of(fleet, "w1") == []
+        v = verdict(fleet.dsn, sent)
+        assert_sound(v, v.summary())
+        assert len(_resumed(fleet.dsn, sent, cut[0])) == 30, v.summary()
+        written = _journal_writes(fleet.dsn)
+    finally:
+        os.killpg(frozen.pid, signal.SIGCONT)
+    # Continued, the frozen process finishes the tool calls it was in (their side
+    # effects are its own), then finds every run fenced: it journals nothing more.
+    time.sleep(4)
+    assert _journal_writes(fleet.dsn) == written
+    logs = "".join(p.read_text(errors="replace") for p in fleet.logs.glob("*.log"))
+    assert "ended their worker's lock connection" in logs
+
+
+def _journal_writes(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM journal_writes").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _lock_backends_of(fleet: Fleet, name: str) -> list[int]:
+    """The lock connections' backends of one worker, by the client port's owner."""
+    pid = fleet.workers[name].pid
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT pid, client_port FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name = 'loomflow-worker lock'"
+        ).fetchall()
+    ports = _local_ports(pid)
+    return [int(backend) for backend, port in rows if port in ports]
+
+
+def _local_ports(pid: int) -> set[int]:
+    """The local TCP ports of the sockets process ``pid`` has open."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[9] in inodes:
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
