@@ -79,6 +79,21 @@ def _resumed(dsn: str, sent: list[Sent], after: datetime) -> list[datetime]:
     return [r[1] for r in rows]
 
 
+def _fill_one_process(
+    fleet: Fleet, runs: int, *, cli: bool = False, **env: str
+) -> tuple[list[Sent], datetime]:
+    """``runs`` requests in flight in worker w1 (threads pool), a spare worker w2 ready;
+    returns them and the database's clock at that moment."""
+    fleet.start("w1", concurrency=runs, cli=cli, pool="threads", **env)
+    sent = [send(i, f"s{i}", "u", letters="abc") for i in range(runs)]
+    _wait_running(fleet.dsn, sent)
+    fleet.start("w2", concurrency=runs, pool="threads", **env)
+    with psycopg.connect(fleet.dsn, autocommit=True) as admin:
+        row = admin.execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    return sent, row[0]
+
+
 def test_fifty_runs_on_one_lock_connection_fenced_together(fleet: Fleet) -> None:
     install_journal_audit(fleet.dsn)
     fleet.start("w1", concurrency=50, pool="threads",
@@ -123,31 +138,22 @@ def test_fifty_runs_on_one_lock_connection_fenced_together(fleet: Fleet) -> None
 
 def test_a_process_killed_with_a_hundred_runs_in_flight(fleet: Fleet) -> None:
     install_journal_audit(fleet.dsn)
-    fleet.start("w1", concurrency=100, pool="threads", **FAST_RECOVERY)
-    sent = [send(i, f"s{i}", "u", letters="abc") for i in range(100)]
-    _wait_running(fleet.dsn, sent)
-    fleet.start("w2", concurrency=100, pool="threads", **FAST_RECOVERY)
-    with psycopg.connect(fleet.dsn, autocommit=True) as admin:
-        cut = admin.execute("SELECT clock_timestamp()").fetchone()
-    assert cut is not None
+    sent, cut = _fill_one_process(fleet, 100, **FAST_RECOVERY)
     fleet.kill("w1")
 
     wait_terminal(fleet.dsn, sent, timeout=180)
     v = verdict(fleet.dsn, sent)
     assert_sound(v, v.summary())
-    resumed = _resumed(fleet.dsn, sent, cut[0])
+    resumed = _resumed(fleet.dsn, sent, cut)
     assert len(resumed) == 100, v.summary()
-    last = (max(resumed) - cut[0]).total_seconds()
+    last = (max(resumed) - cut).total_seconds()
     print(f"the last of 100 runs resumed {last:.2f}s after the kill")
 
 
 def test_soft_shutdown_with_a_hundred_runs_in_flight_loses_none(fleet: Fleet) -> None:
     install_journal_audit(fleet.dsn)
     env = {**FAST_RECOVERY, "LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT": "1"}
-    fleet.start("w1", concurrency=100, cli=True, pool="threads", **env)
-    sent = [send(i, f"s{i}", "u", letters="abc") for i in range(100)]
-    _wait_running(fleet.dsn, sent)
-    fleet.start("w2", concurrency=100, pool="threads", **env)
+    sent, _ = _fill_one_process(fleet, 100, cli=True, **env)
     fleet.terminate("w1", timeout=30)
 
     wait_terminal(fleet.dsn, sent, timeout=180)
@@ -159,14 +165,8 @@ def test_soft_shutdown_with_a_hundred_runs_in_flight_loses_none(fleet: Fleet) ->
 
 def test_a_frozen_process_is_fenced_as_a_whole(fleet: Fleet) -> None:
     install_journal_audit(fleet.dsn)
-    fleet.start("w1", concurrency=30, pool="threads", **FAST_RECOVERY)
-    sent = [send(i, f"s{i}", "u", letters="abc") for i in range(30)]
-    _wait_running(fleet.dsn, sent)
-    fleet.start("w2", concurrency=30, pool="threads", **FAST_RECOVERY)
+    sent, cut = _fill_one_process(fleet, 30, **FAST_RECOVERY)
     frozen = fleet.workers["w1"]
-    with psycopg.connect(fleet.dsn, autocommit=True) as admin:
-        cut = admin.execute("SELECT clock_timestamp()").fetchone()
-    assert cut is not None
     os.killpg(frozen.pid, signal.SIGSTOP)
     try:
         wait_terminal(fleet.dsn, sent, timeout=120)
@@ -174,7 +174,7 @@ def test_a_frozen_process_is_fenced_as_a_whole(fleet: Fleet) -> None:
         assert _lock_backends_of(fleet, "w1") == []
         v = verdict(fleet.dsn, sent)
         assert_sound(v, v.summary())
-        assert len(_resumed(fleet.dsn, sent, cut[0])) == 30, v.summary()
+        assert len(_resumed(fleet.dsn, sent, cut)) == 30, v.summary()
         written = _journal_writes(fleet.dsn)
     finally:
         os.killpg(frozen.pid, signal.SIGCONT)
