@@ -12,8 +12,9 @@ import logging
 import os
 import random
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -40,6 +41,8 @@ from .registry import agent_factory, agent_time_limit
 from .request import Kind, RunRequest, check_request
 
 log = logging.getLogger("loomflow_worker.tasks")
+
+T = TypeVar("T")
 
 #: How long a request at the head of its session waits for its lock (the
 #: request before it releasing it, or a crashed holder's being freed)
@@ -245,27 +248,13 @@ async def execute(
         return await _park_busy(runtime, request_id, req)
     if attempt is None:
         assert pre is not None
+        pooled = _pooled(runtime)
         if pre.status in ledger.TERMINAL:
-            # A duplicate of a finished request: its stored outcome, nothing run.
-            log.info("request %s already %s", request_id, pre.status,
-                     extra={"action": "duplicate", "request": request_id})
-            async with runtime.pool.connection() as conn:
-                # It may have been cancelled while queued, never handing its
-                # session on: pass it on.
-                handoff = await ledger.hand_over(conn, req.scope)
-            return _ended(pre.status, handoff, result=pre.result, error=pre.error)
+            return await _duplicate(pooled, request_id, req, pre.status,
+                                    result=pre.result, error=pre.error)
         assert pre.older is not None
-        async with runtime.pool.connection() as conn:
-            if await ledger.park(conn, request_id):
-                _count_parked("behind")
-                log.info(
-                    "request %s parked behind %s", request_id, pre.older.request_id,
-                    extra={"action": "parked", "request": request_id, "session": req.session_id},
-                )
-                if pre.older_stale:
-                    await ledger.mark_dispatched(conn, pre.older.request_id)
-                    return Outcome("parked", dispatch=[pre.older])
-                return Outcome("parked")
+        if await _park_behind(pooled, request_id, req, pre.older, pre.older_stale):
+            return Outcome("parked", dispatch=[pre.older] if pre.older_stale else [])
         # Handed the session since the look above: its turn, go on.
         try:
             attempt = await runtime.journal.acquire(req.scope, wait=HANDOFF_LOCK_WAIT)
@@ -286,6 +275,49 @@ async def execute(
     if ctx.events is not None:
         await ctx.events.flush()
     return outcome
+
+
+class Io(Protocol):
+    """Runs one piece of ledger work on a connection: the attempt's lock
+    connection (``Attempt.io``) or a pooled one (:func:`_pooled`)."""
+
+    def __call__(self, fn: Callable[[Conn], Awaitable[T]]) -> Awaitable[T]: ...
+
+
+def _pooled(runtime: PostgresRuntime) -> Io:
+    async def run(fn: Callable[[Conn], Awaitable[T]]) -> T:
+        async with runtime.pool.connection() as conn:
+            return await fn(conn)
+
+    return run
+
+
+async def _duplicate(
+    io: Io, request_id: str, req: RunRequest, status: str, *, result: Any, error: str | None
+) -> Outcome:
+    """A duplicate of a finished request: its stored outcome, nothing run. It
+    may have been cancelled while queued, never handing its session on: that
+    is done now."""
+    log.info("request %s already %s", request_id, status,
+             extra={"action": "duplicate", **_log_fields(request_id, req)})
+    handoff = await io(lambda conn: ledger.hand_over(conn, req.scope))
+    return _ended(status, handoff, result=result, error=error)
+
+
+async def _park_behind(
+    io: Io, request_id: str, req: RunRequest, older: ledger.Pending, older_stale: bool
+) -> bool:
+    """Park behind ``older`` (the request that hands the session on publishes
+    this one again), marking ``older`` dispatched when its message looks lost.
+    ``False``: the session was handed to this request meanwhile; go on."""
+    if not await io(lambda conn: ledger.park(conn, request_id)):
+        return False
+    _count_parked("behind")
+    log.info("request %s parked behind %s", request_id, older.request_id,
+             extra={"action": "parked", **_log_fields(request_id, req)})
+    if older_stale:
+        await io(lambda conn: ledger.mark_dispatched(conn, older.request_id))
+    return True
 
 
 async def _park_busy(runtime: PostgresRuntime, request_id: str, req: RunRequest) -> Outcome:
@@ -311,6 +343,63 @@ def _ended(
     )
 
 
+@dataclass(frozen=True)
+class Ending:
+    """How an attempt ends its request: the terminal status and what it says."""
+
+    status: Literal["succeeded", "failed", "dead", "cancelled"]
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    error_type: str | None = None
+    # What the log line adds after "request <id> <status>" (": why", " when").
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """The run raised an error that is not final: it runs again after ``countdown``."""
+
+    error: Exception
+    failures: int
+    countdown: float
+
+
+def ending_before_run(started: ledger.Started, settings: Settings, holder: str) -> Ending | None:
+    """A request that must end without running: its worker died too often, or
+    it was cancelled while it waited."""
+    if started.crashes >= settings.max_crashes:
+        error = (
+            f"the worker died {started.crashes} times while running this request "
+            f"(LOOMFLOW_WORKER_MAX_CRASHES={settings.max_crashes}); last attempt on {holder}"
+        )
+        return Ending("dead", error=error, error_type="WorkerDied", note=f": {error}")
+    if started.cancel_requested:
+        return Ending("cancelled", error="cancelled before it started", error_type="Cancelled",
+                      note=" before it started")
+    return None
+
+
+def ending_of_error(
+    exc: Exception, started: ledger.Started, settings: Settings, backoff: Callable[[int], float]
+) -> Ending | Retry:
+    """A run that raised (not a crash): retried with backoff, or failed once
+    the input is at fault or the retries are spent."""
+    failures = started.failures + 1
+    if isinstance(exc, InvalidInput) or failures > settings.max_retries:
+        error = f"{type(exc).__name__}: {exc}"
+        return Ending("failed", error=error, error_type=type(exc).__name__,
+                      note=f" after {started.attempt} attempts: {error}")
+    return Retry(exc, failures, backoff(failures))
+
+
+def time_limit_ending(time_limit: float) -> Ending:
+    error = (
+        f"TimeLimitExceeded: the run took longer than its {time_limit:g}s time limit "
+        "(register_agent(time_limit=...) or LOOMFLOW_WORKER_RUN_TIME_LIMIT)"
+    )
+    return Ending("failed", error=error, error_type="TimeLimitExceeded", note=f": {error}")
+
+
 async def _run_holding(
     ctx: WorkerContext,
     runtime: PostgresRuntime,
@@ -324,45 +413,82 @@ async def _run_holding(
             conn, request_id, req.scope, holder, ctx.settings.redispatch_after
         )
     )
-    log_fields = {"request": request_id, "session": req.session_id, "user": req.user_id}
     if started.status in ledger.TERMINAL:
-        # A duplicate of a finished request: its stored outcome, nothing run.
-        log.info("request %s already %s", request_id, started.status,
-                 extra={"action": "duplicate", **log_fields})
-        handoff = await attempt.io(lambda conn: ledger.hand_over(conn, req.scope))
-        return _ended(started.status, handoff, result=started.result, error=started.error)
+        return await _duplicate(attempt.io, request_id, req, started.status,
+                                result=started.result, error=started.error)
     if started.status == "parked":
         assert started.older is not None
-        await attempt.io(lambda conn: ledger.park(conn, request_id))
-        log.info("request %s parked behind %s", request_id, started.older.request_id,
-                 extra={"action": "parked", **log_fields})
+        await _park_behind(attempt.io, request_id, req, started.older, started.older_stale)
         return Outcome("parked", dispatch=[started.older] if started.older_stale else [])
     assert started.epoch is not None
-    epoch = started.epoch
-
-    async def finish_as(status: str, **outcome: Any) -> ledger.Handoff | None:
-        return await _finish(
-            attempt, request_id, req, started, epoch, events=ctx.events, status=status, **outcome
+    ending: Ending | Retry | None = ending_before_run(started, ctx.settings, holder)
+    if ending is None:
+        ending = await _run(ctx, runtime, attempt, request_id, req, started)
+    if isinstance(ending, Retry):
+        retry, attempt_no = ending, started.attempt
+        await attempt.io(
+            lambda conn: ledger.schedule_retry(
+                conn, request_id, attempt_no, retry.error, retry.countdown
+            )
         )
-    if started.crashes >= ctx.settings.max_crashes:
-        error = (
-            f"the worker died {started.crashes} times while running this request "
-            f"(LOOMFLOW_WORKER_MAX_CRASHES={ctx.settings.max_crashes}); last attempt on "
-            f"{holder}"
-        )
-        nxt = await finish_as("dead", error=error, error_type="WorkerDied")
-        log.error("request %s dead: %s", request_id, error, extra={"action": "dead", **log_fields})
-        return _ended("dead", nxt, error=error)
+        log.warning("request %s failed (%s); retry %d in %.1fs", request_id, retry.error,
+                    retry.failures, retry.countdown,
+                    extra={"action": "retry", **_log_fields(request_id, req)})
+        return Outcome("retry", error=f"{type(retry.error).__name__}: {retry.error}",
+                       countdown=retry.countdown)
+    return await _conclude(ctx, attempt, request_id, req, started, ending)
 
-    if started.cancel_requested:
-        nxt = await finish_as(
-            "cancelled", error="cancelled before it started", error_type="Cancelled"
-        )
-        log.info("request %s cancelled before it started", request_id,
-                 extra={"action": "cancelled", **log_fields})
-        return _ended("cancelled", nxt, error="cancelled before it started")
 
-    log.info("request %s attempt %d at epoch %d", request_id, started.attempt, epoch,
+def _log_fields(request_id: str, req: RunRequest) -> dict[str, Any]:
+    return {"request": request_id, "session": req.session_id, "user": req.user_id}
+
+
+async def _conclude(
+    ctx: WorkerContext,
+    attempt: Attempt,
+    request_id: str,
+    req: RunRequest,
+    started: ledger.Started,
+    ending: Ending,
+) -> Outcome:
+    """The one way a request ends: finished in the ledger (status, result,
+    epoch advance, the next request chosen, in one statement), its live
+    events closed, logged and counted; the outcome says what to hand over."""
+    assert started.epoch is not None
+    await attempt.flush_last_run()
+    with anyio.CancelScope(shield=True):
+        chosen = await attempt.io(
+            lambda conn: ledger.finish(
+                conn, request_id, req.scope, started.attempt, started.epoch or 0,
+                status=ending.status, result=ending.result, error=ending.error,
+                error_type=ending.error_type,
+            )
+        )
+    if ctx.events is not None:
+        ctx.events.end(request_id, started.attempt, ending.status, ending.error)
+    meter = metrics.get()
+    if meter is not None:
+        meter.requests.labels(ending.status).inc()
+    level = logging.ERROR if ending.status in ("failed", "dead") else logging.INFO
+    log.log(level, "request %s %s%s", request_id, ending.status, ending.note,
+            extra={"action": ending.status, **_log_fields(request_id, req)})
+    return _ended(ending.status, chosen, result=ending.result, error=ending.error)
+
+
+async def _run(
+    ctx: WorkerContext,
+    runtime: PostgresRuntime,
+    attempt: Attempt,
+    request_id: str,
+    req: RunRequest,
+    started: ledger.Started,
+) -> Ending | Retry:
+    """Run the agent; what happened, as an ending or a retry. A lost lock
+    raises :class:`LockLost`; an outside stop (a shutdown) is re-raised
+    once the attempt is recorded as interrupted."""
+    assert started.epoch is not None
+    log_fields = _log_fields(request_id, req)
+    log.info("request %s attempt %d at epoch %d", request_id, started.attempt, started.epoch,
              extra={"action": "start", "attempt": started.attempt, **log_fields})
     meter = metrics.get()
     if meter is not None:
@@ -381,10 +507,9 @@ async def _run_holding(
     fence = anyio.CancelScope()
     attempt.request_id = request_id
     attempt.on_fenced.append(lambda _: fence.cancel())
-    timed_out = False
     try:
         try:
-            with fence, run_options(attempt=attempt, epoch=epoch):
+            with fence, run_options(attempt=attempt, epoch=started.epoch):
                 with anyio.move_on_after(time_limit) as deadline:
                     emit = _emitter(ctx, request_id, started.attempt, attempt)
                     if req.kind == "resume":
@@ -392,7 +517,6 @@ async def _run_holding(
                             result = await _run_agent(agent, request_id, req, emit)
                     else:
                         result = await _run_agent(agent, request_id, req, emit)
-                timed_out = deadline.cancelled_caught
             if fence.cancelled_caught:
                 raise attempt.fenced or LockLost(req.scope, "the heartbeat failed")
         finally:
@@ -405,58 +529,30 @@ async def _run_holding(
     except Exception as exc:  # the run raised: not a crash, so retry or fail
         if attempt.fenced is not None:
             raise attempt.fenced from exc
-        failures = started.failures + 1
-        if isinstance(exc, InvalidInput) or failures > ctx.settings.max_retries:
-            error = f"{type(exc).__name__}: {exc}"
-            nxt = await finish_as("failed", error=error, error_type=type(exc).__name__)
-            log.error("request %s failed after %d attempts: %s", request_id, started.attempt,
-                      error, extra={"action": "failed", **log_fields})
-            return _ended("failed", nxt, error=error)
-        countdown = ctx.backoff(failures)
-        failure, attempt_no = exc, started.attempt
-        await attempt.io(
-            lambda conn: ledger.schedule_retry(conn, request_id, attempt_no, failure, countdown)
-        )
-        log.warning("request %s failed (%s); retry %d in %.1fs", request_id, exc, failures,
-                    countdown, extra={"action": "retry", **log_fields})
-        return Outcome("retry", error=f"{type(exc).__name__}: {exc}", countdown=countdown)
+        return ending_of_error(exc, started, ctx.settings, ctx.backoff)
     except BaseException as exc:
         stopped = _stopped(exc)
-        if stopped is None:
-            if isinstance(exc, asyncio.CancelledError) and attempt.fenced is None:
-                # Stopped from outside (a shutdown): this attempt was interrupted,
-                # which the next one must not count as a crash. Recorded under
-                # the lock, before the next attempt can start.
-                attempt_no = started.attempt
-                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                    await attempt.io(
-                        lambda conn: ledger.end_attempt(conn, request_id, attempt_no,
-                                                        "interrupted")
-                    )
-                log.info("request %s interrupted", request_id,
-                         extra={"action": "interrupted", **log_fields})
-            raise
-        nxt = await finish_as("cancelled", error=stopped.reason, error_type="Cancelled")
-        log.info("request %s cancelled at a step boundary", request_id,
-                 extra={"action": "cancelled", **log_fields})
-        return _ended("cancelled", nxt, error=stopped.reason)
-
-    if timed_out:
+        if stopped is not None:
+            return Ending("cancelled", error=stopped.reason, error_type="Cancelled",
+                          note=" at a step boundary")
+        if isinstance(exc, asyncio.CancelledError) and attempt.fenced is None:
+            # Stopped from outside (a shutdown): this attempt was interrupted,
+            # which the next one must not count as a crash. Recorded under the
+            # lock, before the next attempt can start.
+            attempt_no = started.attempt
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await attempt.io(
+                    lambda conn: ledger.end_attempt(conn, request_id, attempt_no, "interrupted")
+                )
+            log.info("request %s interrupted", request_id,
+                     extra={"action": "interrupted", **log_fields})
+        raise
+    if deadline.cancelled_caught:
         if attempt.fenced is not None:
             raise attempt.fenced
-        error = (
-            f"TimeLimitExceeded: the run took longer than its {time_limit:g}s time limit "
-            "(register_agent(time_limit=...) or LOOMFLOW_WORKER_RUN_TIME_LIMIT)"
-        )
-        nxt = await finish_as("failed", error=error, error_type="TimeLimitExceeded")
-        log.error("request %s failed: %s", request_id, error,
-                  extra={"action": "failed", **log_fields})
-        return _ended("failed", nxt, error=error)
-
+        return time_limit_ending(time_limit)
     payload = {**result.model_dump(mode="json"), "request_id": request_id}
-    nxt = await finish_as("succeeded", result=payload)
-    log.info("request %s succeeded", request_id, extra={"action": "succeeded", **log_fields})
-    return _ended("succeeded", nxt, result=payload)
+    return Ending("succeeded", result=payload)
 
 
 async def _run_agent(agent: Any, request_id: str, req: RunRequest, emit: Any) -> Any:
@@ -507,34 +603,3 @@ async def _beat(line: LockConnection, running: list[Attempt], interval: float) -
     for attempt in running:
         if attempt.request_id in cancelled and attempt.stop is None:
             attempt.stop = RunStopped("cancelled while running")
-
-
-async def _finish(
-    attempt: Attempt,
-    request_id: str,
-    req: RunRequest,
-    started: ledger.Started,
-    epoch: int,
-    *,
-    status: str,
-    result: Any = None,
-    error: str | None = None,
-    error_type: str | None = None,
-    events: EventPublisher | None = None,
-) -> ledger.Handoff | None:
-    """Status, result, epoch advance and the choice of the next request: one
-    statement. Then the request's live events end."""
-    await attempt.flush_last_run()
-    with anyio.CancelScope(shield=True):
-        chosen = await attempt.io(
-            lambda conn: ledger.finish(
-                conn, request_id, req.scope, started.attempt, epoch,
-                status=status, result=result, error=error, error_type=error_type,
-            )
-        )
-    if events is not None:
-        events.end(request_id, started.attempt, status, error)
-    meter = metrics.get()
-    if meter is not None:
-        meter.requests.labels(status).inc()
-    return chosen

@@ -1,0 +1,72 @@
+"""How an attempt decides the end of its request (pure logic, no services)."""
+
+from __future__ import annotations
+
+from loomflow_worker.runtime import InvalidInput
+from loomflow_worker.settings import Settings
+from loomflow_worker.tasks.execute import (
+    Ending,
+    Retry,
+    ending_before_run,
+    ending_of_error,
+    time_limit_ending,
+)
+from loomflow_worker.tasks.ledger import Started
+
+SETTINGS = Settings(max_crashes=3, max_retries=2)
+
+
+def started(**fields: object) -> Started:
+    base: dict[str, object] = {"status": "running", "seq": 1, "epoch": 0, "attempt": 1}
+    return Started(**{**base, **fields})  # type: ignore[arg-type]
+
+
+def test_a_request_whose_worker_died_too_often_ends_dead() -> None:
+    ending = ending_before_run(started(crashes=3, attempt=4), SETTINGS, "w1@h:12")
+    assert isinstance(ending, Ending) and ending.status == "dead"
+    assert ending.error_type == "WorkerDied"
+    assert ending.error is not None and "died 3 times" in ending.error and "w1@h:12" in ending.error
+    assert ending_before_run(started(crashes=2), SETTINGS, "w") is None
+
+
+def test_a_request_cancelled_while_it_waited_ends_cancelled_without_running() -> None:
+    ending = ending_before_run(started(cancel_requested=True), SETTINGS, "w")
+    assert ending == Ending("cancelled", error="cancelled before it started",
+                            error_type="Cancelled", note=" before it started")
+
+
+def test_death_counts_before_a_cancel() -> None:
+    ending = ending_before_run(started(crashes=5, cancel_requested=True), SETTINGS, "w")
+    assert ending is not None and ending.status == "dead"
+
+
+def test_an_error_is_retried_with_backoff_until_the_retries_are_spent() -> None:
+    waits: list[int] = []
+
+    def backoff(failures: int) -> float:
+        waits.append(failures)
+        return 0.5 * failures
+
+    first = ending_of_error(RuntimeError("model overloaded"), started(failures=0), SETTINGS,
+                            backoff)
+    assert isinstance(first, Retry) and (first.failures, first.countdown) == (1, 0.5)
+    second = ending_of_error(RuntimeError("again"), started(failures=1), SETTINGS, backoff)
+    assert isinstance(second, Retry) and second.failures == 2
+    last = ending_of_error(RuntimeError("still"), started(failures=2, attempt=3), SETTINGS,
+                           backoff)
+    assert isinstance(last, Ending) and last.status == "failed"
+    assert last.error == "RuntimeError: still" and last.error_type == "RuntimeError"
+    assert last.note == " after 3 attempts: RuntimeError: still"
+    assert waits == [1, 2]
+
+
+def test_bad_input_fails_at_once() -> None:
+    ending = ending_of_error(InvalidInput("no such agent"), started(), SETTINGS, lambda n: 1.0)
+    assert isinstance(ending, Ending) and ending.status == "failed"
+    assert ending.error_type == "InvalidInput"
+
+
+def test_a_run_past_its_time_limit_fails_with_time_limit_exceeded() -> None:
+    ending = time_limit_ending(2.5)
+    assert ending.status == "failed" and ending.error_type == "TimeLimitExceeded"
+    assert ending.error is not None and "2.5s time limit" in ending.error
