@@ -147,8 +147,10 @@ class Sampler:
         with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
             while not self._stop.wait(0.2):
                 rss, pss = _group_memory(self.pgid)
+                # The worker's connections: not this script's own (it enqueues).
                 row = conn.execute(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = %s",
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = %s"
+                    " AND application_name <> 'loomflow-worker enqueue'",
                     (self.dbname,),
                 ).fetchone()
                 self.peaks.rss_mb = max(self.peaks.rss_mb, rss)

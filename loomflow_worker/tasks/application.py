@@ -178,11 +178,12 @@ def _close_child(**_: Any) -> None:
 
 def _queue_length() -> int:
     """Messages waiting in the request queue, as the broker counts them."""
+    # Declared as the workers declare it (idempotent), not passively: kombu's
+    # passive declare on Redis looks the queue up without the global key
+    # prefix, so with REDIS_KEY_PREFIX it would always find it missing.
+    queue = app.amqp.queues[settings().queue]
     with app.pool.acquire(block=True, timeout=5) as conn:
-        try:
-            declared = conn.default_channel.queue_declare(queue=settings().queue, passive=True)
-        except conn.channel_errors:
-            return 0  # no such queue: nothing waits in it
+        declared = queue.bind(conn.default_channel).queue_declare()
         return int(declared.message_count)
 
 
