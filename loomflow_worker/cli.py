@@ -18,6 +18,7 @@ import anyio
 import click
 import psycopg
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from . import admin, metrics
 from .runtime.errors import (
@@ -81,7 +82,7 @@ def _settings() -> Settings:
     values given: they may hold passwords)."""
     try:
         settings = Settings()
-    except ValidationError as exc:
+    except (ValidationError, SettingsError) as exc:
         _fail(EXIT_USAGE, f"bad LOOMFLOW_WORKER_* settings: {admin.validation_message(exc)}")
         raise AssertionError("unreachable") from exc
     _secrets[:] = admin.secrets_of(settings)
@@ -347,7 +348,8 @@ def enqueue(
               help="Enqueued longer ago than this (e.g. 1d12h).")
 @click.option("--newer-than", type=Duration(), default=None,
               help="Enqueued within this (e.g. 90m).")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1, max=admin.MAX_LIST), default=50,
+              show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, one object a line.")
 @handled
 def runs(
@@ -604,8 +606,9 @@ def prune(older_than: timedelta, batch_size: int, yes: bool) -> None:
     """Delete journal entries, streams and checkpoints written, and requests
     finished, longer ago than --older-than (scopes with an unfinished request
     keep their journal; the scopes' epoch marks are kept)."""
-    before = datetime.now(UTC) - older_than
     with admin.connect(_settings()) as conn:
+        # The database's clock, on which every age it holds was stamped.
+        before = admin.db_cutoff(conn, older_than)
         counts = admin.prune_counts(conn, before)
         total = sum(counts.values())
         age = admin.format_duration(older_than.total_seconds())
@@ -644,7 +647,7 @@ def doctor(grace_period: float, as_json: bool) -> None:
     and what to do); exits 0 when all pass, 1 otherwise."""
     try:
         settings = Settings()
-    except ValidationError as exc:
+    except (ValidationError, SettingsError) as exc:
         checks = [admin.Check("settings", False, admin.validation_message(exc),
                               "fix the LOOMFLOW_WORKER_* variables named")]
     else:

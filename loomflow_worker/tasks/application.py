@@ -22,8 +22,10 @@ from celery.signals import (
 )
 from kombu import pools as kombu_pools
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from .. import metrics
+from ..admin import validation_message
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
 from ..runtime.sql import query
 from ..settings import Settings
@@ -51,7 +53,8 @@ def settings() -> Settings:
     current: Settings | None = _state.get("settings")
     if current is None:
         raise InvalidInput(
-            f"the LOOMFLOW_WORKER_* settings are invalid: {_state.get('settings_error')}"
+            "the LOOMFLOW_WORKER_* settings are invalid: "
+            + validation_message(_state["settings_error"])
         )
     return current
 
@@ -108,7 +111,7 @@ def _drop_connections() -> None:
 
 try:
     configure()
-except ValidationError as exc:
+except (ValidationError, SettingsError) as exc:
     # Importing the package must not fail on bad settings (the CLI's doctor
     # reports them); using the app does, with this error.
     _state["settings_error"] = exc
@@ -125,6 +128,13 @@ def _context() -> WorkerContext:
 
 @worker_init.connect
 def _prepare_worker(**_: Any) -> None:
+    try:
+        settings()
+    except InvalidInput as exc:
+        # A worker on settings it can't use would serve nobody (and Celery's
+        # defaults would point it at another broker): it does not start.
+        log.critical("%s; the worker does not start", exc)
+        raise SystemExit(2) from None
     if settings().metrics_port:
         metrics.prepare_multiprocess_dir()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -105,6 +106,13 @@ class EnqueuePool:
                     self._pool.close()
                 self._pool = None  # a forked child never touches its parent's sockets
             if self._pool is None:
+                # One direct connection first: a refused one (a wrong password, an
+                # unknown database) says why at once, where the pool would retry
+                # quietly until its timeout and only say it got no connection.
+                psycopg.connect(
+                    dsn, autocommit=True, connect_timeout=connect_timeout,
+                    application_name="loomflow-worker enqueue",
+                ).close()
                 idle = IdleCheck()
                 self._pool = ConnectionPool(
                     dsn,
@@ -120,6 +128,11 @@ class EnqueuePool:
                 self._pid = os.getpid()
                 self._dsn = dsn
             return self._pool
+
+    def connection(
+        self, dsn: str, connect_timeout: int
+    ) -> AbstractContextManager[psycopg.Connection[Any]]:
+        return self.pool(dsn, connect_timeout).connection(timeout=connect_timeout)
 
     def close(self) -> None:
         with self._lock:
@@ -138,7 +151,7 @@ class EnqueuePool:
         """Record the request; returns the requests it cancelled on the spot
         (``on_busy="interrupt"``), to be published so their results are stored."""
         try:
-            with self.pool(dsn, connect_timeout).connection(timeout=connect_timeout) as conn:
+            with self.connection(dsn, connect_timeout) as conn:
                 if on_busy == "enqueue":
                     conn.execute(query("insert_run"), _row_params(request_id, req))
                     return []
@@ -176,7 +189,7 @@ class EnqueuePool:
     def cancel(self, dsn: str, connect_timeout: int, request_id: str) -> tuple[str, Pending]:
         """Flag ``request_id`` cancelled; ``(status now, the request)``."""
         try:
-            with self.pool(dsn, connect_timeout).connection(timeout=connect_timeout) as conn:
+            with self.connection(dsn, connect_timeout) as conn:
                 row = conn.execute(
                     query("cancel_requests"),
                     {"request_id": request_id, "scope": None, "by": None,

@@ -454,6 +454,11 @@ SELECT (SELECT count(*) FROM journal_steps j
          WHERE status IN ('succeeded', 'failed', 'cancelled', 'dead')
            AND enqueued_at < %(cutoff)s AND finished_at < %(cutoff)s);
 
+-- name: admin_cutoff
+-- The moment ``age`` seconds ago on the database's clock: every age the ledger
+-- and journal hold is measured on it, whatever the caller's clock says.
+SELECT now() - make_interval(secs => %(age)s::float8);
+
 -- name: admin_prune_steps
 -- prune_steps by age, sparing the scopes of unfinished requests (a run parked
 -- on a signal for longer than the cutoff still needs its journal to resume).
