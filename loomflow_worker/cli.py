@@ -300,20 +300,14 @@ def enqueue(
     from .tasks.application import run_agent
 
     request_id = str(uuid.uuid4())
-    try:
-        run_agent.apply_async(
-            (prompt, session_id),
-            {"user_id": user_id, "agent": agent, "metadata": metadata},
-            task_id=request_id,
-            on_busy=on_busy,
-        )
-    except _broker_errors() as exc:
-        _fail(
-            EXIT_UNAVAILABLE,
-            f"request {request_id} is recorded but could not be published ({exc}); a "
-            "worker's sweeper dispatches it again once the broker is back "
-            "(LOOMFLOW_WORKER_REDISPATCH_AFTER)",
-        )
+    # Accepted once recorded: a broker that refuses the message is logged (on
+    # stderr) and a worker's sweeper publishes the request when it is back.
+    run_agent.apply_async(
+        (prompt, session_id),
+        {"user_id": user_id, "agent": agent, "metadata": metadata},
+        task_id=request_id,
+        on_busy=on_busy,
+    )
     if not wait:
         if as_json:
             _echo_json({"request_id": request_id, "status": "queued"})
@@ -552,11 +546,41 @@ def tail(request_id: str, as_json: bool, idle_timeout: float | None) -> None:
 
 
 @main.command()
-@click.argument("request_id", metavar="REQUEST")
+@click.argument("request_id", metavar="[REQUEST]", required=False)
+@click.option("--queued", is_flag=True,
+              help="Cancel every queued request instead (with --session / --user: theirs).")
+@click.option("--session", "session_id", default=None, help="With --queued: only this session.")
+@click.option("--user", "user_id", default=None, help="With --queued: only this user.")
+@click.option("--yes", is_flag=True, help="With --queued and no filter: don't ask.")
 @handled
-def cancel(request_id: str) -> None:
+def cancel(
+    request_id: str | None, queued: bool, session_id: str | None, user_id: str | None, yes: bool
+) -> None:
     """Cancel a request: a queued one never starts, a running one stops at its
-    next step. Prints its status now (running until the stop takes effect)."""
+    next step. Prints its status now (running until the stop takes effect).
+
+    With --queued, drop waiting work: every queued request (of --session, of
+    --user) ends cancelled and its session moves on; prints their ids. Use
+    this rather than `celery purge`, which the ledger does not see: the
+    sweeper publishes purged requests again."""
+    if queued == (request_id is not None):
+        raise click.UsageError("give a REQUEST or --queued, not both" if queued
+                               else "give a REQUEST to cancel, or --queued")
+    if not queued and (session_id is not None or user_id is not None):
+        raise click.UsageError("--session and --user go with --queued")
+    if queued:
+        if session_id is None and user_id is None and not yes:
+            click.confirm("Cancel every queued request of the fleet?", abort=True)
+        _settings()
+        from . import cancel_queued
+
+        cancelled = cancel_queued(session_id, user_id)
+        for one in cancelled:
+            click.echo(one)
+        click.echo(f"cancelled {len(cancelled)} queued request"
+                   f"{'' if len(cancelled) == 1 else 's'}", err=True)
+        return
+    assert request_id is not None
     with admin.connect(_settings()) as conn:
         admin.run_status(conn, request_id)
     from . import cancel_run

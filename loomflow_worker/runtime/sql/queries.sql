@@ -228,6 +228,11 @@ VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kin
         %(prompt)s, %(metadata)s, %(lock_key)s)
 ON CONFLICT (request_id) DO NOTHING;
 
+-- name: recorded_request
+-- What a request was enqueued with: a second enqueue under its id must match.
+SELECT kind, session_id, user_id, agent, prompt, metadata FROM runs
+ WHERE request_id = %(request_id)s;
+
 -- name: insert_failed_run
 INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
                   status, error, error_type, finished_at)
@@ -394,6 +399,22 @@ UPDATE runs
     OR (%(by)s::text IS NOT NULL AND scope = %(scope)s::text
         AND status IN ('queued', 'running') AND request_id <> %(by)s::text
         AND seq < (SELECT seq FROM runs WHERE request_id = %(by)s::text))
+RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata;
+
+-- name: cancel_queued
+-- Drop waiting work: every queued request (of a session, of a user, or all),
+-- as cancel_requests does for one: one that never started is cancelled on the
+-- spot; one that started before (queued for a retry) is flagged, and ends
+-- cancelled when it is next picked up.
+UPDATE runs
+   SET cancel_requested = true,
+       status = CASE WHEN epoch IS NULL THEN 'cancelled' ELSE status END,
+       error = CASE WHEN epoch IS NULL THEN %(reason)s ELSE error END,
+       error_type = CASE WHEN epoch IS NULL THEN 'Cancelled' ELSE error_type END,
+       finished_at = CASE WHEN epoch IS NULL THEN now() ELSE finished_at END
+ WHERE status = 'queued'
+   AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
+   AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
 RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata;
 
 -- ---- operating the fleet (loomflow_worker.admin, the CLI) ---------------------------------
