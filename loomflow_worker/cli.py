@@ -30,6 +30,7 @@ from .runtime.errors import (
 )
 from .runtime.migrate import latest_version, migrate
 from .runtime.store import describe_dsn, probe
+from .runtime.validate import check_text
 from .settings import Settings
 
 # Exit codes scripts can rely on (listed in the group's help).
@@ -103,6 +104,10 @@ def handled(fn: Callable[P, None]) -> Callable[P, None]:
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
         try:
+            for name, value in kwargs.items():
+                # Bytes that are not UTF-8 reach Python as lone surrogates.
+                if isinstance(value, str):
+                    check_text(name, value)
             fn(*args, **kwargs)
         except (click.ClickException, click.exceptions.Abort, click.exceptions.Exit):
             raise  # click's own: usage errors (exit 2), a declined prompt (exit 1)

@@ -283,6 +283,8 @@ class AgentTask(Task):
         current = settings()
         import_agent_modules(current.agents)
         request = check_request(current, kind=self.kind, **self._bind(args, kwargs))
+        if task_id:  # Celery's rule: an empty one means "make one"
+            check_id("task_id", task_id)
         task_id = task_id or str(uuid.uuid4())
         enqueued = _enqueue.insert(
             current.database_url.get_secret_value(), current.connect_timeout, task_id, request,
@@ -347,6 +349,7 @@ def cancel_run(request_id: str) -> str:
     Returns the request's status now: ``"cancelled"``, or ``"running"`` /
     ``"queued"`` while the cancel takes effect, or the terminal status it
     had already reached."""
+    check_id("request_id", request_id)
     current = settings()
     status, pending = _enqueue.cancel(
         current.database_url.get_secret_value(), current.connect_timeout, request_id

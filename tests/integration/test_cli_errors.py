@@ -87,6 +87,9 @@ def test_a_worker_refuses_a_connection_string_it_cannot_use_and_shows_no_passwor
          "not a broker URL"),
         (("runs",), {"LOOMFLOW_WORKER_BROKER_TRANSPORT_OPTIONS": "{bad"}, 2,
          'field "broker_transport_options"'),
+        # Arguments that are not UTF-8 (they reach Python as lone surrogates).
+        (("show", "\udcff"), {}, 2, "request_id contains an unpaired surrogate"),
+        (("runs", "--session", "r\udcff"), {}, 2, "session_id contains an unpaired surrogate"),
     ],
 )
 def test_a_mistake_gets_one_line_and_an_exit_code(

@@ -12,7 +12,7 @@ import pytest
 import redis
 from pydantic import SecretStr
 
-from loomflow_worker import InvalidInput, cancel_queued
+from loomflow_worker import InvalidInput, cancel_queued, cancel_run
 from loomflow_worker import tasks as tasks_module
 from loomflow_worker.tasks import RunCancelled, resume_agent, run_agent
 
@@ -163,6 +163,15 @@ def test_bad_input_is_refused_with_nothing_written(
         run_agent.delay(prompt, "s1", metadata=metadata)
     assert _rows(fleet.dsn) == []
     assert _waiting(fleet) == 0
+
+
+def test_a_task_id_postgres_cannot_store_is_refused_with_nothing_written(fleet: Fleet) -> None:
+    for task_id in ("a\x00b", "\ud800", " "):
+        with pytest.raises(InvalidInput, match="task_id"):
+            run_agent.apply_async(("p", "s1"), task_id=task_id)
+        with pytest.raises(InvalidInput, match="request_id"):
+            cancel_run(task_id)
+    assert _rows(fleet.dsn) == []
 
 
 def test_metadata_holding_the_text_of_an_escape_is_stored_as_given(fleet: Fleet) -> None:
