@@ -96,7 +96,7 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("database_url", "broker_url")
+    @field_validator("database_url", "broker_url", "result_backend")
     @classmethod
     def _check_url(cls, value: SecretStr, info: ValidationInfo) -> SecretStr:
         # The messages never quote the value: it may hold a password.
@@ -104,8 +104,10 @@ class Settings(BaseSettings):
             problem = conninfo_problem(value.get_secret_value())
             if problem:
                 problem = f"not a connection string libpq accepts: {problem}"
-        else:
+        elif info.field_name == "broker_url":
             problem = broker_problem(value.get_secret_value())
+        else:
+            problem = result_backend_problem(value.get_secret_value())
         if problem:
             raise ValueError(problem)
         return value
@@ -163,3 +165,19 @@ def broker_problem(url: str) -> str | None:
                 else "not a broker URL (scheme://...)"
             ) + "; use redis://, rediss:// or amqp:// (or another kombu transport)"
     return None
+
+
+def result_backend_problem(url: str) -> str | None:
+    """Why Celery has no result backend for ``url``, or ``None``. A scheme
+    that names a class by its dotted path is left to Celery."""
+    from celery.app.backends import BACKEND_ALIASES
+
+    scheme, found, _ = url.strip().partition("://")
+    backend = scheme.split("+", 1)[0]
+    if not found or backend in BACKEND_ALIASES or "." in backend or ":" in backend:
+        return None
+    shown = repr(backend) if backend.isidentifier() else "in the URL"
+    return (
+        f"unknown result backend {shown}; use redis:// or rediss:// (or another Celery "
+        "result backend)"
+    )

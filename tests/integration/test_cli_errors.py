@@ -85,6 +85,8 @@ def test_a_worker_refuses_a_connection_string_it_cannot_use_and_shows_no_passwor
          "unknown broker transport 'foo'"),
         (("enqueue", "p", "--session", "s"), {"LOOMFLOW_WORKER_BROKER_URL": "localhost"}, 2,
          "not a broker URL"),
+        (("enqueue", "p", "--session", "s"), {"LOOMFLOW_WORKER_RESULT_BACKEND": "foo://x"}, 2,
+         "unknown result backend 'foo'"),
         (("runs",), {"LOOMFLOW_WORKER_BROKER_TRANSPORT_OPTIONS": "{bad"}, 2,
          'field "broker_transport_options"'),
         # Arguments that are not UTF-8 (they reach Python as lone surrogates).

@@ -130,10 +130,17 @@ def test_a_request_accepted_while_the_broker_is_down_returns_its_handle_and_runs
     assert ledger(fleet.dsn, result.id)["status"] == "queued"
     assert any(result.id in r.getMessage() and "accepted" in r.getMessage()
                for r in caplog.records)
-    # A worker's sweeper publishes it: the queue is empty, the request queued.
+    # The command says the same: the request id on stdout, what happened on stderr.
+    done = cli(fleet, "enqueue", calls("late-cli"), "--session", "s2",
+               LOOMFLOW_WORKER_BROKER_URL=down)
+    assert done.returncode == 0, done.stderr
+    by_cli = done.stdout.strip()
+    assert f"request {by_cli} is accepted" in done.stderr
+    # A worker's sweeper publishes them: the queue is empty, the requests queued.
     fleet.start("w1", concurrency=1, LOOMFLOW_WORKER_HANDOFF_GRACE="0.5")
     assert run_agent.AsyncResult(result.id).get(timeout=60)["output"] == "done: recorded late"
-    assert _counts(fleet.dsn) == {"late": 1}
+    assert wait_status(fleet.dsn, by_cli, ("succeeded",)) == "succeeded"
+    assert _counts(fleet.dsn) == {"late": 1, "late-cli": 1}
 
 
 # ---- bad input -----------------------------------------------------------------------------------

@@ -12,7 +12,12 @@ from loomflow_worker.admin import MAX_DURATION, parse_duration, validation_messa
 from loomflow_worker.runtime import InvalidInput
 from loomflow_worker.runtime.store import describe_dsn
 from loomflow_worker.runtime.validate import check_json_text, check_text
-from loomflow_worker.settings import Settings, broker_problem, conninfo_problem
+from loomflow_worker.settings import (
+    Settings,
+    broker_problem,
+    conninfo_problem,
+    result_backend_problem,
+)
 
 PASSWORD = "Pw-s3cret"
 
@@ -66,6 +71,16 @@ def test_broker_urls_need_a_transport_kombu_has() -> None:
     assert "unknown broker transport 'kafkaa'" in str(broker_problem("redis://a;kafkaa://b"))
     assert "not a broker URL" in str(broker_problem(f"{PASSWORD}@h"))
     assert PASSWORD not in str(broker_problem(f"x y://{PASSWORD}@h"))
+
+
+def test_result_backends_need_a_backend_celery_has() -> None:
+    for url in ("redis://h:6379/1", "rediss://h/1", "rpc://", "db+postgresql://h/d",
+                "myapp.backends:Custom://h", "cache+memcached://h/"):
+        assert result_backend_problem(url) is None, url
+    assert "unknown result backend 'foo'" in str(result_backend_problem("foo://h"))
+    assert PASSWORD not in str(result_backend_problem(f"x y://{PASSWORD}@h"))
+    with pytest.raises(ValidationError, match="result_backend"):
+        Settings(result_backend=SecretStr("foo://h"))
 
 
 def test_text_postgres_cannot_store_is_refused_with_where_it_is() -> None:
