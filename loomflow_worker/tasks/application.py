@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 from celery import Celery, Task
 from celery.exceptions import Ignore
-from celery.result import AsyncResult
+from celery.result import AsyncResult, task_join_will_block
 from celery.signals import (
     worker_init,
     worker_process_init,
@@ -301,9 +301,17 @@ class AgentTask(Task):
         task_args, task_kwargs = request.task_args()
         options.setdefault("retry_policy", PUBLISH_RETRY)
         try:
+            _check_result_backend()
             result = super().apply_async(task_args, task_kwargs, task_id=task_id, **options)
         except _publish_errors() as exc:
             _publish_deferred(task_id, "accepted", exc)
+            result = self.AsyncResult(task_id)
+        except RuntimeError as exc:
+            # Celery's result consumer gave up reconnecting (Redis went away
+            # after the check above).
+            if not isinstance(exc.__cause__, _publish_errors()):
+                raise
+            _publish_deferred(task_id, "accepted", exc.__cause__)
             result = self.AsyncResult(task_id)
         for pending in enqueued.cancelled:
             _dispatch_recorded(pending, "cancelled")  # so its result is stored
@@ -382,6 +390,20 @@ def cancel_queued(session_id: str | None = None, user_id: str | None = None) -> 
             # Started before: a worker ends it cancelled and hands its session on.
             _dispatch_recorded(pending, "queued (cancel requested)")
     return [pending.request_id for _, pending in found]
+
+
+def _check_result_backend() -> None:
+    """Raise a connection error at once when the result backend's Redis is down.
+
+    Before publishing, Celery subscribes the caller to the request's result
+    on Redis, retrying for about 19 seconds when Redis is down and then
+    giving up with an anonymous ``RuntimeError``. One ``PING`` (a fraction of a
+    millisecond) finds out first. Pool children do not subscribe."""
+    from celery.backends.redis import RedisBackend
+
+    backend = app.backend
+    if isinstance(backend, RedisBackend) and not task_join_will_block():
+        backend.client.ping()
 
 
 def _publish_errors() -> tuple[type[BaseException], ...]:

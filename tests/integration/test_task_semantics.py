@@ -114,12 +114,23 @@ def test_a_task_id_sent_again_with_other_arguments_is_refused(
 # ---- the broker down at enqueue ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("down", ["redis://127.0.0.1:1/0", "amqp://guest:guest@127.0.0.1:1//"])
+@pytest.mark.parametrize(
+    "down",
+    [
+        {"broker_url": "redis://127.0.0.1:1/0"},
+        {"broker_url": "amqp://guest:guest@127.0.0.1:1//"},
+        # Redis down altogether: the caller's result subscription fails too.
+        {"broker_url": "redis://127.0.0.1:1/0", "result_backend": "redis://127.0.0.1:1/1"},
+    ],
+    ids=["redis", "rabbitmq", "redis-and-results"],
+)
 def test_a_request_accepted_while_the_broker_is_down_returns_its_handle_and_runs_once(
-    fleet: Fleet, down: str, caplog: pytest.LogCaptureFixture
+    fleet: Fleet, down: dict[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
     up = tasks_module.settings()
-    tasks_module.configure(up.model_copy(update={"broker_url": SecretStr(down)}))
+    tasks_module.configure(
+        up.model_copy(update={k: SecretStr(v) for k, v in down.items()})
+    )
     try:
         started = time.monotonic()
         result = run_agent.delay(calls("late"), "s1")
@@ -132,7 +143,7 @@ def test_a_request_accepted_while_the_broker_is_down_returns_its_handle_and_runs
                for r in caplog.records)
     # The command says the same: the request id on stdout, what happened on stderr.
     done = cli(fleet, "enqueue", calls("late-cli"), "--session", "s2",
-               LOOMFLOW_WORKER_BROKER_URL=down)
+               **{f"LOOMFLOW_WORKER_{k.upper()}": v for k, v in down.items()})
     assert done.returncode == 0, done.stderr
     by_cli = done.stdout.strip()
     assert f"request {by_cli} is accepted" in done.stderr
