@@ -656,12 +656,14 @@ class Check:
         return f"{text}; {self.hint}" if self.hint and not self.ok else text
 
 
-_URL_PASSWORD = re.compile(r"(//[^:/@;?#]*:)[^@;]*@")
+# Up to the last "@" of each URL: a password may hold an unescaped "@".
+_URL_PASSWORD = re.compile(r"(//[^:/@;?#]*:)[^;]*@")
 
 
 def sanitize_url(url: str) -> str:
     """A broker or backend URL (or several, ``;``-separated) for display, each
-    password masked."""
+    password masked (and, when it held an unescaped "@", all up to the URL's
+    last "@")."""
     return _URL_PASSWORD.sub(r"\1***@", url)
 
 
