@@ -160,12 +160,12 @@ def test_enqueue_with_a_wrong_password_says_the_login_failed_at_once(fleet: Flee
         started = time.monotonic()
         done = cli(fleet, "enqueue", "p", "--session", "s",
                    LOOMFLOW_WORKER_DATABASE_URL=f"postgresql://app:{PASSWORD}@127.0.0.1:{port}/db",
-                   LOOMFLOW_WORKER_CONNECT_TIMEOUT="4")
+                   LOOMFLOW_WORKER_CONNECT_TIMEOUT="10")
         took = time.monotonic() - started
     error = _one_line_error(done, 3)
     assert refused in error and f"127.0.0.1:{port}/db" in error, error
     assert PASSWORD not in done.stdout + done.stderr
-    assert took < 4, f"took {took:.1f}s"
+    assert took < 8, f"took {took:.1f}s: the pool waited for its connect timeout"
 
 
 # ---- prune on the database's clock ----------------------------------------------------------
