@@ -255,6 +255,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="runs at once in the one threads-pool process (ours)")
     parser.add_argument("--latency", type=float, default=1.0,
                         help="seconds each model call waits")
+    parser.add_argument("--lock-connections", type=int, default=None,
+                        help="LOOMFLOW_WORKER_LOCK_CONNECTIONS of our workers (default: theirs)")
     parser.add_argument("--only-threads", action="store_true",
                         help="skip the two prefork sides (they take runs*3*latency/20 s each)")
     parser.add_argument("--quick", action="store_true", help="200 runs")
@@ -282,6 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "PYTHONPATH": str(ROOT),
     }
     ours_env, ours_settings = ours_config(dsns["ours"], redis_url, prefix, f"lfwb-{tag}-ours")
+    if args.lock_connections is not None:
+        ours_env["LOOMFLOW_WORKER_LOCK_CONNECTIONS"] = str(args.lock_connections)
     plain_config = plain.PlainConfig(
         database_url=dsns["plain"], broker_url=redis_url, result_backend=redis_url,
         redis_key_prefix=prefix, queue=f"lfwb-{tag}-plain", acks_late=True,

@@ -18,10 +18,10 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     # The Celery side is imported on first use, so the runtime alone stays light.
-    if name == "cancel_run":
-        from .tasks.application import cancel_run
+    if name in ("cancel_run", "cancel_queued"):
+        from .tasks import application
 
-        return cancel_run
+        return getattr(application, name)
     raise AttributeError(f"module 'loomflow_worker' has no attribute {name!r}")
 
 
@@ -34,6 +34,7 @@ __all__ = [
     "PostgresRuntime",
     "SessionBusy",
     "__version__",
+    "cancel_queued",
     "cancel_run",
     "register_agent",
 ]

@@ -22,6 +22,7 @@ import psycopg
 from loomflow.core.types import ModelChunk, ToolResult
 from loomflow.runtime import _codec
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from .runtime.codec import CodecStats, decode
 from .runtime.errors import DatabaseUnavailable, InvalidInput, LoomflowWorkerError, SchemaError
@@ -80,9 +81,15 @@ def redact(text: str, secrets: Sequence[str]) -> str:
     return text
 
 
-def validation_message(exc: ValidationError) -> str:
+def validation_message(exc: ValidationError | SettingsError) -> str:
     """A settings error as ``field: message`` lines, without the values given
-    (pydantic's own text repeats them, connection strings included)."""
+    (pydantic's own text repeats them, connection strings included). A value
+    that is not even JSON (a dict or list setting) is named with the parser's
+    complaint, which quotes no part of it."""
+    if isinstance(exc, SettingsError):
+        cause = exc.__cause__
+        detail = f": {_first_line(cause)}" if isinstance(cause, ValueError) else ""
+        return f"{exc}{detail}; dict and list settings are read as JSON"
     lines = []
     for error in exc.errors(include_url=False, include_input=False):
         where = ".".join(str(part) for part in error["loc"]) or "settings"
@@ -139,6 +146,9 @@ def _first_line(exc: BaseException) -> str:
 
 # ---- durations ------------------------------------------------------------------------------
 
+#: The longest duration accepted (Postgres timestamps end 4713 BC).
+MAX_DURATION = timedelta(days=365_000)
+
 _DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
 
 
@@ -154,9 +164,15 @@ def parse_duration(text: str) -> timedelta:
         )
     days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
     try:
-        return timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+        duration = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
     except OverflowError:
-        raise InvalidInput(f"{text!r} is too long a duration") from None
+        duration = MAX_DURATION + timedelta(days=1)
+    if duration > MAX_DURATION:
+        raise InvalidInput(
+            f"{text!r} is longer than {MAX_DURATION.days}d (about a thousand years), the "
+            "longest duration accepted; nothing in the ledger is that old"
+        )
+    return duration
 
 
 def format_duration(seconds: float) -> str:
@@ -172,6 +188,10 @@ def format_duration(seconds: float) -> str:
 
 
 # ---- the runs ledger ------------------------------------------------------------------------
+
+
+#: The most requests one listing returns.
+MAX_LIST = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -201,8 +221,8 @@ def list_runs(
     unknown = [s for s in statuses if s not in STATUSES]
     if unknown:
         raise InvalidInput(f"unknown status {unknown[0]!r}; one of {', '.join(STATUSES)}")
-    if limit < 1:
-        raise InvalidInput(f"limit must be at least 1, not {limit}")
+    if not 1 <= limit <= MAX_LIST:
+        raise InvalidInput(f"limit must be from 1 to {MAX_LIST}, not {limit}")
     params = {
         "session_id": session_id,
         "user_id": user_id,
@@ -537,6 +557,18 @@ _PRUNE_ORDER: tuple[tuple[str, str], ...] = (
 PRUNED_TABLES = tuple(table for table, _ in _PRUNE_ORDER)
 
 
+def db_cutoff(conn: Conn, older_than: timedelta) -> datetime:
+    """The moment ``older_than`` ago on the database's clock (a prune's cutoff:
+    a host whose clock is off must not delete what was finished a minute ago)."""
+    with translated():
+        row = conn.execute(
+            query("admin_cutoff"), {"age": older_than.total_seconds()}
+        ).fetchone()
+    assert row is not None
+    cutoff: datetime = row[0]
+    return cutoff
+
+
 def prune_counts(conn: Conn, before: datetime) -> dict[str, int]:
     """How many rows :class:`Pruner` would delete now, per table."""
     with translated():
@@ -624,12 +656,14 @@ class Check:
         return f"{text}; {self.hint}" if self.hint and not self.ok else text
 
 
-_URL_PASSWORD = re.compile(r"(//[^:/@;?#]*:)[^@;]*@")
+# Up to the last "@" of each URL: a password may hold an unescaped "@".
+_URL_PASSWORD = re.compile(r"(//[^:/@;?#]*:)[^;]*@")
 
 
 def sanitize_url(url: str) -> str:
     """A broker or backend URL (or several, ``;``-separated) for display, each
-    password masked."""
+    password masked (and, when it held an unescaped "@", all up to the URL's
+    last "@")."""
     return _URL_PASSWORD.sub(r"\1***@", url)
 
 

@@ -18,6 +18,7 @@ import anyio
 import click
 import psycopg
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from . import admin, metrics
 from .runtime.errors import (
@@ -29,6 +30,7 @@ from .runtime.errors import (
 )
 from .runtime.migrate import latest_version, migrate
 from .runtime.store import describe_dsn, probe
+from .runtime.validate import check_text
 from .settings import Settings
 
 # Exit codes scripts can rely on (listed in the group's help).
@@ -81,7 +83,7 @@ def _settings() -> Settings:
     values given: they may hold passwords)."""
     try:
         settings = Settings()
-    except ValidationError as exc:
+    except (ValidationError, SettingsError) as exc:
         _fail(EXIT_USAGE, f"bad LOOMFLOW_WORKER_* settings: {admin.validation_message(exc)}")
         raise AssertionError("unreachable") from exc
     _secrets[:] = admin.secrets_of(settings)
@@ -102,6 +104,10 @@ def handled(fn: Callable[P, None]) -> Callable[P, None]:
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
         try:
+            for name, value in kwargs.items():
+                # Bytes that are not UTF-8 reach Python as lone surrogates.
+                if isinstance(value, str):
+                    check_text(name, value)
             fn(*args, **kwargs)
         except (click.ClickException, click.exceptions.Abort, click.exceptions.Exit):
             raise  # click's own: usage errors (exit 2), a declined prompt (exit 1)
@@ -311,20 +317,14 @@ def enqueue(
     from .tasks.application import run_agent
 
     request_id = str(uuid.uuid4())
-    try:
-        run_agent.apply_async(
-            (prompt, session_id),
-            {"user_id": user_id, "agent": agent, "metadata": metadata},
-            task_id=request_id,
-            on_busy=on_busy,
-        )
-    except _broker_errors() as exc:
-        _fail(
-            EXIT_UNAVAILABLE,
-            f"request {request_id} is recorded but could not be published ({exc}); a "
-            "worker's sweeper dispatches it again once the broker is back "
-            "(LOOMFLOW_WORKER_REDISPATCH_AFTER)",
-        )
+    # Accepted once recorded: a broker that refuses the message is logged (on
+    # stderr) and a worker's sweeper publishes the request when it is back.
+    run_agent.apply_async(
+        (prompt, session_id),
+        {"user_id": user_id, "agent": agent, "metadata": metadata},
+        task_id=request_id,
+        on_busy=on_busy,
+    )
     if not wait:
         if as_json:
             _echo_json({"request_id": request_id, "status": "queued"})
@@ -359,7 +359,8 @@ def enqueue(
               help="Enqueued longer ago than this (e.g. 1d12h).")
 @click.option("--newer-than", type=Duration(), default=None,
               help="Enqueued within this (e.g. 90m).")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1, max=admin.MAX_LIST), default=50,
+              show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, one object a line.")
 @handled
 def runs(
@@ -562,11 +563,41 @@ def tail(request_id: str, as_json: bool, idle_timeout: float | None) -> None:
 
 
 @main.command()
-@click.argument("request_id", metavar="REQUEST")
+@click.argument("request_id", metavar="[REQUEST]", required=False)
+@click.option("--queued", is_flag=True,
+              help="Cancel every queued request instead (with --session / --user: theirs).")
+@click.option("--session", "session_id", default=None, help="With --queued: only this session.")
+@click.option("--user", "user_id", default=None, help="With --queued: only this user.")
+@click.option("--yes", is_flag=True, help="With --queued and no filter: don't ask.")
 @handled
-def cancel(request_id: str) -> None:
+def cancel(
+    request_id: str | None, queued: bool, session_id: str | None, user_id: str | None, yes: bool
+) -> None:
     """Cancel a request: a queued one never starts, a running one stops at its
-    next step. Prints its status now (running until the stop takes effect)."""
+    next step. Prints its status now (running until the stop takes effect).
+
+    With --queued, drop waiting work: every queued request (of --session, of
+    --user) ends cancelled and its session moves on; prints their ids. Use
+    this rather than `celery purge`, which the ledger does not see: the
+    sweeper publishes purged requests again."""
+    if queued == (request_id is not None):
+        raise click.UsageError("give a REQUEST or --queued, not both" if queued
+                               else "give a REQUEST to cancel, or --queued")
+    if not queued and (session_id is not None or user_id is not None):
+        raise click.UsageError("--session and --user go with --queued")
+    if queued:
+        if session_id is None and user_id is None and not yes:
+            click.confirm("Cancel every queued request of the fleet?", abort=True)
+        _settings()
+        from . import cancel_queued
+
+        cancelled = cancel_queued(session_id, user_id)
+        for one in cancelled:
+            click.echo(one)
+        click.echo(f"cancelled {len(cancelled)} queued request"
+                   f"{'' if len(cancelled) == 1 else 's'}", err=True)
+        return
+    assert request_id is not None
     with admin.connect(_settings()) as conn:
         admin.run_status(conn, request_id)
     from . import cancel_run
@@ -616,8 +647,9 @@ def prune(older_than: timedelta, batch_size: int, yes: bool) -> None:
     """Delete journal entries, streams and checkpoints written, and requests
     finished, longer ago than --older-than (scopes with an unfinished request
     keep their journal; the scopes' epoch marks are kept)."""
-    before = datetime.now(UTC) - older_than
     with admin.connect(_settings()) as conn:
+        # The database's clock, on which every age it holds was stamped.
+        before = admin.db_cutoff(conn, older_than)
         counts = admin.prune_counts(conn, before)
         total = sum(counts.values())
         age = admin.format_duration(older_than.total_seconds())
@@ -656,7 +688,7 @@ def doctor(grace_period: float, as_json: bool) -> None:
     and what to do); exits 0 when all pass, 1 otherwise."""
     try:
         settings = Settings()
-    except ValidationError as exc:
+    except (ValidationError, SettingsError) as exc:
         checks = [admin.Check("settings", False, admin.validation_message(exc),
                               "fix the LOOMFLOW_WORKER_* variables named")]
     else:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -100,6 +103,22 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
+    @field_validator("database_url", "broker_url", "result_backend")
+    @classmethod
+    def _check_url(cls, value: SecretStr, info: ValidationInfo) -> SecretStr:
+        # The messages never quote the value: it may hold a password.
+        if info.field_name == "database_url":
+            problem = conninfo_problem(value.get_secret_value())
+            if problem:
+                problem = f"not a connection string libpq accepts: {problem}"
+        elif info.field_name == "broker_url":
+            problem = broker_problem(value.get_secret_value())
+        else:
+            problem = result_backend_problem(value.get_secret_value())
+        if problem:
+            raise ValueError(problem)
+        return value
+
     @model_validator(mode="after")
     def _check_consistency(self) -> Settings:
         if self.retry_backoff_max < self.retry_backoff:
@@ -117,3 +136,55 @@ class Settings(BaseSettings):
     @property
     def is_redis_broker(self) -> bool:
         return self.broker_url.get_secret_value().startswith(("redis://", "rediss://"))
+
+
+# A quoted part of a libpq parse error: a piece of the connection string given,
+# which may be its password.
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+def conninfo_problem(conninfo: str) -> str | None:
+    """Why libpq can't parse ``conninfo`` (its quoted pieces masked), or ``None``."""
+    try:
+        conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return _QUOTED.sub(lambda m: m[0] if len(m[1]) <= 1 else '"***"', text)
+    scheme, url, rest = conninfo.strip().partition("://")
+    if url and scheme in ("postgres", "postgresql") and re.split(r"[/?#]", rest)[0].count("@") > 1:
+        # libpq takes the last "@" for the end of the host's name, so the
+        # password's tail would show wherever the host is named.
+        return 'more than one "@" before the host: percent-encode an "@" in the password as %40'
+    return None
+
+
+def broker_problem(url: str) -> str | None:
+    """Why kombu has no transport for ``url`` (or any of its ``;``-separated
+    failover URLs), or ``None``. The URL itself is never quoted."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    for one in url.split(";"):
+        scheme, found, _ = one.strip().partition("://")
+        transport = scheme.split("+", 1)[0]
+        if not found or transport not in TRANSPORT_ALIASES:
+            return (
+                f"unknown broker transport {transport!r}" if found and transport.isidentifier()
+                else "not a broker URL (scheme://...)"
+            ) + "; use redis://, rediss:// or amqp:// (or another kombu transport)"
+    return None
+
+
+def result_backend_problem(url: str) -> str | None:
+    """Why Celery has no result backend for ``url``, or ``None``. A scheme
+    that names a class by its dotted path is left to Celery."""
+    from celery.app.backends import BACKEND_ALIASES
+
+    scheme, found, _ = url.strip().partition("://")
+    backend = scheme.split("+", 1)[0]
+    if not found or backend in BACKEND_ALIASES or "." in backend or ":" in backend:
+        return None
+    shown = repr(backend) if backend.isidentifier() else "in the URL"
+    return (
+        f"unknown result backend {shown}; use redis:// or rediss:// (or another Celery "
+        "result backend)"
+    )

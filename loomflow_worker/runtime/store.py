@@ -62,13 +62,24 @@ def scope_lock_key(scope: str) -> int:
 
 
 def describe_dsn(conninfo: str) -> str:
-    """``host:port/dbname`` of a connection string, never its password."""
+    """``host:port/dbname`` of a connection string, never its password.
+
+    Whatever the string looks like: an unparsable one is not shown at all,
+    a host or database name that took in part of an unescaped password (an
+    ``@`` in it) is cut after its last ``@``, and the password, wherever it
+    ended up, is masked."""
     try:
         parts = conninfo_to_dict(conninfo)
     except psycopg.ProgrammingError:
         return "<unparsable connection string>"
-    host = parts.get("host") or parts.get("hostaddr") or "localhost (socket)"
-    return f"{host}:{parts.get('port') or 5432}/{parts.get('dbname') or parts.get('user') or ''}"
+
+    def shown(key: str) -> str:
+        return str(parts.get(key) or "").rsplit("@", 1)[-1]
+
+    host = shown("host") or shown("hostaddr") or "localhost (socket)"
+    text = f"{host}:{shown('port') or 5432}/{shown('dbname') or shown('user')}"
+    password = str(parts.get("password") or "")
+    return text.replace(password, "***") if len(password) >= 3 else text
 
 
 class IdleCheck:

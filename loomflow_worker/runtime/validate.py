@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import unicodedata
 
 from .errors import InvalidInput
@@ -31,3 +32,47 @@ def check_id(what: str, value: object, *, max_length: int = MAX_ID_LENGTH) -> st
 
 def check_signal_name(name: object) -> str:
     return check_id("signal name", name, max_length=MAX_SIGNAL_NAME_LENGTH)
+
+
+#: How deeply JSON input (a request's metadata) may nest.
+MAX_JSON_DEPTH = 64
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def check_text(what: str, value: str) -> str:
+    """``value`` if Postgres can store it as text: no NUL, no surrogate (a lone
+    one is not Unicode, and a Python string never holds a valid pair)."""
+    found = _UNSTORABLE.search(value)
+    if found is not None:
+        char = found.group()
+        problem = "a NUL character" if char == "\x00" else f"an unpaired surrogate ({char!r})"
+        raise InvalidInput(
+            f"{what} contains {problem} at position {found.start()}, which Postgres can't "
+            "store as text; remove it or encode the data (base64, say)"
+        )
+    return value
+
+
+def check_json_text(what: str, value: object, *, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Every key and string of the JSON-like ``value`` passes :func:`check_text`,
+    and it nests at most ``max_depth`` levels (checked without recursion)."""
+    stack: list[tuple[object, int, str]] = [(value, 1, what)]
+    while stack:
+        item, depth, where = stack.pop()
+        if isinstance(item, str):
+            check_text(where, item)
+        elif isinstance(item, dict | list | tuple):
+            if depth > max_depth:
+                raise InvalidInput(
+                    f"{what} nests deeper than {max_depth} levels (at {where}); flatten it"
+                )
+            if isinstance(item, dict):
+                for key, child in item.items():
+                    if isinstance(key, str):
+                        check_text(f"a key of {where}", key)
+                    stack.append((child, depth + 1, f"{where}[{key!r}]"))
+            else:
+                stack.extend(
+                    (child, depth + 1, f"{where}[{i}]") for i, child in enumerate(item)
+                )

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 from celery import Celery, Task
 from celery.exceptions import Ignore, Reject
-from celery.result import AsyncResult
+from celery.result import AsyncResult, task_join_will_block
 from celery.signals import (
     worker_init,
     worker_process_init,
@@ -24,10 +24,13 @@ from celery.signals import (
 )
 from kombu import pools as kombu_pools
 from pydantic import ValidationError
+from pydantic_settings import SettingsError
 
 from .. import metrics
+from ..admin import validation_message
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
 from ..runtime.sql import query
+from ..runtime.validate import check_id
 from ..settings import Settings
 from . import pool
 from .execute import Outcome, RunCancelled, RunDead, RunFailed, WorkerContext, execute
@@ -45,6 +48,11 @@ app = Celery("loomflow_worker")
 #: How long a pool child that is exiting waits for its connections to close.
 CLOSE_TIMEOUT = 5.0
 
+#: A publish gives up after about a second: the ledger row is the record, and
+#: the sweeper publishes a request whose message was lost.
+PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.3,
+                 "interval_max": 0.5}
+
 _state: dict[str, Any] = {}
 _loop = ChildLoop()
 _enqueue = EnqueuePool()
@@ -56,7 +64,8 @@ def settings() -> Settings:
     current: Settings | None = _state.get("settings")
     if current is None:
         raise InvalidInput(
-            f"the LOOMFLOW_WORKER_* settings are invalid: {_state.get('settings_error')}"
+            "the LOOMFLOW_WORKER_* settings are invalid: "
+            + validation_message(_state["settings_error"])
         )
     return current
 
@@ -113,7 +122,7 @@ def _drop_connections() -> None:
 
 try:
     configure()
-except ValidationError as exc:
+except (ValidationError, SettingsError) as exc:
     # Importing the package must not fail on bad settings (the CLI's doctor
     # reports them); using the app does, with this error.
     _state["settings_error"] = exc
@@ -130,11 +139,18 @@ def _context() -> WorkerContext:
 
 @worker_init.connect
 def _prepare_worker(sender: Any = None, **_: Any) -> None:
-    """Check the pool: the threads pool carries ``-c`` runs on the process's
-    event loop (and becomes :class:`~.pool.RunPool`, whose runs can be
-    stopped one by one); prefork and solo run one per process; gevent and
-    eventlet would block their hub with the loop's thread, so the worker
-    refuses them."""
+    """Check the settings and the pool. The threads pool carries ``-c`` runs
+    on the process's event loop (and becomes :class:`~.pool.RunPool`, whose
+    runs can be stopped one by one); prefork and solo run one per process;
+    gevent and eventlet would block their hub with the loop's thread, so the
+    worker refuses them."""
+    try:
+        settings()
+    except InvalidInput as exc:
+        # A worker on settings it can't use would serve nobody (and Celery's
+        # defaults would point it at another broker): it does not start.
+        log.critical("%s; the worker does not start", exc)
+        raise SystemExit(2) from None
     if sender is not None:
         name = pool_name(sender.pool_cls)
         if name in REFUSED_POOLS:
@@ -298,15 +314,38 @@ class AgentTask(Task):
         current = settings()
         import_agent_modules(current.agents)
         request = check_request(current, kind=self.kind, **self._bind(args, kwargs))
+        if task_id:  # Celery's rule: an empty one means "make one"
+            check_id("task_id", task_id)
         task_id = task_id or str(uuid.uuid4())
-        cancelled = _enqueue.insert(
+        enqueued = _enqueue.insert(
             current.database_url.get_secret_value(), current.connect_timeout, task_id, request,
             on_busy,
         )
+        if enqueued.duplicate:
+            # The same request sent again under its id: it is recorded and was
+            # published already, so this publishes nothing.
+            return self.AsyncResult(task_id)
+        # The request is accepted: its row is the record, and the sweeper
+        # publishes a queued request whose message looks lost. A publish that
+        # fails now is logged, not raised: the caller's handle is good, and a
+        # caller retrying the enqueue under a new id would run it twice.
         task_args, task_kwargs = request.task_args()
-        result = super().apply_async(task_args, task_kwargs, task_id=task_id, **options)
-        for pending in cancelled:
-            _dispatch(pending)  # so its result (cancelled) is stored
+        options.setdefault("retry_policy", PUBLISH_RETRY)
+        try:
+            _check_result_backend()
+            result = super().apply_async(task_args, task_kwargs, task_id=task_id, **options)
+        except _publish_errors() as exc:
+            _publish_deferred(task_id, "accepted", exc)
+            result = self.AsyncResult(task_id)
+        except RuntimeError as exc:
+            # Celery's result consumer gave up reconnecting (Redis went away
+            # after the check above).
+            if not isinstance(exc.__cause__, _publish_errors()):
+                raise
+            _publish_deferred(task_id, "accepted", exc.__cause__)
+            result = self.AsyncResult(task_id)
+        for pending in enqueued.cancelled:
+            _dispatch_recorded(pending, "cancelled")  # so its result is stored
         return result
 
     def delay(self, *args: Any, **kwargs: Any) -> AsyncResult:
@@ -315,11 +354,31 @@ class AgentTask(Task):
     def dispatch(self, pending: Pending) -> None:
         """Publish a request that already has its ledger row (a handoff)."""
         task_args, task_kwargs = pending.task_args()
-        super().apply_async(task_args, task_kwargs, task_id=pending.request_id)
+        super().apply_async(
+            task_args, task_kwargs, task_id=pending.request_id, retry_policy=PUBLISH_RETRY
+        )
 
 
 def _dispatch(pending: Pending) -> None:
     (resume_agent if pending.kind == "resume" else run_agent).dispatch(pending)
+
+
+def _publish_deferred(request_id: str, state: str, exc: BaseException) -> None:
+    log.warning(
+        "request %s is %s (the runs ledger has it) but the broker refused its message (%s); "
+        "a worker's sweeper takes it from the ledger once the broker is back",
+        request_id, state, exc, extra={"action": "publish_deferred", "request": request_id},
+    )
+
+
+def _dispatch_recorded(pending: Pending, state: str) -> None:
+    """Publish a request whose change the ledger committed: a broker that
+    refuses it is logged, not raised (the change stands, and the sweeper
+    carries it out)."""
+    try:
+        _dispatch(pending)
+    except _publish_errors() as exc:
+        _publish_deferred(pending.request_id, state, exc)
 
 
 def cancel_run(request_id: str) -> str:
@@ -329,17 +388,71 @@ def cancel_run(request_id: str) -> str:
     Returns the request's status now: ``"cancelled"``, or ``"running"`` /
     ``"queued"`` while the cancel takes effect, or the terminal status it
     had already reached."""
+    check_id("request_id", request_id)
     current = settings()
     status, pending = _enqueue.cancel(
         current.database_url.get_secret_value(), current.connect_timeout, request_id
     )
     if status in ("cancelled", "queued"):
         # A worker picks it up now, stores its result and hands the session on.
-        _dispatch(pending)
+        _dispatch_recorded(pending, f"{status} (cancel requested)")
     return str(status)
 
 
+def cancel_queued(session_id: str | None = None, user_id: str | None = None) -> list[str]:
+    """Drop waiting work: cancel every queued request (of ``session_id``, of
+    ``user_id``, or of the whole fleet); returns their ids.
+
+    Each ends ``cancelled`` in the ledger and never starts (one queued for a
+    retry ends so when a worker next picks it up), and its session moves on.
+    Their messages may stay on the broker: a worker that receives one finds
+    it finished. This, not ``celery purge``, is how to drop work: the ledger
+    is the queue of record, and the sweeper publishes again a queued request
+    whose message was purged."""
+    for what, value in (("session_id", session_id), ("user_id", user_id)):
+        if value is not None:
+            check_id(what, value)
+    current = settings()
+    found = _enqueue.cancel_queued(
+        current.database_url.get_secret_value(), current.connect_timeout, session_id, user_id
+    )
+    for status, pending in found:
+        if status == "queued":
+            # Started before: a worker ends it cancelled and hands its session on.
+            _dispatch_recorded(pending, "queued (cancel requested)")
+    return [pending.request_id for _, pending in found]
+
+
+def _check_result_backend() -> None:
+    """Raise a connection error at once when the result backend's Redis is down.
+
+    Before publishing, Celery subscribes the caller to the request's result
+    on Redis, retrying for about 19 seconds when Redis is down and then
+    giving up with an anonymous ``RuntimeError``. One ``PING`` (a fraction of a
+    millisecond) finds out first. Pool children do not subscribe."""
+    from celery.backends.redis import RedisBackend
+
+    backend = app.backend
+    if isinstance(backend, RedisBackend) and not task_join_will_block():
+        backend.client.ping()
+
+
+def _publish_errors() -> tuple[type[BaseException], ...]:
+    """What a publish raises when the broker can't be reached."""
+    import kombu.exceptions
+    import redis
+
+    return (kombu.exceptions.OperationalError, redis.ConnectionError, redis.TimeoutError,
+            ConnectionError, TimeoutError)
+
+
 def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
+    if task.request.called_directly:
+        raise InvalidInput(
+            f"{task.name} was called directly, which skips the runs ledger; enqueue the "
+            f"request with {task.name.rsplit('.', 1)[-1]}.delay(...) or .apply_async(...) "
+            "and wait for it with .get() on the handle they return"
+        )
     request_id = task.request.id
     try:
         outcome: Outcome = _loop.run(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import psycopg
@@ -88,6 +89,51 @@ def _row_params(request_id: str, req: RunRequest) -> dict[str, Any]:
 
 # ---- the enqueuing side (sync: web handlers and scripts call .delay) --------------------
 
+# What must be equal for a second enqueue under a request id to be the same request.
+_IDENTITY = ("kind", "session_id", "user_id", "agent", "prompt", "metadata")
+
+
+@dataclass(frozen=True)
+class Enqueued:
+    """What recording a request did: the requests it cancelled on the spot
+    (``on_busy="interrupt"``, to publish so their results are stored), or
+    nothing at all because the ledger had the request already."""
+
+    cancelled: list[Pending] = field(default_factory=list)
+    duplicate: bool = False
+
+
+def _same_as_recorded(conn: psycopg.Connection[Any], request_id: str, req: RunRequest) -> bool:
+    """``True`` when the ledger holds ``request_id`` with ``req``'s arguments,
+    ``False`` when it does not hold it; :class:`InvalidInput` naming what
+    differs when it holds another request under that id."""
+    row = conn.execute(query("recorded_request"), {"request_id": request_id}).fetchone()
+    if row is None:
+        return False
+    recorded = dict(zip(_IDENTITY, row, strict=True))
+    differ = [name for name in _IDENTITY if recorded[name] != getattr(req, name)]
+    if differ:
+        raise InvalidInput(
+            f"task_id {request_id!r} is already the id of another request (its "
+            f"{', '.join(differ)} {'differs' if len(differ) == 1 else 'differ'}): a task_id "
+            "names one request, so sending it again only returns that request's handle; "
+            "use a new task_id for a new request"
+        )
+    return True
+
+
+def _insert_new(conn: psycopg.Connection[Any], request_id: str, req: RunRequest) -> bool:
+    """Insert the request's row; ``False`` when the ledger had it already
+    (the same request: :func:`_same_as_recorded` checks)."""
+    params = _row_params(request_id, req)
+    if conn.execute(query("insert_run"), params).rowcount:
+        return True
+    if _same_as_recorded(conn, request_id, req):
+        return False
+    # Recorded and pruned between the two statements: the id is free again.
+    return bool(conn.execute(query("insert_run"), params).rowcount)
+
+
 
 class EnqueuePool:
     """A small sync pool for inserting ledger rows, made on first use in each process."""
@@ -105,6 +151,13 @@ class EnqueuePool:
                     self._pool.close()
                 self._pool = None  # a forked child never touches its parent's sockets
             if self._pool is None:
+                # One direct connection first: a refused one (a wrong password, an
+                # unknown database) says why at once, where the pool would retry
+                # quietly until its timeout and only say it got no connection.
+                psycopg.connect(
+                    dsn, autocommit=True, connect_timeout=connect_timeout,
+                    application_name="loomflow-worker enqueue",
+                ).close()
                 idle = IdleCheck()
                 self._pool = ConnectionPool(
                     dsn,
@@ -121,6 +174,11 @@ class EnqueuePool:
                 self._dsn = dsn
             return self._pool
 
+    def connection(
+        self, dsn: str, connect_timeout: int
+    ) -> AbstractContextManager[psycopg.Connection[Any]]:
+        return self.pool(dsn, connect_timeout).connection(timeout=connect_timeout)
+
     def close(self) -> None:
         with self._lock:
             if self._pool is not None and self._pid == os.getpid():
@@ -134,15 +192,18 @@ class EnqueuePool:
         request_id: str,
         req: RunRequest,
         on_busy: OnBusy = "enqueue",
-    ) -> list[Pending]:
-        """Record the request; returns the requests it cancelled on the spot
-        (``on_busy="interrupt"``), to be published so their results are stored."""
+    ) -> Enqueued:
+        """Record the request. ``request_id`` is an idempotency key: when the
+        ledger has it already, with the same arguments, nothing is written and
+        the result says it is a duplicate; with other arguments,
+        :class:`InvalidInput` names them."""
         try:
-            with self.pool(dsn, connect_timeout).connection(timeout=connect_timeout) as conn:
+            with self.connection(dsn, connect_timeout) as conn:
                 if on_busy == "enqueue":
-                    conn.execute(query("insert_run"), _row_params(request_id, req))
-                    return []
+                    return Enqueued(duplicate=not _insert_new(conn, request_id, req))
                 with conn.transaction():
+                    if _same_as_recorded(conn, request_id, req):
+                        return Enqueued(duplicate=True)
                     # Enqueues on one scope take turns here, so "busy" is decided once.
                     conn.execute(query("enqueue_lock"), {"key": enqueue_lock_key(req.scope)})
                     if on_busy == "reject":
@@ -153,15 +214,15 @@ class EnqueuePool:
                                 detail=f"request {busy[0]} is {busy[1]} on it and "
                                 'on_busy="reject" was asked',
                             )
-                        conn.execute(query("insert_run"), _row_params(request_id, req))
-                        return []
-                    conn.execute(query("insert_run"), _row_params(request_id, req))
+                        return Enqueued(duplicate=not _insert_new(conn, request_id, req))
+                    if not _insert_new(conn, request_id, req):
+                        return Enqueued(duplicate=True)
                     rows = conn.execute(
                         query("cancel_requests"),
                         {"request_id": None, "scope": req.scope, "by": request_id,
                          "reason": f"interrupted by request {request_id}"},
                     ).fetchall()
-                    return [Pending(*row[1:8]) for row in rows if row[0] == "cancelled"]
+                    return Enqueued([Pending(*row[1:8]) for row in rows if row[0] == "cancelled"])
         except psycopg.errors.UndefinedTable as exc:
             raise SchemaError(
                 "the runs table is missing: run `loomflow-worker migrate` (or start a worker, "
@@ -175,20 +236,37 @@ class EnqueuePool:
 
     def cancel(self, dsn: str, connect_timeout: int, request_id: str) -> tuple[str, Pending]:
         """Flag ``request_id`` cancelled; ``(status now, the request)``."""
+        found = self._cancel(
+            dsn, connect_timeout, "cancel_requests",
+            {"request_id": request_id, "scope": None, "by": None,
+             "reason": "cancelled before it started"},
+        )
+        if not found:
+            raise InvalidInput(f"no request {request_id!r} in the runs ledger")
+        return found[0]
+
+    def cancel_queued(
+        self, dsn: str, connect_timeout: int, session_id: str | None, user_id: str | None
+    ) -> list[tuple[str, Pending]]:
+        """Cancel every queued request (of ``session_id``, of ``user_id``);
+        ``(status now, the request)`` for each."""
+        return self._cancel(
+            dsn, connect_timeout, "cancel_queued",
+            {"session_id": session_id, "user_id": user_id,
+             "reason": "cancelled while queued (cancel --queued)"},
+        )
+
+    def _cancel(
+        self, dsn: str, connect_timeout: int, name: str, params: dict[str, Any]
+    ) -> list[tuple[str, Pending]]:
         try:
-            with self.pool(dsn, connect_timeout).connection(timeout=connect_timeout) as conn:
-                row = conn.execute(
-                    query("cancel_requests"),
-                    {"request_id": request_id, "scope": None, "by": None,
-                     "reason": "cancelled before it started"},
-                ).fetchone()
+            with self.connection(dsn, connect_timeout) as conn:
+                rows = conn.execute(query(name), params).fetchall()
         except (psycopg.OperationalError, TimeoutError) as exc:
             raise DatabaseUnavailable(
                 f"can't reach Postgres at {describe_dsn(dsn)} to cancel: {exc}"
             ) from exc
-        if row is None:
-            raise InvalidInput(f"no request {request_id!r} in the runs ledger")
-        return row[0], Pending(*row[1:8])
+        return [(row[0], Pending(*row[1:8])) for row in rows]
 
 
 # ---- the worker side (async, on the attempt's lock connection) ---------------------------

@@ -9,7 +9,7 @@ from typing import Any, Literal
 from loomflow.runtime import journal_scope
 
 from ..runtime.errors import InvalidInput
-from ..runtime.validate import check_id
+from ..runtime.validate import check_id, check_json_text, check_text
 from ..settings import Settings
 from .registry import agent_factory
 
@@ -59,8 +59,7 @@ def check_request(
             f"prompt is {len(prompt)} characters long; the limit is {settings.max_prompt_chars} "
             "(LOOMFLOW_WORKER_MAX_PROMPT_CHARS)"
         )
-    if "\x00" in prompt:
-        raise InvalidInput("prompt contains a NUL character, which Postgres can't store")
+    check_text("prompt", prompt)
     check_id("session_id", session_id)
     assert isinstance(session_id, str)
     if user_id is not None:
@@ -75,12 +74,11 @@ def check_request(
         raise InvalidInput(
             f"metadata must be a JSON object (a dict), not {type(metadata).__name__}"
         )
+    check_json_text("metadata", metadata)
     try:
         encoded = json.dumps(metadata, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise InvalidInput(f"metadata isn't JSON: {exc}") from exc
-    if "\\u0000" in encoded:
-        raise InvalidInput("metadata contains a NUL character, which Postgres can't store")
     if len(encoded.encode()) > settings.max_metadata_bytes:
         raise InvalidInput(
             f"metadata is {len(encoded.encode())} bytes as JSON; the limit is "

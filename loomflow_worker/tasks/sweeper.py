@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -222,7 +222,8 @@ class Sweeper:
         if self._pruner is None:
             if time.monotonic() < self._next_prune:
                 return 0
-            before = datetime.now(UTC) - timedelta(seconds=retention)
+            # On the database's clock, whatever this host's says.
+            before = admin.db_cutoff(conn, timedelta(seconds=retention))
             self._pruner = admin.Pruner(before, batch_size=PRUNE_BATCH)
         pruner = self._pruner
         already = pruner.total

@@ -54,6 +54,9 @@ def test_urls_are_shown_without_passwords() -> None:
     assert admin.sanitize_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
     assert admin.sanitize_url("amqp://guest:guest@h:5672//") == "amqp://guest:***@h:5672//"
     assert admin.sanitize_url("redis://h:6379/0") == "redis://h:6379/0"
+    assert admin.sanitize_url("redis://:p@ss@h:6379/0") == "redis://:***@h:6379/0"
+    assert admin.sanitize_url("amqp://u:a@b@c@h//;redis://:x@y@h2/0") == (
+        "amqp://u:***@h//;redis://:***@h2/0")
     assert (admin.sanitize_url("sentinel://:a@h1:26379;sentinel://:b@h2:26379")
             == "sentinel://:***@h1:26379;sentinel://:***@h2:26379")
 

@@ -228,6 +228,11 @@ VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kin
         %(prompt)s, %(metadata)s, %(lock_key)s)
 ON CONFLICT (request_id) DO NOTHING;
 
+-- name: recorded_request
+-- What a request was enqueued with: a second enqueue under its id must match.
+SELECT kind, session_id, user_id, agent, prompt, metadata FROM runs
+ WHERE request_id = %(request_id)s;
+
 -- name: insert_failed_run
 INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
                   status, error, error_type, finished_at)
@@ -399,6 +404,22 @@ UPDATE runs
         AND seq < (SELECT seq FROM runs WHERE request_id = %(by)s::text))
 RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata;
 
+-- name: cancel_queued
+-- Drop waiting work: every queued request (of a session, of a user, or all),
+-- as cancel_requests does for one: one that never started is cancelled on the
+-- spot; one that started before (queued for a retry) is flagged, and ends
+-- cancelled when it is next picked up.
+UPDATE runs
+   SET cancel_requested = true,
+       status = CASE WHEN epoch IS NULL THEN 'cancelled' ELSE status END,
+       error = CASE WHEN epoch IS NULL THEN %(reason)s ELSE error END,
+       error_type = CASE WHEN epoch IS NULL THEN 'Cancelled' ELSE error_type END,
+       finished_at = CASE WHEN epoch IS NULL THEN now() ELSE finished_at END
+ WHERE status = 'queued'
+   AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
+   AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
+RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata;
+
 -- ---- operating the fleet (loomflow_worker.admin, the CLI) ---------------------------------
 
 -- name: admin_list_runs
@@ -456,6 +477,11 @@ SELECT (SELECT count(*) FROM journal_steps j
        (SELECT count(*) FROM runs
          WHERE status IN ('succeeded', 'failed', 'cancelled', 'dead')
            AND enqueued_at < %(cutoff)s AND finished_at < %(cutoff)s);
+
+-- name: admin_cutoff
+-- The moment ``age`` seconds ago on the database's clock: every age the ledger
+-- and journal hold is measured on it, whatever the caller's clock says.
+SELECT now() - make_interval(secs => %(age)s::float8);
 
 -- name: admin_prune_steps
 -- prune_steps by age, sparing the scopes of unfinished requests (a run parked
