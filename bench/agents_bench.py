@@ -11,10 +11,8 @@ real model does (``bench_concurrency.py``): the run is then IO-bound, not CPU-bo
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-from collections.abc import AsyncIterator
 from typing import Any
 
 from loomflow import Agent, tool
@@ -41,26 +39,9 @@ def record_tool() -> Tool:
     return tool(name="record", description="Record a side effect.")(record)
 
 
-class WaitingModel(DeterministicModel):
-    """DeterministicModel whose every call first waits ``latency`` seconds."""
-
-    def __init__(self, latency: float) -> None:
-        super().__init__()
-        self.latency = latency
-
-    async def complete(self, messages: Any, **kwargs: Any) -> Any:
-        await asyncio.sleep(self.latency)
-        return await super().complete(messages, **kwargs)
-
-    async def stream(self, messages: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        await asyncio.sleep(self.latency)
-        async for chunk in super().stream(messages, **kwargs):
-            yield chunk
-
-
 def bench_model() -> DeterministicModel:
     latency = float(os.environ.get("BENCH_MODEL_LATENCY", "0") or 0)
-    return WaitingModel(latency) if latency > 0 else DeterministicModel()
+    return DeterministicModel(latency=latency)
 
 
 @register_agent()
