@@ -257,6 +257,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="seconds each model call waits")
     parser.add_argument("--lock-connections", type=int, default=None,
                         help="LOOMFLOW_WORKER_LOCK_CONNECTIONS of our workers (default: theirs)")
+    parser.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for our workers (repeatable), e.g. "
+                             "LOOMFLOW_WORKER_EVENTS=false")
     parser.add_argument("--only-threads", action="store_true",
                         help="skip the two prefork sides (they take runs*3*latency/20 s each)")
     parser.add_argument("--quick", action="store_true", help="200 runs")
@@ -286,6 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ours_env, ours_settings = ours_config(dsns["ours"], redis_url, prefix, f"lfwb-{tag}-ours")
     if args.lock_connections is not None:
         ours_env["LOOMFLOW_WORKER_LOCK_CONNECTIONS"] = str(args.lock_connections)
+    for item in args.worker_env:
+        name, _, value = item.partition("=")
+        ours_env[name] = value
     plain_config = plain.PlainConfig(
         database_url=dsns["plain"], broker_url=redis_url, result_backend=redis_url,
         redis_key_prefix=prefix, queue=f"lfwb-{tag}-plain", acks_late=True,

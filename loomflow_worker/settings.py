@@ -43,12 +43,12 @@ class Settings(BaseSettings):
     max_prompt_chars: int = Field(default=200_000, ge=1)
     max_metadata_bytes: int = Field(default=65_536, ge=2)
 
-    # A queued request whose dispatch is older than this, at the head of an
-    # idle session, is dispatched again (its message looks lost); no request
-    # is dispatched again more often than this.
+    # A running request whose worker died is dispatched again at once, then
+    # again only after this long; a queued request whose message may be lost
+    # while the broker can't say how many messages it holds, after this long.
     redispatch_after: float = Field(default=60.0, gt=0)
-    # ...but when the broker's queue is empty (no backlog a message could be
-    # waiting in), a queued request nobody received for this long is lost.
+    # A queued request nobody received for this long, beyond the messages the
+    # broker still holds (a backlog waits its turn), has lost its message.
     handoff_grace: float = Field(default=5.0, gt=0)
     # The broker's visibility timeout: longer than the longest run, so the
     # broker itself never starts a second copy of a running request.

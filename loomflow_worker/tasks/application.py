@@ -369,6 +369,10 @@ def _publish_deferred(request_id: str, state: str, exc: BaseException) -> None:
         "a worker's sweeper takes it from the ledger once the broker is back",
         request_id, state, exc, extra={"action": "publish_deferred", "request": request_id},
     )
+    current = settings()
+    _enqueue.mark_unpublished(
+        current.database_url.get_secret_value(), current.connect_timeout, request_id
+    )
 
 
 def _dispatch_recorded(pending: Pending, state: str) -> None:

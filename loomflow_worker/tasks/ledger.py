@@ -234,6 +234,16 @@ class EnqueuePool:
                 "nothing was enqueued"
             ) from exc
 
+    def mark_unpublished(self, dsn: str, connect_timeout: int, request_id: str) -> None:
+        """The broker refused ``request_id``'s message: the sweeper publishes it
+        first once the broker is back. Best effort: without the mark the sweeper
+        still finds it, later."""
+        try:
+            with self.pool(dsn, connect_timeout).connection(timeout=connect_timeout) as conn:
+                conn.execute(query("mark_unpublished"), {"request_id": request_id})
+        except (psycopg.Error, TimeoutError):
+            pass
+
     def cancel(self, dsn: str, connect_timeout: int, request_id: str) -> tuple[str, Pending]:
         """Flag ``request_id`` cancelled; ``(status now, the request)``."""
         found = self._cancel(

@@ -65,6 +65,8 @@ class Sweeper:
         self.leader = False
         self._pruner: admin.Pruner | None = None
         self._next_prune = 0.0
+        # Queued requests that looked lost on the last sweep, since when.
+        self._suspects: dict[str, float] = {}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="loomflow-worker sweeper",
@@ -137,15 +139,16 @@ class Sweeper:
         conn.execute(query("leader_claim"), {"holder": self.holder})
         return True
 
-    def _queue_is_empty(self) -> bool:
-        """Whether the broker holds no message for the queue: a queued request
-        that nobody received is then lost, not waiting its turn in a backlog."""
+    def _waiting(self) -> int | None:
+        """How many messages the broker holds for the queue (``None``: unknown).
+        Only the queued requests beyond that many can have lost their message;
+        the others wait their turn in a backlog."""
         if self.queue_length is None:
-            return False
+            return None
         try:
-            return self.queue_length() == 0
+            return self.queue_length()
         except Exception:
-            return False
+            return None
 
     def repair_results(self, conn: psycopg.Connection[Any]) -> int:
         """Store the result of finished requests whose worker died between its
@@ -190,17 +193,27 @@ class Sweeper:
                     ", ..." if len(request_ids) > 5 else ""), pid,
                 extra={"action": "sweeper_fence", "requests": request_ids, "backend": pid},
             )
-        queued_after = (
-            self.settings.handoff_grace if self._queue_is_empty()
-            else self.settings.redispatch_after
-        )
         orphans = conn.execute(
             query("orphans"),
-            {"after": self.settings.redispatch_after, "queued_after": queued_after,
-             "dead_after": 2 * self.settings.heartbeat_interval, "limit": 500},
+            {"after": self.settings.redispatch_after, "queued_after": self.settings.handoff_grace,
+             "waiting": self._waiting(), "dead_after": 2 * self.settings.heartbeat_interval,
+             "limit": 500},
         ).fetchall()
+        # A queued request that looks lost must look lost on two sweeps a moment
+        # apart: one a worker has just taken from the broker is counted nowhere
+        # until its attempt starts, milliseconds later.
+        now = time.monotonic()
+        confirm = max(2 * self.settings.sweep_interval, 1.0)
+        suspects, self._suspects = self._suspects, {}
+        dispatched = 0
         for row in orphans:
             pending = Pending(*row[:7])
+            if row[7] == "queued":
+                since = suspects.get(pending.request_id, now)
+                if now - since < confirm:
+                    self._suspects[pending.request_id] = since
+                    continue
+            dispatched += 1
             conn.execute(query("mark_swept"), {"request_id": pending.request_id})
             self.dispatch(pending)
             if meter is not None:
@@ -210,7 +223,7 @@ class Sweeper:
                 pending.request_id, row[7],
                 extra={"action": "sweeper_redispatch", "request": pending.request_id},
             )
-        return len(orphans)
+        return dispatched
 
     def retain(self, conn: psycopg.Connection[Any], *, budget: float = PRUNE_BUDGET) -> int:
         """Prune what is older than ``retention`` for up to ``budget`` seconds;

@@ -294,11 +294,14 @@ def verdict(dsn: str, sent: list[Sent], result_timeout: float = 30.0) -> Verdict
         if len(done) > 1 and not any(
             first_write is not None and e.started_at > first_write for e in done
         ):
-            out.reruns_in_window.append(
-                f"{tag}: completed at {done[0].finished_at:%T.%f} (pid {done[0].pid}), "
-                f"run again from {done[1].started_at:%T.%f} (pid {done[1].pid}); first "
-                f"journaled {'never' if first_write is None else f'{first_write:%T.%f}'}"
-            )
+            # Each completion before the first journal write was cut off by a
+            # fault before its write (two faults in a row can hit one call twice).
+            for earlier, later in pairwise(done):
+                out.reruns_in_window.append(
+                    f"{tag}: completed at {earlier.finished_at:%T.%f} (pid {earlier.pid}), "
+                    f"run again from {later.started_at:%T.%f} (pid {later.pid}); first "
+                    f"journaled {'never' if first_write is None else f'{first_write:%T.%f}'}"
+                )
 
     by_request: dict[str, list[Execution]] = {}
     for e in found:

@@ -340,10 +340,26 @@ SELECT r.request_id, l.pid
 -- The oldest unfinished request of each scope whose lock nobody holds:
 -- running, with a heartbeat older than dead_after (its worker died; a
 -- worker that merely lost its lock stops its own run within a heartbeat),
--- or queued with a dispatch older than queued_after (a lost publish or
--- handoff). A running one is dispatched again at once, then again only
--- when an attempt started since died too, or after `after` seconds.
-WITH heads AS (
+-- or queued with a message that is gone. A running one is dispatched again at
+-- once, then again only when an attempt started since died too, or after
+-- `after` seconds.
+-- A queued request's message is in the broker when nobody received it or it
+-- was published again since (a handoff). Of those, the broker holds `waiting`
+-- messages: only the oldest (count - waiting) can be gone, since a broker
+-- hands out the oldest first, and only after queued_after seconds (a message
+-- on its way to a worker is counted nowhere for a moment). A request whose
+-- publish failed (dispatched_at -infinity) is gone. With `waiting` unknown
+-- (NULL: the broker did not answer), a message counts as gone after `after`
+-- seconds. A queued request received and parked, not published since, is in
+-- no broker: it goes after queued_after.
+WITH in_broker AS (
+    SELECT request_id, dispatched_at,
+           row_number() OVER (ORDER BY dispatched_at, seq) AS age
+      FROM runs
+     WHERE status = 'queued' AND (received_at IS NULL OR dispatched_at > received_at)
+), budget AS (
+    SELECT (SELECT count(*) FROM in_broker) - %(waiting)s::bigint AS lost
+), heads AS (
     SELECT DISTINCT ON (scope) request_id, kind, session_id, user_id, agent, prompt, metadata,
            status, dispatched_at, swept_at, started_at, heartbeat_at, lock_key
       FROM runs
@@ -352,6 +368,7 @@ WITH heads AS (
 )
 SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata, h.status
   FROM heads h
+  LEFT JOIN in_broker b USING (request_id)
  WHERE h.lock_key IS NOT NULL
    AND CASE WHEN h.status = 'running' THEN
             h.heartbeat_at < now() - make_interval(secs => %(dead_after)s)
@@ -361,6 +378,10 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
             h.dispatched_at < now() - make_interval(secs => %(queued_after)s)
             AND (h.swept_at IS NULL
                  OR h.swept_at < now() - make_interval(secs => %(queued_after)s))
+            AND (b.request_id IS NULL OR b.dispatched_at = '-infinity'
+                 OR b.age <= (SELECT lost FROM budget)
+                 OR (%(waiting)s::bigint IS NULL
+                     AND h.dispatched_at < now() - make_interval(secs => %(after)s)))
        END
    AND NOT EXISTS (
        SELECT 1 FROM pg_locks l
@@ -369,6 +390,12 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
           AND l.classid = ((h.lock_key >> 32) & 4294967295)::oid
           AND l.objid = (h.lock_key & 4294967295)::oid)
  LIMIT %(limit)s;
+
+-- name: mark_unpublished
+-- The broker refused a request's message: it is the first the sweeper
+-- publishes once the broker is back.
+UPDATE runs SET dispatched_at = '-infinity'
+ WHERE request_id = %(request_id)s AND status = 'queued' AND received_at IS NULL;
 
 -- name: mark_swept
 UPDATE runs SET swept_at = now(), dispatched_at = greatest(dispatched_at, now())
