@@ -4,13 +4,16 @@ on loomflow's own PostgresRuntime, on real ``celery worker`` processes.
 Measures, on scratch databases it creates and drops and a Redis key prefix of its own:
 
 1. throughput of a 3-tool agent run (DeterministicModel, a pure tool that does no I/O and
-   does not sleep, three sequential tool calls) on 2 workers of 2 prefork children each:
-   ours, ``loomflow_worker.tasks.run_agent.delay(prompt, session_id)``, against a plain
-   Celery task (``bench/plain_celery_app.py``) that runs the same agent on
-   ``loomflow.runtime.PostgresRuntime`` (asyncpg), both with one event loop thread, one
-   runtime and one agent per pool child made at ``worker_process_init``. Many requests over
-   many sessions; requests per second, interleaved rounds, and CPU time per request of the
-   workers, the Postgres backends, Redis and this process;
+   does not sleep, three sequential tool calls), CPU-bound, with the same number of
+   processes running agents on each side: a plain Celery task (``bench/plain_celery_app.py``)
+   that runs the same agent on ``loomflow.runtime.PostgresRuntime`` (asyncpg) on 2 workers
+   of 2 prefork children (one event loop thread, one runtime and one agent per child, made
+   at ``worker_process_init``), against ours,
+   ``loomflow_worker.tasks.run_agent.delay(prompt, session_id)``, as it ships: 4 worker
+   processes of the threads pool (``--ours-pool threads``, ``--ours-threads`` runs each), or
+   with ``--ours-pool prefork`` 2 workers of 2 prefork children like plain. Many requests
+   over many sessions; requests per second, interleaved rounds, and CPU time per request of
+   the workers, the Postgres backends, Redis and this process;
 2. the handoff between consecutive requests of ONE session: N requests enqueued at once on
    one session, 2 workers of 1 child each; from ``run_attempts``, the next request's attempt
    ``started_at`` minus the previous request's attempt ``ended_at`` (written in the
@@ -73,9 +76,9 @@ from bench.bench_runtime import (  # noqa: E402
     verdict,
 )
 from loomflow_worker import tasks  # noqa: E402
+from loomflow_worker.execution.registry import import_agent_modules  # noqa: E402
 from loomflow_worker.runtime import PostgresRuntime  # noqa: E402
 from loomflow_worker.settings import Settings  # noqa: E402
-from loomflow_worker.tasks.registry import import_agent_modules  # noqa: E402
 
 ADMIN_DSN_ENV = "LOOMFLOW_WORKER_BENCH_ADMIN_DSN"
 DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -620,7 +623,7 @@ def counting_statements(counts: collections.Counter[str]) -> Iterator[None]:
 async def bench_split(
     settings: Settings, plain_dsn: str, requests: int, rounds: int, tag: str
 ) -> SplitResult:
-    from loomflow_worker.tasks import execute as ours_execute
+    from loomflow_worker.execution import execute as ours_execute
 
     import_agent_modules(settings.agents)
     ctx = ours_execute.WorkerContext(settings)
@@ -836,6 +839,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--split-requests", type=int, default=300,
                         help="requests per round of benchmark 3 (in-process split), 0 skips "
                              "(default 300)")
+    parser.add_argument("--ours-pool", choices=["threads", "prefork"], default="threads",
+                        help="ours' pool: threads (as `loomflow-worker worker` ships: as many "
+                             "worker processes as plain has pool children, each carrying "
+                             "--ours-threads runs) or prefork (2 workers x --concurrency "
+                             "children, as plain); default threads")
+    parser.add_argument("--ours-threads", type=int, default=8,
+                        help="runs per ours worker process with --ours-pool threads (default 8)")
     parser.add_argument("--plain-acks-late", action="store_true",
                         help="give the plain app ours' delivery settings (acks_late, "
                              "reject_on_worker_lost, prefetch multiplier 1)")
@@ -989,14 +999,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"settings: --requests {args.requests} --sessions {args.sessions} "
               f"--rounds {args.rounds} --concurrency {args.concurrency} "
-              f"--handoffs {args.handoffs} --split-requests {args.split_requests}; "
+              f"--handoffs {args.handoffs} --split-requests {args.split_requests} "
+              f"--ours-pool {args.ours_pool} --ours-threads {args.ours_threads}; "
               f"plain delivery: {plain_delivery}", flush=True)
         tasks.configure(ours_settings)
         plain.configure(plain_config)
 
         names = {"ours": ["ours1", "ours2"], "plain": ["plain1", "plain2"]}
-        for name in names["ours"]:
-            fleet.start(name, "loomflow_worker.tasks", args.concurrency, ours_env)
+        if args.ours_pool == "threads":
+            # As many processes running agents as plain's pool children.
+            names["ours"] = [f"ours{i + 1}" for i in range(2 * args.concurrency)]
+            for name in names["ours"]:
+                fleet.start(name, "loomflow_worker.tasks", args.ours_threads, ours_env,
+                            pool="threads")
+        else:
+            for name in names["ours"]:
+                fleet.start(name, "loomflow_worker.tasks", args.concurrency, ours_env)
         for name in names["plain"]:
             fleet.start(name, "bench.plain_celery_app", args.concurrency, plain_config.env())
         fleet.wait_ready(names["ours"] + names["plain"])

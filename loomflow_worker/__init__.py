@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from .execution.registry import register_agent
 from .memory import NoMemory
 from .runtime import (
     DatabaseUnavailable,
@@ -11,7 +12,6 @@ from .runtime import (
     PostgresRuntime,
     SessionBusy,
 )
-from .tasks.registry import register_agent
 
 __version__ = "0.1.0"
 

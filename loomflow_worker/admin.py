@@ -671,7 +671,7 @@ def check_settings(settings: Settings, grace_period: float) -> list[Check]:
     """Settings that only go wrong together."""
     checks = []
     if settings.is_redis_broker:
-        from .tasks.registry import agent_time_limit, registered_agents
+        from .execution.registry import agent_time_limit, registered_agents
 
         limits = [agent_time_limit(name) for name in registered_agents()]
         longest = max([settings.run_time_limit, *(t for t in limits if t is not None)])
@@ -804,7 +804,7 @@ def _check_redis(settings: Settings, timeout: float) -> list[Check]:
 
 
 def _check_agents(settings: Settings) -> Check:
-    from .tasks.registry import import_agent_modules, registered_agents
+    from .execution.registry import import_agent_modules, registered_agents
 
     if not settings.agents:
         return Check(

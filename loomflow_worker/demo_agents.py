@@ -11,9 +11,9 @@ from typing import Any
 
 from loomflow import Agent
 
+from .execution.registry import register_agent
 from .memory import NoMemory
 from .tasks import settings
-from .tasks.registry import register_agent
 from .testing import DeterministicModel, EffectsLog
 
 CLAUDE = "claude-sonnet-4-6"

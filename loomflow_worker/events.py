@@ -204,9 +204,7 @@ class EventPublisher:
 
 def _reader_args(settings: Settings | None, url: str | None) -> tuple[str, str]:
     if settings is None:
-        from .tasks.application import settings as current
-
-        settings = current()
+        settings = Settings()  # the environment's LOOMFLOW_WORKER_* settings
     found = url or events_url(settings)
     if found is None:
         raise RuntimeError(

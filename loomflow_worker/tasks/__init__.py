@@ -1,5 +1,7 @@
 """Agent runs as Celery tasks: ``celery -A loomflow_worker.tasks worker``."""
 
+from ..execution.execute import RunCancelled, RunDead, RunFailed
+from ..execution.registry import register_agent, registered_agents
 from .application import (
     AgentTask,
     app,
@@ -8,8 +10,6 @@ from .application import (
     run_agent,
     settings,
 )
-from .execute import RunCancelled, RunDead, RunFailed
-from .registry import register_agent, registered_agents
 
 __all__ = [
     "AgentTask",

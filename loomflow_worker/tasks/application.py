@@ -28,17 +28,17 @@ from pydantic_settings import SettingsError
 
 from .. import metrics
 from ..admin import validation_message
+from ..execution.execute import Outcome, RunCancelled, RunDead, RunFailed, WorkerContext, execute
+from ..execution.ledger import ON_BUSY, EnqueuePool, OnBusy, Pending
+from ..execution.registry import DEFAULT_AGENT, import_agent_modules
+from ..execution.request import Kind, check_request
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
 from ..runtime.sql import query
 from ..runtime.validate import check_id
 from ..settings import Settings
 from . import pool
-from .execute import Outcome, RunCancelled, RunDead, RunFailed, WorkerContext, execute
-from .ledger import ON_BUSY, EnqueuePool, OnBusy, Pending
 from .loop import ChildLoop
 from .pool import REFUSED_POOLS, RunPool, pool_name
-from .registry import DEFAULT_AGENT, import_agent_modules
-from .request import Kind, check_request
 from .sweeper import Sweeper
 
 log = logging.getLogger("loomflow_worker.tasks")

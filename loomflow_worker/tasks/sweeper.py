@@ -31,9 +31,9 @@ from typing import Any
 import psycopg
 
 from .. import admin, metrics
+from ..execution.ledger import Pending
 from ..runtime.sql import query
 from ..settings import Settings
-from .ledger import Pending
 
 log = logging.getLogger("loomflow_worker.sweeper")
 

@@ -16,8 +16,8 @@ import anyio
 import psycopg
 import pytest
 
-from loomflow_worker.tasks import ledger
-from loomflow_worker.tasks.request import RunRequest
+from loomflow_worker.execution import ledger
+from loomflow_worker.execution.request import RunRequest
 
 pytestmark = pytest.mark.anyio
 

@@ -12,8 +12,8 @@ from loomflow.memory import HashEmbedder
 from loomflow.memory.redis import RedisMemory
 
 from loomflow_worker import register_agent
+from loomflow_worker.execution.execute import WorkerContext
 from loomflow_worker.settings import Settings
-from loomflow_worker.tasks.execute import WorkerContext
 from loomflow_worker.testing import DeterministicModel
 
 pytestmark = pytest.mark.anyio

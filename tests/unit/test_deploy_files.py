@@ -463,7 +463,7 @@ def test_the_agents_modules_configured_are_in_the_image() -> None:
 
 @pytest.fixture
 def example_agents(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    from loomflow_worker.tasks import registry
+    from loomflow_worker.execution import registry
 
     factories, limits = dict(registry._factories), dict(registry._time_limits)
     monkeypatch.syspath_prepend(str(DEPLOY))
@@ -481,7 +481,7 @@ def example_agents(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
 def test_the_example_agent_runs_on_the_deterministic_model_without_a_key(
     example_agents: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from loomflow_worker.tasks.registry import agent_factory
+    from loomflow_worker.execution.registry import agent_factory
 
     monkeypatch.setenv("ANTHROPIC_API_KEY", "")
     agent = agent_factory("default")(None)
@@ -497,7 +497,7 @@ def test_the_example_agent_runs_on_the_deterministic_model_without_a_key(
 def test_the_example_agent_runs_on_claude_with_a_key(
     example_agents: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from loomflow_worker.tasks.registry import agent_factory
+    from loomflow_worker.execution.registry import agent_factory
 
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-not-a-key")
     agent = agent_factory("default")(None)

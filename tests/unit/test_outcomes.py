@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from loomflow_worker.runtime import InvalidInput
-from loomflow_worker.settings import Settings
-from loomflow_worker.tasks.execute import (
+from loomflow_worker.execution.execute import (
     Ending,
     Retry,
     ending_before_run,
     ending_of_error,
     time_limit_ending,
 )
-from loomflow_worker.tasks.ledger import Started
+from loomflow_worker.execution.ledger import Started
+from loomflow_worker.runtime import InvalidInput
+from loomflow_worker.settings import Settings
 
 SETTINGS = Settings(max_crashes=3, max_retries=2)
 

@@ -1,0 +1,126 @@
+"""The package's layers import one way, with no circles (no services).
+
+runtime (journal, locks, SQL, migrations) <- execution (the ledger and one
+attempt of a request, no Celery) <- tasks (the Celery binding) <- faces (the
+CLI, the demo). Settings, events and metrics are leaves anyone may use."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "loomflow_worker"
+NAME = "loomflow_worker"
+
+
+@pytest.mark.parametrize(
+    "module", ["loomflow_worker", "loomflow_worker.runtime", "loomflow_worker.execution.execute"]
+)
+def test_the_runtime_and_execution_load_no_celery(module: str) -> None:
+    code = (
+        f"import sys, {module}\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('celery', 'kombu', "
+        "'billiard', 'click'))\n"
+        "print(','.join(loaded))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=60)
+    assert done.stdout.strip() == "", f"importing {module} loaded {done.stdout.strip()}"
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return found
+
+
+def _imports(module: str, path: Path, is_package: bool, known: set[str]) -> set[str]:
+    """The package's modules ``module`` imports, anywhere in it but type-checking blocks."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+        and node.test.id == "TYPE_CHECKING"
+        for inner in ast.walk(node)
+    }
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            targets.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")[: len(module.split(".")) - (node.level - is_package)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            targets.update(
+                f"{target}.{a.name}" if f"{target}.{a.name}" in known else target
+                for a in node.names
+            )
+    out = set()
+    for target in targets:
+        while target not in known and "." in target:
+            target = target.rsplit(".", 1)[0]
+        if target in known and target != module:
+            out.add(target)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(m, p, pkg, set(modules)) for m, (p, pkg) in modules.items()}
+
+
+def test_no_import_circles() -> None:
+    graph = _graph()
+    circles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                circles.append([*path[path.index(dep):], dep])
+            elif dep not in state:
+                visit(dep)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert circles == []
+
+
+LAYERS = {
+    f"{NAME}.runtime": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.cli", f"{NAME}.admin",
+                        f"{NAME}.demo", f"{NAME}.events", f"{NAME}.metrics"},
+    f"{NAME}.execution": {f"{NAME}.tasks", f"{NAME}.cli", f"{NAME}.admin", f"{NAME}.demo"},
+    f"{NAME}.tasks": {f"{NAME}.cli", f"{NAME}.demo"},
+    f"{NAME}.settings": {f"{NAME}.runtime", f"{NAME}.execution", f"{NAME}.tasks",
+                         f"{NAME}.admin", f"{NAME}.cli", f"{NAME}.events"},
+    f"{NAME}.events": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.admin", f"{NAME}.cli"},
+}
+
+
+def test_each_layer_imports_only_those_below_it() -> None:
+    graph = _graph()
+    wrong = []
+    for module, deps in graph.items():
+        for layer, forbidden in LAYERS.items():
+            if module == layer or module.startswith(layer + "."):
+                wrong += [f"{module} imports {dep}" for dep in deps
+                          if any(dep == f or dep.startswith(f + ".") for f in forbidden)]
+    assert wrong == []
