@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 import logging
 import pickle
+import uuid
 from dataclasses import dataclass
+from datetime import date, datetime, timedelta
+from datetime import time as dt_time
+from decimal import Decimal
+from enum import Enum
+from pathlib import PurePath
 from typing import Any, Literal
 
 from loomflow.runtime import _codec
+from pydantic import BaseModel
 
 from .errors import InvalidInput
 
 Serializer = Literal["json", "pickle"]
+
+_TAG = _codec._TAG
 
 log = logging.getLogger("loomflow_worker.runtime")
 
@@ -55,14 +66,80 @@ def encode(value: Any, serializer: Serializer, stats: CodecStats, *, key: str) -
         return None
 
 
+def _revive(obj: dict[str, Any]) -> Any:
+    """loomflow's ``_codec._decode`` for one JSON object, as ``json.loads`` builds
+    it: its members are revived already (the parser calls this bottom-up), so
+    no Python walks the lists and plain objects of a value a second time."""
+    tag = obj.get(_TAG)
+    if tag is None:
+        return obj
+    v: Any = obj.get("v")
+    if tag == "map":
+        return {key: item for key, item in v}
+    if tag == "tuple":
+        return tuple(v)
+    if tag == "set":
+        return set(v)
+    if tag == "frozenset":
+        return frozenset(v)
+    if tag == "bytes":
+        return base64.b64decode(v)
+    if tag == "datetime":
+        return datetime.fromisoformat(v)
+    if tag == "date":
+        return date.fromisoformat(v)
+    if tag == "time":
+        return dt_time.fromisoformat(v)
+    if tag == "timedelta":
+        return timedelta(days=v[0], seconds=v[1], microseconds=v[2])
+    if tag == "decimal":
+        return Decimal(v)
+    if tag == "uuid":
+        return uuid.UUID(v)
+    cls = _codec._resolve(obj["cls"])
+    if tag == "path" and issubclass(cls, PurePath):
+        return cls(v)
+    if tag == "enum" and issubclass(cls, Enum):
+        return cls(v)
+    if tag == "model" and issubclass(cls, BaseModel):
+        return _construct(cls, set(obj.get("set") or ()), v, obj.get("x") or {})
+    if tag == "dataclass" and dataclasses.is_dataclass(cls):
+        revived = object.__new__(cls)
+        for name, item in v.items():
+            object.__setattr__(revived, name, item)
+        return revived
+    raise _codec.UndecodableValue(f"unknown or mismatched tag {tag!r} for {obj.get('cls')}")
+
+
+def _construct(
+    cls: type[BaseModel], fields_set: set[str], values: dict[str, Any], extra: dict[str, Any]
+) -> BaseModel:
+    """``cls.model_construct(fields_set, **values, **extra)``. The codec stores
+    every field of a model, so a model whose stored fields are exactly its
+    fields (and that has no post-init) is built as model_construct builds it,
+    without looking up a default or an alias for each field."""
+    if (
+        cls.__pydantic_post_init__ is not None
+        or cls.__pydantic_root_model__
+        or values.keys() != cls.__pydantic_fields__.keys()
+    ):
+        return cls.model_construct(fields_set, **{**values, **extra})
+    model = cls.__new__(cls)
+    _set = object.__setattr__
+    _set(model, "__dict__", values)
+    _set(model, "__pydantic_fields_set__", fields_set)
+    _set(model, "__pydantic_extra__", extra if cls.model_config.get("extra") == "allow" else None)
+    _set(model, "__pydantic_private__", None)
+    return model
+
+
 def decode(blob: bytes, serializer: Serializer, stats: CodecStats, *, key: str) -> tuple[bool, Any]:
     """``(True, value)``, or ``(False, None)`` (counted, logged) for a value that won't load.
 
     Under the JSON serializer nothing is ever unpickled."""
     if blob[:3] == _codec.MAGIC:
         try:
-            # loomflow's _codec.loads, minus its checks and bytes sniffing.
-            return True, _codec._decode(json.loads(blob[3:].decode("utf-8")))
+            return True, json.loads(blob[3:].decode("utf-8"), object_hook=_revive)
         except (ValueError, TypeError, KeyError, AttributeError, _codec.UndecodableValue) as exc:
             reason = str(exc)
     elif serializer == "pickle":
