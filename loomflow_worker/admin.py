@@ -24,6 +24,7 @@ from loomflow.runtime import _codec
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from .execution import ledger
 from .runtime.codec import CodecStats, decode
 from .runtime.errors import DatabaseUnavailable, InvalidInput, LoomflowWorkerError, SchemaError
 from .runtime.migrate import latest_version
@@ -34,8 +35,8 @@ from .settings import Settings
 
 Conn = psycopg.Connection[Any]
 
-TERMINAL = ("succeeded", "failed", "cancelled", "dead")
-STATUSES = ("queued", "running", *TERMINAL)
+TERMINAL = tuple(str(s) for s in ledger.TERMINAL)
+STATUSES = tuple(str(s) for s in ledger.Status)
 
 
 class RequestNotFound(LoomflowWorkerError, LookupError):

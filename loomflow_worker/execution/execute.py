@@ -106,6 +106,8 @@ class WorkerContext:
         self._agents: dict[str, Any] = {}
         self._connect_lock = anyio.Lock()
         self._beating: asyncio.Task[None] | None = None
+        # Running requests of this process, by id: how to halt each.
+        self._halts: dict[str, Callable[[str], None]] = {}
 
     async def runtime(self) -> PostgresRuntime:
         async with self._connect_lock:
@@ -160,6 +162,16 @@ class WorkerContext:
                 )
             self._agents[name] = agent
         return self._agents[name]
+
+    def halt(self, request_id: str, reason: str) -> bool:
+        """Stop a running request of this process at once, mid-step: it ends
+        ``cancelled`` with ``reason`` (a revoke with terminate). ``False``
+        when it does not run here."""
+        halt = self._halts.get(request_id)
+        if halt is None:
+            return False
+        halt(reason)
+        return True
 
     async def _heartbeats(self, runtime: PostgresRuntime) -> None:
         """Stamp every running request of the process as alive: one statement
@@ -507,9 +519,18 @@ async def _run(
     fence = anyio.CancelScope()
     attempt.request_id = request_id
     attempt.on_fenced.append(lambda _: fence.cancel())
+    # A revoke with terminate stops it at once, mid-step.
+    halt = anyio.CancelScope()
+    halted: list[str] = []
+
+    def stop_now(reason: str) -> None:
+        halted.append(reason)
+        halt.cancel()
+
+    ctx._halts[request_id] = stop_now
     try:
         try:
-            with fence, run_options(attempt=attempt, epoch=started.epoch):
+            with fence, halt, run_options(attempt=attempt, epoch=started.epoch):
                 with anyio.move_on_after(time_limit) as deadline:
                     emit = _emitter(ctx, request_id, started.attempt, attempt)
                     if req.kind == "resume":
@@ -521,6 +542,7 @@ async def _run(
                 raise attempt.fenced or LockLost(req.scope, "the heartbeat failed")
         finally:
             attempt.request_id = None
+            ctx._halts.pop(request_id, None)
             if meter is not None:
                 meter.steps.labels("executed").inc(runtime.stats.steps_executed - executed)
                 meter.steps.labels("replayed").inc(runtime.stats.steps_replayed - replayed)
@@ -547,6 +569,8 @@ async def _run(
             log.info("request %s interrupted", request_id,
                      extra={"action": "interrupted", **log_fields})
         raise
+    if halt.cancelled_caught:
+        return Ending("cancelled", error=halted[0], error_type="Revoked", note=f": {halted[0]}")
     if deadline.cancelled_caught:
         if attempt.fenced is not None:
             raise attempt.fenced

@@ -6,6 +6,7 @@ import os
 import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
 
 import psycopg
@@ -18,7 +19,22 @@ from ..runtime.sql import query
 from ..runtime.store import Conn, IdleCheck, describe_dsn, scope_lock_key
 from .request import RunRequest
 
-TERMINAL = ("succeeded", "failed", "cancelled", "dead")
+
+class Status(StrEnum):
+    """A request's status in the ``runs`` ledger (equal to its text in SQL)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    DEAD = "dead"
+    # Celery let it expire (``apply_async(expires=...)``) before it started.
+    EXPIRED = "expired"
+
+
+UNFINISHED = (Status.QUEUED, Status.RUNNING)
+TERMINAL = tuple(s for s in Status if s not in UNFINISHED)
 
 OnBusy = Literal["enqueue", "reject", "interrupt"]
 ON_BUSY: tuple[OnBusy, ...] = ("enqueue", "reject", "interrupt")
@@ -473,3 +489,40 @@ async def heartbeat(conn: Conn, request_ids: list[str]) -> set[str]:
     cancel was requested."""
     cur = await conn.execute(query("heartbeat"), {"request_ids": request_ids})
     return {request_id for request_id, cancel in await cur.fetchall() if cancel}
+
+
+# ---- requests Celery revoked or let expire (sync: the worker's main process) --------------
+
+
+def end_revoked(
+    conn: psycopg.Connection[Any], request_id: str, *, expired: bool
+) -> tuple[bool, Handoff | None]:
+    """End a request Celery revoked (``expired``: let expire) as ``cancelled``
+    (``expired``). ``(True, handoff)`` once it is ended (or was already),
+    ``(False, None)`` while an attempt still holds its scope: it is flagged and
+    stops at its next step; call again once that attempt is gone."""
+    row = conn.execute(query("revoked_request"), {"request_id": request_id}).fetchone()
+    if row is None or row[1] not in UNFINISHED:
+        return True, None
+    scope, status, epoch, lock_key = row
+    ending = {
+        "request_id": request_id,
+        "status": Status.EXPIRED if expired else Status.CANCELLED,
+        "error": "expired before it started (Celery expires)" if expired
+        else "revoked (Celery revoke)",
+        "error_type": "Expired" if expired else "Revoked",
+    }
+    if status == Status.QUEUED and epoch is None:
+        # It never started: it journaled nothing, and ends without its lock.
+        conn.execute(query("end_revoked"), ending)
+        return True, _handoff(conn.execute(query("hand_over"), {"scope": scope}).fetchone())
+    got = conn.execute(query("try_lock"), {"key": lock_key}).fetchone()
+    if not (got and got[0]):
+        conn.execute(query("flag_cancel"), {"request_id": request_id})
+        return False, None
+    try:
+        conn.execute(query("end_revoked"), ending)
+        handoff = _handoff(conn.execute(query("hand_over"), {"scope": scope}).fetchone())
+    finally:
+        conn.execute(query("unlock"), {"key": lock_key})
+    return True, handoff

@@ -7,6 +7,8 @@ import concurrent.futures
 import inspect
 import logging
 import os
+import threading
+import time
 import uuid
 from typing import Any
 
@@ -15,6 +17,7 @@ from celery import Celery, Task
 from celery.exceptions import Ignore, Reject
 from celery.result import AsyncResult, task_join_will_block
 from celery.signals import (
+    task_revoked,
     worker_init,
     worker_process_init,
     worker_process_shutdown,
@@ -28,6 +31,7 @@ from pydantic_settings import SettingsError
 
 from .. import metrics
 from ..admin import validation_message
+from ..execution import ledger
 from ..execution.execute import Outcome, RunCancelled, RunDead, RunFailed, WorkerContext, execute
 from ..execution.ledger import ON_BUSY, EnqueuePool, OnBusy, Pending
 from ..execution.registry import DEFAULT_AGENT, import_agent_modules
@@ -56,7 +60,6 @@ PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.3,
 _state: dict[str, Any] = {}
 _loop = ChildLoop()
 _enqueue = EnqueuePool()
-pool.stop_run = _loop.cancel
 
 
 def settings() -> Settings:
@@ -228,9 +231,85 @@ def _start_sweeper(**_: Any) -> None:
         except Exception:
             log.exception("the worker could not connect to Postgres yet; will retry per task")
     if settings().sweeper:
-        sweeper = Sweeper(settings(), _dispatch, _queue_length, _store_missing_result)
+        sweeper = Sweeper(settings(), _dispatch, _queue_length, _store_missing_result,
+                          revoked=_end_revoked_requests)
         _state["sweeper"] = sweeper
         sweeper.start()
+
+
+#: How long a revoked request whose attempt still holds its scope is waited
+#: for (its worker stops it at its next step, or dies of the terminate).
+REVOKE_WAIT = 15.0
+
+
+@task_revoked.connect
+def _revoked(request: Any = None, expired: bool = False, **_: Any) -> None:
+    """Celery revoked a request, or let it expire: the ledger ends it
+    (``cancelled`` or ``expired``) and its session moves on, rather than
+    waiting for a message every worker now discards."""
+    name = getattr(request, "task", None)
+    if getattr(name, "name", name) not in (run_agent.name, resume_agent.name):
+        return
+    request_id = str(request.id)
+    threading.Thread(
+        target=_end_revoked, args=(request_id, bool(expired)), daemon=True,
+        name=f"loomflow-worker revoke {request_id}",
+    ).start()
+
+
+def _end_revoked(request_id: str, expired: bool) -> None:
+    current = settings()
+    deadline = time.monotonic() + REVOKE_WAIT
+    while True:
+        try:
+            with _enqueue.pool(
+                current.database_url.get_secret_value(), current.connect_timeout
+            ).connection(timeout=current.connect_timeout) as conn:
+                done, handoff = ledger.end_revoked(conn, request_id, expired=expired)
+        except psycopg.Error:
+            log.warning("could not end revoked request %s in the ledger yet", request_id,
+                        exc_info=True, extra={"action": "revoke", "request": request_id})
+            done, handoff = False, None
+        if done:
+            log.info("request %s %s", request_id, "expired" if expired else "revoked",
+                     extra={"action": "expired" if expired else "revoked",
+                            "request": request_id})
+            for pending in handoff.publish if handoff is not None else []:
+                _dispatch_recorded(pending, "handed the session")
+            return
+        if time.monotonic() > deadline:
+            log.warning("revoked request %s: its attempt still holds the session after %gs; "
+                        "it stops at its next step", request_id, REVOKE_WAIT,
+                        extra={"action": "revoke", "request": request_id})
+            return
+        time.sleep(0.2)
+
+
+def _end_revoked_requests(request_ids: list[str]) -> None:
+    """The sweeper's share: requests revoked while their message waits in the
+    broker (a worker learns of a revoke at once, of the message only when it
+    comes) end now."""
+    for request_id in request_ids:
+        threading.Thread(
+            target=_end_revoked, args=(request_id, False), daemon=True,
+            name=f"loomflow-worker revoke {request_id}",
+        ).start()
+
+
+def _stop_run(request_id: str) -> bool:
+    """Stop one run of this process: a revoked one ends ``cancelled`` at once
+    (``revoke(terminate=True)``), any other (a shutdown) is interrupted and
+    requeued."""
+    from celery.worker import state
+
+    ctx: WorkerContext | None = _state.get("context")
+    if request_id in state.revoked and ctx is not None and _loop.running:
+        _loop.loop.call_soon_threadsafe(ctx.halt, request_id, "revoked (Celery revoke)")
+        return True
+    return _loop.cancel(request_id)
+
+
+pool.stop_run = _stop_run
 
 
 @worker_shutting_down.connect

@@ -33,6 +33,9 @@ class StoppableResult(ApplyResult):  # type: ignore[misc]
     def __init__(self, result: ApplyResult, request_id: str | None) -> None:
         super().__init__(result.f)
         self.request_id = request_id
+        # Celery keeps only a weak reference to a task's handle: the future
+        # keeps this one alive while the task runs, so terminate() reaches it.
+        result.f.loomflow_result = self
 
     def terminate(self, signal: Any = None) -> None:
         if self.request_id is not None and stop_run is not None:

@@ -53,8 +53,12 @@ class Sweeper:
         dispatch: Callable[[Pending], None],
         queue_length: Callable[[], int] | None = None,
         store_result: Callable[[str, str, Any, str | None], bool] | None = None,
+        revoked: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.settings = settings
+        # Ends requests revoked while their message waits in the broker.
+        self.end_revoked = revoked
+        self._revoked_seen: set[str] = set()
         self.dispatch = dispatch
         self.store_result = store_result
         self.queue_length = queue_length
@@ -105,6 +109,7 @@ class Sweeper:
                 if self._conn is None or self._conn.closed:
                     self._conn = self._connect()
                 if self._lead(self._conn):
+                    self.sweep_revoked(self._conn)
                     self.sweep(self._conn)
                     self.repair_results(self._conn)
                     self.retain(self._conn)
@@ -171,6 +176,24 @@ class Sweeper:
         if rows:
             conn.execute(query("mark_result_checked"), {"request_ids": [r[0] for r in rows]})
         return repaired
+
+    def sweep_revoked(self, conn: psycopg.Connection[Any]) -> int:
+        """End the unfinished requests whose ids Celery revoked (workers learn
+        of a revoke at once, but discard its message only when it comes, which
+        in a backlog may be much later); returns how many."""
+        if self.end_revoked is None:
+            return 0
+        from celery.worker import state
+
+        fresh = [rid for rid in list(state.revoked) if rid not in self._revoked_seen]
+        if not fresh:
+            return 0
+        self._revoked_seen.update(fresh)
+        rows = conn.execute(query("unfinished_among"), {"request_ids": fresh}).fetchall()
+        ids = [str(r[0]) for r in rows]
+        if ids:
+            self.end_revoked(ids)
+        return len(ids)
 
     def sweep(self, conn: psycopg.Connection[Any]) -> int:
         """One sweep; returns how many requests it dispatched again."""

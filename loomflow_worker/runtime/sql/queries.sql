@@ -502,7 +502,7 @@ SELECT (SELECT count(*) FROM journal_steps j
            AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
                               AND r.status IN ('queued', 'running'))),
        (SELECT count(*) FROM runs
-         WHERE status IN ('succeeded', 'failed', 'cancelled', 'dead')
+         WHERE status IN ('succeeded', 'failed', 'cancelled', 'dead', 'expired')
            AND enqueued_at < %(cutoff)s AND finished_at < %(cutoff)s);
 
 -- name: admin_cutoff
@@ -542,7 +542,7 @@ DELETE FROM checkpoints WHERE ctid = ANY(ARRAY(
 -- runs_status: a request finished before the cutoff was enqueued before it.
 DELETE FROM runs WHERE request_id = ANY(ARRAY(
     SELECT request_id FROM runs
-     WHERE status IN ('succeeded', 'failed', 'cancelled', 'dead')
+     WHERE status IN ('succeeded', 'failed', 'cancelled', 'dead', 'expired')
        AND enqueued_at < %(cutoff)s AND finished_at < %(cutoff)s
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
@@ -653,7 +653,7 @@ UPDATE run_attempts SET outcome = 'interrupted'
 -- Requests finished between `after` and `within` seconds ago whose result the
 -- sweeper has not yet checked in the result backend.
 SELECT request_id, status, result, error, error_type FROM runs
- WHERE NOT result_checked AND status IN ('succeeded', 'failed', 'cancelled', 'dead')
+ WHERE NOT result_checked AND status NOT IN ('queued', 'running')
    AND finished_at < now() - make_interval(secs => %(after)s)
    AND finished_at > now() - make_interval(secs => %(within)s)
  ORDER BY finished_at LIMIT %(limit)s;
@@ -694,3 +694,45 @@ SELECT r.ok, EXISTS (
        AND l.classid = ((%(key)s::bigint >> 32) & 4294967295)::oid
        AND l.objid = (%(key)s::bigint & 4294967295)::oid)
   FROM released r;
+
+-- ---- revoked and expired requests --------------------------------------------------------
+
+-- name: revoked_request
+SELECT scope, status, epoch, lock_key FROM runs WHERE request_id = %(request_id)s;
+
+-- name: end_revoked
+-- A request Celery revoked, or let expire, ended in the ledger: the scope's
+-- epoch advanced past the one it pinned (when it started), its status and
+-- error recorded, its open attempt closed. Run holding its scope's lock, or
+-- for a request that never started (it journaled nothing).
+WITH r AS (
+    SELECT request_id, scope, epoch FROM runs
+     WHERE request_id = %(request_id)s AND status IN ('queued', 'running') FOR UPDATE
+), advanced AS (
+    INSERT INTO journal_steps (session_id, step_name, value, created_at)
+    SELECT r.scope, '__run_epoch__', convert_to('LJ1' || (r.epoch + 1)::text, 'UTF8'),
+           extract(epoch FROM clock_timestamp())
+      FROM r WHERE r.epoch IS NOT NULL
+    ON CONFLICT (session_id, step_name) DO UPDATE
+       SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
+     WHERE coalesce(loomflow_worker_epoch(journal_steps.value), -1)
+           < loomflow_worker_epoch(EXCLUDED.value)
+), ended AS (
+    UPDATE runs u
+       SET status = %(status)s, error = %(error)s, error_type = %(error_type)s,
+           finished_at = now(), holder_pid = NULL, cancel_requested = true
+      FROM r WHERE u.request_id = r.request_id
+    RETURNING u.request_id
+), closed AS (
+    UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(status)s
+     WHERE request_id = %(request_id)s AND ended_at IS NULL
+)
+SELECT count(*) FROM ended;
+
+-- name: flag_cancel
+UPDATE runs SET cancel_requested = true
+ WHERE request_id = %(request_id)s AND status IN ('queued', 'running');
+
+-- name: unfinished_among
+SELECT request_id FROM runs
+ WHERE request_id = ANY(%(request_ids)s::text[]) AND status IN ('queued', 'running');

@@ -1,0 +1,65 @@
+"""Celery's revoke and expires end a request in the ledger, and its session moves on."""
+
+from __future__ import annotations
+
+import time
+
+from celery.exceptions import TaskRevokedError
+
+from loomflow_worker.tasks import app, run_agent
+
+from .celery_harness import Fleet, ledger, wait_status
+from .helpers import calls
+
+
+def _attempts(fleet: Fleet, request_id: str) -> int:
+    return int(ledger(fleet.dsn, request_id)["attempts"])  # type: ignore[call-overload]
+
+
+def test_revoking_a_waiting_request_cancels_it_and_its_session_moves_on(fleet: Fleet) -> None:
+    fleet.start("w1", concurrency=4, pool="threads", TEST_TOOL_SLEEP="1.5")
+    first = run_agent.delay(calls("a1", "a2"), "s")
+    wait_status(fleet.dsn, first.id, ("running",), timeout=30)
+    waiting = run_agent.delay(calls("b1"), "s")
+    app.control.revoke(waiting.id)
+    after = run_agent.delay(calls("c1"), "s")
+    assert wait_status(fleet.dsn, waiting.id, ("cancelled",), timeout=15) == "cancelled"
+    row = ledger(fleet.dsn, waiting.id)
+    assert row["error_type"] == "Revoked" and row["attempts"] == 0
+    assert first.get(timeout=30)["output"] == "done: recorded a1, recorded a2"
+    assert after.get(timeout=30)["output"] == "done: recorded c1"
+    log = (fleet.logs / "w1.log").read_text(errors="replace")
+    assert "Discarding revoked task" not in log  # never sent again under its id
+
+
+def test_revoke_with_terminate_stops_a_running_request_as_cancelled(fleet: Fleet) -> None:
+    fleet.start("w1", concurrency=4, pool="threads", TEST_TOOL_SLEEP="1.0")
+    running = run_agent.delay(calls("t1", "t2", "t3", "t4"), "s")
+    wait_status(fleet.dsn, running.id, ("running",), timeout=30)
+    time.sleep(0.5)
+    revoked_at = time.monotonic()
+    app.control.revoke(running.id, terminate=True)
+    assert wait_status(fleet.dsn, running.id, ("cancelled",), timeout=10) == "cancelled"
+    assert time.monotonic() - revoked_at < 5
+    row = ledger(fleet.dsn, running.id)
+    assert row["error_type"] == "Revoked" and row["attempts"] == 1 and row["crashes"] == 0
+    nxt = run_agent.delay(calls("n1"), "s")
+    assert nxt.get(timeout=30)["output"] == "done: recorded n1"
+    time.sleep(2)  # never resumed
+    assert ledger(fleet.dsn, running.id)["status"] == "cancelled"
+    assert _attempts(fleet, running.id) == 1
+
+
+def test_an_expired_request_ends_expired_and_its_session_moves_on(fleet: Fleet) -> None:
+    late = run_agent.apply_async((calls("e1"), "s"), expires=1)
+    time.sleep(2)  # no worker yet: the message waits past its expiry
+    fleet.start("w1", concurrency=4, pool="threads")
+    assert wait_status(fleet.dsn, late.id, ("expired",), timeout=20) == "expired"
+    row = ledger(fleet.dsn, late.id)
+    assert row["error_type"] == "Expired" and row["attempts"] == 0
+    try:
+        late.get(timeout=10)
+        raise AssertionError("an expired request returned a result")
+    except TaskRevokedError:
+        pass
+    assert run_agent.delay(calls("n1"), "s").get(timeout=30)["output"] == "done: recorded n1"
