@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from celery.exceptions import TaskRevokedError
 
 from loomflow_worker.tasks import app, run_agent
@@ -32,8 +33,11 @@ def test_revoking_a_waiting_request_cancels_it_and_its_session_moves_on(fleet: F
     assert "Discarding revoked task" not in log  # never sent again under its id
 
 
-def test_revoke_with_terminate_stops_a_running_request_as_cancelled(fleet: Fleet) -> None:
-    fleet.start("w1", concurrency=4, pool="threads", TEST_TOOL_SLEEP="1.0")
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_revoke_with_terminate_stops_a_running_request_as_cancelled(
+    fleet: Fleet, pool: str
+) -> None:
+    fleet.start("w1", concurrency=2, pool=pool, TEST_TOOL_SLEEP="1.0")
     running = run_agent.delay(calls("t1", "t2", "t3", "t4"), "s")
     wait_status(fleet.dsn, running.id, ("running",), timeout=30)
     time.sleep(0.5)
