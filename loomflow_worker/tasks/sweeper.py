@@ -46,6 +46,30 @@ PRUNE_BUDGET = 0.5
 PRUNE_BATCH = 1000
 
 
+def confirm_lost(
+    orphans: list[tuple[Pending, str]],
+    suspects: dict[str, float],
+    now: float,
+    confirm: float,
+) -> tuple[list[tuple[Pending, str]], dict[str, float]]:
+    """Which orphans to dispatch again, and the suspects to remember.
+
+    A running orphan (its worker died) goes at once. A queued one whose
+    message looks lost must have looked lost since ``confirm`` seconds ago
+    (``suspects``: request id -> first seen): one a worker has just taken
+    from the broker is counted nowhere until its attempt starts."""
+    chosen: list[tuple[Pending, str]] = []
+    still: dict[str, float] = {}
+    for pending, status in orphans:
+        if status == "queued":
+            since = suspects.get(pending.request_id, now)
+            if now - since < confirm:
+                still[pending.request_id] = since
+                continue
+        chosen.append((pending, status))
+    return chosen, still
+
+
 class Sweeper:
     def __init__(
         self,
@@ -225,28 +249,21 @@ class Sweeper:
         # A queued request that looks lost must look lost on two sweeps a moment
         # apart: one a worker has just taken from the broker is counted nowhere
         # until its attempt starts, milliseconds later.
-        now = time.monotonic()
-        confirm = max(2 * self.settings.sweep_interval, 1.0)
-        suspects, self._suspects = self._suspects, {}
-        dispatched = 0
-        for row in orphans:
-            pending = Pending(*row[:7])
-            if row[7] == "queued":
-                since = suspects.get(pending.request_id, now)
-                if now - since < confirm:
-                    self._suspects[pending.request_id] = since
-                    continue
-            dispatched += 1
+        chosen, self._suspects = confirm_lost(
+            [(Pending(*row[:7]), str(row[7])) for row in orphans], self._suspects,
+            time.monotonic(), max(2 * self.settings.sweep_interval, 1.0),
+        )
+        for pending, status in chosen:
             conn.execute(query("mark_swept"), {"request_id": pending.request_id})
             self.dispatch(pending)
             if meter is not None:
                 meter.sweeper.labels("redispatch").inc()
             log.warning(
                 "sweeper: dispatched request %s again (it was %s with its session free)",
-                pending.request_id, row[7],
+                pending.request_id, status,
                 extra={"action": "sweeper_redispatch", "request": pending.request_id},
             )
-        return dispatched
+        return len(chosen)
 
     def retain(self, conn: psycopg.Connection[Any], *, budget: float = PRUNE_BUDGET) -> int:
         """Prune what is older than ``retention`` for up to ``budget`` seconds;
