@@ -218,8 +218,11 @@ async def execute(
     args: dict[str, Any],
     kind: Kind,
     node: str | None = None,
+    *,
+    time_limit: float | None = None,
 ) -> Outcome:
-    """One attempt of ``request_id``; ``node`` is the Celery node running it."""
+    """One attempt of ``request_id``; ``node`` is the Celery node running it;
+    ``time_limit`` (seconds), the caller's, when shorter than the agent's."""
     runtime = await ctx.runtime()
     try:
         req = check_request(ctx.settings, kind=kind, **args)
@@ -274,7 +277,7 @@ async def execute(
             return await _park_busy(runtime, request_id, req)
     try:
         holder = f"{node or ctx.holder.rsplit(':', 1)[0]}:{os.getpid()}"
-        outcome = await _run_holding(ctx, runtime, attempt, request_id, req, holder)
+        outcome = await _run_holding(ctx, runtime, attempt, request_id, req, holder, time_limit)
     finally:
         await runtime.journal.release(attempt)
     if outcome.kind in ledger.TERMINAL and not outcome.handed:
@@ -419,6 +422,7 @@ async def _run_holding(
     request_id: str,
     req: RunRequest,
     holder: str,
+    time_limit: float | None = None,
 ) -> Outcome:
     started = await attempt.io(
         lambda conn: ledger.start(
@@ -435,7 +439,7 @@ async def _run_holding(
     assert started.epoch is not None
     ending: Ending | Retry | None = ending_before_run(started, ctx.settings, holder)
     if ending is None:
-        ending = await _run(ctx, runtime, attempt, request_id, req, started)
+        ending = await _run(ctx, runtime, attempt, request_id, req, started, time_limit)
     if isinstance(ending, Retry):
         retry, attempt_no = ending, started.attempt
         await attempt.io(
@@ -494,6 +498,7 @@ async def _run(
     request_id: str,
     req: RunRequest,
     started: ledger.Started,
+    call_limit: float | None = None,
 ) -> Ending | Retry:
     """Run the agent; what happened, as an ending or a retry. A lost lock
     raises :class:`LockLost`; an outside stop (a shutdown) is re-raised
@@ -514,6 +519,8 @@ async def _run(
     executed, replayed = runtime.stats.steps_executed, runtime.stats.steps_replayed
     agent = await ctx.agent(req.agent)
     time_limit = agent_time_limit(req.agent) or ctx.settings.run_time_limit
+    if call_limit is not None:
+        time_limit = min(time_limit, call_limit)
     # The process's heartbeat stamps the request from now on; when the lock
     # connection is lost, the run stops at once, mid-step.
     fence = anyio.CancelScope()

@@ -529,6 +529,19 @@ def _publish_errors() -> tuple[type[BaseException], ...]:
             ConnectionError, TimeoutError)
 
 
+def _call_time_limit(task: AgentTask) -> float | None:
+    """The run's time limit from ``apply_async(time_limit=..., soft_time_limit=...)``:
+    the soft limit, else a moment before the hard one, so that the run ends
+    ``failed`` with ``TimeLimitExceeded`` before Celery would kill its process
+    (which would count as a crash and resume it)."""
+    hard, soft = (*(task.request.timelimit or ()), None, None)[:2]
+    if soft:
+        return float(soft)
+    if hard:
+        return max(float(hard) - min(1.0, 0.1 * float(hard)), 0.1)
+    return None
+
+
 def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
     if task.request.called_directly:
         raise InvalidInput(
@@ -539,7 +552,8 @@ def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
     request_id = task.request.id
     try:
         outcome: Outcome = _loop.run(
-            execute(_context(), request_id, args, task.kind, task.request.hostname),
+            execute(_context(), request_id, args, task.kind, task.request.hostname,
+                    time_limit=_call_time_limit(task)),
             key=request_id,
         )
     except (concurrent.futures.CancelledError, asyncio.CancelledError) as exc:

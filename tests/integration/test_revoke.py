@@ -1,4 +1,4 @@
-"""Celery's revoke and expires end a request in the ledger, and its session moves on."""
+"""Celery's revoke, expires and time_limit end a request in the ledger; its session moves on."""
 
 from __future__ import annotations
 
@@ -66,4 +66,20 @@ def test_an_expired_request_ends_expired_and_its_session_moves_on(fleet: Fleet) 
         raise AssertionError("an expired request returned a result")
     except TaskRevokedError:
         pass
+    assert run_agent.delay(calls("n1"), "s").get(timeout=30)["output"] == "done: recorded n1"
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_a_per_call_time_limit_ends_the_run_failed_not_resumed(fleet: Fleet, pool: str) -> None:
+    fleet.start("w1", concurrency=2, pool=pool, TEST_TOOL_SLEEP="1.0")
+    limited = run_agent.apply_async((calls("l1", "l2", "l3", "l4", "l5"), "s"), time_limit=2.5)
+    assert wait_status(fleet.dsn, limited.id, ("failed",), timeout=20) == "failed"
+    row = ledger(fleet.dsn, limited.id)
+    assert row["error_type"] == "TimeLimitExceeded" and row["attempts"] == 1
+    assert row["crashes"] == 0
+    with pytest.raises(Exception, match="TimeLimitExceeded"):
+        limited.get(timeout=10)
+    time.sleep(2)  # not resumed as a crash
+    assert ledger(fleet.dsn, limited.id)["status"] == "failed"
+    assert _attempts(fleet, limited.id) == 1
     assert run_agent.delay(calls("n1"), "s").get(timeout=30)["output"] == "done: recorded n1"
