@@ -62,6 +62,17 @@ class RunCancelled(LoomflowWorkerError):
     """The request was cancelled."""
 
 
+class AttemptLost(LoomflowWorkerError):
+    """An attempt lost its lock connection (a Postgres restart, a network blip)
+    while its worker lived: it is fenced, and the request runs again. Not a
+    crash: :func:`mark_lost` records it so."""
+
+    def __init__(self, request_id: str, attempt: int, cause: LockLost) -> None:
+        self.request_id = request_id
+        self.attempt = attempt
+        super().__init__(str(cause))
+
+
 @dataclass
 class Outcome:
     kind: Literal["succeeded", "failed", "dead", "cancelled", "parked", "retry"]
@@ -437,6 +448,23 @@ async def _run_holding(
         await _park_behind(attempt.io, request_id, req, started.older, started.older_stale)
         return Outcome("parked", dispatch=[started.older] if started.older_stale else [])
     assert started.epoch is not None
+    try:
+        return await _run_started(ctx, runtime, attempt, request_id, req, holder, started,
+                                  time_limit)
+    except LockLost as exc:
+        raise AttemptLost(request_id, started.attempt, exc) from exc
+
+
+async def _run_started(
+    ctx: WorkerContext,
+    runtime: PostgresRuntime,
+    attempt: Attempt,
+    request_id: str,
+    req: RunRequest,
+    holder: str,
+    started: ledger.Started,
+    time_limit: float | None,
+) -> Outcome:
     ending: Ending | Retry | None = ending_before_run(started, ctx.settings, holder)
     if ending is None:
         ending = await _run(ctx, runtime, attempt, request_id, req, started, time_limit)

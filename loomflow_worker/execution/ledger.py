@@ -526,3 +526,8 @@ def end_revoked(
     finally:
         conn.execute(query("unlock"), {"key": lock_key})
     return True, handoff
+
+
+def mark_lost(conn: psycopg.Connection[Any], request_id: str, attempt: int) -> None:
+    """Record that ``attempt`` lost its lock connection while its worker lived."""
+    conn.execute(query("mark_attempt_lost"), {"request_id": request_id, "attempt": attempt})

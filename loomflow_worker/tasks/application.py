@@ -32,7 +32,15 @@ from pydantic_settings import SettingsError
 from .. import metrics
 from ..admin import validation_message
 from ..execution import ledger
-from ..execution.execute import Outcome, RunCancelled, RunDead, RunFailed, WorkerContext, execute
+from ..execution.execute import (
+    AttemptLost,
+    Outcome,
+    RunCancelled,
+    RunDead,
+    RunFailed,
+    WorkerContext,
+    execute,
+)
 from ..execution.ledger import ON_BUSY, EnqueuePool, OnBusy, Pending
 from ..execution.registry import DEFAULT_AGENT, import_agent_modules
 from ..execution.request import Kind, check_request
@@ -529,6 +537,35 @@ def _publish_errors() -> tuple[type[BaseException], ...]:
             ConnectionError, TimeoutError)
 
 
+#: How long a worker whose attempt lost its database connection tries to record
+#: it (a Postgres restart takes seconds) before the request runs again.
+MARK_LOST_WITHIN = 30.0
+
+
+def _mark_lost(lost: AttemptLost) -> None:
+    """Record, before the request runs again, that its attempt was lost by a
+    worker that lived, so the next attempt does not count a crash. Bounded:
+    past MARK_LOST_WITHIN the request goes on, and this attempt counts as one."""
+    current = settings()
+    deadline = time.monotonic() + MARK_LOST_WITHIN
+    pause = 0.2
+    while True:
+        try:
+            with _enqueue.pool(
+                current.database_url.get_secret_value(), current.connect_timeout
+            ).connection(timeout=current.connect_timeout) as conn:
+                ledger.mark_lost(conn, lost.request_id, lost.attempt)
+            return
+        except (psycopg.Error, TimeoutError):
+            if time.monotonic() + pause > deadline:
+                log.warning("request %s: could not record attempt %d as lost",
+                            lost.request_id, lost.attempt,
+                            extra={"action": "retry", "request": lost.request_id})
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)
+
+
 def _call_time_limit(task: AgentTask) -> float | None:
     """The run's time limit from ``apply_async(time_limit=..., soft_time_limit=...)``:
     the soft limit, else a moment before the hard one, so that the run ends
@@ -562,7 +599,9 @@ def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
         log.info("request %s interrupted; requeued", request_id,
                  extra={"action": "interrupted", "request": request_id})
         raise Reject(exc, requeue=True) from exc
-    except (LockLost, DatabaseUnavailable, psycopg.OperationalError) as exc:
+    except (LockLost, AttemptLost, DatabaseUnavailable, psycopg.OperationalError) as exc:
+        if isinstance(exc, AttemptLost):
+            _mark_lost(exc)
         countdown = _context().backoff(task.request.retries + 1)
         log.warning("request %s: %s; retrying in %.1fs", request_id, exc, countdown,
                     extra={"action": "retry", "request": request_id})

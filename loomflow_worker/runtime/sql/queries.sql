@@ -559,7 +559,8 @@ SELECT to_regclass('loomflow_worker_schema') IS NOT NULL;
 -- and (when there is none and the request is not finished) count the
 -- attempt, pin the epoch on the first attempt and mark it running, in one
 -- statement. A previous attempt that ended "interrupted" (its worker shut
--- down for a deploy) does not count as a crash.
+-- down for a deploy) or "lost" (its worker lost its database connection and
+-- lived) does not count as a crash.
 WITH r AS (
     SELECT request_id, seq, scope, status, epoch, kind, attempts, cancel_requested,
            result, error, error_type, heartbeat_at, enqueued_at
@@ -584,7 +585,7 @@ WITH r AS (
            crashes = u.crashes + (r.status = 'running' AND NOT EXISTS (
                SELECT 1 FROM run_attempts a
                 WHERE a.request_id = r.request_id AND a.attempt = r.attempts
-                  AND a.outcome = 'interrupted'))::int,
+                  AND a.outcome IN ('interrupted', 'lost')))::int,
            holder = %(holder)s,
            holder_pid = pg_backend_pid(),
            started_at = now(),
@@ -736,3 +737,9 @@ UPDATE runs SET cancel_requested = true
 -- name: unfinished_among
 SELECT request_id FROM runs
  WHERE request_id = ANY(%(request_ids)s::text[]) AND status IN ('queued', 'running');
+
+-- name: mark_attempt_lost
+-- A worker whose attempt lost its lock connection (a Postgres restart, a
+-- network blip) and lived: the attempt ended "lost", not crashed.
+UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = 'lost'
+ WHERE request_id = %(request_id)s AND attempt = %(attempt)s AND ended_at IS NULL;
