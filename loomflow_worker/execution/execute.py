@@ -449,38 +449,25 @@ async def _run_holding(
         return Outcome("parked", dispatch=[started.older] if started.older_stale else [])
     assert started.epoch is not None
     try:
-        return await _run_started(ctx, runtime, attempt, request_id, req, holder, started,
-                                  time_limit)
-    except LockLost as exc:
-        raise AttemptLost(request_id, started.attempt, exc) from exc
-
-
-async def _run_started(
-    ctx: WorkerContext,
-    runtime: PostgresRuntime,
-    attempt: Attempt,
-    request_id: str,
-    req: RunRequest,
-    holder: str,
-    started: ledger.Started,
-    time_limit: float | None,
-) -> Outcome:
-    ending: Ending | Retry | None = ending_before_run(started, ctx.settings, holder)
-    if ending is None:
-        ending = await _run(ctx, runtime, attempt, request_id, req, started, time_limit)
-    if isinstance(ending, Retry):
-        retry, attempt_no = ending, started.attempt
-        await attempt.io(
-            lambda conn: ledger.schedule_retry(
-                conn, request_id, attempt_no, retry.error, retry.countdown
+        ending: Ending | Retry | None = ending_before_run(started, ctx.settings, holder)
+        if ending is None:
+            ending = await _run(ctx, runtime, attempt, request_id, req, started, time_limit)
+        if isinstance(ending, Retry):
+            retry, attempt_no = ending, started.attempt
+            await attempt.io(
+                lambda conn: ledger.schedule_retry(
+                    conn, request_id, attempt_no, retry.error, retry.countdown
+                )
             )
-        )
-        log.warning("request %s failed (%s); retry %d in %.1fs", request_id, retry.error,
-                    retry.failures, retry.countdown,
-                    extra={"action": "retry", **_log_fields(request_id, req)})
-        return Outcome("retry", error=f"{type(retry.error).__name__}: {retry.error}",
-                       countdown=retry.countdown)
-    return await _conclude(ctx, attempt, request_id, req, started, ending)
+            log.warning("request %s failed (%s); retry %d in %.1fs", request_id, retry.error,
+                        retry.failures, retry.countdown,
+                        extra={"action": "retry", **_log_fields(request_id, req)})
+            return Outcome("retry", error=f"{type(retry.error).__name__}: {retry.error}",
+                           countdown=retry.countdown)
+        return await _conclude(ctx, attempt, request_id, req, started, ending)
+    except LockLost as exc:
+        # Fenced while this worker lives: not a crash (see AttemptLost).
+        raise AttemptLost(request_id, started.attempt, exc) from exc
 
 
 def _log_fields(request_id: str, req: RunRequest) -> dict[str, Any]:
