@@ -17,7 +17,7 @@ from psycopg_pool import ConnectionPool
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, SchemaError, SessionBusy
 from ..runtime.sql import query
 from ..runtime.store import Conn, IdleCheck, describe_dsn, scope_lock_key
-from .request import RunRequest
+from .request import RunRequest, task_args
 
 
 class Status(StrEnum):
@@ -58,10 +58,8 @@ class Pending:
     metadata: dict[str, Any]
 
     def task_args(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        kwargs: dict[str, Any] = {"user_id": self.user_id, "agent": self.agent}
-        if self.kind == "run":
-            kwargs["metadata"] = self.metadata
-        return (self.prompt, self.session_id), kwargs
+        return task_args(self.kind, self.prompt, self.session_id, self.user_id, self.agent,
+                         self.metadata)
 
 
 def _pending(row: tuple[Any, ...] | None) -> Pending | None:

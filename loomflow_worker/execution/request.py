@@ -33,10 +33,19 @@ class RunRequest:
         return json.dumps(self.metadata, separators=(",", ":"))
 
     def task_args(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        kwargs: dict[str, Any] = {"user_id": self.user_id, "agent": self.agent}
-        if self.kind == "run":
-            kwargs["metadata"] = self.metadata
-        return (self.prompt, self.session_id), kwargs
+        return task_args(self.kind, self.prompt, self.session_id, self.user_id, self.agent,
+                         self.metadata)
+
+
+def task_args(
+    kind: str, prompt: str, session_id: str, user_id: str | None, agent: str,
+    metadata: dict[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of a request's task message (``resume_agent`` takes no metadata)."""
+    kwargs: dict[str, Any] = {"user_id": user_id, "agent": agent}
+    if kind == "run":
+        kwargs["metadata"] = metadata
+    return (prompt, session_id), kwargs
 
 
 def check_request(

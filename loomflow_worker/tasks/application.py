@@ -348,20 +348,6 @@ def _stop_sweeper(sender: Any = None, **_: Any) -> None:
     _mark_interrupted(getattr(sender, "hostname", None))
 
 
-def _run_signature(
-    prompt: str,
-    session_id: str,
-    user_id: str | None = None,
-    agent: str = DEFAULT_AGENT,
-    metadata: dict[str, Any] | None = None,
-) -> None: ...
-
-
-def _resume_signature(
-    prompt: str, session_id: str, user_id: str | None = None, agent: str = DEFAULT_AGENT
-) -> None: ...
-
-
 class AgentTask(Task):
     """``apply_async`` records the request in the ledger before publishing it."""
 
@@ -372,7 +358,8 @@ class AgentTask(Task):
     typing = False  # arguments are checked by check_request, with clearer errors
 
     def _bind(self, args: Any, kwargs: Any) -> dict[str, Any]:
-        signature = inspect.signature(_run_signature if self.kind == "run" else _resume_signature)
+        # The task's own function (bound: without ``self``) says what it takes.
+        signature = inspect.signature(self.run)
         try:
             bound = signature.bind(*(args or ()), **(kwargs or {}))
         except TypeError as exc:
