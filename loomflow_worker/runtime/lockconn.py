@@ -32,7 +32,7 @@ import functools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import psycopg
@@ -73,7 +73,6 @@ class _Work:
 class _Write:
     rows: list[JournalRow]
     done: asyncio.Future[None]
-    started: float = field(default=0.0)
 
 
 class LockConnection:
@@ -93,8 +92,7 @@ class LockConnection:
         self._current: list[asyncio.Future[Any]] = []
         self._wake = asyncio.Event()
         self._server: asyncio.Task[None] | None = None
-        # Called with the seconds each batch of journal writes took (metrics).
-        self.on_write: Callable[[float], None] | None = None
+        # Statements of journal writes sent, and the rows they carried.
         self.batches = 0
         self.rows_written = 0
 
@@ -143,12 +141,7 @@ class LockConnection:
         )
         for done in self._current:
             _fail(done, fenced)
-        for work in self._work:
-            _fail(work.done, fenced)
-        for write in self._writes:
-            _fail(write.done, fenced)
-        self._work.clear()
-        self._writes.clear()
+        self._fail_waiting(fenced)
         for attempt in list(self.attempts):
             attempt.fence(fenced)
         self._wake.set()
@@ -201,11 +194,17 @@ class LockConnection:
         finally:
             # Closing frees every lock the connection holds.
             self.fenced = self.fenced or LockLost(self._scopes(), "the connection closed")
-            for work in self._work:
-                _fail(work.done, self.fenced)
-            for write in self._writes:
-                _fail(write.done, self.fenced)
+            self._fail_waiting(self.fenced)
             await asyncio.shield(self._close())
+
+    def _fail_waiting(self, exc: LockLost) -> None:
+        """Fail the work and writes still queued: they will never be sent."""
+        for work in self._work:
+            _fail(work.done, exc)
+        for write in self._writes:
+            _fail(write.done, exc)
+        self._work.clear()
+        self._writes.clear()
 
     async def _guarded(
         self, fn: Callable[[Conn], Awaitable[T]], waiting: list[asyncio.Future[Any]]
@@ -242,7 +241,6 @@ class LockConnection:
     async def _flush(self) -> None:
         writes, self._writes = self._writes, []
         rows = [row for write in writes for row in write.rows]
-        started = asyncio.get_running_loop().time()
         try:
             await self._guarded(
                 functools.partial(_upsert, rows=rows), [w.done for w in writes]
@@ -270,8 +268,6 @@ class LockConnection:
             return
         self.batches += 1
         self.rows_written += len(rows)
-        if self.on_write is not None:
-            self.on_write(asyncio.get_running_loop().time() - started)
         for write in writes:
             _succeed(write.done)
 

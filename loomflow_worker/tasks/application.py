@@ -258,9 +258,13 @@ def _revoked(request: Any = None, expired: bool = False, **_: Any) -> None:
     name = getattr(request, "task", None)
     if getattr(name, "name", name) not in (run_agent.name, resume_agent.name):
         return
-    request_id = str(request.id)
+    _end_revoked_soon(str(request.id), bool(expired))
+
+
+def _end_revoked_soon(request_id: str, expired: bool) -> None:
+    """:func:`_end_revoked` in a thread of its own: it may wait for the lock."""
     threading.Thread(
-        target=_end_revoked, args=(request_id, bool(expired)), daemon=True,
+        target=_end_revoked, args=(request_id, expired), daemon=True,
         name=f"loomflow-worker revoke {request_id}",
     ).start()
 
@@ -298,10 +302,7 @@ def _end_revoked_requests(request_ids: list[str]) -> None:
     broker (a worker learns of a revoke at once, of the message only when it
     comes) end now."""
     for request_id in request_ids:
-        threading.Thread(
-            target=_end_revoked, args=(request_id, False), daemon=True,
-            name=f"loomflow-worker revoke {request_id}",
-        ).start()
+        _end_revoked_soon(request_id, expired=False)
 
 
 def _stop_run(request_id: str) -> bool:

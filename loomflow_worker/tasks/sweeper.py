@@ -209,10 +209,12 @@ class Sweeper:
             return 0
         from celery.worker import state
 
-        fresh = [rid for rid in list(state.revoked) if rid not in self._revoked_seen]
+        revoked = set(state.revoked)
+        fresh = list(revoked - self._revoked_seen)
+        # Only ids Celery still keeps (it forgets old ones): a bounded set.
+        self._revoked_seen = revoked
         if not fresh:
             return 0
-        self._revoked_seen.update(fresh)
         rows = conn.execute(query("unfinished_among"), {"request_ids": fresh}).fetchall()
         ids = [str(r[0]) for r in rows]
         if ids:

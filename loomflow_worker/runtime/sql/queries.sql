@@ -22,15 +22,8 @@ SELECT pg_advisory_xact_lock(%(key)s);
 -- name: try_lock
 SELECT pg_try_advisory_lock(%(key)s);
 
--- name: wait_lock
-SELECT pg_advisory_lock(%(key)s);
-
 -- name: unlock
 SELECT pg_advisory_unlock(%(key)s);
-
--- name: held_advisory_locks
-SELECT count(*) FROM pg_locks
- WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted;
 
 -- name: read_epochs
 SELECT step_name, value FROM journal_steps
@@ -86,13 +79,6 @@ WITH stored AS (
 )
 SELECT coalesce((SELECT epoch FROM written), (SELECT epoch FROM stored), 0);
 
--- name: put_step_and_last_run
-INSERT INTO journal_steps (session_id, step_name, value, created_at)
-VALUES (%(scope)s, %(key)s, %(value)s, extract(epoch FROM clock_timestamp())),
-       (%(run_scope)s, '__last_run_epoch__', %(last_run)s, extract(epoch FROM clock_timestamp()))
-ON CONFLICT (session_id, step_name) DO UPDATE
-   SET value = EXCLUDED.value, created_at = EXCLUDED.created_at;
-
 -- name: load_namespace
 SELECT false AS stream, step_name, value FROM journal_steps
  WHERE session_id = %(scope)s
@@ -124,18 +110,6 @@ SELECT chunks FROM journal_streams
  WHERE session_id = %(scope)s AND step_name = %(key)s;
 
 -- name: put_stream
-INSERT INTO journal_streams (session_id, step_name, chunks, created_at)
-VALUES (%(scope)s, %(key)s, %(value)s, extract(epoch FROM clock_timestamp()))
-ON CONFLICT (session_id, step_name) DO UPDATE
-   SET chunks = EXCLUDED.chunks, created_at = EXCLUDED.created_at;
-
--- name: put_stream_and_last_run
-WITH last_run AS (
-    INSERT INTO journal_steps (session_id, step_name, value, created_at)
-    VALUES (%(run_scope)s, '__last_run_epoch__', %(last_run)s, extract(epoch FROM clock_timestamp()))
-    ON CONFLICT (session_id, step_name) DO UPDATE
-       SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
-)
 INSERT INTO journal_streams (session_id, step_name, chunks, created_at)
 VALUES (%(scope)s, %(key)s, %(value)s, extract(epoch FROM clock_timestamp()))
 ON CONFLICT (session_id, step_name) DO UPDATE
