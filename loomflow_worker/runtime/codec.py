@@ -14,6 +14,7 @@ from datetime import time as dt_time
 from decimal import Decimal
 from enum import Enum
 from pathlib import PurePath
+from collections.abc import Callable
 from typing import Any, Literal
 
 from loomflow.runtime import _codec
@@ -66,6 +67,73 @@ def encode(value: Any, serializer: Serializer, stats: CodecStats, *, key: str) -
         return None
 
 
+def _dataclass(cls: type, values: dict[str, Any]) -> Any:
+    revived = object.__new__(cls)
+    for name, item in values.items():
+        object.__setattr__(revived, name, item)
+    return revived
+
+
+#: Tags whose value is rebuilt from ``v`` alone.
+_PLAIN: dict[str, Callable[[Any], Any]] = {
+    "map": lambda v: {key: item for key, item in v},
+    "tuple": tuple,
+    "set": set,
+    "frozenset": frozenset,
+    "bytes": base64.b64decode,
+    "datetime": datetime.fromisoformat,
+    "date": date.fromisoformat,
+    "time": dt_time.fromisoformat,
+    "timedelta": lambda v: timedelta(days=v[0], seconds=v[1], microseconds=v[2]),
+    "decimal": Decimal,
+    "uuid": uuid.UUID,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _ModelClass:
+    """What decoding needs of a model class, looked up once per class path."""
+
+    cls: type[BaseModel]
+    fields: Any  # the keys of the class's fields, when a bare build is exact
+    extra: bool
+
+    @classmethod
+    def of(cls, path: str) -> _ModelClass:
+        found = _MODEL_CLASSES.get(path)
+        if found is None:
+            model = _codec._resolve(path)  # only a class of a module already loaded
+            if not issubclass(model, BaseModel):
+                raise _codec.UndecodableValue(f"{path} is not a pydantic model")
+            exact = model.__pydantic_post_init__ is None and not model.__pydantic_root_model__
+            found = cls(
+                model,
+                model.__pydantic_fields__.keys() if exact else None,
+                model.model_config.get("extra") == "allow",
+            )
+            _MODEL_CLASSES[path] = found
+        return found
+
+    def build(self, fields_set: set[str], values: dict[str, Any], extra: dict[str, Any]) -> Any:
+        """``cls.model_construct(fields_set, **values, **extra)``. The codec
+        stores every field of a model, so a model whose stored fields are
+        exactly its fields (and that has no post-init) is built as
+        model_construct builds it, without looking up a default or an
+        alias for each field."""
+        if self.fields is None or values.keys() != self.fields:
+            return self.cls.model_construct(fields_set, **{**values, **extra})
+        model = self.cls.__new__(self.cls)
+        _set = object.__setattr__
+        _set(model, "__dict__", values)
+        _set(model, "__pydantic_fields_set__", fields_set)
+        _set(model, "__pydantic_extra__", extra if self.extra else None)
+        _set(model, "__pydantic_private__", None)
+        return model
+
+
+_MODEL_CLASSES: dict[str, _ModelClass] = {}
+
+
 def _revive(obj: dict[str, Any]) -> Any:
     """loomflow's ``_codec._decode`` for one JSON object, as ``json.loads`` builds
     it: its members are revived already (the parser calls this bottom-up), so
@@ -73,64 +141,22 @@ def _revive(obj: dict[str, Any]) -> Any:
     tag = obj.get(_TAG)
     if tag is None:
         return obj
-    v: Any = obj.get("v")
-    if tag == "map":
-        return {key: item for key, item in v}
-    if tag == "tuple":
-        return tuple(v)
-    if tag == "set":
-        return set(v)
-    if tag == "frozenset":
-        return frozenset(v)
-    if tag == "bytes":
-        return base64.b64decode(v)
-    if tag == "datetime":
-        return datetime.fromisoformat(v)
-    if tag == "date":
-        return date.fromisoformat(v)
-    if tag == "time":
-        return dt_time.fromisoformat(v)
-    if tag == "timedelta":
-        return timedelta(days=v[0], seconds=v[1], microseconds=v[2])
-    if tag == "decimal":
-        return Decimal(v)
-    if tag == "uuid":
-        return uuid.UUID(v)
+    if tag == "model":
+        return _ModelClass.of(obj["cls"]).build(
+            set(obj.get("set") or ()), obj["v"], obj.get("x") or {}
+        )
+    plain = _PLAIN.get(tag)
+    if plain is not None:
+        return plain(obj.get("v"))
     cls = _codec._resolve(obj["cls"])
+    v = obj.get("v")
     if tag == "path" and issubclass(cls, PurePath):
         return cls(v)
     if tag == "enum" and issubclass(cls, Enum):
         return cls(v)
-    if tag == "model" and issubclass(cls, BaseModel):
-        return _construct(cls, set(obj.get("set") or ()), v, obj.get("x") or {})
     if tag == "dataclass" and dataclasses.is_dataclass(cls):
-        revived = object.__new__(cls)
-        for name, item in v.items():
-            object.__setattr__(revived, name, item)
-        return revived
+        return _dataclass(cls, v)
     raise _codec.UndecodableValue(f"unknown or mismatched tag {tag!r} for {obj.get('cls')}")
-
-
-def _construct(
-    cls: type[BaseModel], fields_set: set[str], values: dict[str, Any], extra: dict[str, Any]
-) -> BaseModel:
-    """``cls.model_construct(fields_set, **values, **extra)``. The codec stores
-    every field of a model, so a model whose stored fields are exactly its
-    fields (and that has no post-init) is built as model_construct builds it,
-    without looking up a default or an alias for each field."""
-    if (
-        cls.__pydantic_post_init__ is not None
-        or cls.__pydantic_root_model__
-        or values.keys() != cls.__pydantic_fields__.keys()
-    ):
-        return cls.model_construct(fields_set, **{**values, **extra})
-    model = cls.__new__(cls)
-    _set = object.__setattr__
-    _set(model, "__dict__", values)
-    _set(model, "__pydantic_fields_set__", fields_set)
-    _set(model, "__pydantic_extra__", extra if cls.model_config.get("extra") == "allow" else None)
-    _set(model, "__pydantic_private__", None)
-    return model
 
 
 def decode(blob: bytes, serializer: Serializer, stats: CodecStats, *, key: str) -> tuple[bool, Any]:
@@ -139,7 +165,7 @@ def decode(blob: bytes, serializer: Serializer, stats: CodecStats, *, key: str) 
     Under the JSON serializer nothing is ever unpickled."""
     if blob[:3] == _codec.MAGIC:
         try:
-            return True, json.loads(blob[3:].decode("utf-8"), object_hook=_revive)
+            return True, json.loads(blob[3:], object_hook=_revive)
         except (ValueError, TypeError, KeyError, AttributeError, _codec.UndecodableValue) as exc:
             reason = str(exc)
     elif serializer == "pickle":

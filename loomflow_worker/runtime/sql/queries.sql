@@ -70,8 +70,12 @@ WITH stored AS (
     SELECT loomflow_worker_epoch(value) AS epoch FROM journal_steps
      WHERE session_id = %(scope)s AND step_name = '__run_epoch__'
 ), written AS (
+    -- Only a smaller stored epoch is written over: an upsert that finds the
+    -- epoch there already would lock its row, and make a run that replayed
+    -- everything pay for a commit it has nothing to write in.
     INSERT INTO journal_steps (session_id, step_name, value, created_at)
-    VALUES (%(scope)s, '__run_epoch__', %(value)s, extract(epoch FROM clock_timestamp()))
+    SELECT %(scope)s, '__run_epoch__', %(value)s, extract(epoch FROM clock_timestamp())
+     WHERE coalesce((SELECT epoch FROM stored), -1) < %(new)s
     ON CONFLICT (session_id, step_name) DO UPDATE
        SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
      WHERE coalesce(loomflow_worker_epoch(journal_steps.value), -1) < %(new)s
