@@ -8,13 +8,13 @@ import json
 import logging
 import pickle
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from datetime import time as dt_time
 from decimal import Decimal
 from enum import Enum
 from pathlib import PurePath
-from collections.abc import Callable
 from typing import Any, Literal
 
 from loomflow.runtime import _codec
