@@ -68,7 +68,7 @@ def encode(value: Any, serializer: Serializer, stats: CodecStats, *, key: str) -
 
 
 def _dataclass(cls: type, values: dict[str, Any]) -> Any:
-    revived = object.__new__(cls)
+    revived: Any = object.__new__(cls)
     for name, item in values.items():
         object.__setattr__(revived, name, item)
     return revived
@@ -149,7 +149,7 @@ def _revive(obj: dict[str, Any]) -> Any:
     if plain is not None:
         return plain(obj.get("v"))
     cls = _codec._resolve(obj["cls"])
-    v = obj.get("v")
+    v: Any = obj.get("v")
     if tag == "path" and issubclass(cls, PurePath):
         return cls(v)
     if tag == "enum" and issubclass(cls, Enum):
