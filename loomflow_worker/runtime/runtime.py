@@ -48,7 +48,15 @@ from psycopg_pool import AsyncConnectionPool
 from .codec import Serializer
 from .errors import InvalidInput
 from .signals import SignalListener
-from .store import LAST_RUN_KEY, Attempt, Conn, LockSettings, PostgresJournalStore, RunStats
+from .store import (
+    LAST_RUN_KEY,
+    Attempt,
+    Conn,
+    LockSettings,
+    OpenChoice,
+    PostgresJournalStore,
+    RunStats,
+)
 from .validate import check_id, check_signal_name
 
 log = logging.getLogger("loomflow_worker.runtime")
@@ -286,6 +294,7 @@ class PostgresRuntime(JournaledRuntime):
     @asynccontextmanager
     async def _outermost(self, scope: str, session_id: str) -> AsyncIterator[JournaledSession]:
         opts = _options_var.get() or _DEFAULT_OPTIONS
+        choice = OpenChoice(opts.epoch, _resume_last_run_var.get())
         given = opts.attempt
         if given is not None:
             if given.scope != scope or given.released:
@@ -298,10 +307,10 @@ class PostgresRuntime(JournaledRuntime):
             wait = (
                 self._pg.lock_settings.wait_timeout if opts.lock_wait is _UNSET else opts.lock_wait
             )
-            attempt = await self._pg.acquire(scope, wait)
+            attempt = await self._pg.acquire(scope, wait, opening=choice)
         try:
             current, _last, epoch = await attempt.open(
-                pinned=opts.epoch, resume_last=_resume_last_run_var.get()
+                pinned=choice.pinned, resume_last=choice.resume_last
             )
             run = _OpenRun(
                 scope, session_id, str(epoch) if epoch else "", None,

@@ -52,6 +52,7 @@ _LOCK_SALT = b"loomflow-worker/scope/"
 #: A run waiting for a scope another process holds tries its lock again after
 #: 1, 2, 4, 8, then every 10 ms (one short statement on a shared connection
 #: each time); one held in this process is tried again the moment it is freed.
+WAIT_POLL_MIN = 0.001
 WAIT_POLL_MAX = 0.01
 
 
@@ -152,6 +153,29 @@ def _namespace_bounds(ns: str) -> tuple[str, str]:
     return ns + "/", ns + "0"
 
 
+@dataclass(frozen=True)
+class OpenChoice:
+    """Which epoch a run opens: ``pinned``, else the last run's when
+    ``resume_last``, else the current one."""
+
+    pinned: int | None
+    resume_last: bool
+
+    def read(self, scope: str) -> Callable[[Conn], Awaitable[list[tuple[Any, ...]]]]:
+        async def run(conn: Conn) -> list[tuple[Any, ...]]:
+            cur = await self.send(conn, scope)
+            return await cur.fetchall()
+
+        return run
+
+    async def send(self, conn: Conn, scope: str) -> psycopg.AsyncCursor[Any]:
+        return await conn.execute(
+            query("open_run"),
+            {"scope": scope, "pinned": self.pinned, "resume": self.resume_last},
+            binary=True,  # journal values arrive as raw bytes, not hex text
+        )
+
+
 class Attempt:
     """One outermost run holding its scope: its lease on a shared lock
     connection, and the journal entries of the namespaces the run has
@@ -180,6 +204,11 @@ class Attempt:
         # write rather than in a round trip of its own.
         self.last_run: int | None = None
         self.pending_last_run: int | None = None
+        # The scope's current epoch as read at open: only this attempt can
+        # move it while the lock is held.
+        self.current_epoch: int | None = None
+        # What the open query returned in the lock's round trip, if it was sent there.
+        self.prefetched: tuple[OpenChoice, list[tuple[Any, ...]]] | None = None
 
     @property
     def backend_pid(self) -> int:
@@ -202,25 +231,23 @@ class Attempt:
 
     async def open(self, *, pinned: int | None, resume_last: bool) -> tuple[int, int | None, int]:
         """Read the scope's epochs, choose the run's, and load that epoch's
-        namespace, all in one query. Returns ``(current, last, epoch)``:
-        ``epoch`` is ``pinned`` if given, else the last run's when
-        ``resume_last``, else the current one."""
-
-        async def run(conn: Conn) -> list[tuple[Any, ...]]:
-            cur = await conn.execute(
-                query("open_run"),
-                {"scope": self.scope, "pinned": pinned, "resume": resume_last},
-                binary=True,  # journal values arrive as raw bytes, not hex text
-            )
-            return await cur.fetchall()
-
-        rows = await self.io(run)
+        namespace, all in one query (sent with the lock's, when the store
+        was asked to). Returns ``(current, last, epoch)``: ``epoch`` is
+        ``pinned`` if given, else the last run's when ``resume_last``, else
+        the current one."""
+        choice = OpenChoice(pinned, resume_last)
+        prefetched, self.prefetched = self.prefetched, None
+        if prefetched is not None and prefetched[0] == choice:
+            rows = prefetched[1]
+        else:
+            rows = await self.io(choice.read(self.scope))
         current, last, epoch = rows[0][:3]
         for _, _, _, is_stream, key, blob in rows:
             if key is not None:
                 (self._streams if is_stream else self._steps)[(self.scope, key)] = bytes(blob)
         self._loaded.add((self.scope, str(epoch) if epoch else ""))
         self.last_run = last
+        self.current_epoch = current
         return current, last, epoch
 
     def mark_last_run(self, epoch: int) -> None:
@@ -343,6 +370,10 @@ class Attempt:
         if not advance and on_finish is None:
             return epoch
         await self.flush_last_run()
+        if on_finish is None and self.current_epoch is not None and self.current_epoch > epoch:
+            # A resumed run: the epoch moved past it when it first finished,
+            # and nothing else can have moved it since the open.
+            return self.current_epoch
         params = {
             "scope": self.scope,
             "new": epoch + 1,
@@ -516,12 +547,16 @@ class PostgresJournalStore:
 
     # ---- attempts (one per outermost run) ----------------------------------------
 
-    async def acquire(self, scope: str, wait: float | None) -> Attempt:
+    async def acquire(
+        self, scope: str, wait: float | None, *, opening: OpenChoice | None = None
+    ) -> Attempt:
         """Take ``scope``'s lock on a lock connection.
 
         ``wait`` is how long to wait for a busy scope: ``None`` forever,
-        ``0`` not at all. Raises :class:`SessionBusy` when it runs out."""
-        attempt = await self.acquire_if(scope, wait, None)
+        ``0`` not at all. Raises :class:`SessionBusy` when it runs out.
+        With ``opening``, the first try sends the run's open query in the
+        same round trip as the lock's, for :meth:`Attempt.open`."""
+        attempt = await self.acquire_if(scope, wait, None, opening=opening)
         assert attempt is not None
         return attempt
 
@@ -530,6 +565,8 @@ class PostgresJournalStore:
         scope: str,
         wait: float | None,
         gate: Callable[[Conn, int, bool], Awaitable[bool | None]] | None,
+        *,
+        opening: OpenChoice | None = None,
     ) -> Attempt | None:
         """:meth:`acquire`, with ``gate(conn, key, may_lock)`` run instead of
         the plain try-lock: one statement that decides whether to take the
@@ -542,20 +579,25 @@ class PostgresJournalStore:
         growing pause."""
         key = scope_lock_key(scope)
         deadline = None if wait is None else time.monotonic() + wait
-        pause = 0.001
+        pause = WAIT_POLL_MIN
         while True:
             line = await self._line()
             may_lock = key not in self._held
             if may_lock:
                 self._held[key] = None  # taken here while the statement runs
+            # Only the first try reads the journal with the lock: a waiter
+            # polling a busy scope reads nothing.
+            try_open = opening if gate is None and may_lock and pause == WAIT_POLL_MIN else None
             try:
-                tried = await line.run(_try_lock(gate, key, may_lock))
+                tried, opened = await line.run(_try_lock(gate, key, may_lock, scope, try_open))
             except BaseException:
                 if may_lock:
                     self._forget(key)
                 raise
             if tried and may_lock:
                 attempt = Attempt(self, line, scope)
+                if try_open is not None and opened is not None:
+                    attempt.prefetched = (try_open, opened)
                 self._held[key] = attempt
                 line.attempts.add(attempt)
                 return attempt
@@ -771,19 +813,33 @@ async def probe(dsn: str, connect_timeout: int) -> None:
 
 
 def _try_lock(
-    gate: Callable[[Conn, int, bool], Awaitable[bool | None]] | None, key: int, may_lock: bool
-) -> Callable[[Conn], Awaitable[bool | None]]:
+    gate: Callable[[Conn, int, bool], Awaitable[bool | None]] | None,
+    key: int,
+    may_lock: bool,
+    scope: str,
+    opening: OpenChoice | None,
+) -> Callable[[Conn], Awaitable[tuple[bool | None, list[tuple[Any, ...]] | None]]]:
     """The statement that tries a scope's lock (``gate``'s, when given); with
     ``may_lock`` false the lock is held in this process already and is not
-    asked for."""
+    asked for. With ``opening``, the run's open query follows the try-lock
+    in one pipeline: Postgres runs it after the lock is taken, on a
+    snapshot of its own, so it reads every step the previous holder
+    committed; its rows are dropped when the lock was busy."""
 
-    async def attempt(conn: Conn) -> bool | None:
+    async def attempt(conn: Conn) -> tuple[bool | None, list[tuple[Any, ...]] | None]:
         if gate is not None:
-            return await gate(conn, key, may_lock)
+            return await gate(conn, key, may_lock), None
         if not may_lock:
-            return False
-        cur = await conn.execute(query("try_lock"), {"key": key})
+            return False, None
+        if opening is None:
+            cur = await conn.execute(query("try_lock"), {"key": key})
+            row = await cur.fetchone()
+            return bool(row and row[0]), None
+        async with conn.pipeline():
+            cur = await conn.execute(query("try_lock"), {"key": key})
+            opened = await opening.send(conn, scope)
         row = await cur.fetchone()
-        return bool(row and row[0])
+        locked = bool(row and row[0])
+        return locked, (await opened.fetchall() if locked else None)
 
     return attempt
