@@ -835,11 +835,19 @@ def _try_lock(
             cur = await conn.execute(query("try_lock"), {"key": key})
             row = await cur.fetchone()
             return bool(row and row[0]), None
-        async with conn.pipeline():
-            cur = await conn.execute(query("try_lock"), {"key": key})
-            opened = await opening.send(conn, scope)
-        row = await cur.fetchone()
-        locked = bool(row and row[0])
-        return locked, (await opened.fetchall() if locked else None)
+        try:
+            async with conn.pipeline():
+                cur = await conn.execute(query("try_lock"), {"key": key})
+                opened = await opening.send(conn, scope)
+            row = await cur.fetchone()
+            locked = bool(row and row[0])
+            return locked, (await opened.fetchall() if locked else None)
+        except psycopg.DatabaseError as exc:
+            if isinstance(exc, psycopg.OperationalError):
+                raise  # the connection is gone, and its locks with it
+            # The open failed after the lock may have been taken, and a session
+            # lock outlives its transaction: free it before the error goes up.
+            await conn.execute(query("unlock_if_held"), {"key": key})
+            raise
 
     return attempt

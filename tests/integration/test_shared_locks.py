@@ -184,3 +184,29 @@ async def test_a_lost_lock_connection_fences_every_run_on_it(dsn: str) -> None:
         assert await cur.fetchone() == (0,)
     # No second tool call ran: each run stopped at the step after the cut.
     assert not any(tag.endswith("-b") for tag in (await effects.counts()))
+
+
+async def test_an_open_that_fails_after_the_lock_leaves_the_scope_free(dsn: str) -> None:
+    """The open query rides in the lock's round trip; when Postgres refuses it
+    (here an epoch beyond its integer range), the lock taken just before must
+    not stay held on the shared connection."""
+    from loomflow_worker.runtime import run_options
+
+    effects = EffectsLog(dsn)
+    await effects.setup()
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
+    try:
+        agent = make_agent(runtime, effects)
+        with run_options(epoch=2**40), pytest.raises(psycopg.errors.NumericValueOutOfRange):
+            await agent.run(calls("a"), session_id="s", user_id="u")
+        other = await PostgresRuntime.connect(dsn, lock_connections=1)
+        try:
+            with anyio.fail_after(5):
+                result = await make_agent(other, effects).run(
+                    calls("b"), session_id="s", user_id="u"
+                )
+            assert result.output == "done: recorded b"
+        finally:
+            await other.aclose()
+    finally:
+        await runtime.aclose()

@@ -662,6 +662,14 @@ WITH steps AS (
 )
 SELECT 1;
 
+-- name: unlock_if_held
+-- Release one scope's lock if this backend holds it (after a failed open).
+SELECT pg_advisory_unlock(%(key)s) FROM pg_locks l
+ WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+   AND l.pid = pg_backend_pid()
+   AND l.classid = ((%(key)s::bigint >> 32) & 4294967295)::oid
+   AND l.objid = (%(key)s::bigint & 4294967295)::oid;
+
 -- name: unlock_scope
 -- Release one scope's lock and say whether this backend still holds it
 -- (it must not: the lock was taken once).
