@@ -340,11 +340,10 @@ def _console(settings: Settings, request_id: str, port: int | None) -> None:
         return
     from .console import BackgroundConsole
 
-    with BackgroundConsole(settings, port=port) as console:
+    with contextlib.suppress(KeyboardInterrupt), BackgroundConsole(settings, port=port) as console:
         _say(f"  console              {console.url}{path} (serving; Ctrl-C to stop)")
-        with contextlib.suppress(KeyboardInterrupt):
-            while True:
-                time.sleep(3600)
+        while True:
+            time.sleep(3600)
 
 
 def _summary(
