@@ -31,7 +31,7 @@ from .runtime.errors import (
 from .runtime.migrate import latest_version, migrate
 from .runtime.store import describe_dsn, probe
 from .runtime.validate import check_text
-from .settings import Settings
+from .settings import CONSOLE_PORT, Settings
 
 # Exit codes scripts can rely on (listed in the group's help).
 EXIT_OK = 0
@@ -460,46 +460,11 @@ def show(request_id: str, as_json: bool) -> None:
 # ---- tail -----------------------------------------------------------------------------------
 
 
-def _event_summary(kind: str, data: dict[str, Any]) -> str:
-    payload = data.get("payload") if isinstance(data.get("payload"), dict) else {}
-    assert isinstance(payload, dict)
-    if kind == "end":
-        status = str(data.get("status"))
-        return status + (f": {data['error']}" if data.get("error") else "")
-    if kind == "started":
-        return "prompt " + repr(admin.shorten(str(payload.get("prompt", "")), 80))
-    if kind == "model_chunk":
-        chunk = payload.get("chunk") or {}
-        part = chunk.get("kind")
-        if part in ("text", "thinking"):
-            return f"{part} {chunk.get('text')!r}"
-        if part == "tool_call":
-            call = chunk.get("tool_call") or {}
-            return f"calls {call.get('tool')}({json.dumps(call.get('args'), sort_keys=True)})"
-        if part == "finish":
-            usage = chunk.get("usage") or {}
-            return (f"finish {chunk.get('finish_reason')} (tokens in "
-                    f"{usage.get('input_tokens', '?')}, out {usage.get('output_tokens', '?')})")
-    if kind == "tool_call":
-        call = payload.get("call") or {}
-        return f"{call.get('tool')}({json.dumps(call.get('args'), sort_keys=True)})"
-    if kind == "tool_result":
-        result = payload.get("result") or {}
-        if result.get("ok"):
-            return f"ok: {result.get('output')}"
-        return f"error: {result.get('error') or result.get('reason')}"
-    if kind == "completed":
-        result = payload.get("result")
-        output = result.get("output") if isinstance(result, dict) else result
-        return f"output {output!r}"
-    if kind == "error":
-        return f"{payload.get('type')}: {payload.get('message')}"
-    return json.dumps(payload, sort_keys=True, default=str)
-
-
 def _event_line(event: Any) -> str:
+    from .events import describe_event
+
     marker = "replay" if event.replayed else "      "
-    summary = admin.shorten(_event_summary(event.kind, event.data), 160)
+    summary = admin.shorten(describe_event(event.kind, event.data), 160)
     return f"{_when(event.at, precise=True)} a{event.attempt} {marker} {event.kind:<12} {summary}"
 
 
@@ -704,18 +669,54 @@ def doctor(grace_period: float, as_json: bool) -> None:
     sys.exit(EXIT_OK if all(c.ok for c in checks) else EXIT_FAILED)
 
 
+# ---- console --------------------------------------------------------------------------------
+
+def _console_module() -> Any:
+    try:
+        from . import console
+    except ImportError as exc:
+        raise InvalidInput(
+            f"the console needs its extra ({exc.name} is missing): "
+            "pip install 'loomflow-worker[console]'"
+        ) from exc
+    return console
+
+
+@main.command(name="console")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; off loopback only with LOOMFLOW_WORKER_CONSOLE_TOKEN.")
+@click.option("--port", type=click.IntRange(0, 65535), default=CONSOLE_PORT, show_default=True,
+              help="Port to listen on.")
+@handled
+def console_command(host: str, port: int) -> None:
+    """Serve the run console, a read-only web view of the fleet: requests, each
+    run's attempts and steps (executed or replayed) on a timeline, its live
+    events, and the workers. Clients other than loopback must present
+    LOOMFLOW_WORKER_CONSOLE_TOKEN, and cancelling a request from its page
+    always takes it."""
+    settings = _settings()
+    _console_module().serve(settings, host=host, port=port, announce=click.echo)
+
+
 # ---- demo -----------------------------------------------------------------------------------
 
 
 @main.command()
 @click.option("--embedded", is_flag=True,
               help="Use a private Postgres and Redis even when services are configured.")
-def demo(embedded: bool) -> None:
+@click.option("--console", "with_console", is_flag=True,
+              help="At the end, serve the run console until Ctrl-C.")
+@click.option("--console-port", type=click.IntRange(0, 65535), default=CONSOLE_PORT,
+              show_default=True, help="The console's port (on 127.0.0.1).")
+@handled
+def demo(embedded: bool, with_console: bool, console_port: int) -> None:
     """Two workers, runs on three sessions, a worker killed mid-run and its run
-    resumed elsewhere."""
+    resumed elsewhere; ends with the console's address of the run it killed."""
+    if with_console:
+        _console_module()
     from .demo import run_demo
 
-    sys.exit(run_demo(embedded=embedded))
+    sys.exit(run_demo(embedded=embedded, console=with_console, console_port=console_port))
 
 
 if __name__ == "__main__":

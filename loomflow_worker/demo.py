@@ -37,7 +37,7 @@ from kombu.utils.url import sanitize_url
 from . import admin
 from .runtime import PostgresRuntime
 from .runtime.store import describe_dsn
-from .settings import Settings
+from .settings import CONSOLE_PORT, Settings
 from .testing import EffectsLog
 
 SESSIONS = {
@@ -187,19 +187,22 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-def run_demo(*, embedded: bool = False) -> int:
+def run_demo(
+    *, embedded: bool = False, console: bool = False, console_port: int = CONSOLE_PORT
+) -> int:
     """Run the demo; the exit code is 0 when every run finished and every
-    completed step ran once."""
+    completed step ran once. With ``console``, serve the run console on
+    ``console_port`` at the end, until Ctrl-C."""
     start = time.monotonic()
     with services(embedded) as found:
         for note in found.notes:
             _say(f"- {note}")
         redis_at = sanitize_url(found.redis_url)
         _say(f"- Postgres {describe_dsn(found.database_url)}, Redis {redis_at}")
-        return _story(found, start)
+        return _story(found, start, console_port if console else None)
 
 
-def _story(found: Services, start: float) -> int:
+def _story(found: Services, start: float, console_port: int | None) -> int:
     run_tag = uuid.uuid4().hex[:6]
     settings = Settings(
         database_url=found.database_url,  # type: ignore[arg-type]
@@ -246,7 +249,7 @@ def _story(found: Services, start: float) -> int:
                 requests.append((session, steps, result))
                 names = ", ".join(step.split(":")[-1] for step in steps)
                 _say(f"  enqueued {result.id[:8]} on {session}: {names}")
-        killed = _watch(fleet, found.database_url, requests)
+        killed, killed_run = _watch(fleet, found.database_url, requests)
         ok = True
         for _session, _steps, result in requests:
             try:
@@ -254,7 +257,10 @@ def _story(found: Services, start: float) -> int:
             except Exception as exc:
                 ok = False
                 _say(f"  run {result.id[:8]} failed: {exc}")
-        return _summary(found, settings, requests, killed, ok, start)
+        code = _summary(found, settings, requests, killed, ok, start)
+        if killed_run is not None:
+            _console(settings, killed_run, console_port)
+        return code
     finally:
         fleet.stop()
         shutil.rmtree(folder, ignore_errors=True)
@@ -285,12 +291,16 @@ def _executions(dsn: str, prefix: str) -> list[tuple[str, int, Any, Any]]:
     return [(r[0], r[1], r[2], r[3]) for r in rows]
 
 
-def _watch(fleet: Fleet, dsn: str, requests: list[tuple[str, list[str], Any]]) -> str | None:
-    """Print progress as tool calls run; kill a worker in the middle of a run."""
+def _watch(
+    fleet: Fleet, dsn: str, requests: list[tuple[str, list[str], Any]]
+) -> tuple[str | None, str | None]:
+    """Print progress as tool calls run; kill a worker in the middle of a run.
+    Returns the worker killed and the request it was running."""
     prefix = requests[0][1][0].split(":")[0] + ":"
     position = {tag: i for _, steps, _ in requests for i, tag in enumerate(steps)}
     reported: set[tuple[str, int, bool]] = set()
     killed: str | None = None
+    killed_run: str | None = None
     deadline = time.monotonic() + 180
     total = sum(len(steps) for _, steps, _ in requests)
     while time.monotonic() < deadline:
@@ -310,13 +320,30 @@ def _watch(fleet: Fleet, dsn: str, requests: list[tuple[str, list[str], Any]]) -
                 if victim is not None:
                     fleet.kill(victim)
                     killed = victim
+                    killed_run = next(r.id for _, steps, r in requests if tag in steps)
                     _say(f"  !! SIGKILL {victim} (main process and pool) while {session} was "
                          f"running {step}")
         finished_tags = {tag for tag, _, _, f in rows if f is not None}
         if len(finished_tags) >= total:
             break
         time.sleep(0.1)
-    return killed
+    return killed, killed_run
+
+
+def _console(settings: Settings, request_id: str, port: int | None) -> None:
+    """Where the console shows the run whose worker was killed; with a port,
+    serve it there until Ctrl-C."""
+    path = f"/runs/{request_id}"
+    if port is None:
+        _say(f"  console              http://127.0.0.1:{CONSOLE_PORT}{path} (`loomflow-worker "
+             "console` serves it; `demo --console` keeps the demo's services up for it)")
+        return
+    from .console import BackgroundConsole
+
+    with contextlib.suppress(KeyboardInterrupt), BackgroundConsole(settings, port=port) as console:
+        _say(f"  console              {console.url}{path} (serving; Ctrl-C to stop)")
+        while True:
+            time.sleep(3600)
 
 
 def _summary(

@@ -99,6 +99,50 @@ def _parse(request_id: str, entry_id: bytes | str, fields: dict[Any, Any]) -> Ru
     )
 
 
+def describe_event(kind: str, data: dict[str, Any]) -> str:
+    """A one-line account of an event of a run (what `loomflow-worker tail` and the
+    console print); a prompt is cut to 80 characters."""
+    payload = data.get("payload") if isinstance(data.get("payload"), dict) else {}
+    assert isinstance(payload, dict)
+    if kind == "end":
+        status = str(data.get("status"))
+        return status + (f": {data['error']}" if data.get("error") else "")
+    if kind == "started":
+        return "prompt " + repr(_cut(str(payload.get("prompt", "")), 80))
+    if kind == "model_chunk":
+        chunk = payload.get("chunk") or {}
+        part = chunk.get("kind")
+        if part in ("text", "thinking"):
+            return f"{part} {chunk.get('text')!r}"
+        if part == "tool_call":
+            call = chunk.get("tool_call") or {}
+            return f"calls {call.get('tool')}({json.dumps(call.get('args'), sort_keys=True)})"
+        if part == "finish":
+            usage = chunk.get("usage") or {}
+            return (f"finish {chunk.get('finish_reason')} (tokens in "
+                    f"{usage.get('input_tokens', '?')}, out {usage.get('output_tokens', '?')})")
+    if kind == "tool_call":
+        call = payload.get("call") or {}
+        return f"{call.get('tool')}({json.dumps(call.get('args'), sort_keys=True)})"
+    if kind == "tool_result":
+        result = payload.get("result") or {}
+        if result.get("ok"):
+            return f"ok: {result.get('output')}"
+        return f"error: {result.get('error') or result.get('reason')}"
+    if kind == "completed":
+        result = payload.get("result")
+        output = result.get("output") if isinstance(result, dict) else result
+        return f"output {output!r}"
+    if kind == "error":
+        return f"{payload.get('type')}: {payload.get('message')}"
+    return json.dumps(payload, sort_keys=True, default=str)
+
+
+def _cut(text: str, width: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
 class EventPublisher:
     """Appends a worker's run events to Redis, batched, never failing a run.
 
@@ -217,11 +261,13 @@ def _reader_args(settings: Settings | None, url: str | None) -> tuple[str, str]:
 class _Follow:
     """Where a reader is in a stream, and when it is done (shared by sync and async)."""
 
-    def __init__(self, request_id: str, follow: bool, idle_timeout: float | None) -> None:
+    def __init__(
+        self, request_id: str, follow: bool, idle_timeout: float | None, after: str
+    ) -> None:
         self.request_id = request_id
         self.follow = follow
         self.idle_timeout = idle_timeout
-        self.last = "0-0"
+        self.last = after
         self.idle_since = time.monotonic()
         self.done = False
 
@@ -256,12 +302,14 @@ def iter_events(
     url: str | None = None,
     follow: bool = True,
     idle_timeout: float | None = None,
+    after: str = "0-0",
 ) -> Iterator[RunEvent]:
-    """The events of a request from its start; with ``follow``, new ones as they
-    come, until its ``end`` event (or ``idle_timeout`` seconds without one)."""
+    """The events of a request from its start (or those after the event whose id
+    is ``after``); with ``follow``, new ones as they come, until its ``end`` event
+    (or ``idle_timeout`` seconds without one)."""
     found, prefix = _reader_args(settings, url)
     key = stream_key(prefix, request_id)
-    cursor = _Follow(request_id, follow, idle_timeout)
+    cursor = _Follow(request_id, follow, idle_timeout, after)
     client = redis.Redis.from_url(found)
     try:
         while not cursor.done:
@@ -277,11 +325,12 @@ async def aiter_events(
     url: str | None = None,
     follow: bool = True,
     idle_timeout: float | None = None,
+    after: str = "0-0",
 ) -> AsyncIterator[RunEvent]:
     """:func:`iter_events` for an event loop."""
     found, prefix = _reader_args(settings, url)
     key = stream_key(prefix, request_id)
-    cursor = _Follow(request_id, follow, idle_timeout)
+    cursor = _Follow(request_id, follow, idle_timeout, after)
     client: aredis.Redis = aredis.Redis.from_url(found)
     try:
         while not cursor.done:

@@ -10,6 +10,11 @@ from psycopg.conninfo import conninfo_to_dict
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+#: The shortest console token accepted.
+MIN_TOKEN_LENGTH = 16
+#: Where `loomflow-worker console` listens unless told otherwise.
+CONSOLE_PORT = 8040
+
 
 class Settings(BaseSettings):
     """Where the fleet's services are and how runs behave.
@@ -96,11 +101,29 @@ class Settings(BaseSettings):
     connect_timeout: int = Field(default=10, ge=1)
     lock_io_timeout: float = Field(default=30.0, gt=0)
 
+    # The run console (`loomflow-worker console`): the token a request from
+    # anywhere but loopback must present, and any cancel from its pages.
+    console_token: SecretStr | None = None
+
     @field_validator("agents", mode="before")
     @classmethod
     def _split_agents(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("console_token")
+    @classmethod
+    def _check_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None
+        token = value.get_secret_value()
+        if len(token) < MIN_TOKEN_LENGTH or not token.isprintable() or token != token.strip():
+            raise ValueError(
+                f"must be at least {MIN_TOKEN_LENGTH} printable characters with no leading "
+                "or trailing space (e.g. from `python -c 'import secrets; "
+                "print(secrets.token_urlsafe(32))'`)"
+            )
         return value
 
     @field_validator("database_url", "broker_url", "result_backend")

@@ -1,0 +1,439 @@
+"""The console's web application (Starlette, Jinja2 templates, no build step).
+
+Read only, but for one action: cancelling a request from its page, which
+calls :func:`loomflow_worker.cancel_run` and always needs the console token,
+sent in the form (a cross-site page cannot know it; a cookie would not do).
+Anything but a loopback client needs the token too (a bearer header, or the
+login form, which sets a cookie holding a digest of it, never the token).
+Every text a page shows passes through the template environment's finalizer,
+which masks the configured passwords and the token wherever they turn up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import parse_qs, urlencode
+
+import psycopg
+from jinja2 import Environment, PackageLoader, select_autoescape
+from psycopg_pool import PoolTimeout
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import (
+    HTMLResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .. import admin
+from ..events import aiter_events, describe_event, events_url
+from ..runtime.errors import InvalidInput
+from ..runtime.store import describe_dsn
+from ..runtime.validate import check_id
+from ..settings import Settings
+from . import data
+from .timeline import layout
+
+log = logging.getLogger("loomflow_worker.console")
+
+COOKIE = "lfw_console"
+#: The most a form may hold (a token, a redirect target).
+MAX_FORM_BYTES = 4096
+_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
+
+
+# ---- who may look -----------------------------------------------------------------------------
+
+
+def is_loopback(scope: Scope) -> bool:
+    """Whether the request came from this host, and not through a proxy (a
+    proxy on this host would make every client look local)."""
+    client = scope.get("client")
+    if not client:
+        return False
+    try:
+        address = ipaddress.ip_address(client[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if not address.is_loopback:
+        return False
+    headers = {name for name, _ in scope.get("headers", ())}
+    return not headers & {b"forwarded", b"x-forwarded-for", b"x-real-ip"}
+
+
+class Gate:
+    """The console token and what it lets in."""
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token
+
+    @property
+    def cookie_value(self) -> str:
+        """What the login cookie holds: a digest of the token, not the token."""
+        assert self.token is not None
+        return hmac.new(self.token.encode(), b"loomflow-worker console login",
+                        hashlib.sha256).hexdigest()
+
+    def accepts(self, presented: str | None) -> bool:
+        if self.token is None or not presented:
+            return False
+        return hmac.compare_digest(presented.encode(), self.token.encode())
+
+    def lets_in(self, scope: Scope) -> bool:
+        if is_loopback(scope):
+            return True
+        if self.token is None:
+            return False
+        request = Request(scope)
+        bearer = request.headers.get("authorization", "")
+        if bearer.lower().startswith("bearer ") and self.accepts(bearer[7:].strip()):
+            return True
+        cookie = request.cookies.get(COOKIE, "")
+        return hmac.compare_digest(cookie.encode(), self.cookie_value.encode())
+
+
+class TokenRequired:
+    """ASGI middleware: a client the gate does not let in gets 401 and the login
+    form (403 when no token is set: then only loopback may look)."""
+
+    OPEN = ("/login", "/static/")
+
+    def __init__(self, app: ASGIApp, gate: Gate, pages: Pages) -> None:
+        self.app = app
+        self.gate = gate
+        self.pages = pages
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.gate.lets_in(scope) or (
+            self.gate.token is not None and scope["path"].startswith(self.OPEN)
+        ):
+            await self.app(scope, receive, send)
+            return
+        if self.gate.token is None:
+            response: Response = self.pages.error(
+                403, "This console answers loopback clients only: it has no token "
+                "(LOOMFLOW_WORKER_CONSOLE_TOKEN) for others to present.")
+        else:
+            target = scope["path"] + (f"?{scope['query_string'].decode()}"
+                                      if scope.get("query_string") else "")
+            response = self.pages.render("login.html", status_code=401, next=target)
+        await response(scope, receive, send)
+
+
+# ---- pages ------------------------------------------------------------------------------------
+
+
+def _when(value: datetime | None) -> str:
+    return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _clock(value: datetime | float | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        value = datetime.fromtimestamp(value, tz=UTC)
+    value = value.astimezone(UTC)
+    return value.strftime("%H:%M:%S.") + f"{value.microsecond // 1000:03d}"
+
+
+def _ago(value: datetime | None, now: datetime | None = None) -> str:
+    if value is None:
+        return "-"
+    seconds = ((now or datetime.now(UTC)) - value).total_seconds()
+    return admin.format_duration(max(seconds, 0.0)) + " ago"
+
+
+def _json(value: Any, width: int = 400) -> str:
+    return admin.shorten(json.dumps(value, sort_keys=True, default=str), width)
+
+
+class Pages:
+    """The templates, with every shown text masked of the configured secrets."""
+
+    def __init__(self, settings: Settings, secrets: list[str]) -> None:
+        self.secrets = secrets
+        self.env = Environment(
+            loader=PackageLoader("loomflow_worker.console", "templates"),
+            autoescape=select_autoescape(["html", "svg"]),
+            finalize=self.mask,
+        )
+        self.env.filters.update(
+            when=_when, clock=_clock, ago=_ago, shorten=admin.shorten, as_json=_json,
+            duration=admin.format_duration,
+        )
+        self.env.globals.update(
+            database=describe_dsn(settings.database_url.get_secret_value()),
+            statuses=admin.STATUSES,
+            cancel_enabled=settings.console_token is not None,
+        )
+
+    def mask(self, value: Any) -> Any:
+        return admin.redact(value, self.secrets) if isinstance(value, str) else value
+
+    def render(self, template: str, *, status_code: int = 200, **context: Any) -> HTMLResponse:
+        html = self.env.get_template(template).render(**context)
+        return HTMLResponse(html, status_code=status_code,
+                            headers={"Cache-Control": "no-store",
+                                     "Content-Security-Policy": CSP,
+                                     "X-Frame-Options": "DENY",
+                                     "Referrer-Policy": "same-origin"})
+
+    def error(self, status_code: int, message: str) -> HTMLResponse:
+        return self.render("error.html", status_code=status_code, message=message)
+
+
+# Scripts and styles from the console itself only; no inline script.
+CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+       "frame-ancestors 'none'; form-action 'self'; base-uri 'none'")
+
+
+async def _form(request: Request) -> dict[str, str]:
+    """A small url-encoded form (the only kind the console's pages send)."""
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            raise InvalidInput(f"the form is over {MAX_FORM_BYTES} bytes")
+    fields = parse_qs(body.decode("utf-8", "replace"), max_num_fields=8)
+    return {key: values[0] for key, values in fields.items()}
+
+
+def _safe_next(target: str) -> str:
+    """A redirect target on this console only."""
+    if target.startswith("/") and not target.startswith("//") and "\\" not in target:
+        return target
+    return "/requests"
+
+
+# ---- the application --------------------------------------------------------------------------
+
+
+def create_app(
+    settings: Settings,
+    *,
+    cancel: Callable[[str], str] | None = None,
+    broker_depth: Callable[[], int] | None = None,
+) -> Starlette:
+    """The console over ``settings``' database and events. ``cancel`` (default
+    :func:`loomflow_worker.cancel_run`) and ``broker_depth`` (default: the
+    Celery app's count of the queue's messages) run in a thread."""
+    token = settings.console_token.get_secret_value() if settings.console_token else None
+    gate = Gate(token)
+    pages = Pages(settings, admin.secrets_of(settings) + ([token] if token else []))
+    db = _Database(settings)
+    has_events = events_url(settings) is not None
+
+    if cancel is None:
+        def cancel(request_id: str) -> str:
+            from .. import cancel_run
+
+            result: str = cancel_run(request_id)
+            return result
+
+    if broker_depth is None:
+        def broker_depth() -> int:
+            from ..tasks.application import _queue_length
+
+            return _queue_length()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        await db.open()
+        try:
+            yield
+        finally:
+            await db.close()
+
+    async def home(_request: Request) -> Response:
+        return RedirectResponse("/requests", status_code=303)
+
+    async def requests_page(request: Request) -> Response:
+        filters = data.Filters.parse(dict(request.query_params))
+        rows = await data.list_requests(db.pool, filters)
+        more = len(rows) > data.PAGE_SIZE
+        rows = rows[: data.PAGE_SIZE]
+        older = (urlencode(filters.query_string(before=rows[-1].seq)) if more and rows
+                 else None)
+        return pages.render("requests.html", rows=rows, filters=filters, older=older,
+                            first=filters.before is None,
+                            newest=urlencode(filters.query_string(before=None)))
+
+    async def session_page(request: Request) -> Response:
+        session_id = request.path_params["session_id"]
+        scopes = await data.session_scopes(db.pool, session_id)
+        return pages.render("session.html", session_id=session_id, scopes=scopes)
+
+    async def run_page(request: Request) -> Response:
+        request_id = request.path_params["request_id"]
+        full = request.query_params.get("prompt") == "full"
+        view = await data.get_run(db.pool, request_id, full_prompt=full)
+        timeline = layout(view.attempts, view.steps, now=view.run.now,
+                          running=view.run.status == "running")
+        return pages.render(
+            "run.html", view=view, run=view.run, timeline=timeline, full_prompt=full,
+            has_events=has_events, cancelled=request.query_params.get("cancel"),
+        )
+
+    async def cancel_page(request: Request) -> Response:
+        request_id = check_id("request", request.path_params["request_id"])
+        if token is None:
+            return pages.error(403, "Cancelling from the console needs a token: set "
+                               "LOOMFLOW_WORKER_CONSOLE_TOKEN and restart the console.")
+        form = await _form(request)
+        presented = request.headers.get("x-console-token") or form.get("token")
+        if not gate.accepts(presented):
+            return pages.error(403, "Wrong or missing console token: nothing was cancelled.")
+        await data.get_run(db.pool, request_id)  # a 404 for an unknown request
+        status = await run_in_threadpool(cancel, request_id)
+        log.info("console: cancel of request %s: %s", request_id, status,
+                 extra={"action": "console_cancel", "request": request_id})
+        return RedirectResponse(f"/runs/{request_id}?{urlencode({'cancel': status})}",
+                                status_code=303)
+
+    async def events_stream(request: Request) -> Response:
+        request_id = check_id("request", request.path_params["request_id"])
+        if not has_events:
+            return PlainTextResponse("live events are off (LOOMFLOW_WORKER_EVENTS)", 404)
+        after = request.headers.get("last-event-id", "0-0")
+        if not _STREAM_ID.fullmatch(after):
+            after = "0-0"
+        run = await data.run_status(db.pool, request_id)
+
+        async def stream() -> AsyncIterator[str]:
+            last, follow = after, not run.finished
+            while True:
+                async for event in aiter_events(request_id, settings=settings, follow=follow,
+                                                idle_timeout=5.0, after=last):
+                    last = event.id
+                    yield _sse("end" if event.is_end else "message", event.id, {
+                        "attempt": event.attempt, "replayed": event.replayed,
+                        "kind": event.kind, "at": _clock(event.at),
+                        "summary": admin.shorten(describe_event(event.kind, event.data), 200),
+                    }, pages.mask)
+                    if event.is_end:
+                        return
+                now = await data.run_status(db.pool, request_id)
+                if not follow or now.finished:
+                    # No end event (the stream expired, or Redis dropped it):
+                    # the ledger has the word.
+                    yield _sse("end", last, {
+                        "attempt": now.attempts, "replayed": False, "kind": "end",
+                        "at": _clock(now.finished_at),
+                        "summary": f"{now.status} (from the ledger; the live events hold "
+                                   "no end)",
+                    }, pages.mask)
+                    return
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store",
+                                          "X-Accel-Buffering": "no"})
+
+    async def fleet_page(_request: Request) -> Response:
+        view = await data.fleet(db.pool)
+        try:
+            depth: int | str = await run_in_threadpool(broker_depth)
+        except Exception as exc:
+            depth = f"unknown (the broker did not answer: {type(exc).__name__})"
+        return pages.render("fleet.html", view=view, broker_depth=depth,
+                            queue=settings.queue)
+
+    async def login_page(request: Request) -> Response:
+        if request.method == "GET":
+            return pages.render("login.html", next=_safe_next(
+                request.query_params.get("next", "/requests")))
+        form = await _form(request)
+        target = _safe_next(form.get("next", "/requests"))
+        if not gate.accepts(form.get("token")):
+            return pages.render("login.html", status_code=401, next=target,
+                                message="Wrong token.")
+        response = RedirectResponse(target, status_code=303)
+        response.set_cookie(COOKIE, gate.cookie_value, httponly=True, samesite="strict",
+                            secure=request.url.scheme == "https")
+        return response
+
+    async def not_found(_request: Request, exc: Exception) -> Response:
+        return pages.error(404, str(exc))
+
+    async def bad_input(_request: Request, exc: Exception) -> Response:
+        return pages.error(400, str(exc))
+
+    async def no_schema(_request: Request, _exc: Exception) -> Response:
+        return pages.error(503, "The loomflow-worker tables are missing: run "
+                           "`loomflow-worker migrate` against this database.")
+
+    async def unavailable(_request: Request, exc: Exception) -> Response:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = describe_dsn(settings.database_url.get_secret_value())
+        return pages.error(503, f"Postgres at {where} is unavailable: {reason}. The page "
+                           "works again once it answers.")
+
+    routes = [
+        Route("/", home),
+        Route("/requests", requests_page),
+        Route("/sessions/{session_id:path}", session_page),
+        Route("/runs/{request_id}", run_page),
+        Route("/runs/{request_id}/events", events_stream),
+        Route("/runs/{request_id}/cancel", cancel_page, methods=["POST"]),
+        Route("/fleet", fleet_page),
+        Route("/login", login_page, methods=["GET", "POST"]),
+        Mount("/static", StaticFiles(packages=[("loomflow_worker.console", "static")]),
+              name="static"),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            data.RunNotFound: not_found,
+            InvalidInput: bad_input,
+            psycopg.errors.UndefinedTable: no_schema,
+            psycopg.OperationalError: unavailable,
+            PoolTimeout: unavailable,
+        },
+    )
+    app.add_middleware(TokenRequired, gate=gate, pages=pages)
+    return app
+
+
+class _Database:
+    """The app's pool, made and opened by its lifespan (each server start)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._pool: data.Pool | None = None
+
+    @property
+    def pool(self) -> data.Pool:
+        if self._pool is None:
+            raise RuntimeError("the console's pool is not open (the app's lifespan opens it)")
+        return self._pool
+
+    async def open(self) -> None:
+        self._pool = data.make_pool(self.settings)
+        await self._pool.open(wait=False)
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+
+def _sse(kind: str, event_id: str, payload: dict[str, Any], mask: Callable[[Any], Any]) -> str:
+    text = mask(json.dumps(payload, separators=(",", ":")))
+    return f"id: {event_id}\nevent: {kind}\ndata: {text}\n\n"

@@ -1,0 +1,421 @@
+"""What the console reads: the ledger, the journal and the fleet's traces in Postgres.
+
+Every query is a ``console_*`` query of ``runtime/sql/queries.sql``, run on a
+small pool of read-only connections; rows come back as the dataclasses below
+(psycopg's ``class_row``). A prompt leaves the database cut to
+``PROMPT_CHARS`` characters, except on a run's own page when asked for.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg.rows import class_row
+from psycopg_pool import AsyncConnectionPool
+
+from .. import admin
+from ..runtime.errors import InvalidInput
+from ..runtime.sql import query
+from ..runtime.validate import check_id
+from ..settings import Settings
+
+Pool = AsyncConnectionPool[psycopg.AsyncConnection[Any]]
+Row = TypeVar("Row")
+
+#: How much of a prompt the lists show (and fetch).
+PROMPT_CHARS = 120
+#: Requests per page of the list, and of a session's page.
+PAGE_SIZE = 50
+#: The most journal entries a run's page loads.
+MAX_JOURNAL = 5000
+#: How far back the fleet page looks for attempts (seconds).
+RECENT_WINDOW = 3600.0
+
+
+def make_pool(settings: Settings, *, max_size: int = 4) -> Pool:
+    """The console's connections: opened by :func:`Pool.open`, each one read
+    only, and planning each statement with its values (``prepare_threshold``
+    None: no generic plan), so an absent filter costs nothing."""
+    return AsyncConnectionPool(
+        settings.database_url.get_secret_value(),
+        min_size=1,
+        max_size=max_size,
+        open=False,
+        name="loomflow-worker console",
+        check=AsyncConnectionPool.check_connection,
+        timeout=settings.connect_timeout,
+        kwargs={
+            "autocommit": True,
+            "prepare_threshold": None,
+            "connect_timeout": settings.connect_timeout,
+            "application_name": "loomflow-worker console",
+            "options": "-c default_transaction_read_only=on",
+        },
+    )
+
+
+async def _rows(
+    pool: Pool, name: str, params: Mapping[str, Any], row: type[Row]
+) -> list[Row]:
+    async with pool.connection() as conn, conn.cursor(row_factory=class_row(row)) as cur:
+        await cur.execute(query(name), params)
+        return await cur.fetchall()
+
+
+# ---- the requests list ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestRow:
+    request_id: str
+    seq: int
+    session_id: str
+    user_id: str | None
+    agent: str
+    kind: str
+    status: str
+    attempts: int
+    crashes: int
+    prompt: str
+    prompt_length: int
+    enqueued_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    holder: str | None
+
+    @property
+    def prompt_cut(self) -> bool:
+        return self.prompt_length > len(self.prompt)
+
+
+_ISO_HINT = "a duration ago (30m, 2h, 1d12h) or a UTC time (2025-06-01 14:02, 2025-06-01T14:02:00)"
+
+
+def parse_when(what: str, text: str, now: datetime) -> datetime:
+    """A time filter: a duration ago (``2h``) or an ISO date and time (UTC
+    unless it names its offset); :class:`InvalidInput` naming the filter."""
+    text = text.strip()
+    if re.fullmatch(r"[\d\sdhms]+", text.lower()):
+        try:
+            return now - admin.parse_duration(text)
+        except InvalidInput as exc:
+            raise InvalidInput(f"{what}: {exc}") from exc
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidInput(f"{what}: {text!r} is neither {_ISO_HINT}") from None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class Filters:
+    """The requests list's filters, as given in the page's query string."""
+
+    status: str | None = None
+    session_id: str | None = None
+    user_id: str | None = None
+    agent: str | None = None
+    since: str | None = None
+    until: str | None = None
+    before: int | None = None
+
+    @classmethod
+    def parse(cls, params: Mapping[str, str]) -> Filters:
+        """From query parameters; empty ones are absent. :class:`InvalidInput`
+        names a bad one and what it takes."""
+        known = {"status", "session", "user", "agent", "since", "until", "before"}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise InvalidInput(
+                f"unknown filter {unknown[0]!r}; the list takes {', '.join(sorted(known))}"
+            )
+        given = {k: v.strip() for k, v in params.items() if v.strip()}
+        status = given.get("status")
+        if status is not None and status not in admin.STATUSES:
+            raise InvalidInput(
+                f"status {status!r} is not a status; one of {', '.join(admin.STATUSES)}"
+            )
+        for key, what in (("session", "session"), ("user", "user"), ("agent", "agent")):
+            if key in given:
+                check_id(what, given[key])
+        before = None
+        if "before" in given:
+            if not given["before"].isdigit():
+                raise InvalidInput(
+                    f"before must be a request's sequence number (digits), not "
+                    f"{given['before']!r}; use the page's 'older' link"
+                )
+            before = int(given["before"])
+        return cls(status, given.get("session"), given.get("user"), given.get("agent"),
+                   given.get("since"), given.get("until"), before)
+
+    def window(self, now: datetime) -> tuple[datetime | None, datetime | None]:
+        since = None if self.since is None else parse_when("since", self.since, now)
+        until = None if self.until is None else parse_when("until", self.until, now)
+        if since is not None and until is not None and since >= until:
+            raise InvalidInput("since must be earlier than until")
+        return since, until
+
+    def query_string(self, **change: Any) -> dict[str, str]:
+        """The filters as query parameters (for links), with ``change`` applied."""
+        values = {
+            "status": self.status, "session": self.session_id, "user": self.user_id,
+            "agent": self.agent, "since": self.since, "until": self.until,
+            "before": self.before, **change,
+        }
+        return {k: str(v) for k, v in values.items() if v is not None}
+
+
+async def list_requests(
+    pool: Pool, filters: Filters, *, limit: int = PAGE_SIZE
+) -> list[RequestRow]:
+    """One page of requests, newest first (``limit`` + 1 rows: one more says
+    there is an older page)."""
+    since, until = filters.window(datetime.now(UTC))
+    return await _rows(pool, "console_requests", {
+        "status": filters.status, "session_id": filters.session_id,
+        "user_id": filters.user_id, "agent": filters.agent, "since": since, "until": until,
+        "before": filters.before, "limit": limit + 1, "prompt_chars": PROMPT_CHARS,
+    }, RequestRow)
+
+
+# ---- a session --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SessionRow(RequestRow):
+    cancel_requested: bool = False
+    holds_lock: bool = False
+
+
+@dataclass
+class ScopeView:
+    """One (session, user) scope: its requests in order, the one holding or
+    next to take the scope, and those waiting behind it."""
+
+    user_id: str | None
+    requests: list[SessionRow]
+    head: SessionRow | None = None
+    waiting: list[SessionRow] = field(default_factory=list)
+
+
+async def session_scopes(pool: Pool, session_id: str) -> list[ScopeView]:
+    """The session's latest requests, by scope (user), oldest first."""
+    check_id("session", session_id)
+    rows = await _rows(pool, "console_session", {
+        "session_id": session_id, "limit": PAGE_SIZE * 4, "prompt_chars": PROMPT_CHARS,
+    }, SessionRow)
+    scopes: dict[str | None, ScopeView] = {}
+    for row in reversed(rows):
+        view = scopes.setdefault(row.user_id, ScopeView(row.user_id, []))
+        view.requests.append(row)
+        if row.status in ("queued", "running"):
+            if view.head is None:
+                view.head = row
+            else:
+                view.waiting.append(row)
+    return list(scopes.values())
+
+
+# ---- a run ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunRow:
+    request_id: str
+    seq: int
+    scope: str
+    session_id: str
+    user_id: str | None
+    agent: str
+    kind: str
+    prompt: str
+    prompt_length: int
+    metadata: dict[str, Any]
+    status: str
+    epoch: int | None
+    attempts: int
+    failures: int
+    crashes: int
+    holder: str | None
+    cancel_requested: bool
+    result: Any
+    error: str | None
+    error_type: str | None
+    enqueued_at: datetime
+    started_at: datetime | None
+    heartbeat_at: datetime | None
+    finished_at: datetime | None
+    now: datetime
+
+    @property
+    def finished(self) -> bool:
+        return self.status in admin.TERMINAL
+
+    @property
+    def prompt_cut(self) -> bool:
+        return self.prompt_length > len(self.prompt)
+
+
+@dataclass(frozen=True)
+class AttemptRow:
+    attempt: int
+    worker: str
+    pid: int
+    epoch: int
+    started_at: datetime
+    ended_at: datetime | None
+    outcome: str | None
+    next_started_at: datetime | None
+
+    def info(self) -> admin.AttemptInfo:
+        return admin.AttemptInfo(self.attempt, self.worker, self.pid, self.epoch,
+                                 self.started_at, self.ended_at, self.outcome)
+
+
+@dataclass
+class RunView:
+    run: RunRow
+    attempts: list[AttemptRow]
+    steps: list[admin.StepInfo]
+    journal_cut: bool = False
+
+
+class RunNotFound(InvalidInput, LookupError):
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        super().__init__(
+            f"no request {request_id!r} in the runs ledger (pruned, mistyped, or enqueued "
+            "against another database); the requests list shows the recent ones"
+        )
+
+
+def ran_nothing(run: RunRow, attempts: Sequence[AttemptRow]) -> set[int]:
+    """Attempts that ended before running the agent (so replayed nothing): the
+    last one, when it found the request cancelled before it started."""
+    last = attempts[-1] if attempts else None
+    if last is not None and last.outcome == "cancelled" and (
+        run.error == "cancelled before it started"
+    ):
+        return {last.attempt}
+    return set()
+
+
+async def run_status(pool: Pool, request_id: str, *, full_prompt: bool = False) -> RunRow:
+    """The request's ledger row, or :class:`RunNotFound`."""
+    check_id("request", request_id)
+    found = await _rows(pool, "console_run", {
+        "request_id": request_id, "full_prompt": full_prompt, "prompt_chars": PROMPT_CHARS * 2,
+    }, RunRow)
+    if not found:
+        raise RunNotFound(request_id)
+    return found[0]
+
+
+async def get_run(pool: Pool, request_id: str, *, full_prompt: bool = False) -> RunView:
+    """A request, its attempts and its journal, each entry with the attempt
+    that executed it and those that replayed it (``admin.attribute_steps``,
+    what ``loomflow-worker show`` prints)."""
+    run = await run_status(pool, request_id, full_prompt=full_prompt)
+    attempts = await _rows(pool, "console_attempts", {"request_id": request_id}, AttemptRow)
+    view = RunView(run, attempts, [])
+    if run.epoch is None:
+        return view
+    ns = str(run.epoch)
+    async with pool.connection() as conn:
+        cur = await conn.execute(query("console_journal"), {
+            "scope": run.scope, "epoch": run.epoch, "lo": ns + "/", "hi": ns + "0",
+            "limit": MAX_JOURNAL + 1,
+        })
+        entries = [(bool(r[0]), str(r[1]), float(r[2]), bytes(r[3]))
+                   for r in await cur.fetchall()]
+    view.journal_cut = len(entries) > MAX_JOURNAL
+    view.steps = admin.attribute_steps(
+        entries[:MAX_JOURNAL], [a.info() for a in attempts],
+        ran_nothing=ran_nothing(run, attempts), now=run.now.timestamp(),
+    )
+    return view
+
+
+# ---- the fleet --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InFlight:
+    holder: str | None
+    running: int
+    oldest_start: datetime | None
+    last_heartbeat: datetime | None
+    stalest_heartbeat: datetime | None
+
+
+@dataclass(frozen=True)
+class RecentWorker:
+    worker: str
+    attempts: int
+    last_start: datetime
+    died: int
+    interrupted: int
+
+
+@dataclass(frozen=True)
+class Connections:
+    application_name: str
+    client_addr: str | None
+    connections: int
+    oldest: datetime | None
+
+
+@dataclass(frozen=True)
+class Leader:
+    holder: str
+    backend_pid: int
+    heartbeat_at: datetime
+    age: timedelta
+    connected: bool
+
+
+@dataclass(frozen=True)
+class Swept:
+    request_id: str
+    session_id: str
+    user_id: str | None
+    status: str
+    attempts: int
+    swept_at: datetime
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    ready: int
+    backing_off: int
+    running: int
+    oldest_queued: datetime | None
+
+
+@dataclass
+class FleetView:
+    in_flight: list[InFlight]
+    recent: list[RecentWorker]
+    connections: list[Connections]
+    leader: Leader | None
+    swept: list[Swept]
+    queue: QueueDepth
+    now: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+
+async def fleet(pool: Pool) -> FleetView:
+    return FleetView(
+        in_flight=await _rows(pool, "console_in_flight", {}, InFlight),
+        recent=await _rows(pool, "console_recent_workers", {"window": RECENT_WINDOW},
+                           RecentWorker),
+        connections=await _rows(pool, "console_connections", {}, Connections),
+        leader=next(iter(await _rows(pool, "console_leader", {}, Leader)), None),
+        swept=await _rows(pool, "console_swept", {"limit": 20}, Swept),
+        queue=(await _rows(pool, "console_queue", {}, QueueDepth))[0],
+    )
