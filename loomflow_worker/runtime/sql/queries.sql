@@ -636,6 +636,20 @@ SELECT request_id, status, result, error, error_type FROM runs
 -- name: mark_result_checked
 UPDATE runs SET result_checked = true WHERE request_id = ANY(%(request_ids)s);
 
+-- name: mark_result_unstored
+-- Its worker could not store the finished request's result in the result
+-- backend: the sweeper stores it from here.
+UPDATE runs SET result_stored = false
+ WHERE request_id = %(request_id)s AND status NOT IN ('queued', 'running');
+
+-- name: unstored_results
+SELECT request_id, status, result, error, error_type FROM runs
+ WHERE NOT result_stored ORDER BY finished_at LIMIT %(limit)s;
+
+-- name: mark_result_stored
+UPDATE runs SET result_stored = true, result_checked = true
+ WHERE request_id = ANY(%(request_ids)s);
+
 -- ---- lock connections shared by many runs -----------------------------------------------
 
 -- name: put_journal_batch
