@@ -8,6 +8,7 @@ password (connection strings are shown through ``describe_dsn``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -29,7 +30,7 @@ from .runtime.codec import CodecStats, decode
 from .runtime.errors import DatabaseUnavailable, InvalidInput, LoomflowWorkerError, SchemaError
 from .runtime.migrate import latest_version
 from .runtime.sql import query
-from .runtime.store import describe_dsn
+from .runtime.store import describe_dsn, probe
 from .runtime.validate import check_id, check_signal_name
 from .settings import Settings
 
@@ -735,6 +736,10 @@ def _check_database(settings: Settings) -> list[Check]:
             return [Check("database", False, f"{where}: {exc}")]
     server = version_row[0] if version_row else "?"
     database = Check("database", True, f"reachable at {where} (PostgreSQL {server})")
+    try:
+        asyncio.run(probe(settings.database_url.get_secret_value(), settings.connect_timeout))
+    except LoomflowWorkerError as exc:
+        database = Check("database", False, str(exc))
     latest = latest_version()
     current = max(applied, default=0)
     if current == latest:

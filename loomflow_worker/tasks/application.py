@@ -44,8 +44,15 @@ from ..execution.execute import (
 from ..execution.ledger import ON_BUSY, EnqueuePool, OnBusy, Pending
 from ..execution.registry import DEFAULT_AGENT, import_agent_modules
 from ..execution.request import Kind, check_request
-from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
+from ..runtime.errors import (
+    DatabaseUnavailable,
+    InvalidInput,
+    LockLost,
+    LoomflowWorkerError,
+    SessionPooler,
+)
 from ..runtime.sql import query
+from ..runtime.store import probe
 from ..runtime.validate import check_id
 from ..settings import Settings
 from . import pool
@@ -183,10 +190,24 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
             _state["slots"] = int(sender.concurrency or 1)
     if settings().metrics_port:
         metrics.prepare_multiprocess_dir()
+    _refuse_session_pooler(settings())
     app.conf.result_backend_transport_options = {
         **(app.conf.result_backend_transport_options or {}), "retry_policy": STORE_RETRY,
     }
     _drop_connections()
+
+
+def _refuse_session_pooler(current: Settings) -> None:
+    """A worker behind a transaction- or statement-mode pooler would take its
+    session locks on borrowed server sessions and stall: it does not start.
+    A database that is down now is no reason not to start (runs wait for it)."""
+    try:
+        asyncio.run(probe(current.database_url.get_secret_value(), current.connect_timeout))
+    except SessionPooler as exc:
+        log.critical("%s; the worker does not start", exc)
+        raise SystemExit(2) from None
+    except LoomflowWorkerError as exc:
+        log.warning("%s; the worker starts and connects when a run comes", exc)
 
 
 @worker_process_init.connect

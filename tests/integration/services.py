@@ -97,17 +97,15 @@ class PrivatePgBouncer(_Service):
             f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\n"
             f"unix_socket_dir =\nauth_type = trust\npool_mode = {self.pool_mode}\n"
             f"auth_file = {self.workdir / 'userlist.txt'}\n"
-            f"logfile = {log}\nmax_client_conn = 200\ndefault_pool_size = 20\n"
+            "max_client_conn = 200\ndefault_pool_size = 20\n"
             "ignore_startup_parameters = extra_float_digits,options\n"
         )
         (self.workdir / "userlist.txt").write_text('"postgres" ""\n')
         command = [PGBOUNCER, str(ini)]
         if os.geteuid() == 0:
-            # pgbouncer refuses to run as root.
-            user = _unprivileged_user()
-            for path in (self.workdir, ini, self.workdir / "userlist.txt"):
-                os.chown(path, user.pw_uid, user.pw_gid)
-            command = [PGBOUNCER, "-u", user.pw_name, str(ini)]
+            # pgbouncer refuses to run as root: it reads its files, then
+            # drops to this user (it logs to stderr, which goes to ``log``).
+            command = [PGBOUNCER, "-u", _unprivileged_user().pw_name, str(ini)]
         self.proc = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT)
         _wait_port(self.port, self.proc, log)
 

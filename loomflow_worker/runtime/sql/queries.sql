@@ -731,3 +731,12 @@ SELECT request_id FROM runs
 -- network blip) and lived: the attempt ended "lost", not crashed.
 UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = 'lost'
  WHERE request_id = %(request_id)s AND attempt = %(attempt)s AND ended_at IS NULL;
+
+-- ---- connection checks --------------------------------------------------------------------
+
+-- name: session_probe_mark
+-- A session-level setting: it lasts as long as the session, not the transaction.
+SELECT pg_backend_pid(), set_config('loomflow_worker.session_probe', %(token)s, false);
+
+-- name: session_probe_read
+SELECT pg_backend_pid(), current_setting('loomflow_worker.session_probe', true);
