@@ -530,10 +530,15 @@ def shorten(text: str, width: int) -> str:
 # ---- signals --------------------------------------------------------------------------------
 
 
-def send_signal(conn: Conn, session_id: str, name: str, payload: Any = None) -> int:
-    """Deliver a durable signal to ``session_id`` (what ``PostgresRuntime.signal``
-    does: the same row and NOTIFY); returns the signal's id."""
+def send_signal(
+    conn: Conn, session_id: str, name: str, payload: Any = None, user_id: str | None = None
+) -> int:
+    """Deliver a durable signal to ``session_id`` (to ``user_id``'s waiters only,
+    when given; what ``PostgresRuntime.signal`` does: the same row and
+    NOTIFY); returns the signal's id."""
     check_id("session_id", session_id)
+    if user_id is not None:
+        check_id("user_id", user_id)
     check_signal_name(name)
     try:
         blob = _codec.dumps(payload)
@@ -541,7 +546,8 @@ def send_signal(conn: Conn, session_id: str, name: str, payload: Any = None) -> 
         raise InvalidInput(f"signal {name!r}: the payload can't be stored as JSON: {exc}") from exc
     with translated():
         row = conn.execute(
-            query("send_signal"), {"session_id": session_id, "name": name, "payload": blob}
+            query("send_signal"),
+            {"session_id": session_id, "user_id": user_id, "name": name, "payload": blob},
         ).fetchone()
     assert row is not None
     return int(row[1])

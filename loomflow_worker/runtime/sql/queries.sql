@@ -143,16 +143,19 @@ SELECT checkpoint_id, turn, created_at FROM checkpoints
 
 -- name: send_signal
 WITH sent AS (
-    INSERT INTO signals (session_id, name, payload)
-    VALUES (%(session_id)s, %(name)s, %(payload)s)
+    INSERT INTO signals (session_id, user_id, name, payload)
+    VALUES (%(session_id)s, %(user_id)s, %(name)s, %(payload)s)
     RETURNING id
 )
 SELECT pg_notify('loomflow_worker_signals', md5(%(session_id)s)), (SELECT id FROM sent);
 
 -- name: take_signal
+-- A waiter of (session, user) takes the oldest signal sent to that user or to
+-- no user; a waiter with no user, only those sent to no user.
 DELETE FROM signals
  WHERE id = (SELECT id FROM signals
               WHERE session_id = %(session_id)s AND name = %(name)s
+                AND (user_id IS NULL OR user_id = %(user_id)s)
               ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)
 RETURNING payload;
 
@@ -161,6 +164,7 @@ WITH taken AS (
     DELETE FROM signals
      WHERE id = (SELECT id FROM signals
                   WHERE session_id = %(session_id)s AND name = %(name)s
+                    AND (user_id IS NULL OR user_id = %(user_id)s)
                   ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)
     RETURNING payload
 ), journaled AS (
