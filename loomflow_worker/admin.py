@@ -8,6 +8,7 @@ password (connection strings are shown through ``describe_dsn``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -29,7 +30,7 @@ from .runtime.codec import CodecStats, decode
 from .runtime.errors import DatabaseUnavailable, InvalidInput, LoomflowWorkerError, SchemaError
 from .runtime.migrate import latest_version
 from .runtime.sql import query
-from .runtime.store import describe_dsn
+from .runtime.store import describe_dsn, probe
 from .runtime.validate import check_id, check_signal_name
 from .settings import Settings
 
@@ -529,10 +530,15 @@ def shorten(text: str, width: int) -> str:
 # ---- signals --------------------------------------------------------------------------------
 
 
-def send_signal(conn: Conn, session_id: str, name: str, payload: Any = None) -> int:
-    """Deliver a durable signal to ``session_id`` (what ``PostgresRuntime.signal``
-    does: the same row and NOTIFY); returns the signal's id."""
+def send_signal(
+    conn: Conn, session_id: str, name: str, payload: Any = None, user_id: str | None = None
+) -> int:
+    """Deliver a durable signal to ``session_id`` (to ``user_id``'s waiters only,
+    when given; what ``PostgresRuntime.signal`` does: the same row and
+    NOTIFY); returns the signal's id."""
     check_id("session_id", session_id)
+    if user_id is not None:
+        check_id("user_id", user_id)
     check_signal_name(name)
     try:
         blob = _codec.dumps(payload)
@@ -540,7 +546,8 @@ def send_signal(conn: Conn, session_id: str, name: str, payload: Any = None) -> 
         raise InvalidInput(f"signal {name!r}: the payload can't be stored as JSON: {exc}") from exc
     with translated():
         row = conn.execute(
-            query("send_signal"), {"session_id": session_id, "name": name, "payload": blob}
+            query("send_signal"),
+            {"session_id": session_id, "user_id": user_id, "name": name, "payload": blob},
         ).fetchone()
     assert row is not None
     return int(row[1])
@@ -735,6 +742,10 @@ def _check_database(settings: Settings) -> list[Check]:
             return [Check("database", False, f"{where}: {exc}")]
     server = version_row[0] if version_row else "?"
     database = Check("database", True, f"reachable at {where} (PostgreSQL {server})")
+    try:
+        asyncio.run(probe(settings.database_url.get_secret_value(), settings.connect_timeout))
+    except LoomflowWorkerError as exc:
+        database = Check("database", False, str(exc))
     latest = latest_version()
     current = max(applied, default=0)
     if current == latest:

@@ -575,14 +575,18 @@ def cancel(
 @click.argument("session_id", metavar="SESSION")
 @click.argument("name")
 @click.argument("payload", metavar="[PAYLOAD_JSON]", type=JsonValue(), required=False)
+@click.option("--user", "user_id", default=None,
+              help="Only this user's runs on SESSION take it (default: a run of any user).")
 @handled
-def signal_command(session_id: str, name: str, payload: Any) -> None:
+def signal_command(session_id: str, name: str, payload: Any, user_id: str | None) -> None:
     """Send the durable signal NAME to SESSION, with an optional JSON payload; a
     run waiting for it (runtime.wait_for_signal) wakes, one not yet waiting
-    finds it when it does."""
+    finds it when it does. With --user only that user's run on SESSION takes
+    it; without, a run of any user on SESSION."""
     with admin.connect(_settings()) as conn:
-        signal_id = admin.send_signal(conn, session_id, name, payload)
-    click.echo(f"signal {name!r} sent to session {session_id!r} (id {signal_id})")
+        signal_id = admin.send_signal(conn, session_id, name, payload, user_id)
+    to = f"session {session_id!r}" + (f", user {user_id!r}" if user_id is not None else "")
+    click.echo(f"signal {name!r} sent to {to} (id {signal_id})")
 
 
 # ---- prune ----------------------------------------------------------------------------------

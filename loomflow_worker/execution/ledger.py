@@ -252,11 +252,22 @@ class EnqueuePool:
         """The broker refused ``request_id``'s message: the sweeper publishes it
         first once the broker is back. Best effort: without the mark the sweeper
         still finds it, later."""
+        self._mark(dsn, connect_timeout, "mark_unpublished", request_id)
+
+    def mark_result_unstored(self, dsn: str, connect_timeout: int, request_id: str) -> bool:
+        """The result backend refused finished ``request_id``'s result: the
+        sweeper stores it from the ledger once the backend is back. ``False``
+        when the mark could not be written either (then the sweeper's check of
+        recent results still finds it missing)."""
+        return self._mark(dsn, connect_timeout, "mark_result_unstored", request_id)
+
+    def _mark(self, dsn: str, connect_timeout: int, name: str, request_id: str) -> bool:
         try:
             with self.pool(dsn, connect_timeout).connection(timeout=connect_timeout) as conn:
-                conn.execute(query("mark_unpublished"), {"request_id": request_id})
+                conn.execute(query(name), {"request_id": request_id})
         except (psycopg.Error, TimeoutError):
-            pass
+            return False
+        return True
 
     def cancel(self, dsn: str, connect_timeout: int, request_id: str) -> tuple[str, Pending]:
         """Flag ``request_id`` cancelled; ``(status now, the request)``."""

@@ -8,6 +8,7 @@ from .errors import (
     RunStopped,
     SchemaError,
     SessionBusy,
+    SessionPooler,
 )
 from .migrate import latest_version, migrate
 from .runtime import PostgresRuntime, current_attempt, run_options
@@ -26,6 +27,7 @@ __all__ = [
     "RunStopped",
     "SchemaError",
     "SessionBusy",
+    "SessionPooler",
     "current_attempt",
     "latest_version",
     "migrate",

@@ -15,6 +15,11 @@ class DatabaseUnavailable(LoomflowWorkerError):
     """Postgres could not be reached or refused the connection."""
 
 
+class SessionPooler(InvalidInput):
+    """The database URL leads to a pooler in transaction or statement mode,
+    whose connections are not one server session each."""
+
+
 class SchemaError(LoomflowWorkerError):
     """The database schema is missing, or newer than this package."""
 

@@ -136,6 +136,16 @@ def _checked_scope(session_id: str, user_id: str | None) -> str:
     return journal_scope(session_id, user_id)
 
 
+def _waiter(user_id: str | None) -> str | None:
+    """The user a signal waiter waits as: ``user_id``, else the run's user."""
+    if user_id is None:
+        user_id = get_run_context().user_id
+    if user_id is not None:
+        check_id("user_id", str(user_id))
+        return str(user_id)
+    return None
+
+
 def _episode_identity(episode: Episode) -> dict[str, Any]:
     # The episode's id and timestamp are new on every attempt; what it says is not.
     return episode.model_dump(mode="json", exclude={"id", "occurred_at", "embedding"})
@@ -150,12 +160,14 @@ class PostgresSession:
     def __init__(self, session_id: str, runtime: PostgresRuntime) -> None:
         self.id = session_id
         self._runtime = runtime
+        # Opened by a run (Agent.run sets its context first): that run's user.
+        self.user_id: str | None = get_run_context().user_id
 
     async def deliver(self, name: str, payload: Any) -> None:
-        await self._runtime.signal(self.id, name, payload)
+        await self._runtime.signal(self.id, name, payload, user_id=self.user_id)
 
     async def wait_signal(self, name: str) -> Any:
-        return await self._runtime.wait_for_signal(self.id, name)
+        return await self._runtime.wait_for_signal(self.id, name, user_id=self.user_id)
 
 
 class PostgresRuntime(JournaledRuntime):
@@ -486,12 +498,19 @@ class PostgresRuntime(JournaledRuntime):
 
     # ---- signals ------------------------------------------------------------------------------
 
-    async def signal(self, session_id: str, name: str, payload: Any = None) -> None:
+    async def signal(
+        self, session_id: str, name: str, payload: Any = None, *, user_id: str | None = None
+    ) -> None:
         """Deliver a named signal to ``session_id``, in this process or any other.
 
+        Signals are scoped like journals: with ``user_id`` only a waiter of
+        that user on the session takes it; without (loomflow's session-only
+        ``signal(session_id, ...)``), a waiter of any user on the session.
         The signal is a row until a waiter takes it: one sent before the
         waiter starts, or across a restart, is delivered when it does."""
         check_id("session_id", session_id)
+        if user_id is not None:
+            check_id("user_id", user_id)
         check_signal_name(name)
         blob = self._pg._encode(payload, f"signal {name}")
         if blob is None:
@@ -499,23 +518,27 @@ class PostgresRuntime(JournaledRuntime):
                 f"signal {name!r}: the payload can't be stored as JSON; send JSON-able "
                 "values, pydantic models or dataclasses"
             )
-        await self._signals.send(session_id, name, blob)
+        await self._signals.send(session_id, user_id, name, blob)
 
     async def wait_for_signal(
-        self, session_id: str, name: str, *, timeout_s: float | None = None
+        self, session_id: str, name: str, *, timeout_s: float | None = None,
+        user_id: str | None = None,
     ) -> Any:
         """Park until a ``name`` signal for ``session_id`` arrives; return its payload.
 
-        Inside a run the signal is taken and journaled in one transaction,
-        so a resumed run replays it instead of waiting again.
+        The waiter is of ``user_id`` (inside a run: the run's user): it takes
+        signals sent to that user or to no user on the session, never
+        another user's. Inside a run the signal is taken and journaled in one
+        transaction, so a resumed run replays it instead of waiting again.
         ``TimeoutError`` after ``timeout_s`` seconds (default: wait)."""
         check_id("session_id", session_id)
         check_signal_name(name)
+        user_id = _waiter(user_id)
         with anyio.fail_after(timeout_s):
             attempt = _attempt_var.get()
             run = _open_run_var.get()
             if attempt is None or run is None:
-                blob = await self._signals.take(session_id, name)
+                blob = await self._signals.take(session_id, user_id, name)
                 return self._decode_signal(blob, name)
             slot = (run.ns, f"{session_id}\x00{name}")
             n = attempt.signal_counts.get(slot, 0) + 1
@@ -525,7 +548,9 @@ class PostgresRuntime(JournaledRuntime):
             if found:
                 self.stats.steps_replayed += 1
                 return value
-            blob = await self._signals.take_into_journal(attempt, session_id, name, run.scope, key)
+            blob = await self._signals.take_into_journal(
+                attempt, session_id, user_id, name, run.scope, key
+            )
             return self._decode_signal(blob, name)
 
     def _decode_signal(self, blob: bytes, name: str) -> Any:
@@ -544,9 +569,12 @@ class PostgresRuntime(JournaledRuntime):
             "taken without I/O; use `await runtime.try_signal(session_id, name)`"
         )
 
-    async def try_signal(self, session_id: str, name: str) -> Any | None:
-        """Take the oldest queued ``name`` signal for ``session_id``, or ``None``."""
+    async def try_signal(
+        self, session_id: str, name: str, *, user_id: str | None = None
+    ) -> Any | None:
+        """Take the oldest queued ``name`` signal for ``session_id`` that
+        ``user_id`` may take (as :meth:`wait_for_signal`), or ``None``."""
         check_id("session_id", session_id)
         check_signal_name(name)
-        blob = await self._signals.try_take(session_id, name)
+        blob = await self._signals.try_take(session_id, _waiter(user_id), name)
         return None if blob is None else self._decode_signal(blob, name)

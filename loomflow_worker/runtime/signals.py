@@ -53,34 +53,40 @@ class SignalListener:
         self._conn: AsyncConnection[Any] | None = None
         self._closed = False
 
-    async def send(self, session_id: str, name: str, blob: bytes) -> None:
+    async def send(self, session_id: str, user_id: str | None, name: str, blob: bytes) -> None:
         async with self._pool.connection() as conn:
             await conn.execute(
-                query("send_signal"), {"session_id": session_id, "name": name, "payload": blob}
+                query("send_signal"),
+                {"session_id": session_id, "user_id": user_id, "name": name, "payload": blob},
             )
 
-    async def try_take(self, session_id: str, name: str) -> bytes | None:
+    async def try_take(self, session_id: str, user_id: str | None, name: str) -> bytes | None:
         async with self._pool.connection() as conn:
-            cur = await conn.execute(query("take_signal"), {"session_id": session_id, "name": name})
+            cur = await conn.execute(
+                query("take_signal"), {"session_id": session_id, "user_id": user_id, "name": name}
+            )
             row = await cur.fetchone()
         return None if row is None else bytes(row[0])
 
-    async def take(self, session_id: str, name: str) -> bytes:
-        """The oldest ``name`` signal for ``session_id``, waiting for one."""
+    async def take(self, session_id: str, user_id: str | None, name: str) -> bytes:
+        """The oldest ``name`` signal for ``session_id`` that ``user_id`` may
+        take (sent to that user or to none), waiting for one."""
         while True:
             with self._waiting(session_id) as woken:
-                blob = await self.try_take(session_id, name)
+                blob = await self.try_take(session_id, user_id, name)
                 if blob is not None:
                     return blob
                 await self._sleep(woken)
 
     async def take_into_journal(
-        self, attempt: Attempt, session_id: str, name: str, scope: str, key: str
+        self, attempt: Attempt, session_id: str, user_id: str | None, name: str, scope: str,
+        key: str,
     ) -> bytes:
         """Take a signal and journal it under ``key`` in one transaction on the
         run's lock connection: consumed exactly when it is recorded."""
         params = {
             "session_id": session_id,
+            "user_id": user_id,
             "name": name,
             "scope": scope,
             "key": key,

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import logging
 import time
+import uuid
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from .codec import CodecStats, Serializer, check_serializer, decode, encode
-from .errors import DatabaseUnavailable, InvalidInput, LockLost, SessionBusy
+from .errors import DatabaseUnavailable, InvalidInput, LockLost, SessionBusy, SessionPooler
 from .lockconn import Conn as Conn
 from .lockconn import JournalRow, LockConnection
 from .migrate import migrate
@@ -800,16 +801,72 @@ def pool_target(pool: AsyncConnectionPool[Any]) -> tuple[str, dict[str, Any]]:
 
 
 async def probe(dsn: str, connect_timeout: int) -> None:
-    """One connection to ``dsn``, closed at once: a clear error instead of a hang."""
+    """Connect to ``dsn`` and check that its connections are sessions: a clear
+    error instead of a hang (:class:`DatabaseUnavailable`) or of runs that
+    stall behind a transaction-mode pooler (:class:`SessionPooler`)."""
+    async with await _connect(dsn, connect_timeout) as conn:
+        await require_sessions(conn, dsn, connect_timeout)
+
+
+async def _connect(dsn: str, connect_timeout: int) -> Conn:
     try:
-        conn = await AsyncConnection.connect(dsn, connect_timeout=connect_timeout)
+        return await AsyncConnection.connect(dsn, autocommit=True,
+                                             connect_timeout=connect_timeout)
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailable(
-            f"can't connect to Postgres at {describe_dsn(dsn)}: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}; check that the "
-            "server is running and the connection string (LOOMFLOW_WORKER_DATABASE_URL) is right"
+            f"can't connect to Postgres at {describe_dsn(dsn)}: {_first_line(exc)}; check that "
+            "the server is running and the connection string (LOOMFLOW_WORKER_DATABASE_URL) is "
+            "right"
         ) from exc
-    await conn.close()
+
+
+async def require_sessions(conn: Conn, dsn: str, connect_timeout: int) -> None:
+    """Raise :class:`SessionPooler` when ``conn`` (autocommit, to ``dsn``) is
+    not one server session across transactions, as behind PgBouncer in
+    transaction or statement mode.
+
+    Behaviour is tested, not names: ``conn`` sets a session-level setting;
+    a second connection, in a transaction block, must be another session
+    (its own backend, without the setting); then ``conn`` must still be on
+    its backend with its setting. A pooler hands a released server to the
+    next client, so one of these fails; a statement-mode pooler refuses the
+    transaction block."""
+    token = uuid.uuid4().hex
+    mine = await _probe_row(conn, "session_probe_mark", {"token": token})
+    problem = ""
+    async with await _connect(dsn, connect_timeout) as other:
+        try:
+            async with other.transaction():
+                theirs = await _probe_row(other, "session_probe_read", {})
+        except psycopg.Error as exc:
+            problem = f"a transaction block was refused ({_first_line(exc)})"
+        else:
+            if theirs[0] == mine[0] or theirs[1] == token:
+                problem = "two connections were given one server session"
+    if not problem:
+        again = await _probe_row(conn, "session_probe_read", {})
+        if again[0] != mine[0] or again[1] != token:
+            problem = "a session setting made in one transaction was gone in the next"
+    if problem:
+        raise SessionPooler(
+            f"the database at {describe_dsn(dsn)} is behind a pooler in transaction or "
+            f"statement mode: {problem}. The workers' session advisory locks, keepalives and "
+            "LISTEN need each connection to stay one server session: point "
+            "LOOMFLOW_WORKER_DATABASE_URL at Postgres itself, or set pool_mode = session in "
+            "the pooler (PgBouncer) for this database"
+        )
+
+
+async def _probe_row(conn: Conn, name: str, params: dict[str, Any]) -> tuple[Any, ...]:
+    cur = await conn.execute(query(name), params)
+    row = await cur.fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else repr(exc)
 
 
 def _try_lock(

@@ -44,18 +44,26 @@ from ..execution.execute import (
 from ..execution.ledger import ON_BUSY, EnqueuePool, OnBusy, Pending
 from ..execution.registry import DEFAULT_AGENT, import_agent_modules
 from ..execution.request import Kind, check_request
-from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
+from ..runtime.errors import (
+    DatabaseUnavailable,
+    InvalidInput,
+    LockLost,
+    LoomflowWorkerError,
+    SessionPooler,
+)
 from ..runtime.sql import query
+from ..runtime.store import probe
 from ..runtime.validate import check_id
 from ..settings import Settings
 from . import pool
+from .broker import AMQP
 from .loop import ChildLoop
 from .pool import REFUSED_POOLS, RunPool, pool_name
 from .sweeper import Sweeper
 
 log = logging.getLogger("loomflow_worker.tasks")
 
-app = Celery("loomflow_worker")
+app = Celery("loomflow_worker", amqp=AMQP)
 
 #: How long a pool child that is exiting waits for its connections to close.
 CLOSE_TIMEOUT = 5.0
@@ -64,6 +72,12 @@ CLOSE_TIMEOUT = 5.0
 #: the sweeper publishes a request whose message was lost.
 PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.3,
                  "interval_max": 0.5}
+
+#: A worker's result backend gives up storing a result after about two
+#: seconds (Celery's default retries for twenty): the ledger has the result,
+#: and the sweeper stores it once the backend is back.
+STORE_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.4,
+               "interval_max": 1.0}
 
 _state: dict[str, Any] = {}
 _loop = ChildLoop()
@@ -176,6 +190,24 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
             _state["slots"] = int(sender.concurrency or 1)
     if settings().metrics_port:
         metrics.prepare_multiprocess_dir()
+    _refuse_session_pooler(settings())
+    app.conf.result_backend_transport_options = {
+        **(app.conf.result_backend_transport_options or {}), "retry_policy": STORE_RETRY,
+    }
+    _drop_connections()
+
+
+def _refuse_session_pooler(current: Settings) -> None:
+    """A worker behind a transaction- or statement-mode pooler would take its
+    session locks on borrowed server sessions and stall: it does not start.
+    A database that is down now is no reason not to start (runs wait for it)."""
+    try:
+        asyncio.run(probe(current.database_url.get_secret_value(), current.connect_timeout))
+    except SessionPooler as exc:
+        log.critical("%s; the worker does not start", exc)
+        raise SystemExit(2) from None
+    except LoomflowWorkerError as exc:
+        log.warning("%s; the worker starts and connects when a run comes", exc)
 
 
 @worker_process_init.connect
@@ -214,10 +246,13 @@ def _queue_length() -> int:
         return int(declared.message_count)
 
 
-def _store_missing_result(request_id: str, status: str, result: Any, error: str | None) -> bool:
-    """Store a finished request's outcome in the result backend if it is not
-    there; ``True`` when it was missing."""
-    if app.backend.get_state(request_id) != "PENDING":
+def _store_missing_result(
+    request_id: str, status: str, result: Any, error: str | None, force: bool
+) -> bool:
+    """Store a finished request's outcome, as the ledger has it, in the result
+    backend if it is not there (``force``: whatever is there); ``True`` when
+    it was stored."""
+    if not force and app.backend.get_state(request_id) != "PENDING":
         return False
     if status == "succeeded":
         app.backend.store_result(request_id, result, "SUCCESS")
@@ -349,6 +384,49 @@ def _stop_sweeper(sender: Any = None, **_: Any) -> None:
     _mark_interrupted(getattr(sender, "hostname", None))
 
 
+class _ResultStore:
+    """The result backend as a worker's task stores its outcome: a result the
+    backend refuses (it is down) is recorded in the ledger as not stored, for
+    the sweeper to store once the backend is back, instead of the task failing
+    and Celery storing the ``ConnectionError`` in the result's place."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def mark_as_done(self, task_id: str, *args: Any, **kwargs: Any) -> None:
+        self._store(self._backend.mark_as_done, task_id, *args, **kwargs)
+
+    def mark_as_failure(self, task_id: str, *args: Any, **kwargs: Any) -> None:
+        self._store(self._backend.mark_as_failure, task_id, *args, **kwargs)
+
+    def _store(self, store: Any, task_id: str, *args: Any, **kwargs: Any) -> None:
+        try:
+            store(task_id, *args, **kwargs)
+        except _backend_errors(self._backend) as exc:
+            current = settings()
+            marked = _enqueue.mark_result_unstored(
+                current.database_url.get_secret_value(), current.connect_timeout, task_id
+            )
+            log.warning(
+                "request %s: the result backend refused its result (%s); %s", task_id, exc,
+                "the sweeper stores it from the runs ledger once the backend is back" if marked
+                else "the ledger could not record that either; the sweeper's check of recent "
+                "results stores it",
+                extra={"action": "result_deferred", "request": task_id},
+            )
+
+
+def _backend_errors(backend: Any) -> tuple[type[BaseException], ...]:
+    """What storing a result raises when the result backend can't be reached."""
+    from celery.exceptions import BackendStoreError
+
+    return (*_publish_errors(), *tuple(getattr(backend, "connection_errors", ())),
+            BackendStoreError)
+
+
 class AgentTask(Task):
     """``apply_async`` records the request in the ledger before publishing it."""
 
@@ -357,6 +435,14 @@ class AgentTask(Task):
     reject_on_worker_lost = True
     max_retries = None
     typing = False  # arguments are checked by check_request, with clearer errors
+
+    @property
+    def backend(self) -> Any:
+        """The app's result backend; while a worker runs the task, one that
+        defers a result it can't store to the sweeper (:class:`_ResultStore`)."""
+        if self.request.called_directly:
+            return self.app.backend
+        return _ResultStore(self.app.backend)
 
     def _bind(self, args: Any, kwargs: Any) -> dict[str, Any]:
         # The task's own function (bound: without ``self``) says what it takes.
@@ -595,7 +681,9 @@ def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
                     extra={"action": "retry", "request": request_id})
         raise task.retry(exc=exc, countdown=countdown) from exc
     for pending in outcome.dispatch:
-        _dispatch(pending)
+        # The handoff is committed: a broker that is down now does not make
+        # this request fail (the sweeper publishes the next one).
+        _dispatch_recorded(pending, "handed the session")
     if outcome.kind == "succeeded":
         return outcome.result
     if outcome.kind == "parked":

@@ -76,7 +76,7 @@ class Sweeper:
         settings: Settings,
         dispatch: Callable[[Pending], None],
         queue_length: Callable[[], int] | None = None,
-        store_result: Callable[[str, str, Any, str | None], bool] | None = None,
+        store_result: Callable[[str, str, Any, str | None, bool], bool] | None = None,
         revoked: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.settings = settings
@@ -95,6 +95,8 @@ class Sweeper:
         self._next_prune = 0.0
         # Queued requests that looked lost on the last sweep, since when.
         self._suspects: dict[str, float] = {}
+        # The result backend refused the last store: said once per outage.
+        self._backend_down = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="loomflow-worker sweeper",
@@ -180,25 +182,44 @@ class Sweeper:
             return None
 
     def repair_results(self, conn: psycopg.Connection[Any]) -> int:
-        """Store the result of finished requests whose worker died between its
-        commit and the result backend (the ledger has it); returns how many."""
+        """Store, from the ledger, the results of finished requests that are not
+        in the result backend: those the backend refused (it was down), and
+        those whose worker died between its commit and storing it; returns how
+        many. While the backend is down, they wait for a later sweep."""
         if self.store_result is None:
             return 0
-        rows = conn.execute(
-            query("unchecked_results"),
-            {"after": self.settings.handoff_grace, "within": 3600, "limit": 200},
-        ).fetchall()
         repaired = 0
-        for request_id, status, result, error, _error_type in rows:
-            if self.store_result(request_id, status, result, error):
-                repaired += 1
-                log.warning(
-                    "sweeper: stored the %s result of request %s, which its worker "
-                    "never stored", status, request_id,
-                    extra={"action": "sweeper_result", "request": request_id},
-                )
-        if rows:
-            conn.execute(query("mark_result_checked"), {"request_ids": [r[0] for r in rows]})
+        for name, params, force, done in (
+            ("unstored_results", {"limit": 200}, True, "mark_result_stored"),
+            ("unchecked_results",
+             {"after": self.settings.handoff_grace, "within": 3600, "limit": 200}, False,
+             "mark_result_checked"),
+        ):
+            rows = conn.execute(query(name), params).fetchall()
+            checked: list[str] = []
+            for request_id, status, result, error, _error_type in rows:
+                try:
+                    stored = self.store_result(request_id, status, result, error, force)
+                except Exception as exc:
+                    if not self._backend_down:
+                        log.warning("sweeper: the result backend is unreachable (%s); "
+                                    "results wait in the ledger", exc,
+                                    extra={"action": "sweeper_result_wait"})
+                    self._backend_down = True
+                    break
+                self._backend_down = False
+                checked.append(request_id)
+                if stored:
+                    repaired += 1
+                    log.warning(
+                        "sweeper: stored the %s result of request %s, which its worker "
+                        "could not store", status, request_id,
+                        extra={"action": "sweeper_result", "request": request_id},
+                    )
+            if checked:
+                conn.execute(query(done), {"request_ids": checked})
+            if self._backend_down:
+                break
         return repaired
 
     def sweep_revoked(self, conn: psycopg.Connection[Any]) -> int:

@@ -43,10 +43,12 @@ class Fleet:
         *,
         cli: bool = False,
         pool: str = "prefork",
+        gossip: bool = False,
         **extra_env: str,
     ) -> subprocess.Popen[bytes]:
         """Start a worker; ``cli=True`` starts it with ``loomflow-worker worker``
-        (soft shutdown on SIGTERM) instead of plain ``celery worker``."""
+        (soft shutdown on SIGTERM) instead of plain ``celery worker``;
+        ``gossip=True`` keeps Celery's gossip and mingle on (its defaults)."""
         log = self.logs / f"{name}.log"
         if log.exists():
             log.unlink()
@@ -60,7 +62,8 @@ class Fleet:
             # Node names are unique per fleet: RabbitMQ holds one exclusive
             # control queue per name, and other fleets may run beside this one.
             [*command, "-c", str(concurrency), "-n", f"{name}-{self.queue}@%h", "-P", pool,
-             "--without-gossip", "--without-mingle", "-l", "INFO", "-f", str(log)],
+             *(() if gossip else ("--without-gossip", "--without-mingle")),
+             "-l", "INFO", "-f", str(log)],
             cwd=ROOT, env=env, stdout=(self.logs / f"{name}.out").open("wb"),
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -298,6 +298,33 @@ def test_signal_wakes_a_run_waiting_for_it(fleet: Fleet) -> None:
     assert bad.returncode == 2 and "signal name is empty" in bad.stderr
 
 
+def test_a_signal_sent_to_a_user_reaches_only_that_users_run(fleet: Fleet) -> None:
+    """Signals are scoped like journals: bob's signal on chat-42 stays bob's while
+    alice's run on chat-42 waits; alice's wakes it."""
+    fleet.env["LOOMFLOW_WORKER_AGENTS"] = WITH_WAITER
+    fleet.start("w1", concurrency=1)
+    prompt = 'call wait_signal {"session": "chat-42", "name": "go"}'
+    request_id = enqueued(fleet, prompt, "chat-42", "--agent", "waiter", "--user", "alice")
+    wait_status(fleet.dsn, request_id, ("running",))
+    time.sleep(0.5)
+    bobs = cli(fleet, "signal", "chat-42", "go", '{"by": "bob"}', "--user", "bob")
+    assert bobs.returncode == 0, bobs.stderr
+    assert bobs.stdout.startswith("signal 'go' sent to session 'chat-42', user 'bob' (id ")
+    time.sleep(1.0)  # the NOTIFY woke the waiter at once: it looked, and left bob's alone
+    assert ledger(fleet.dsn, request_id)["status"] == "running"
+    alices = cli(fleet, "signal", "chat-42", "go", '{"by": "alice"}', "--user", "alice")
+    assert alices.returncode == 0, alices.stderr
+    wait_status(fleet.dsn, request_id, ("succeeded",))
+    result = ledger(fleet.dsn, request_id)["result"]
+    assert isinstance(result, dict) and result["output"] == 'done: got {"by": "alice"}'
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT session_id, user_id, payload FROM signals").fetchall()
+    assert [(r[0], r[1], _codec.loads(bytes(r[2]))) for r in rows] == [
+        ("chat-42", "bob", {"by": "bob"})]
+    bad = cli(fleet, "signal", "chat-42", "go", "--user", "")
+    assert bad.returncode == 2 and "user_id" in bad.stderr
+
+
 # ---- prune and retention ---------------------------------------------------------------------
 
 OLD = 40 * 86400

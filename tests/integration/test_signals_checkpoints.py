@@ -6,13 +6,16 @@ import subprocess
 import sys
 import time
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import anyio
 import psycopg
 import pytest
+from loomflow import Agent, tool
 from loomflow.runtime import Checkpoint
 
 from loomflow_worker.runtime import InvalidInput, PostgresRuntime
+from loomflow_worker.testing import DeterministicModel
 
 from .helpers import epoch_of
 
@@ -230,3 +233,48 @@ async def test_poll_signal_is_not_there_as_loomflow_expects(runtime: PostgresRun
     await runtime.signal("chat-9", "ping", 1)
     assert await runtime.try_signal("chat-9", "ping") == 1
     assert await runtime.try_signal("chat-9", "ping") is None
+
+
+async def test_signals_are_scoped_per_session_and_user(dsn: str) -> None:
+    """A signal naming a user reaches only that user's waiter on the session
+    (inside a run: the run's user); one naming no user (loomflow's
+    session-only ``signal(session_id, ...)``) reaches a waiter of any user; a
+    waiter of no user never takes a user's signal."""
+    sender = await PostgresRuntime.connect(dsn)
+    waiter = await PostgresRuntime.connect(dsn, signal_poll_interval=0.2)
+    got: list[Any] = []
+
+    async def wait_signal(name: str) -> str:
+        """Wait for the signal ``name`` on this session."""
+        payload = await waiter.wait_for_signal("chat-42", name, timeout_s=10)
+        got.append(payload)
+        return "ok"
+
+    agent = Agent("waits for a signal", model=DeterministicModel(), runtime=waiter,
+                  tools=[tool(name="wait_signal", description="Wait.")(wait_signal)],
+                  auto_extract=False)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: agent.run('call wait_signal {"name": "go"}',
+                                            session_id="chat-42", user_id="alice"))
+            await anyio.sleep(0.5)
+            await sender.signal("chat-42", "go", "bob's", user_id="bob")
+            await anyio.sleep(0.6)
+            assert got == []  # alice's run looked (woken, then polling) and left it
+            await sender.signal("chat-42", "go", "alice's", user_id="alice")
+        assert got == ["alice's"]
+
+        # Bob's is still bob's: no user-less waiter and no other user takes it.
+        assert await waiter.try_signal("chat-42", "go") is None
+        assert await waiter.try_signal("chat-42", "go", user_id="carol") is None
+        assert await waiter.try_signal("chat-42", "go", user_id="bob") == "bob's"
+
+        # Session-only, as loomflow sends it: any user's waiter on the session.
+        await sender.signal("chat-42", "go", "anyone's")
+        assert await waiter.wait_for_signal("chat-42", "go", user_id="alice",
+                                            timeout_s=5) == "anyone's"
+        with pytest.raises(InvalidInput, match="user_id"):
+            await sender.signal("chat-42", "go", 1, user_id="")
+    finally:
+        await sender.aclose()
+        await waiter.aclose()

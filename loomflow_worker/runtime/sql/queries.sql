@@ -147,16 +147,19 @@ SELECT checkpoint_id, turn, created_at FROM checkpoints
 
 -- name: send_signal
 WITH sent AS (
-    INSERT INTO signals (session_id, name, payload)
-    VALUES (%(session_id)s, %(name)s, %(payload)s)
+    INSERT INTO signals (session_id, user_id, name, payload)
+    VALUES (%(session_id)s, %(user_id)s, %(name)s, %(payload)s)
     RETURNING id
 )
 SELECT pg_notify('loomflow_worker_signals', md5(%(session_id)s)), (SELECT id FROM sent);
 
 -- name: take_signal
+-- A waiter of (session, user) takes the oldest signal sent to that user or to
+-- no user; a waiter with no user, only those sent to no user.
 DELETE FROM signals
  WHERE id = (SELECT id FROM signals
               WHERE session_id = %(session_id)s AND name = %(name)s
+                AND (user_id IS NULL OR user_id = %(user_id)s)
               ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)
 RETURNING payload;
 
@@ -165,6 +168,7 @@ WITH taken AS (
     DELETE FROM signals
      WHERE id = (SELECT id FROM signals
                   WHERE session_id = %(session_id)s AND name = %(name)s
+                    AND (user_id IS NULL OR user_id = %(user_id)s)
                   ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)
     RETURNING payload
 ), journaled AS (
@@ -640,6 +644,20 @@ SELECT request_id, status, result, error, error_type FROM runs
 -- name: mark_result_checked
 UPDATE runs SET result_checked = true WHERE request_id = ANY(%(request_ids)s);
 
+-- name: mark_result_unstored
+-- Its worker could not store the finished request's result in the result
+-- backend: the sweeper stores it from here.
+UPDATE runs SET result_stored = false
+ WHERE request_id = %(request_id)s AND status NOT IN ('queued', 'running');
+
+-- name: unstored_results
+SELECT request_id, status, result, error, error_type FROM runs
+ WHERE NOT result_stored ORDER BY finished_at LIMIT %(limit)s;
+
+-- name: mark_result_stored
+UPDATE runs SET result_stored = true, result_checked = true
+ WHERE request_id = ANY(%(request_ids)s);
+
 -- ---- lock connections shared by many runs -----------------------------------------------
 
 -- name: put_journal_batch
@@ -729,6 +747,15 @@ SELECT request_id FROM runs
 -- network blip) and lived: the attempt ended "lost", not crashed.
 UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = 'lost'
  WHERE request_id = %(request_id)s AND attempt = %(attempt)s AND ended_at IS NULL;
+
+-- ---- connection checks --------------------------------------------------------------------
+
+-- name: session_probe_mark
+-- A session-level setting: it lasts as long as the session, not the transaction.
+SELECT pg_backend_pid(), set_config('loomflow_worker.session_probe', %(token)s, false);
+
+-- name: session_probe_read
+SELECT pg_backend_pid(), current_setting('loomflow_worker.session_probe', true);
 
 -- ---- the run console (loomflow_worker.console) ----------------------------------------------
 -- console: read only, on connections that plan each statement with its values (so a

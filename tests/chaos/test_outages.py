@@ -1,0 +1,140 @@
+"""Broker and result-backend restarts, on a ``redis-server`` of the test's own.
+
+The shared Redis can't be restarted (other tests use it), so each test
+starts its own (persisting to disk at shutdown, as a default Redis does) and
+restarts it while runs are in flight. Afterwards every worker's main process
+still runs, every request is ``succeeded`` once, and every caller's
+``AsyncResult.get()`` returns the run's output."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from pydantic import SecretStr
+
+from loomflow_worker import tasks
+from tests.chaos.checks import (
+    Sent,
+    assert_sound,
+    executions,
+    grep_logs,
+    install_journal_audit,
+    problem_lines,
+    send,
+    verdict,
+    wait_terminal,
+)
+from tests.integration.celery_harness import Fleet
+from tests.integration.services import PrivateRedis
+
+ENV = {
+    "TEST_TOOL_SLEEP": "0.3",
+    "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_LEASE": "5",
+}
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    workdir = tmp_path / "redis"
+    workdir.mkdir()
+    server = PrivateRedis(workdir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def use_redis(fleet: Fleet, *, broker: str | None = None, backend: str | None = None) -> None:
+    """Point the fleet's workers, and this process, at another broker / result backend."""
+    current = tasks.settings()
+    update: dict[str, SecretStr] = {}
+    if broker is not None:
+        fleet.env["LOOMFLOW_WORKER_BROKER_URL"] = broker
+        update["broker_url"] = SecretStr(broker)
+    if backend is not None:
+        fleet.env["LOOMFLOW_WORKER_RESULT_BACKEND"] = backend
+        update["result_backend"] = SecretStr(backend)
+    tasks.configure(current.model_copy(update=update))
+
+
+def wait_in_flight(dsn: str, after: float, timeout: float = 20) -> list[str]:
+    """Tags of tool calls started after ``after`` (epoch seconds) and still running."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tags = [e.tag for e in executions(dsn)
+                if e.finished_at is None and e.started_at.timestamp() > after]
+        if tags:
+            return tags
+        time.sleep(0.02)
+    raise AssertionError(f"no tool call in flight within {timeout}s")
+
+
+def check_all(fleet: Fleet, sent: list[Sent]) -> None:
+    wait_terminal(fleet.dsn, sent, timeout=60)
+    v = verdict(fleet.dsn, sent)
+    print(v.summary())
+    assert_sound(v, f"worker log lines:\n{problem_lines(fleet)}")
+
+
+@pytest.mark.parametrize("cli", [False, True], ids=["celery-worker", "loomflow-worker"])
+def test_worker_outlives_redis_restarts(
+    fleet: Fleet, private_redis: PrivateRedis, cli: bool
+) -> None:
+    """A Redis restart under a worker with runs in flight: its main process
+    reconnects (it used to exit with "Unrecoverable error: AttributeError(
+    'NoneType' object has no attribute 'hostname')"), the runs in flight
+    complete once, and runs sent after the restarts complete."""
+    use_redis(fleet, broker=private_redis.url, backend=private_redis.url)
+    install_journal_audit(fleet.dsn)
+    worker = fleet.start("w1", 4, cli=cli, pool="threads" if cli else "prefork", gossip=True,
+                         **ENV)
+    sent = [send(i, f"s{i % 4}", "u", "abc") for i in range(8)]
+    after = 0.0
+    for round_no in range(2):
+        in_flight = wait_in_flight(fleet.dsn, after)
+        after = time.time()
+        private_redis.restart(down_for=2.0)
+        print(f"restart {round_no + 1}: in flight {in_flight}")
+        time.sleep(1.5)
+        assert worker.poll() is None, (
+            f"the worker exited after restart {round_no + 1}:\n"
+            + grep_logs(fleet, "Unrecoverable", "Error", limit=20))
+    sent += [send(i, f"s{i % 4}", "u", "a") for i in range(8, 12)]
+    check_all(fleet, sent)
+    assert worker.poll() is None
+    assert grep_logs(fleet, "Unrecoverable") == ""
+
+
+def test_results_stored_after_a_backend_outage(
+    fleet: Fleet, private_redis: PrivateRedis
+) -> None:
+    """Redis (broker and result backend) down for longer than a worker tries to
+    store a result: runs finish meanwhile, their results wait in the ledger
+    (``result_stored`` false) and the sweeper stores them once Redis is back;
+    every caller's ``get()`` returns the output, none gets a ConnectionError."""
+    use_redis(fleet, broker=private_redis.url, backend=private_redis.url)
+    install_journal_audit(fleet.dsn)
+    worker = fleet.start("w1", 4, cli=True, **ENV)
+    # Two requests per session: the second is handed the session (a publish)
+    # when the first finishes, inside the outage for some.
+    sent = [send(i, f"s{i % 4}", "u", "ab") for i in range(8)]
+    wait_in_flight(fleet.dsn, 0.0)
+    private_redis.stop()
+    time.sleep(4.0)  # longer than STORE_RETRY and PUBLISH_RETRY give up after
+    private_redis.start()
+    check_all(fleet, sent)
+    assert worker.poll() is None
+    deferred = grep_logs(fleet, "the result backend refused its result")
+    stored = grep_logs(fleet, "sweeper: stored the succeeded result")
+    print(f"deferred:\n{deferred}\nstored by the sweeper:\n{stored}")
+    assert deferred and stored, problem_lines(fleet)
+    with psycopg.connect(fleet.dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM runs WHERE NOT result_stored").fetchone()
+    assert row == (0,)
