@@ -10,7 +10,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from pydantic import SecretStr
 
+from loomflow_worker import tasks as tasks_module
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet
@@ -19,6 +21,8 @@ from .test_celery import _counts
 from .test_cli import cli, lines
 
 COUNTDOWN = 8.0
+#: A broker nobody listens on.
+DOWN = "redis://127.0.0.1:1/0"
 
 
 def _rows(dsn: str, *request_ids: str) -> list[dict[str, Any]]:
@@ -74,3 +78,23 @@ def test_a_countdown_is_honoured_and_the_session_keeps_accept_order(
     assert "sweeper: dispatched request" not in log
     assert len(re.findall(rf"request {delayed.id} succeeded", log)) == 1
     assert "already succeeded" not in log
+
+
+def test_a_delayed_request_published_again_keeps_its_eta(fleet: Fleet) -> None:
+    # Accepted while the broker is down: the sweeper publishes it as soon as
+    # a worker runs, long before its countdown is over, and must send it
+    # with its eta.
+    up = tasks_module.settings()
+    tasks_module.configure(up.model_copy(update={"broker_url": SecretStr(DOWN)}))
+    try:
+        delayed = run_agent.apply_async((calls("late"), "s"), countdown=COUNTDOWN)
+    finally:
+        tasks_module.configure(up)
+    fleet.start("w1", concurrency=2, pool="threads",
+                LOOMFLOW_WORKER_SWEEP_INTERVAL="0.3", LOOMFLOW_WORKER_HANDOFF_GRACE="0.5")
+    assert delayed.get(timeout=30)["output"] == "done: recorded late"
+    (row,) = _rows(fleet.dsn, delayed.id)
+    assert row["started_at"] >= row["not_before"] - timedelta(milliseconds=50)
+    assert row["attempts"] == 1 and _counts(fleet.dsn) == {"late": 1}
+    log = (fleet.logs / "w1.log").read_text(errors="replace")
+    assert len(re.findall(rf"sweeper: dispatched request {delayed.id}", log)) == 1
