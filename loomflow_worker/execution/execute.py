@@ -235,9 +235,9 @@ async def execute(
 ) -> Outcome:
     """One attempt of ``request_id``; ``node`` is the Celery node running it;
     ``time_limit`` (seconds), the caller's, when shorter than the agent's;
-    ``options``, what its message carried besides its arguments (JSON): the
-    ledger keeps them, and a message published again for the request carries
-    them too."""
+    ``options``, what its message carried besides its arguments (JSON): when
+    the request parks, the ledger keeps them, and the message published for it
+    at its turn carries them."""
     runtime = await ctx.runtime()
     try:
         req = check_request(ctx.settings, kind=kind, **args)
@@ -451,7 +451,7 @@ async def _run_holding(
 ) -> Outcome:
     started = await attempt.io(
         lambda conn: ledger.start(
-            conn, request_id, req.scope, holder, ctx.settings.redispatch_after, options
+            conn, request_id, req.scope, holder, ctx.settings.redispatch_after
         )
     )
     if started.status in ledger.TERMINAL:

@@ -60,7 +60,8 @@ class Pending:
     # When it may start: every message published for it carries this as its eta.
     not_before: datetime | None = None
     # What its message carried besides its arguments (canvas links, chord and
-    # group membership, headers, priority, time limits), once a worker took it.
+    # group membership, headers, priority, time limits), recorded when a worker
+    # parked it; None for a running request, whose own message carries them.
     options: dict[str, Any] | None = None
 
     def task_args(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -430,17 +431,16 @@ async def start(
     scope: str,
     holder: str,
     stale_after: float,
-    options: dict[str, Any] | None = None,
 ) -> Started:
     """Under the scope lock, in one statement: a duplicate of a finished request
     gets its stored outcome; a request behind an unfinished older one parks;
     otherwise the attempt is counted and the request marked running, its epoch
     pinned on the first attempt (the scope's current one, or its last run's
-    for a resume), and ``options`` (what its message carried) recorded."""
+    for a resume)."""
     cur = await conn.execute(
         query("start_request"),
         {"request_id": request_id, "scope": scope, "holder": holder, "pid": os.getpid(),
-         "stale": stale_after, "options": _jsonb(options)},
+         "stale": stale_after},
     )
     row = await cur.fetchone()
     if row is None:

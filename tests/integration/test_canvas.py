@@ -82,7 +82,7 @@ def test_a_group_on_a_busy_session_completes(fleet: Fleet) -> None:
     runs = _each_once(fleet, ("busy1", "busy2"), ("g0",), ("g1",), ("g2",))
     for member in members.results:
         row = runs[member.id]
-        # Parked, handed over, and run from a message in its group.
+        # Parked (the ledger recorded its group), handed over, and run.
         assert row["received_at"] is not None
         assert row["options"]["group_id"] == members.id
 
@@ -106,7 +106,8 @@ def test_a_parked_request_keeps_its_time_limit_headers_priority_and_errback(
     row = runs[limited.id]
     assert row["error_type"] == "TimeLimitExceeded" and row["attempts"] == 1
     assert row["received_at"] is not None
-    # The options the ledger holds are those of the message that ran it.
+    # What the ledger recorded of its message when it parked (the time limit
+    # and the errback above show the message published at its turn had them).
     options = row["options"]
     assert options["headers"]["tenant"] == "t-1"
     assert options["priority"] == 3 and options["time_limit"] == 2.0

@@ -241,14 +241,19 @@ UPDATE runs SET dispatched_at = now(), handed_at = now()
                       WHERE scope = %(scope)s AND status IN ('queued', 'running')
                       ORDER BY seq LIMIT 1)
    AND handed_at IS NULL
-RETURNING request_id, kind, session_id, user_id, agent, prompt, metadata, not_before, options,
-          received_at IS NOT NULL AS received;
+RETURNING request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
+          CASE WHEN status = 'queued' THEN options END, received_at IS NOT NULL AS received;
 
 -- name: park_request
 -- A worker parks the request whose message it took: stamped, so the request
 -- that hands the scope on publishes it again, with the options its message
 -- carried. Already handed the scope (the older request finished since this
 -- worker looked), it must not park.
+-- Those options travel only with a message published again for a queued
+-- request (every query that picks one says CASE WHEN status = 'queued'): the
+-- message of a running request is held by its worker, or requeued by the
+-- broker when the worker died, and carries them itself; a copy carrying them
+-- too would call its callbacks (and count its chord part) a second time.
 UPDATE runs SET received_at = now(), options = coalesce(%(options)s::jsonb, options)
  WHERE request_id = %(request_id)s
 RETURNING handed_at IS NOT NULL;
@@ -275,7 +280,7 @@ SELECT r.status, r.result, r.error,
   FROM runs r
   LEFT JOIN LATERAL (
       SELECT request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
-             options,
+             CASE WHEN status = 'queued' THEN options END AS options,
              greatest(dispatched_at, not_before) < now() - make_interval(secs => %(stale)s)
              AS stale
         FROM runs o
@@ -351,8 +356,8 @@ WITH in_broker AS (
     SELECT (SELECT count(*) FROM in_broker) - %(waiting)s::bigint AS lost
 ), heads AS (
     SELECT DISTINCT ON (scope) request_id, kind, session_id, user_id, agent, prompt, metadata,
-           not_before, options, status, dispatched_at, swept_at, started_at, heartbeat_at,
-           lock_key
+           not_before, CASE WHEN status = 'queued' THEN options END AS options, status, dispatched_at, swept_at,
+           started_at, heartbeat_at, lock_key
       FROM runs
      WHERE status IN ('queued', 'running')
      ORDER BY scope, seq
@@ -565,7 +570,7 @@ WITH r AS (
       FROM runs WHERE request_id = %(request_id)s FOR UPDATE
 ), older AS (
     SELECT o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
-           o.not_before, o.options,
+           o.not_before, CASE WHEN o.status = 'queued' THEN o.options END AS options,
            greatest(o.dispatched_at, o.not_before) < now() - make_interval(secs => %(stale)s)
            AS stale
       FROM runs o JOIN r ON o.scope = r.scope
@@ -589,8 +594,7 @@ WITH r AS (
            holder = %(holder)s,
            holder_pid = pg_backend_pid(),
            started_at = now(),
-           heartbeat_at = now(),
-           options = coalesce(%(options)s::jsonb, u.options)
+           heartbeat_at = now()
       FROM r, marks m
      WHERE u.request_id = r.request_id AND r.status IN ('queued', 'running')
        AND NOT EXISTS (SELECT 1 FROM older)
@@ -633,7 +637,8 @@ WITH advanced AS (
     UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(status)s
      WHERE request_id = %(request_id)s AND attempt = %(attempt)s
 ), chosen AS (
-    SELECT request_id, kind, session_id, user_id, agent, prompt, metadata, not_before, options
+    SELECT request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
+           CASE WHEN status = 'queued' THEN options END AS options
       FROM runs
      WHERE scope = %(scope)s AND status IN ('queued', 'running') AND request_id <> %(request_id)s
      ORDER BY seq LIMIT 1
