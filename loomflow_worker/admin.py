@@ -207,6 +207,8 @@ class RunRow:
     enqueued_at: datetime
     finished_at: datetime | None
     worker: str | None
+    # When it may start (apply_async's countdown or eta; None: at once).
+    not_before: datetime | None = None
 
 
 def list_runs(
@@ -346,6 +348,8 @@ class RunDetail:
     enqueued_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    # When it may start (apply_async's countdown or eta, or a retry's backoff).
+    not_before: datetime | None = None
     attempts: list[AttemptInfo] = field(default_factory=list)
     journal: list[StepInfo] = field(default_factory=list)
 

@@ -386,10 +386,10 @@ def runs(
         click.echo("no requests match", err=True)
         return
     headers = ("REQUEST", "SESSION", "USER", "AGENT", "STATUS", "ATTEMPTS", "ENQUEUED",
-               "FINISHED", "WORKER")
+               "ETA", "FINISHED", "WORKER")
     rows = [
         (r.request_id, r.session_id, r.user_id or "-", r.agent, r.status, str(r.attempts),
-         _when(r.enqueued_at), _when(r.finished_at), r.worker or "-")
+         _when(r.enqueued_at), _when(r.not_before), _when(r.finished_at), r.worker or "-")
         for r in found
     ]
     for line in _table(headers, rows):
@@ -414,7 +414,9 @@ def show(request_id: str, as_json: bool) -> None:
         f" ({detail.error_type})" if detail.error_type and detail.status != "succeeded" else ""))
     click.echo(f"run       {detail.kind} of agent {detail.agent} in {who}")
     click.echo(f"epoch     {detail.epoch if detail.epoch is not None else '- (not started)'}")
-    click.echo(f"times     enqueued {_when(detail.enqueued_at)}, started "
+    not_before = (f", not before {_when(detail.not_before)}"
+                  if detail.not_before is not None else "")
+    click.echo(f"times     enqueued {_when(detail.enqueued_at)}{not_before}, started "
                f"{_when(detail.started_at)}, finished {_when(detail.finished_at)} (UTC)")
     click.echo(f"counts    {detail.attempts_count} attempts, {detail.failures} failures, "
                f"{detail.crashes} crashes")

@@ -231,9 +231,13 @@ async def execute(
     node: str | None = None,
     *,
     time_limit: float | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Outcome:
     """One attempt of ``request_id``; ``node`` is the Celery node running it;
-    ``time_limit`` (seconds), the caller's, when shorter than the agent's."""
+    ``time_limit`` (seconds), the caller's, when shorter than the agent's;
+    ``options``, what its message carried besides its arguments (JSON): when
+    the request parks, the ledger keeps them, and the message published for it
+    at its turn carries them."""
     runtime = await ctx.runtime()
     try:
         req = check_request(ctx.settings, kind=kind, **args)
@@ -271,7 +275,7 @@ async def execute(
                 req.scope, HANDOFF_LOCK_WAIT, precheck_and_lock
             )
     except SessionBusy:
-        return await _park_busy(runtime, request_id, req)
+        return await _park_busy(runtime, request_id, req, options)
     if attempt is None:
         assert pre is not None
         pooled = _pooled(runtime)
@@ -279,16 +283,17 @@ async def execute(
             return await _duplicate(pooled, request_id, req, pre.status,
                                     result=pre.result, error=pre.error)
         assert pre.older is not None
-        if await _park_behind(pooled, request_id, req, pre.older, pre.older_stale):
+        if await _park_behind(pooled, request_id, req, pre.older, pre.older_stale, options):
             return Outcome("parked", dispatch=[pre.older] if pre.older_stale else [])
         # Handed the session since the look above: its turn, go on.
         try:
             attempt = await runtime.journal.acquire(req.scope, wait=HANDOFF_LOCK_WAIT)
         except SessionBusy:
-            return await _park_busy(runtime, request_id, req)
+            return await _park_busy(runtime, request_id, req, options)
     try:
         holder = f"{node or ctx.holder.rsplit(':', 1)[0]}:{os.getpid()}"
-        outcome = await _run_holding(ctx, runtime, attempt, request_id, req, holder, time_limit)
+        outcome = await _run_holding(ctx, runtime, attempt, request_id, req, holder, time_limit,
+                                     options)
     finally:
         await runtime.journal.release(attempt)
     if outcome.kind in ledger.TERMINAL and not outcome.handed:
@@ -331,12 +336,18 @@ async def _duplicate(
 
 
 async def _park_behind(
-    io: Io, request_id: str, req: RunRequest, older: ledger.Pending, older_stale: bool
+    io: Io,
+    request_id: str,
+    req: RunRequest,
+    older: ledger.Pending,
+    older_stale: bool,
+    options: dict[str, Any] | None,
 ) -> bool:
     """Park behind ``older`` (the request that hands the session on publishes
-    this one again), marking ``older`` dispatched when its message looks lost.
-    ``False``: the session was handed to this request meanwhile; go on."""
-    if not await io(lambda conn: ledger.park(conn, request_id)):
+    this one again, with ``options``), marking ``older`` dispatched when its
+    message looks lost. ``False``: the session was handed to this request
+    meanwhile; go on."""
+    if not await io(lambda conn: ledger.park(conn, request_id, options)):
         return False
     _count_parked("behind")
     log.info("request %s parked behind %s", request_id, older.request_id,
@@ -346,9 +357,11 @@ async def _park_behind(
     return True
 
 
-async def _park_busy(runtime: PostgresRuntime, request_id: str, req: RunRequest) -> Outcome:
+async def _park_busy(
+    runtime: PostgresRuntime, request_id: str, req: RunRequest, options: dict[str, Any] | None
+) -> Outcome:
     async with runtime.pool.connection() as conn:
-        await ledger.park(conn, request_id)
+        await ledger.park(conn, request_id, options)
     _count_parked("busy")
     log.info(
         "request %s parked: session busy", request_id,
@@ -434,6 +447,7 @@ async def _run_holding(
     req: RunRequest,
     holder: str,
     time_limit: float | None = None,
+    options: dict[str, Any] | None = None,
 ) -> Outcome:
     started = await attempt.io(
         lambda conn: ledger.start(
@@ -445,7 +459,8 @@ async def _run_holding(
                                 result=started.result, error=started.error)
     if started.status == "parked":
         assert started.older is not None
-        await _park_behind(attempt.io, request_id, req, started.older, started.older_stale)
+        await _park_behind(attempt.io, request_id, req, started.older, started.older_stale,
+                           options)
         return Outcome("parked", dispatch=[started.older] if started.older_stale else [])
     assert started.epoch is not None
     try:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import threading
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -56,14 +57,29 @@ class Pending:
     agent: str
     prompt: str
     metadata: dict[str, Any]
+    # When it may start: every message published for it carries this as its eta.
+    not_before: datetime | None = None
+    # What its message carried besides its arguments (canvas links, chord and
+    # group membership, headers, priority, time limits), recorded when a worker
+    # parked it; None for a running request, whose own message carries them.
+    options: dict[str, Any] | None = None
 
     def task_args(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return task_args(self.kind, self.prompt, self.session_id, self.user_id, self.agent,
                          self.metadata)
 
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...], at: int = 0) -> Pending:
+        """The request in ``row``'s columns from ``at`` on (``PENDING_COLUMNS`` of them)."""
+        return cls(*row[at:at + PENDING_COLUMNS])
 
-def _pending(row: tuple[Any, ...] | None) -> Pending | None:
-    return None if row is None else Pending(*row[:7])
+
+#: How many columns of a query's row make a :class:`Pending`.
+PENDING_COLUMNS = len(fields(Pending))
+
+
+def _pending(row: tuple[Any, ...] | None, at: int = 0) -> Pending | None:
+    return None if row is None or row[at] is None else Pending.from_row(row, at)
 
 
 @dataclass(frozen=True)
@@ -84,11 +100,17 @@ class Handoff:
 
 
 def _handoff(row: tuple[Any, ...] | None) -> Handoff | None:
-    return None if row is None else Handoff(Pending(*row[:7]), bool(row[7]))
+    if row is None:
+        return None
+    return Handoff(Pending.from_row(row), bool(row[PENDING_COLUMNS]))
 
 
-def _row_params(request_id: str, req: RunRequest) -> dict[str, Any]:
+def _row_params(
+    request_id: str, req: RunRequest, start: StartAt | None = None
+) -> dict[str, Any]:
     return {
+        "countdown": start.countdown if start is not None else None,
+        "eta": start.eta if start is not None else None,
         "request_id": request_id,
         "scope": req.scope,
         "session_id": req.session_id,
@@ -103,6 +125,15 @@ def _row_params(request_id: str, req: RunRequest) -> dict[str, Any]:
 
 # ---- the enqueuing side (sync: web handlers and scripts call .delay) --------------------
 
+
+@dataclass(frozen=True)
+class StartAt:
+    """When a request may start: ``countdown`` seconds from its acceptance (on
+    the database's clock), or at ``eta``; the ledger records it as ``not_before``."""
+
+    countdown: float | None = None
+    eta: datetime | None = None
+
 # What must be equal for a second enqueue under a request id to be the same request.
 _IDENTITY = ("kind", "session_id", "user_id", "agent", "prompt", "metadata")
 
@@ -115,6 +146,8 @@ class Enqueued:
 
     cancelled: list[Pending] = field(default_factory=list)
     duplicate: bool = False
+    # When the request may start, as the ledger recorded it (None: at once).
+    not_before: datetime | None = None
 
 
 def _same_as_recorded(conn: psycopg.Connection[Any], request_id: str, req: RunRequest) -> bool:
@@ -136,17 +169,21 @@ def _same_as_recorded(conn: psycopg.Connection[Any], request_id: str, req: RunRe
     return True
 
 
-def _insert_new(conn: psycopg.Connection[Any], request_id: str, req: RunRequest) -> bool:
-    """Insert the request's row; ``False`` when the ledger had it already
+def _insert_new(
+    conn: psycopg.Connection[Any], request_id: str, req: RunRequest, start: StartAt | None
+) -> Enqueued:
+    """Insert the request's row; a duplicate when the ledger had it already
     (the same request: :func:`_same_as_recorded` checks)."""
-    params = _row_params(request_id, req)
-    if conn.execute(query("insert_run"), params).rowcount:
-        return True
-    if _same_as_recorded(conn, request_id, req):
-        return False
-    # Recorded and pruned between the two statements: the id is free again.
-    return bool(conn.execute(query("insert_run"), params).rowcount)
-
+    params = _row_params(request_id, req, start)
+    row = conn.execute(query("insert_run"), params).fetchone()
+    if row is None:
+        if _same_as_recorded(conn, request_id, req):
+            return Enqueued(duplicate=True)
+        # Recorded and pruned between the two statements: the id is free again.
+        row = conn.execute(query("insert_run"), params).fetchone()
+        if row is None:
+            return Enqueued(duplicate=True)
+    return Enqueued(not_before=row[0])
 
 
 class EnqueuePool:
@@ -206,15 +243,16 @@ class EnqueuePool:
         request_id: str,
         req: RunRequest,
         on_busy: OnBusy = "enqueue",
+        start: StartAt | None = None,
     ) -> Enqueued:
-        """Record the request. ``request_id`` is an idempotency key: when the
-        ledger has it already, with the same arguments, nothing is written and
-        the result says it is a duplicate; with other arguments,
-        :class:`InvalidInput` names them."""
+        """Record the request (to start no sooner than ``start`` says).
+        ``request_id`` is an idempotency key: when the ledger has it already,
+        with the same arguments, nothing is written and the result says it is
+        a duplicate; with other arguments, :class:`InvalidInput` names them."""
         try:
             with self.connection(dsn, connect_timeout) as conn:
                 if on_busy == "enqueue":
-                    return Enqueued(duplicate=not _insert_new(conn, request_id, req))
+                    return _insert_new(conn, request_id, req, start)
                 with conn.transaction():
                     if _same_as_recorded(conn, request_id, req):
                         return Enqueued(duplicate=True)
@@ -228,15 +266,19 @@ class EnqueuePool:
                                 detail=f"request {busy[0]} is {busy[1]} on it and "
                                 'on_busy="reject" was asked',
                             )
-                        return Enqueued(duplicate=not _insert_new(conn, request_id, req))
-                    if not _insert_new(conn, request_id, req):
-                        return Enqueued(duplicate=True)
+                        return _insert_new(conn, request_id, req, start)
+                    enqueued = _insert_new(conn, request_id, req, start)
+                    if enqueued.duplicate:
+                        return enqueued
                     rows = conn.execute(
                         query("cancel_requests"),
                         {"request_id": None, "scope": req.scope, "by": request_id,
                          "reason": f"interrupted by request {request_id}"},
                     ).fetchall()
-                    return Enqueued([Pending(*row[1:8]) for row in rows if row[0] == "cancelled"])
+                    return Enqueued(
+                        [Pending.from_row(row, 1) for row in rows if row[0] == "cancelled"],
+                        not_before=enqueued.not_before,
+                    )
         except psycopg.errors.UndefinedTable as exc:
             raise SchemaError(
                 "the runs table is missing: run `loomflow-worker migrate` (or start a worker, "
@@ -301,7 +343,7 @@ class EnqueuePool:
             raise DatabaseUnavailable(
                 f"can't reach Postgres at {describe_dsn(dsn)} to cancel: {exc}"
             ) from exc
-        return [(row[0], Pending(*row[1:8])) for row in rows]
+        return [(row[0], Pending.from_row(row, 1)) for row in rows]
 
 
 # ---- the worker side (async, on the attempt's lock connection) ---------------------------
@@ -367,9 +409,9 @@ async def precheck(
     row = await cur.fetchone()
     if row is None:
         return None
-    older = _pending(row[3:10]) if row[3] is not None else None
-    return Precheck(row[0], row[1], row[2], older, bool(row[10]),
-                    None if row[11] is None else bool(row[11]))
+    stale_at = 3 + PENDING_COLUMNS
+    return Precheck(row[0], row[1], row[2], _pending(row, 3), bool(row[stale_at]),
+                    None if row[stale_at + 1] is None else bool(row[stale_at + 1]))
 
 
 @dataclass(frozen=True)
@@ -395,7 +437,11 @@ class Started:
 
 
 async def start(
-    conn: Conn, request_id: str, scope: str, holder: str, stale_after: float
+    conn: Conn,
+    request_id: str,
+    scope: str,
+    holder: str,
+    stale_after: float,
 ) -> Started:
     """Under the scope lock, in one statement: a duplicate of a finished request
     gets its stored outcome; a request behind an unfinished older one parks;
@@ -416,7 +462,8 @@ async def start(
     if status in TERMINAL:
         return Started(status, seq, result=result, error=error, error_type=error_type)
     if older[0] is not None:
-        return Started("parked", seq, older=_pending(older[:7]), older_stale=bool(older[7]))
+        return Started("parked", seq, older=_pending(older),
+                       older_stale=bool(older[PENDING_COLUMNS]))
     return Started(
         "running", seq, epoch, attempts, crashes, failures,
         cancel_requested=bool(cancel),
@@ -479,12 +526,19 @@ async def hand_over(conn: Conn, scope: str) -> Handoff | None:
     return _handoff(await cur.fetchone())
 
 
-async def park(conn: Conn, request_id: str) -> bool:
+def _jsonb(value: dict[str, Any] | None) -> Jsonb | None:
+    return None if value is None else Jsonb(value)
+
+
+async def park(conn: Conn, request_id: str, options: dict[str, Any] | None = None) -> bool:
     """Record that a worker took ``request_id``'s message and is parking it,
-    so the request that hands its scope on publishes it again. ``False`` when
-    it was handed the scope already: it must not park then, nobody would
+    with ``options`` (what the message carried besides its arguments), so the
+    request that hands its scope on publishes it again as it was. ``False``
+    when it was handed the scope already: it must not park then, nobody would
     publish it again."""
-    cur = await conn.execute(query("park_request"), {"request_id": request_id})
+    cur = await conn.execute(
+        query("park_request"), {"request_id": request_id, "options": _jsonb(options)}
+    )
     row = await cur.fetchone()
     return not (row and row[0])
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import json
 import logging
+import math
 import os
 import threading
 import time
 import uuid
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -25,7 +28,9 @@ from celery.signals import (
     worker_shutdown,
     worker_shutting_down,
 )
+from celery.utils.time import maybe_make_aware
 from kombu import pools as kombu_pools
+from kombu.utils import json as kombu_json
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
@@ -41,7 +46,7 @@ from ..execution.execute import (
     WorkerContext,
     execute,
 )
-from ..execution.ledger import ON_BUSY, EnqueuePool, OnBusy, Pending
+from ..execution.ledger import ON_BUSY, EnqueuePool, OnBusy, Pending, StartAt
 from ..execution.registry import DEFAULT_AGENT, import_agent_modules
 from ..execution.request import Kind, check_request
 from ..runtime.errors import (
@@ -478,9 +483,10 @@ class AgentTask(Task):
         if task_id:  # Celery's rule: an empty one means "make one"
             check_id("task_id", task_id)
         task_id = task_id or str(uuid.uuid4())
+        start = _start_at(options.get("countdown"), options.get("eta"))
         enqueued = _enqueue.insert(
             current.database_url.get_secret_value(), current.connect_timeout, task_id, request,
-            on_busy,
+            on_busy, start,
         )
         if enqueued.duplicate:
             # The same request sent again under its id: it is recorded and was
@@ -492,6 +498,10 @@ class AgentTask(Task):
         # caller retrying the enqueue under a new id would run it twice.
         task_args, task_kwargs = request.task_args()
         options.setdefault("retry_policy", PUBLISH_RETRY)
+        if enqueued.not_before is not None:
+            # The message's eta is the moment the ledger recorded, exactly.
+            options.pop("countdown", None)
+            options["eta"] = enqueued.not_before
         try:
             _check_result_backend()
             result = super().apply_async(task_args, task_kwargs, task_id=task_id, **options)
@@ -513,11 +523,63 @@ class AgentTask(Task):
         return self.apply_async(args, kwargs)
 
     def dispatch(self, pending: Pending) -> None:
-        """Publish a request that already has its ledger row (a handoff)."""
+        """Publish a request that already has its ledger row (a handoff, a
+        redispatch) as its first message was: with its eta, and with what that
+        message carried once a worker took it (its chain, callbacks, chord and
+        group, headers, priority, time limits), as Celery's retry would."""
         task_args, task_kwargs = pending.task_args()
-        super().apply_async(
-            task_args, task_kwargs, task_id=pending.request_id, retry_policy=PUBLISH_RETRY
-        )
+        options = {**(pending.options or {}), "retry_policy": PUBLISH_RETRY}
+        if pending.not_before is not None:
+            options["eta"] = pending.not_before
+        super().apply_async(task_args, task_kwargs, task_id=pending.request_id, **options)
+
+
+#: The longest countdown (or the farthest eta) the ledger accepts: ten years.
+MAX_DELAY = 10 * 365 * 86400.0
+
+
+def _start_at(countdown: Any, eta: Any) -> StartAt | None:
+    """When a request may start, from ``apply_async``'s ``countdown`` or
+    ``eta`` as Celery reads them: a countdown wins, zero or none means at once,
+    a naive eta is in the app's timezone."""
+    if countdown is not None:
+        if (isinstance(countdown, bool) or not isinstance(countdown, int | float)
+                or not math.isfinite(countdown) or abs(countdown) > MAX_DELAY):
+            raise InvalidInput(
+                f"countdown must be a number of seconds (up to {MAX_DELAY:.0f}), "
+                f"not {countdown!r}"
+            )
+        if countdown > 0:
+            return StartAt(countdown=float(countdown))
+        if countdown < 0:
+            return None  # in the past: at once, as Celery runs it
+    if eta is None or eta == "":
+        return None
+    if isinstance(eta, str):
+        try:
+            eta = datetime.fromisoformat(eta)
+        except ValueError:
+            raise InvalidInput(
+                f"eta {eta!r} is not an ISO 8601 date and time; pass a datetime"
+            ) from None
+    if not isinstance(eta, datetime):
+        raise InvalidInput(f"eta must be a datetime, not {type(eta).__name__}")
+    aware: datetime = maybe_make_aware(eta, app.conf.timezone)
+    if abs((aware - datetime.now(aware.tzinfo)).total_seconds()) > MAX_DELAY:
+        raise InvalidInput(f"eta {eta.isoformat()} is more than ten years away")
+    return StartAt(eta=aware)
+
+
+def _message_options(task: AgentTask) -> dict[str, Any]:
+    """What the request's message carried besides its arguments, rebuilt as
+    Celery's own retry rebuilds it (``Task.signature_from_request``): its chain
+    and callbacks, errbacks, chord and group membership, root and parent ids,
+    headers, priority and routing, expiry and time limits. As JSON (kombu's,
+    so what the message decoded to is encoded back the same way)."""
+    options = task.signature_from_request().options
+    kept = {k: v for k, v in options.items() if v is not None and k != "task_id"}
+    plain: dict[str, Any] = json.loads(kombu_json.dumps(kept))  # type: ignore[no-untyped-call]
+    return plain
 
 
 def _dispatch(pending: Pending) -> None:
@@ -664,7 +726,7 @@ def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
     try:
         outcome: Outcome = _loop.run(
             execute(_context(), request_id, args, task.kind, task.request.hostname,
-                    time_limit=_call_time_limit(task)),
+                    time_limit=_call_time_limit(task), options=_message_options(task)),
             key=request_id,
         )
     except (concurrent.futures.CancelledError, asyncio.CancelledError) as exc:

@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 
 from .. import admin, metrics
-from ..execution.ledger import Pending
+from ..execution.ledger import PENDING_COLUMNS, Pending
 from ..runtime.sql import query
 from ..settings import Settings
 
@@ -273,7 +273,8 @@ class Sweeper:
         # apart: one a worker has just taken from the broker is counted nowhere
         # until its attempt starts, milliseconds later.
         chosen, self._suspects = confirm_lost(
-            [(Pending(*row[:7]), str(row[7])) for row in orphans], self._suspects,
+            [(Pending.from_row(row), str(row[PENDING_COLUMNS])) for row in orphans],
+            self._suspects,
             time.monotonic(), max(2 * self.settings.sweep_interval, 1.0),
         )
         for pending, status in chosen:

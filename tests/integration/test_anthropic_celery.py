@@ -24,6 +24,7 @@ from loomflow_worker.tasks import run_agent
 from .celery_harness import Fleet, ledger
 from .helpers import steps_journaled_twice
 from .test_anthropic import ANSWER, API_KEY, PROMPT, MessagesAPI
+from .test_celery import _counts
 
 # Tool b sleeps this long in the workers: the window in which it is killed.
 TOOL_SLEEP = "1.0"
@@ -50,13 +51,6 @@ def _start_worker(fleet: Fleet, name: str, api: MessagesAPI, instructions: str) 
         TEST_TOOL_SLEEP=TOOL_SLEEP,
     )
 
-
-def _counts(dsn: str) -> dict[str, int]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT tag, count(*) FROM loomflow_worker_effects GROUP BY tag"
-        ).fetchall()
-    return {str(tag): int(n) for tag, n in rows}
 
 
 def _pid_running(dsn: str, tag: str, timeout: float = 30) -> int:

@@ -112,3 +112,34 @@ def test_durations_longer_than_a_thousand_years_are_refused() -> None:
         with pytest.raises(InvalidInput, match="longest duration accepted"):
             parse_duration(text)
     assert parse_duration("1d12h") == timedelta(days=1, hours=12)
+
+
+@pytest.mark.parametrize(
+    ("countdown", "eta", "says"),
+    [("ten", None, "countdown must be a number"), (True, None, "countdown must be a number"),
+     (float("inf"), None, "countdown must be a number"), (1e300, None, "up to"),
+     (None, "soon", "not an ISO 8601"), (None, 12, "eta must be a datetime"),
+     (None, "9999-01-01T00:00:00", "ten years")],
+)
+def test_a_countdown_or_eta_celery_cannot_use_is_refused(
+    countdown: object, eta: object, says: str
+) -> None:
+    from loomflow_worker.tasks.application import _start_at
+
+    with pytest.raises(InvalidInput, match=says):
+        _start_at(countdown, eta)
+
+
+def test_a_start_time_is_read_as_celery_reads_it() -> None:
+    from datetime import UTC, datetime
+
+    from loomflow_worker.execution.ledger import StartAt
+    from loomflow_worker.tasks.application import _start_at
+
+    assert _start_at(None, None) is None
+    assert _start_at(0, None) is None and _start_at(-5, None) is None  # at once
+    assert _start_at(2.5, datetime(2020, 1, 1, tzinfo=UTC)) == StartAt(countdown=2.5)
+    soon = datetime.now(UTC).replace(microsecond=0) + timedelta(minutes=5)
+    naive = soon.replace(tzinfo=None)  # a naive eta is in the app's timezone (UTC)
+    assert _start_at(None, naive) == StartAt(eta=soon)
+    assert _start_at(None, soon.isoformat()) == StartAt(eta=soon)

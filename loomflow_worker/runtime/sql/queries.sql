@@ -204,11 +204,16 @@ DELETE FROM checkpoints WHERE ctid = ANY(ARRAY(
 -- ---- the run ledger --------------------------------------------------------------------
 
 -- name: insert_run
+-- A countdown is measured on the database's clock, an eta is a moment.
 INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
-                  lock_key)
+                  lock_key, not_before)
 VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind)s,
-        %(prompt)s, %(metadata)s, %(lock_key)s)
-ON CONFLICT (request_id) DO NOTHING;
+        %(prompt)s, %(metadata)s, %(lock_key)s,
+        CASE WHEN %(countdown)s::float8 IS NOT NULL
+             THEN now() + make_interval(secs => %(countdown)s::float8)
+             ELSE %(eta)s::timestamptz END)
+ON CONFLICT (request_id) DO NOTHING
+RETURNING not_before;
 
 -- name: recorded_request
 -- What a request was enqueued with: a second enqueue under its id must match.
@@ -232,7 +237,8 @@ UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(outcome)s
 -- name: retry_run
 UPDATE runs
    SET status = 'queued', failures = failures + 1, error = %(error)s, error_type = %(error_type)s,
-       dispatched_at = now() + make_interval(secs => %(countdown)s), holder_pid = NULL
+       dispatched_at = now() + make_interval(secs => %(countdown)s),
+       not_before = now() + make_interval(secs => %(countdown)s), holder_pid = NULL
  WHERE request_id = %(request_id)s AND status = 'running';
 
 -- name: hand_over
@@ -243,14 +249,21 @@ UPDATE runs SET dispatched_at = now(), handed_at = now()
                       WHERE scope = %(scope)s AND status IN ('queued', 'running')
                       ORDER BY seq LIMIT 1)
    AND handed_at IS NULL
-RETURNING request_id, kind, session_id, user_id, agent, prompt, metadata,
-          received_at IS NOT NULL AS received;
+RETURNING request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
+          CASE WHEN status = 'queued' THEN options END, received_at IS NOT NULL AS received;
 
 -- name: park_request
 -- A worker parks the request whose message it took: stamped, so the request
--- that hands the scope on publishes it again. Already handed the scope (the
--- older request finished since this worker looked), it must not park.
-UPDATE runs SET received_at = now() WHERE request_id = %(request_id)s
+-- that hands the scope on publishes it again, with the options its message
+-- carried. Already handed the scope (the older request finished since this
+-- worker looked), it must not park.
+-- Those options travel only with a message published again for a queued
+-- request (every query that picks one says CASE WHEN status = 'queued'): the
+-- message of a running request is held by its worker, or requeued by the
+-- broker when the worker died, and carries them itself; a copy carrying them
+-- too would call its callbacks (and count its chord part) a second time.
+UPDATE runs SET received_at = now(), options = coalesce(%(options)s::jsonb, options)
+ WHERE request_id = %(request_id)s
 RETURNING handed_at IS NOT NULL;
 
 -- name: mark_dispatched
@@ -259,7 +272,7 @@ UPDATE runs SET dispatched_at = now() WHERE request_id = %(request_id)s;
 -- name: get_run
 SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadata, status,
        epoch, attempts, failures, crashes, holder, result, error, error_type,
-       enqueued_at, started_at, finished_at
+       enqueued_at, started_at, finished_at, not_before
   FROM runs WHERE request_id = %(request_id)s;
 
 -- name: precheck_run
@@ -267,14 +280,17 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadat
 -- in the same statement, the scope's lock when the request is unfinished and
 -- nothing is before it (NULL: not tried).
 SELECT r.status, r.result, r.error,
-       o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata, o.stale,
+       o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
+       o.not_before, o.options, o.stale,
        CASE WHEN r.status IN ('queued', 'running') AND o.request_id IS NULL
             THEN CASE WHEN %(may_lock)s THEN pg_try_advisory_lock(%(key)s) ELSE false END
        END
   FROM runs r
   LEFT JOIN LATERAL (
-      SELECT request_id, kind, session_id, user_id, agent, prompt, metadata,
-             dispatched_at < now() - make_interval(secs => %(stale)s) AS stale
+      SELECT request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
+             CASE WHEN status = 'queued' THEN options END AS options,
+             greatest(dispatched_at, not_before) < now() - make_interval(secs => %(stale)s)
+             AS stale
         FROM runs o
        WHERE o.scope = r.scope AND o.status IN ('queued', 'running') AND o.seq < r.seq
        ORDER BY o.seq LIMIT 1) o ON true
@@ -334,21 +350,28 @@ SELECT r.request_id, l.pid
 -- (NULL: the broker did not answer), a message counts as gone after `after`
 -- seconds. A queued request received and parked, not published since, is in
 -- no broker: it goes after queued_after.
+-- A request that may not start yet (not_before: a countdown or eta) has its
+-- message held by a worker until then, counted in no queue: it is in no
+-- count, and gone no sooner than queued_after past its not_before (unless its
+-- publish failed: then it is published at once, with its eta).
 WITH in_broker AS (
     SELECT request_id, dispatched_at,
            row_number() OVER (ORDER BY dispatched_at, seq) AS age
       FROM runs
      WHERE status = 'queued' AND (received_at IS NULL OR dispatched_at > received_at)
+       AND (not_before IS NULL OR not_before <= now())
 ), budget AS (
     SELECT (SELECT count(*) FROM in_broker) - %(waiting)s::bigint AS lost
 ), heads AS (
     SELECT DISTINCT ON (scope) request_id, kind, session_id, user_id, agent, prompt, metadata,
-           status, dispatched_at, swept_at, started_at, heartbeat_at, lock_key
+           not_before, CASE WHEN status = 'queued' THEN options END AS options, status, dispatched_at, swept_at,
+           started_at, heartbeat_at, lock_key
       FROM runs
      WHERE status IN ('queued', 'running')
      ORDER BY scope, seq
 )
-SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata, h.status
+SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata,
+       h.not_before, h.options, h.status
   FROM heads h
   LEFT JOIN in_broker b USING (request_id)
  WHERE h.lock_key IS NOT NULL
@@ -358,12 +381,16 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
                  OR h.swept_at < now() - make_interval(secs => %(after)s))
        ELSE
             h.dispatched_at < now() - make_interval(secs => %(queued_after)s)
+            AND (h.dispatched_at = '-infinity'
+                 OR coalesce(h.not_before, '-infinity')
+                    < now() - make_interval(secs => %(queued_after)s))
             AND (h.swept_at IS NULL
                  OR h.swept_at < now() - make_interval(secs => %(queued_after)s))
             AND (b.request_id IS NULL OR b.dispatched_at = '-infinity'
                  OR b.age <= (SELECT lost FROM budget)
                  OR (%(waiting)s::bigint IS NULL
-                     AND h.dispatched_at < now() - make_interval(secs => %(after)s)))
+                     AND greatest(h.dispatched_at, h.not_before)
+                         < now() - make_interval(secs => %(after)s)))
        END
    AND NOT EXISTS (
        SELECT 1 FROM pg_locks l
@@ -411,7 +438,8 @@ UPDATE runs
     OR (%(by)s::text IS NOT NULL AND scope = %(scope)s::text
         AND status IN ('queued', 'running') AND request_id <> %(by)s::text
         AND seq < (SELECT seq FROM runs WHERE request_id = %(by)s::text))
-RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata;
+RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata,
+          CASE WHEN status = 'queued' THEN not_before END, options;
 
 -- name: cancel_queued
 -- Drop waiting work: every queued request (of a session, of a user, or all),
@@ -427,13 +455,14 @@ UPDATE runs
  WHERE status = 'queued'
    AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
    AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
-RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata;
+RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata,
+          CASE WHEN status = 'queued' THEN not_before END, options;
 
 -- ---- operating the fleet (loomflow_worker.admin, the CLI) ---------------------------------
 
 -- name: admin_list_runs
 SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
-       holder
+       holder, not_before
   FROM runs
  WHERE (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
    AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
@@ -549,7 +578,9 @@ WITH r AS (
       FROM runs WHERE request_id = %(request_id)s FOR UPDATE
 ), older AS (
     SELECT o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
-           o.dispatched_at < now() - make_interval(secs => %(stale)s) AS stale
+           o.not_before, CASE WHEN o.status = 'queued' THEN o.options END AS options,
+           greatest(o.dispatched_at, o.not_before) < now() - make_interval(secs => %(stale)s)
+           AS stale
       FROM runs o JOIN r ON o.scope = r.scope
      WHERE o.status IN ('queued', 'running') AND o.seq < r.seq
      ORDER BY o.seq LIMIT 1
@@ -589,7 +620,8 @@ SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
           FROM runs p
          WHERE p.scope = r.scope AND p.seq < r.seq AND p.finished_at > r.enqueued_at
          ORDER BY p.seq DESC LIMIT 1) AS since_handoff,
-       o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata, o.stale
+       o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
+       o.not_before, o.options, o.stale
   FROM r
   LEFT JOIN started s ON true
   LEFT JOIN older o ON true;
@@ -613,7 +645,8 @@ WITH advanced AS (
     UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(status)s
      WHERE request_id = %(request_id)s AND attempt = %(attempt)s
 ), chosen AS (
-    SELECT request_id, kind, session_id, user_id, agent, prompt, metadata
+    SELECT request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
+           CASE WHEN status = 'queued' THEN options END AS options
       FROM runs
      WHERE scope = %(scope)s AND status IN ('queued', 'running') AND request_id <> %(request_id)s
      ORDER BY seq LIMIT 1
