@@ -85,6 +85,11 @@ class Outcome:
     handed: bool = False
 
 
+#: What a request's message carried besides its arguments, as JSON, read
+#: when the request parks (most requests never do).
+MessageOptions = Callable[[], dict[str, Any] | None]
+
+
 async def _noop_emit(event: Event) -> None:
     return None
 
@@ -231,13 +236,13 @@ async def execute(
     node: str | None = None,
     *,
     time_limit: float | None = None,
-    options: dict[str, Any] | None = None,
+    options: MessageOptions | None = None,
 ) -> Outcome:
     """One attempt of ``request_id``; ``node`` is the Celery node running it;
     ``time_limit`` (seconds), the caller's, when shorter than the agent's;
-    ``options``, what its message carried besides its arguments (JSON): when
-    the request parks, the ledger keeps them, and the message published for it
-    at its turn carries them."""
+    ``options()``, what its message carried besides its arguments (JSON),
+    read only when the request parks: the ledger keeps them, and the message
+    published for it at its turn carries them."""
     runtime = await ctx.runtime()
     try:
         req = check_request(ctx.settings, kind=kind, **args)
@@ -341,13 +346,14 @@ async def _park_behind(
     req: RunRequest,
     older: ledger.Pending,
     older_stale: bool,
-    options: dict[str, Any] | None,
+    options: MessageOptions | None,
 ) -> bool:
     """Park behind ``older`` (the request that hands the session on publishes
     this one again, with ``options``), marking ``older`` dispatched when its
     message looks lost. ``False``: the session was handed to this request
     meanwhile; go on."""
-    if not await io(lambda conn: ledger.park(conn, request_id, options)):
+    kept = options() if options is not None else None
+    if not await io(lambda conn: ledger.park(conn, request_id, kept)):
         return False
     _count_parked("behind")
     log.info("request %s parked behind %s", request_id, older.request_id,
@@ -358,10 +364,11 @@ async def _park_behind(
 
 
 async def _park_busy(
-    runtime: PostgresRuntime, request_id: str, req: RunRequest, options: dict[str, Any] | None
+    runtime: PostgresRuntime, request_id: str, req: RunRequest, options: MessageOptions | None
 ) -> Outcome:
+    kept = options() if options is not None else None
     async with runtime.pool.connection() as conn:
-        await ledger.park(conn, request_id, options)
+        await ledger.park(conn, request_id, kept)
     _count_parked("busy")
     log.info(
         "request %s parked: session busy", request_id,
@@ -447,7 +454,7 @@ async def _run_holding(
     req: RunRequest,
     holder: str,
     time_limit: float | None = None,
-    options: dict[str, Any] | None = None,
+    options: MessageOptions | None = None,
 ) -> Outcome:
     started = await attempt.io(
         lambda conn: ledger.start(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import json
 import logging
@@ -570,13 +571,13 @@ def _start_at(countdown: Any, eta: Any) -> StartAt | None:
     return StartAt(eta=aware)
 
 
-def _message_options(task: AgentTask) -> dict[str, Any]:
+def _message_options(task: AgentTask, request: Any) -> dict[str, Any]:
     """What the request's message carried besides its arguments, rebuilt as
     Celery's own retry rebuilds it (``Task.signature_from_request``): its chain
     and callbacks, errbacks, chord and group membership, root and parent ids,
     headers, priority and routing, expiry and time limits. As JSON (kombu's,
     so what the message decoded to is encoded back the same way)."""
-    options = task.signature_from_request().options
+    options = task.signature_from_request(request).options
     kept = {k: v for k, v in options.items() if v is not None and k != "task_id"}
     plain: dict[str, Any] = json.loads(kombu_json.dumps(kept))  # type: ignore[no-untyped-call]
     return plain
@@ -726,7 +727,8 @@ def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
     try:
         outcome: Outcome = _loop.run(
             execute(_context(), request_id, args, task.kind, task.request.hostname,
-                    time_limit=_call_time_limit(task), options=_message_options(task)),
+                    time_limit=_call_time_limit(task),
+                    options=functools.partial(_message_options, task, task.request)),
             key=request_id,
         )
     except (concurrent.futures.CancelledError, asyncio.CancelledError) as exc:
