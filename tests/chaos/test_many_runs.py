@@ -136,9 +136,15 @@ def test_fifty_runs_on_one_lock_connection_fenced_together(fleet: Fleet) -> None
     assert row == (0,)
 
 
+#: A hundred runs at once: each tool call takes longer, so that every run is
+#: still in flight once the spare worker is ready, however slowly it starts.
+HUNDRED = {**FAST_RECOVERY, "TEST_TOOL_SLEEP": "2.5"}
+
+
 def test_a_process_killed_with_a_hundred_runs_in_flight(fleet: Fleet) -> None:
     install_journal_audit(fleet.dsn)
-    sent, cut = _fill_one_process(fleet, 100, **FAST_RECOVERY)
+    sent, cut = _fill_one_process(fleet, 100, **HUNDRED)
+    assert _running(fleet.dsn, sent) == 100
     fleet.kill("w1")
 
     wait_terminal(fleet.dsn, sent, timeout=180)
@@ -152,7 +158,7 @@ def test_a_process_killed_with_a_hundred_runs_in_flight(fleet: Fleet) -> None:
 
 def test_soft_shutdown_with_a_hundred_runs_in_flight_loses_none(fleet: Fleet) -> None:
     install_journal_audit(fleet.dsn)
-    env = {**FAST_RECOVERY, "LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT": "1"}
+    env = {**HUNDRED, "LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT": "1"}
     sent, _ = _fill_one_process(fleet, 100, cli=True, **env)
     fleet.terminate("w1", timeout=30)
 

@@ -22,6 +22,7 @@ kept its order without overlap."""
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -158,7 +159,10 @@ def _check(fleet: Fleet, sent: list[Sent], label: str, in_flight: list[list[str]
     def count(needle: str) -> int:
         return len(grep_logs(fleet, needle, limit=10_000).splitlines())
 
-    fenced, retries = count("fenced:"), count("retrying in")
+    # A lost lock connection fences every run on it: "... fencing its N runs".
+    fenced = sum(map(int, re.findall(r"fencing its (\d+) runs",
+                                     grep_logs(fleet, "fencing its", limit=10_000))))
+    retries = count("retrying in")
     redispatched, parked = count("dispatched request"), count("parked")
     duplicates = count(" already succeeded")
     print(f"[{label}] {v.summary()} in_flight_at_kills={sum(map(len, in_flight))} "
