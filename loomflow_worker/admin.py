@@ -21,6 +21,7 @@ from urllib.parse import quote, unquote, urlsplit
 import psycopg
 from loomflow.core.types import ModelChunk, ToolResult
 from loomflow.runtime import _codec
+from psycopg.rows import class_row, dict_row
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
@@ -233,8 +234,9 @@ def list_runs(
         "limit": limit,
     }
     with translated():
-        rows = conn.execute(query("admin_list_runs"), params).fetchall()
-    return [RunRow(*row) for row in rows]
+        return conn.cursor(row_factory=class_row(RunRow)).execute(
+            query("admin_list_runs"), params
+        ).fetchall()
 
 
 @dataclass(frozen=True)
@@ -252,10 +254,12 @@ class RunStatus:
 def run_status(conn: Conn, request_id: str) -> RunStatus:
     """The request's status and outcome, or :class:`RequestNotFound`."""
     with translated():
-        row = conn.execute(query("admin_run_status"), {"request_id": request_id}).fetchone()
+        row = conn.cursor(row_factory=class_row(RunStatus)).execute(
+            query("admin_run_status"), {"request_id": request_id}
+        ).fetchone()
     if row is None:
         raise RequestNotFound(request_id)
-    return RunStatus(*row)
+    return row
 
 
 def wait_for(
@@ -368,22 +372,23 @@ def get_run(conn: Conn, request_id: str) -> RunDetail:
     """The request, its attempts and its journal (with what each attempt
     executed or replayed), or :class:`RequestNotFound`."""
     with translated():
-        row = conn.execute(query("get_run"), {"request_id": request_id}).fetchone()
-        if row is None:
+        detail = conn.cursor(row_factory=class_row(RunDetail)).execute(
+            query("get_run"), {"request_id": request_id}
+        ).fetchone()
+        if detail is None:
             raise RequestNotFound(request_id)
-        detail = RunDetail(*row)
-        detail.attempts = [
-            AttemptInfo(*a)
-            for a in conn.execute(query("admin_run_attempts"), {"request_id": request_id})
-        ]
+        detail.attempts = conn.cursor(row_factory=class_row(AttemptInfo)).execute(
+            query("admin_run_attempts"), {"request_id": request_id}
+        ).fetchall()
         if detail.epoch is not None:
             ns = str(detail.epoch)
-            rows = conn.execute(
+            rows = conn.cursor(row_factory=dict_row).execute(
                 query("admin_run_journal"),
                 {"scope": detail.scope, "epoch": detail.epoch, "lo": ns + "/", "hi": ns + "0"},
             ).fetchall()
             detail.journal = attribute_steps(
-                [(bool(r[0]), r[1], float(r[2]), bytes(r[3])) for r in rows],
+                [(bool(r["stream"]), r["step_name"], float(r["created_at"]), bytes(r["value"]))
+                 for r in rows],
                 detail.attempts,
                 ran_nothing=_attempts_that_ran_nothing(detail),
             )
@@ -539,11 +544,11 @@ def send_signal(conn: Conn, session_id: str, name: str, payload: Any = None) -> 
     except TypeError as exc:
         raise InvalidInput(f"signal {name!r}: the payload can't be stored as JSON: {exc}") from exc
     with translated():
-        row = conn.execute(
+        row = conn.cursor(row_factory=dict_row).execute(
             query("send_signal"), {"session_id": session_id, "name": name, "payload": blob}
         ).fetchone()
     assert row is not None
-    return int(row[1])
+    return int(row["id"])
 
 
 # ---- pruning --------------------------------------------------------------------------------

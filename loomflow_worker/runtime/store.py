@@ -32,6 +32,7 @@ import psycopg
 from loomflow.runtime.journal import Checkpoint, CheckpointMeta, JournalEntry
 from psycopg import AsyncConnection
 from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from .codec import CodecStats, Serializer, check_serializer, decode, encode
@@ -206,8 +207,9 @@ class Attempt:
         ``epoch`` is ``pinned`` if given, else the last run's when
         ``resume_last``, else the current one."""
 
-        async def run(conn: Conn) -> list[tuple[Any, ...]]:
-            cur = await conn.execute(
+        async def run(conn: Conn) -> list[DictRow]:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
                 query("open_run"),
                 {"scope": self.scope, "pinned": pinned, "resume": resume_last},
                 binary=True,  # journal values arrive as raw bytes, not hex text
@@ -215,10 +217,8 @@ class Attempt:
             return await cur.fetchall()
 
         rows = await self.io(run)
-        current, last, epoch = rows[0][:3]
-        for _, _, _, is_stream, key, blob in rows:
-            if key is not None:
-                (self._streams if is_stream else self._steps)[(self.scope, key)] = bytes(blob)
+        current, last, epoch = rows[0]["current"], rows[0]["last"], rows[0]["epoch"]
+        self._keep(self.scope, rows)
         self._loaded.add((self.scope, str(epoch) if epoch else ""))
         self.last_run = last
         return current, last, epoch
@@ -238,20 +238,25 @@ class Attempt:
         if (scope, ns) in self._loaded:
             return
 
-        async def run(conn: Conn) -> list[tuple[Any, ...]]:
+        async def run(conn: Conn) -> list[DictRow]:
+            cur = conn.cursor(row_factory=dict_row)
             if ns:
                 lo, hi = _namespace_bounds(ns)
-                cur = await conn.execute(
-                    query("load_namespace"), {"scope": scope, "lo": lo, "hi": hi}
-                )
+                await cur.execute(query("load_namespace"), {"scope": scope, "lo": lo, "hi": hi})
             else:
-                cur = await conn.execute(query("load_root_namespace"), {"scope": scope})
+                await cur.execute(query("load_root_namespace"), {"scope": scope})
             return await cur.fetchall()
 
-        rows = await self.io(run)
-        for is_stream, key, blob in rows:
-            (self._streams if is_stream else self._steps)[(scope, key)] = bytes(blob)
+        self._keep(scope, await self.io(run))
         self._loaded.add((scope, ns))
+
+    def _keep(self, scope: str, rows: list[DictRow]) -> None:
+        """Hold journal rows (``stream``, ``step_name``, ``value``) in memory; a
+        row with no ``step_name`` is an empty namespace's."""
+        for row in rows:
+            if row["step_name"] is not None:
+                kept = self._streams if row["stream"] else self._steps
+                kept[(scope, row["step_name"])] = bytes(row["value"])
 
     def cached_step(self, scope: str, ns: str, key: str) -> tuple[bool | None, Any]:
         """``lookup_step`` without I/O: ``(None, None)`` when the namespace isn't
@@ -318,10 +323,12 @@ class Attempt:
 
     async def _stored_epochs(self, conn: Conn) -> tuple[int, int | None]:
         """``(current epoch, epoch of the last run or None)`` of the scope."""
-        cur = await conn.execute(query("read_epochs"), {"scope": self.scope})
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(query("read_epochs"), {"scope": self.scope})
         found: dict[str, int] = {}
-        for key, blob in await cur.fetchall():
-            ok, value = self.store._decode(bytes(blob), key)
+        for row in await cur.fetchall():
+            key = row["step_name"]
+            ok, value = self.store._decode(bytes(row["value"]), key)
             if ok and isinstance(value, int):
                 found[key] = value
         return found.get(EPOCH_KEY, 0), found.get(LAST_RUN_KEY)
@@ -586,8 +593,9 @@ class PostgresJournalStore:
         line = attempt.line
         key = {"key": attempt.lock_key}
 
-        async def unlock(conn: Conn) -> tuple[Any, ...] | None:
-            cur = await conn.execute(query("unlock_scope"), key)
+        async def unlock(conn: Conn) -> DictRow | None:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(query("unlock_scope"), key)
             return await cur.fetchone()
 
         try:
@@ -596,8 +604,9 @@ class PostgresJournalStore:
                     try:
                         row = await line.run(unlock)
                     except LockLost:
-                        row = (True, False)  # the connection is gone, and its locks
-                    if row is None or not row[0] or row[1]:
+                        # The connection is gone, and its locks with it.
+                        row = {"released": True, "still_held": False}
+                    if row is None or not row["released"] or row["still_held"]:
                         log.error(
                             "scope %s: lock not held at release, or held still; closing "
                             "its lock connection", attempt.scope,
@@ -619,18 +628,19 @@ class PostgresJournalStore:
 
     # ---- JournalStore protocol (outside a run's cache) ------------------------------
 
-    async def _fetchone(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
+    async def _fetchone(self, name: str, params: dict[str, Any]) -> DictRow | None:
         async with self.pool.connection() as conn:
-            cur = await conn.execute(query(name), params)
-            row: tuple[Any, ...] | None = await cur.fetchone()
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(query(name), params)
+            row: DictRow | None = await cur.fetchone()
             return row
 
     async def get_step(self, session_id: str, step_name: str) -> JournalEntry | None:
         row = await self._fetchone("get_step", {"scope": session_id, "key": step_name})
         if row is None:
             return None
-        ok, value = self._decode(bytes(row[0]), step_name)
-        return JournalEntry(value=value, created_at=row[1]) if ok else None
+        ok, value = self._decode(bytes(row["value"]), step_name)
+        return JournalEntry(value=value, created_at=row["created_at"]) if ok else None
 
     async def put_step(self, session_id: str, step_name: str, value: Any) -> None:
         blob = self._encode(value, step_name)
@@ -646,7 +656,7 @@ class PostgresJournalStore:
         row = await self._fetchone("get_stream", {"scope": session_id, "key": step_name})
         if row is None:
             return None
-        ok, chunks = self._decode(bytes(row[0]), step_name)
+        ok, chunks = self._decode(bytes(row["chunks"]), step_name)
         return list(chunks or []) if ok else None
 
     async def put_stream(self, session_id: str, step_name: str, chunks: list[Any]) -> None:
@@ -679,21 +689,23 @@ class PostgresJournalStore:
         row = await self._fetchone(
             "get_checkpoint", {"session_id": session_id, "checkpoint_id": checkpoint_id}
         )
-        return None if row is None else Checkpoint.model_validate_json(row[0])
+        return None if row is None else Checkpoint.model_validate_json(row["payload"])
 
     async def get_latest_checkpoint(self, session_id: str) -> Checkpoint | None:
         row = await self._fetchone("latest_checkpoint", {"session_id": session_id})
-        return None if row is None else Checkpoint.model_validate_json(row[0])
+        return None if row is None else Checkpoint.model_validate_json(row["payload"])
 
     async def list_checkpoints(self, session_id: str, limit: int = 50) -> list[CheckpointMeta]:
         async with self.pool.connection() as conn:
-            cur = await conn.execute(
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
                 query("list_checkpoints"), {"session_id": session_id, "limit": limit}
             )
             rows = await cur.fetchall()
         return [
             CheckpointMeta(
-                checkpoint_id=r[0], turn=r[1], created_at=datetime.fromtimestamp(r[2], tz=UTC)
+                checkpoint_id=r["checkpoint_id"], turn=r["turn"],
+                created_at=datetime.fromtimestamp(r["created_at"], tz=UTC),
             )
             for r in rows
         ]

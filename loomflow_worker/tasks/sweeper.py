@@ -29,9 +29,10 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
+from psycopg.rows import dict_row
 
 from .. import admin, metrics
-from ..execution.ledger import Pending
+from ..execution.ledger import Pending, Status
 from ..runtime.sql import query
 from ..settings import Settings
 
@@ -61,7 +62,7 @@ def confirm_lost(
     chosen: list[tuple[Pending, str]] = []
     still: dict[str, float] = {}
     for pending, status in orphans:
-        if status == "queued":
+        if status == Status.QUEUED:
             since = suspects.get(pending.request_id, now)
             if now - since < confirm:
                 still[pending.request_id] = since
@@ -184,13 +185,14 @@ class Sweeper:
         commit and the result backend (the ledger has it); returns how many."""
         if self.store_result is None:
             return 0
-        rows = conn.execute(
+        rows = conn.cursor(row_factory=dict_row).execute(
             query("unchecked_results"),
             {"after": self.settings.handoff_grace, "within": 3600, "limit": 200},
         ).fetchall()
         repaired = 0
-        for request_id, status, result, error, _error_type in rows:
-            if self.store_result(request_id, status, result, error):
+        for row in rows:
+            request_id, status = row["request_id"], row["status"]
+            if self.store_result(request_id, status, row["result"], row["error"]):
                 repaired += 1
                 log.warning(
                     "sweeper: stored the %s result of request %s, which its worker "
@@ -198,7 +200,8 @@ class Sweeper:
                     extra={"action": "sweeper_result", "request": request_id},
                 )
         if rows:
-            conn.execute(query("mark_result_checked"), {"request_ids": [r[0] for r in rows]})
+            conn.execute(query("mark_result_checked"),
+                         {"request_ids": [r["request_id"] for r in rows]})
         return repaired
 
     def sweep_revoked(self, conn: psycopg.Connection[Any]) -> int:
@@ -223,14 +226,14 @@ class Sweeper:
 
     def sweep(self, conn: psycopg.Connection[Any]) -> int:
         """One sweep; returns how many requests it dispatched again."""
-        frozen = conn.execute(
+        frozen = conn.cursor(row_factory=dict_row).execute(
             query("frozen_holders"), {"lease": self.settings.lease}
         ).fetchall()
         meter = metrics.get()
         # One lock connection carries many runs: it is ended once, for all of them.
         by_backend: dict[int, list[str]] = {}
-        for request_id, pid in frozen:
-            by_backend.setdefault(pid, []).append(request_id)
+        for row in frozen:
+            by_backend.setdefault(row["pid"], []).append(row["request_id"])
         for pid, request_ids in by_backend.items():
             conn.execute(query("terminate_backend"), {"pid": pid})
             if meter is not None:
@@ -242,7 +245,7 @@ class Sweeper:
                     ", ..." if len(request_ids) > 5 else ""), pid,
                 extra={"action": "sweeper_fence", "requests": request_ids, "backend": pid},
             )
-        orphans = conn.execute(
+        orphans = conn.cursor(row_factory=dict_row).execute(
             query("orphans"),
             {"after": self.settings.redispatch_after, "queued_after": self.settings.handoff_grace,
              "waiting": self._waiting(), "dead_after": 2 * self.settings.heartbeat_interval,
@@ -252,7 +255,7 @@ class Sweeper:
         # apart: one a worker has just taken from the broker is counted nowhere
         # until its attempt starts, milliseconds later.
         chosen, self._suspects = confirm_lost(
-            [(Pending(*row[:7]), str(row[7])) for row in orphans], self._suspects,
+            [(Pending.of(row), str(row["status"])) for row in orphans], self._suspects,
             time.monotonic(), max(2 * self.settings.sweep_interval, 1.0),
         )
         for pending, status in chosen:

@@ -129,11 +129,11 @@ DELETE FROM checkpoints
         ORDER BY created_at DESC, checkpoint_id DESC LIMIT %(keep)s);
 
 -- name: get_checkpoint
-SELECT payload::text FROM checkpoints
+SELECT payload::text AS payload FROM checkpoints
  WHERE session_id = %(session_id)s AND checkpoint_id = %(checkpoint_id)s;
 
 -- name: latest_checkpoint
-SELECT payload::text FROM checkpoints WHERE session_id = %(session_id)s
+SELECT payload::text AS payload FROM checkpoints WHERE session_id = %(session_id)s
  ORDER BY created_at DESC, checkpoint_id DESC LIMIT 1;
 
 -- name: list_checkpoints
@@ -147,7 +147,7 @@ WITH sent AS (
     VALUES (%(session_id)s, %(name)s, %(payload)s)
     RETURNING id
 )
-SELECT pg_notify('loomflow_worker_signals', md5(%(session_id)s)), (SELECT id FROM sent);
+SELECT pg_notify('loomflow_worker_signals', md5(%(session_id)s)), (SELECT id FROM sent) AS id;
 
 -- name: take_signal
 DELETE FROM signals
@@ -215,7 +215,7 @@ VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kin
 ON CONFLICT (request_id) DO UPDATE
    SET status = 'failed', error = EXCLUDED.error, error_type = EXCLUDED.error_type,
        finished_at = now()
- WHERE runs.status IN ('queued', 'running');
+ WHERE loomflow_worker_unfinished(runs.status);
 
 -- name: end_attempt
 UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(outcome)s
@@ -232,7 +232,7 @@ UPDATE runs
 -- unless it was handed already.
 UPDATE runs SET dispatched_at = now(), handed_at = now()
  WHERE request_id = (SELECT request_id FROM runs
-                      WHERE scope = %(scope)s AND status IN ('queued', 'running')
+                      WHERE scope = %(scope)s AND loomflow_worker_unfinished(status)
                       ORDER BY seq LIMIT 1)
    AND handed_at IS NULL
 RETURNING request_id, kind, session_id, user_id, agent, prompt, metadata,
@@ -250,7 +250,7 @@ UPDATE runs SET dispatched_at = now() WHERE request_id = %(request_id)s;
 
 -- name: get_run
 SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadata, status,
-       epoch, attempts, failures, crashes, holder, result, error, error_type,
+       epoch, attempts AS attempts_count, failures, crashes, holder, result, error, error_type,
        enqueued_at, started_at, finished_at
   FROM runs WHERE request_id = %(request_id)s;
 
@@ -260,15 +260,15 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadat
 -- nothing is before it (NULL: not tried).
 SELECT r.status, r.result, r.error,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata, o.stale,
-       CASE WHEN r.status IN ('queued', 'running') AND o.request_id IS NULL
+       CASE WHEN loomflow_worker_unfinished(r.status) AND o.request_id IS NULL
             THEN CASE WHEN %(may_lock)s THEN pg_try_advisory_lock(%(key)s) ELSE false END
-       END
+       END AS locked
   FROM runs r
   LEFT JOIN LATERAL (
       SELECT request_id, kind, session_id, user_id, agent, prompt, metadata,
              dispatched_at < now() - make_interval(secs => %(stale)s) AS stale
         FROM runs o
-       WHERE o.scope = r.scope AND o.status IN ('queued', 'running') AND o.seq < r.seq
+       WHERE o.scope = r.scope AND loomflow_worker_unfinished(o.status) AND o.seq < r.seq
        ORDER BY o.seq LIMIT 1) o ON true
  WHERE r.request_id = %(request_id)s;
 
@@ -337,7 +337,7 @@ WITH in_broker AS (
     SELECT DISTINCT ON (scope) request_id, kind, session_id, user_id, agent, prompt, metadata,
            status, dispatched_at, swept_at, started_at, heartbeat_at, lock_key
       FROM runs
-     WHERE status IN ('queued', 'running')
+     WHERE loomflow_worker_unfinished(status)
      ORDER BY scope, seq
 )
 SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata, h.status
@@ -382,7 +382,7 @@ SELECT pg_advisory_xact_lock(%(key)s);
 
 -- name: scope_busy
 SELECT request_id, status FROM runs
- WHERE scope = %(scope)s AND status IN ('queued', 'running')
+ WHERE scope = %(scope)s AND loomflow_worker_unfinished(status)
  ORDER BY seq LIMIT 1;
 
 -- name: cancel_requests
@@ -401,7 +401,7 @@ UPDATE runs
                           ELSE finished_at END
  WHERE (%(request_id)s::text IS NOT NULL AND request_id = %(request_id)s::text)
     OR (%(by)s::text IS NOT NULL AND scope = %(scope)s::text
-        AND status IN ('queued', 'running') AND request_id <> %(by)s::text
+        AND loomflow_worker_unfinished(status) AND request_id <> %(by)s::text
         AND seq < (SELECT seq FROM runs WHERE request_id = %(by)s::text))
 RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata;
 
@@ -425,7 +425,7 @@ RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata
 
 -- name: admin_list_runs
 SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
-       holder
+       holder AS worker
   FROM runs
  WHERE (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
    AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
@@ -466,17 +466,17 @@ SELECT (SELECT count(*) FROM journal_steps j
          WHERE j.created_at < %(before)s::float8
            AND j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
            AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                              AND r.status IN ('queued', 'running'))),
+                              AND loomflow_worker_unfinished(r.status))),
        (SELECT count(*) FROM journal_streams j
          WHERE j.created_at < %(before)s::float8
            AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                              AND r.status IN ('queued', 'running'))),
+                              AND loomflow_worker_unfinished(r.status))),
        (SELECT count(*) FROM checkpoints c
          WHERE c.created_at < %(before)s::float8
            AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
-                              AND r.status IN ('queued', 'running'))),
+                              AND loomflow_worker_unfinished(r.status))),
        (SELECT count(*) FROM runs
-         WHERE status IN ('succeeded', 'failed', 'cancelled', 'dead', 'expired')
+         WHERE loomflow_worker_finished(status)
            AND enqueued_at < %(cutoff)s AND finished_at < %(cutoff)s);
 
 -- name: admin_cutoff
@@ -492,7 +492,7 @@ DELETE FROM journal_steps WHERE ctid = ANY(ARRAY(
      WHERE j.created_at < %(before)s::float8
        AND j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
        AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                          AND r.status IN ('queued', 'running'))
+                          AND loomflow_worker_unfinished(r.status))
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
 -- name: admin_prune_streams
@@ -500,7 +500,7 @@ DELETE FROM journal_streams WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM journal_streams j
      WHERE j.created_at < %(before)s::float8
        AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                          AND r.status IN ('queued', 'running'))
+                          AND loomflow_worker_unfinished(r.status))
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
 -- name: admin_prune_checkpoints
@@ -508,7 +508,7 @@ DELETE FROM checkpoints WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM checkpoints c
      WHERE c.created_at < %(before)s::float8
        AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
-                          AND r.status IN ('queued', 'running'))
+                          AND loomflow_worker_unfinished(r.status))
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
 -- name: admin_prune_runs
@@ -516,7 +516,7 @@ DELETE FROM checkpoints WHERE ctid = ANY(ARRAY(
 -- runs_status: a request finished before the cutoff was enqueued before it.
 DELETE FROM runs WHERE request_id = ANY(ARRAY(
     SELECT request_id FROM runs
-     WHERE status IN ('succeeded', 'failed', 'cancelled', 'dead', 'expired')
+     WHERE loomflow_worker_finished(status)
        AND enqueued_at < %(cutoff)s AND finished_at < %(cutoff)s
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
@@ -543,7 +543,7 @@ WITH r AS (
     SELECT o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
            o.dispatched_at < now() - make_interval(secs => %(stale)s) AS stale
       FROM runs o JOIN r ON o.scope = r.scope
-     WHERE o.status IN ('queued', 'running') AND o.seq < r.seq
+     WHERE loomflow_worker_unfinished(o.status) AND o.seq < r.seq
      ORDER BY o.seq LIMIT 1
 ), marks AS (
     SELECT max(loomflow_worker_epoch(value)) FILTER (WHERE step_name = '__run_epoch__') AS current,
@@ -565,7 +565,7 @@ WITH r AS (
            started_at = now(),
            heartbeat_at = now()
       FROM r, marks m
-     WHERE u.request_id = r.request_id AND r.status IN ('queued', 'running')
+     WHERE u.request_id = r.request_id AND loomflow_worker_unfinished(r.status)
        AND NOT EXISTS (SELECT 1 FROM older)
     RETURNING u.epoch, u.attempts, u.crashes, u.failures
 ), attempt_row AS (
@@ -600,14 +600,14 @@ WITH advanced AS (
     UPDATE runs
        SET status = %(status)s, result = %(result)s, error = %(error)s,
            error_type = %(error_type)s, finished_at = now(), holder_pid = NULL
-     WHERE request_id = %(request_id)s AND status IN ('queued', 'running')
+     WHERE request_id = %(request_id)s AND loomflow_worker_unfinished(status)
 ), closed AS (
     UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(status)s
      WHERE request_id = %(request_id)s AND attempt = %(attempt)s
 ), chosen AS (
     SELECT request_id, kind, session_id, user_id, agent, prompt, metadata
       FROM runs
-     WHERE scope = %(scope)s AND status IN ('queued', 'running') AND request_id <> %(request_id)s
+     WHERE scope = %(scope)s AND loomflow_worker_unfinished(status) AND request_id <> %(request_id)s
      ORDER BY seq LIMIT 1
 ), handed AS (
     -- Handed the scope; published again after this commit when a worker
@@ -628,7 +628,7 @@ UPDATE run_attempts SET outcome = 'interrupted'
 -- Requests finished between `after` and `within` seconds ago whose result the
 -- sweeper has not yet checked in the result backend.
 SELECT request_id, status, result, error, error_type FROM runs
- WHERE NOT result_checked AND status NOT IN ('queued', 'running')
+ WHERE NOT result_checked AND loomflow_worker_finished(status)
    AND finished_at < now() - make_interval(secs => %(after)s)
    AND finished_at > now() - make_interval(secs => %(within)s)
  ORDER BY finished_at LIMIT %(limit)s;
@@ -662,12 +662,12 @@ SELECT 1;
 -- Release one scope's lock and say whether this backend still holds it
 -- (it must not: the lock was taken once).
 WITH released AS (SELECT pg_advisory_unlock(%(key)s) AS ok)
-SELECT r.ok, EXISTS (
+SELECT r.ok AS released, EXISTS (
     SELECT 1 FROM pg_locks l
      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
        AND l.pid = pg_backend_pid()
        AND l.classid = ((%(key)s::bigint >> 32) & 4294967295)::oid
-       AND l.objid = (%(key)s::bigint & 4294967295)::oid)
+       AND l.objid = (%(key)s::bigint & 4294967295)::oid) AS still_held
   FROM released r;
 
 -- ---- revoked and expired requests --------------------------------------------------------
@@ -682,7 +682,7 @@ SELECT scope, status, epoch, lock_key FROM runs WHERE request_id = %(request_id)
 -- for a request that never started (it journaled nothing).
 WITH r AS (
     SELECT request_id, scope, epoch FROM runs
-     WHERE request_id = %(request_id)s AND status IN ('queued', 'running') FOR UPDATE
+     WHERE request_id = %(request_id)s AND loomflow_worker_unfinished(status) FOR UPDATE
 ), advanced AS (
     INSERT INTO journal_steps (session_id, step_name, value, created_at)
     SELECT r.scope, '__run_epoch__', convert_to('LJ1' || (r.epoch + 1)::text, 'UTF8'),
@@ -706,11 +706,11 @@ SELECT count(*) FROM ended;
 
 -- name: flag_cancel
 UPDATE runs SET cancel_requested = true
- WHERE request_id = %(request_id)s AND status IN ('queued', 'running');
+ WHERE request_id = %(request_id)s AND loomflow_worker_unfinished(status);
 
 -- name: unfinished_among
 SELECT request_id FROM runs
- WHERE request_id = ANY(%(request_ids)s::text[]) AND status IN ('queued', 'running');
+ WHERE request_id = ANY(%(request_ids)s::text[]) AND loomflow_worker_unfinished(status);
 
 -- name: mark_attempt_lost
 -- A worker whose attempt lost its lock connection (a Postgres restart, a
