@@ -253,7 +253,12 @@ class PostgresRuntime(JournaledRuntime):
         *,
         batch_size: int = 5000,
     ) -> int:
-        """Delete journal entries and checkpoints matching every filter, in batches."""
+        """Delete what matches every filter, in batches (returns how many rows):
+        journal entries, streams and checkpoints written before ``before``,
+        and requests finished before it, of the scope ``session_id``. A scope
+        with an unfinished request keeps its journal; unless one scope is
+        named, each keeps its epoch bookkeeping. The rules of
+        ``loomflow-worker prune`` and of the sweeper's retention."""
         return await self._pg.prune_rows(
             before=before, session_id=session_id, batch_size=batch_size
         )

@@ -40,6 +40,7 @@ from .errors import DatabaseUnavailable, InvalidInput, LockLost, SessionBusy
 from .lockconn import Conn as Conn
 from .lockconn import JournalRow, LockConnection
 from .migrate import migrate
+from .prune import Pruner
 from .sql import query
 
 log = logging.getLogger("loomflow_worker.runtime")
@@ -724,37 +725,15 @@ class PostgresJournalStore:
         batch_size: int = 5000,
         on_batch: Callable[[str, int], None] | None = None,
     ) -> int:
-        """Delete journal entries, streams and checkpoints matching every filter.
-
-        Works in batches of ``batch_size`` rows, each its own short
-        transaction that skips rows a running step has locked, so it never
-        holds up running runs for long. With ``before`` only, a scope's epoch
-        bookkeeping is kept (a later run must not reuse an old epoch).
-        Returns how many rows went; ``on_batch(table, rows)`` sees each batch.
-        """
-        if batch_size < 1:
-            raise InvalidInput(f"batch_size must be at least 1, not {batch_size}")
-        params = {
-            "before": before.timestamp() if before is not None else None,
-            "session_id": session_id,
-            "batch": batch_size,
-        }
-        total = 0
-        for name, table in (
-            ("prune_steps", "journal_steps"),
-            ("prune_streams", "journal_streams"),
-            ("prune_checkpoints", "checkpoints"),
-        ):
-            while True:
-                async with self.pool.connection() as conn:
-                    cur = await conn.execute(query(name), params)
-                    deleted = cur.rowcount
-                total += deleted
-                if on_batch is not None and deleted:
-                    on_batch(table, deleted)
-                if deleted < batch_size:
-                    break
-        return total
+        """Prune by the rules of :mod:`.prune` what is older than ``before`` (a
+        naive one is local time, as loomflow's stores read it) of the scope
+        ``session_id``, either filter ``None`` for none. Returns how many rows
+        went; ``on_batch(table, rows)`` sees each batch."""
+        if before is not None and before.tzinfo is None:
+            before = before.astimezone()
+        pruner = Pruner(before, scope=session_id, batch_size=batch_size)
+        await pruner.arun(self.pool.connection, on_batch=on_batch)
+        return pruner.total
 
 
 def pool_target(pool: AsyncConnectionPool[Any]) -> tuple[str, dict[str, Any]]:

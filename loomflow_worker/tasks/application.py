@@ -30,7 +30,6 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from .. import metrics
-from ..admin import validation_message
 from ..execution import ledger
 from ..execution.execute import (
     AttemptLost,
@@ -47,7 +46,7 @@ from ..execution.request import Kind, check_request
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
 from ..runtime.sql import query
 from ..runtime.validate import check_id
-from ..settings import Settings
+from ..settings import Settings, validation_message
 from . import pool
 from .loop import ChildLoop
 from .pool import REFUSED_POOLS, RunPool, pool_name

@@ -31,8 +31,10 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from .. import admin, metrics
+from .. import metrics
+from ..durations import format_duration
 from ..execution.ledger import Pending, Status
+from ..runtime.prune import Pruner, cutoff
 from ..runtime.sql import query
 from ..settings import Settings
 
@@ -92,7 +94,7 @@ class Sweeper:
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection[Any] | None = None
         self.leader = False
-        self._pruner: admin.Pruner | None = None
+        self._pruner: Pruner | None = None
         self._next_prune = 0.0
         # Queued requests that looked lost on the last sweep, since when.
         self._suspects: dict[str, float] = {}
@@ -281,8 +283,8 @@ class Sweeper:
             if time.monotonic() < self._next_prune:
                 return 0
             # On the database's clock, whatever this host's says.
-            before = admin.db_cutoff(conn, timedelta(seconds=retention))
-            self._pruner = admin.Pruner(before, batch_size=PRUNE_BATCH)
+            before = cutoff(conn, timedelta(seconds=retention))
+            self._pruner = Pruner(before, batch_size=PRUNE_BATCH)
         pruner = self._pruner
         already = pruner.total
         pruner.run(conn, budget=budget)
@@ -292,7 +294,7 @@ class Sweeper:
             if pruner.total:
                 log.info(
                     "sweeper: pruned what is older than %s: %s",
-                    admin.format_duration(retention),
+                    format_duration(retention),
                     ", ".join(f"{n} {table}" for table, n in pruner.totals.items() if n),
                     extra={"action": "sweeper_prune", **pruner.totals},
                 )

@@ -16,14 +16,20 @@ PARAMS: dict[str, Any] = {
     "scope": "scope-7", "request_id": "r-7", "stale": 5, "key": 1, "may_lock": False,
     "holder": "h", "pid": 1, "attempt": 1, "new_epoch": 2, "epoch_value": b"LJ12",
     "status": "succeeded", "result": None, "error": None, "error_type": None,
+    "before": 0.0, "cutoff": None, "batch": 1000,
 }
 
-HOT = ["scope_busy", "hand_over", "precheck_run", "start_request", "finish_request"]
+HOT = ["scope_busy", "hand_over", "precheck_run", "start_request", "finish_request",
+       "prune_steps", "prune_counts"]
 
 
 @pytest.fixture
 def big_ledger(dsn: str) -> str:
     with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO journal_steps (session_id, step_name, value, created_at)"
+            " SELECT 'scope-' || i, 'k', 'LJ11'::bytea, 0 FROM generate_series(1, 2000) AS i"
+        )
         conn.execute(
             "INSERT INTO runs (request_id, scope, session_id, agent, prompt, status,"
             " finished_at)"
@@ -33,6 +39,7 @@ def big_ledger(dsn: str) -> str:
             " FROM generate_series(1, 40000) AS i"
         )
         conn.execute("ANALYZE runs")
+        conn.execute("ANALYZE journal_steps")
     return dsn
 
 

@@ -1,8 +1,9 @@
 """The package's layers import one way, with no circles (no services).
 
-runtime (journal, locks, SQL, migrations) <- execution (the ledger and one
-attempt of a request, no Celery) <- tasks (the Celery binding) <- faces (the
-CLI, the demo). Settings, events and metrics are leaves anyone may use."""
+runtime (journal, locks, SQL, migrations, prune) <- execution (the ledger and
+one attempt of a request, no Celery) <- tasks (the Celery binding) and admin
+(operator tools, no Celery) <- faces (the CLI, the demo). Settings, events
+and metrics are leaves anyone may use."""
 
 from __future__ import annotations
 
@@ -106,9 +107,15 @@ def test_no_import_circles() -> None:
 
 LAYERS = {
     f"{NAME}.runtime": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.cli", f"{NAME}.admin",
-                        f"{NAME}.demo", f"{NAME}.events", f"{NAME}.metrics"},
+                        f"{NAME}.demo", f"{NAME}.events", f"{NAME}.metrics",
+                        f"{NAME}.durations"},
     f"{NAME}.execution": {f"{NAME}.tasks", f"{NAME}.cli", f"{NAME}.admin", f"{NAME}.demo"},
-    f"{NAME}.tasks": {f"{NAME}.cli", f"{NAME}.demo"},
+    # The Celery binding uses the runtime's prune, not the operator tools.
+    f"{NAME}.tasks": {f"{NAME}.cli", f"{NAME}.demo", f"{NAME}.admin"},
+    # Operator tools (one module per job) serve the faces; they use no Celery.
+    f"{NAME}.admin": {f"{NAME}.tasks", f"{NAME}.cli", f"{NAME}.demo"},
+    f"{NAME}.durations": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.admin",
+                          f"{NAME}.cli"},
     f"{NAME}.settings": {f"{NAME}.runtime", f"{NAME}.execution", f"{NAME}.tasks",
                          f"{NAME}.admin", f"{NAME}.cli", f"{NAME}.events"},
     f"{NAME}.events": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.admin", f"{NAME}.cli"},

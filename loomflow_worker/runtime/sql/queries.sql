@@ -170,28 +170,86 @@ WITH taken AS (
 )
 SELECT payload FROM taken;
 
+-- ---- pruning (runtime.prune, `loomflow-worker prune`, the sweeper's retention) ------------
+-- One set of rules. What matches every filter given goes: journal entries,
+-- streams and checkpoints written before "before" (epoch seconds), of the
+-- scope "scope"; then requests finished before "cutoff" (the same moment;
+-- their attempts cascade), of that scope. The scopes of unfinished requests keep their
+-- journal (a run parked on a signal for longer than the cutoff still needs it
+-- to resume), and unless one scope is named, every scope keeps its epoch
+-- bookkeeping (a later run must not reuse an old epoch). NULL: no filter.
+-- Each batch skips the rows a running step has locked.
+
+-- name: prune_cutoff
+-- The moment ``age`` seconds ago on the database's clock: every age the ledger
+-- and journal hold is measured on it, whatever the caller's clock says.
+SELECT now() - make_interval(secs => %(age)s::float8) AS cutoff;
+
 -- name: prune_steps
 DELETE FROM journal_steps WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM journal_steps
-     WHERE (%(before)s::float8 IS NULL OR created_at < %(before)s::float8)
-       AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
-       AND (%(session_id)s::text IS NOT NULL
-            OR step_name NOT IN ('__run_epoch__', '__last_run_epoch__'))
+    SELECT ctid FROM journal_steps j
+     WHERE (%(before)s::float8 IS NULL OR j.created_at < %(before)s::float8)
+       AND (%(scope)s::text IS NULL OR j.session_id = %(scope)s::text)
+       AND (%(scope)s::text IS NOT NULL
+            OR j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__'))
+       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
+                          AND loomflow_worker_unfinished(r.status))
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
 -- name: prune_streams
 DELETE FROM journal_streams WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM journal_streams
-     WHERE (%(before)s::float8 IS NULL OR created_at < %(before)s::float8)
-       AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
+    SELECT ctid FROM journal_streams j
+     WHERE (%(before)s::float8 IS NULL OR j.created_at < %(before)s::float8)
+       AND (%(scope)s::text IS NULL OR j.session_id = %(scope)s::text)
+       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
+                          AND loomflow_worker_unfinished(r.status))
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
 -- name: prune_checkpoints
 DELETE FROM checkpoints WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM checkpoints
-     WHERE (%(before)s::float8 IS NULL OR created_at < %(before)s::float8)
-       AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
+    SELECT ctid FROM checkpoints c
+     WHERE (%(before)s::float8 IS NULL OR c.created_at < %(before)s::float8)
+       AND (%(scope)s::text IS NULL OR c.session_id = %(scope)s::text)
+       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
+                          AND loomflow_worker_unfinished(r.status))
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
+
+-- name: prune_runs
+-- enqueued_at bounds the scan of runs_status: a request finished before the
+-- cutoff was enqueued before it.
+DELETE FROM runs WHERE request_id = ANY(ARRAY(
+    SELECT request_id FROM runs
+     WHERE loomflow_worker_finished(status)
+       AND (%(cutoff)s::timestamptz IS NULL
+            OR (enqueued_at < %(cutoff)s::timestamptz AND finished_at < %(cutoff)s::timestamptz))
+       AND (%(scope)s::text IS NULL OR scope = %(scope)s::text)
+     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
+
+-- name: prune_counts
+-- What the prune_* queries would delete now (a progress bar's length).
+SELECT (SELECT count(*) FROM journal_steps j
+         WHERE (%(before)s::float8 IS NULL OR j.created_at < %(before)s::float8)
+           AND (%(scope)s::text IS NULL OR j.session_id = %(scope)s::text)
+           AND (%(scope)s::text IS NOT NULL
+                OR j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__'))
+           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
+                              AND loomflow_worker_unfinished(r.status))) AS journal_steps,
+       (SELECT count(*) FROM journal_streams j
+         WHERE (%(before)s::float8 IS NULL OR j.created_at < %(before)s::float8)
+           AND (%(scope)s::text IS NULL OR j.session_id = %(scope)s::text)
+           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
+                              AND loomflow_worker_unfinished(r.status))) AS journal_streams,
+       (SELECT count(*) FROM checkpoints c
+         WHERE (%(before)s::float8 IS NULL OR c.created_at < %(before)s::float8)
+           AND (%(scope)s::text IS NULL OR c.session_id = %(scope)s::text)
+           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
+                              AND loomflow_worker_unfinished(r.status))) AS checkpoints,
+       (SELECT count(*) FROM runs
+         WHERE loomflow_worker_finished(status)
+           AND (%(cutoff)s::timestamptz IS NULL
+                OR (enqueued_at < %(cutoff)s::timestamptz
+                    AND finished_at < %(cutoff)s::timestamptz))
+           AND (%(scope)s::text IS NULL OR scope = %(scope)s::text)) AS runs;
 
 -- ---- the run ledger --------------------------------------------------------------------
 
@@ -459,66 +517,6 @@ SELECT true, step_name, created_at, chunks FROM journal_streams
             THEN step_name COLLATE "C" >= %(lo)s AND step_name COLLATE "C" < %(hi)s
             ELSE step_name !~ '^([0-9]+|[0-9a-f]{16})/' END
  ORDER BY created_at, step_name;
-
--- name: admin_prune_counts
--- What admin_prune_* would delete now (the progress bar's length).
-SELECT (SELECT count(*) FROM journal_steps j
-         WHERE j.created_at < %(before)s::float8
-           AND j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
-           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                              AND loomflow_worker_unfinished(r.status))),
-       (SELECT count(*) FROM journal_streams j
-         WHERE j.created_at < %(before)s::float8
-           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                              AND loomflow_worker_unfinished(r.status))),
-       (SELECT count(*) FROM checkpoints c
-         WHERE c.created_at < %(before)s::float8
-           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
-                              AND loomflow_worker_unfinished(r.status))),
-       (SELECT count(*) FROM runs
-         WHERE loomflow_worker_finished(status)
-           AND enqueued_at < %(cutoff)s AND finished_at < %(cutoff)s);
-
--- name: admin_cutoff
--- The moment ``age`` seconds ago on the database's clock: every age the ledger
--- and journal hold is measured on it, whatever the caller's clock says.
-SELECT now() - make_interval(secs => %(age)s::float8);
-
--- name: admin_prune_steps
--- prune_steps by age, sparing the scopes of unfinished requests (a run parked
--- on a signal for longer than the cutoff still needs its journal to resume).
-DELETE FROM journal_steps WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM journal_steps j
-     WHERE j.created_at < %(before)s::float8
-       AND j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
-       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                          AND loomflow_worker_unfinished(r.status))
-     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
-
--- name: admin_prune_streams
-DELETE FROM journal_streams WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM journal_streams j
-     WHERE j.created_at < %(before)s::float8
-       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                          AND loomflow_worker_unfinished(r.status))
-     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
-
--- name: admin_prune_checkpoints
-DELETE FROM checkpoints WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM checkpoints c
-     WHERE c.created_at < %(before)s::float8
-       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
-                          AND loomflow_worker_unfinished(r.status))
-     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
-
--- name: admin_prune_runs
--- Finished requests (their attempts cascade). enqueued_at bounds the scan of
--- runs_status: a request finished before the cutoff was enqueued before it.
-DELETE FROM runs WHERE request_id = ANY(ARRAY(
-    SELECT request_id FROM runs
-     WHERE loomflow_worker_finished(status)
-       AND enqueued_at < %(cutoff)s AND finished_at < %(cutoff)s
-     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
 -- name: admin_server_version
 SELECT current_setting('server_version');
