@@ -83,16 +83,16 @@ def _pending(row: Mapping[str, Any] | None) -> Pending | None:
 class Handoff:
     """The request a finishing one handed its scope to.
 
-    Its message is published again only when a worker already took the one
-    it was enqueued with and parked it (``received``); otherwise that message
-    is still on its way and runs it, and publishing again would only make a
+    It is dispatched again only when a worker already took the message it
+    was enqueued with and parked it (``received``); otherwise that message
+    is still on its way and runs it, and dispatching again would only make a
     duplicate for some worker to receive and drop."""
 
     pending: Pending
     received: bool
 
     @property
-    def publish(self) -> list[Pending]:
+    def dispatch(self) -> list[Pending]:
         return [self.pending] if self.received else []
 
 
@@ -274,13 +274,13 @@ class EnqueuePool:
                 "nothing was enqueued"
             ) from exc
 
-    def mark_unpublished(self, dsn: str, connect_timeout: int, request_id: str) -> None:
+    def mark_undispatched(self, dsn: str, connect_timeout: int, request_id: str) -> None:
         """The broker refused ``request_id``'s message: the sweeper publishes it
         first once the broker is back. Best effort: without the mark the sweeper
         still finds it, later."""
         try:
             with self.pool(dsn, connect_timeout).connection(timeout=connect_timeout) as conn:
-                conn.execute(query("mark_unpublished"), {"request_id": request_id})
+                conn.execute(query("mark_undispatched"), {"request_id": request_id})
         except (psycopg.Error, TimeoutError):
             pass
 
@@ -484,10 +484,10 @@ async def end_attempt(conn: Conn, request_id: str, attempt: int, outcome: str) -
     )
 
 
-async def hand_over(conn: Conn, scope: str) -> Handoff | None:
+async def hand_off(conn: Conn, scope: str) -> Handoff | None:
     """Hand ``scope`` to its oldest unfinished request, unless it was handed
     already (then whoever handed it published it, or its message runs it)."""
-    return _handoff(await _fetchone(conn, "hand_over", {"scope": scope}))
+    return _handoff(await _fetchone(conn, "hand_off", {"scope": scope}))
 
 
 async def park(conn: Conn, request_id: str) -> bool:
@@ -536,22 +536,22 @@ def end_revoked(
     if found[0]["status"] == Status.QUEUED and found[0]["epoch"] is None:
         # It never started: it journaled nothing, and ends without its lock.
         conn.execute(query("end_revoked"), ending)
-        return True, _hand_over_sync(conn, scope)
+        return True, _hand_off_sync(conn, scope)
     got = conn.execute(query("try_lock"), {"key": lock_key}).fetchone()
     if not (got and got[0]):
         conn.execute(query("flag_cancel"), {"request_id": request_id})
         return False, None
     try:
         conn.execute(query("end_revoked"), ending)
-        handoff = _hand_over_sync(conn, scope)
+        handoff = _hand_off_sync(conn, scope)
     finally:
         conn.execute(query("unlock"), {"key": lock_key})
     return True, handoff
 
 
-def _hand_over_sync(conn: psycopg.Connection[Any], scope: str) -> Handoff | None:
-    """:func:`hand_over` on a sync connection."""
-    found = _rows(conn, "hand_over", {"scope": scope})
+def _hand_off_sync(conn: psycopg.Connection[Any], scope: str) -> Handoff | None:
+    """:func:`hand_off` on a sync connection."""
+    found = _rows(conn, "hand_off", {"scope": scope})
     return _handoff(found[0] if found else None)
 
 

@@ -10,13 +10,13 @@ from .errors import (
     SessionBusy,
 )
 from .migrate import latest_version, migrate
-from .runtime import PostgresRuntime, current_attempt, run_options
-from .store import Attempt, LockSettings, PostgresJournalStore, RunStats, scope_lock_key
+from .runtime import PostgresRuntime, current_lease, run_options
+from .store import Lease, LockSettings, PostgresJournalStore, RunStats, scope_lock_key
 
 __all__ = [
-    "Attempt",
     "DatabaseUnavailable",
     "InvalidInput",
+    "Lease",
     "LockLost",
     "LockSettings",
     "LoomflowWorkerError",
@@ -26,7 +26,7 @@ __all__ = [
     "RunStopped",
     "SchemaError",
     "SessionBusy",
-    "current_attempt",
+    "current_lease",
     "latest_version",
     "migrate",
     "run_options",

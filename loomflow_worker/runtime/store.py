@@ -1,4 +1,4 @@
-"""The Postgres journal store (psycopg 3) and the attempt that owns a scope.
+"""The Postgres journal store (psycopg 3) and the lease that owns a scope.
 
 Two kinds of connection:
 
@@ -154,7 +154,7 @@ def _namespace_bounds(ns: str) -> tuple[str, str]:
     return ns + "/", ns + "0"
 
 
-class Attempt:
+class Lease:
     """One outermost run holding its scope: its lease on a shared lock
     connection, and the journal entries of the namespaces the run has
     opened, kept in memory so a replayed step costs no round trip."""
@@ -165,11 +165,11 @@ class Attempt:
         self.scope = scope
         self.lock_key = scope_lock_key(scope)
         self.fenced: LockLost | None = None
-        # Called once when the attempt is fenced (its lock connection lost).
+        # Called once when the lease is fenced (its lock connection lost).
         self.on_fenced: list[Callable[[LockLost], None]] = []
         # Set to stop the run at its next step boundary (a cancel, a deadline).
         self.stop: BaseException | None = None
-        # The request the attempt runs, when it runs one (heartbeats).
+        # The request the lease runs, when it runs one (heartbeats).
         self.request_id: str | None = None
         # Whether the latest step came from the journal (marks live events).
         self.last_replayed = False
@@ -414,7 +414,7 @@ class PostgresJournalStore:
         # Scope lock keys held (or being taken) by this process, and the
         # attempts waiting for one held here: a session lock is reentrant
         # on its connection, so this process must never take one twice.
-        self._held: dict[int, Attempt | None] = {}
+        self._held: dict[int, Lease | None] = {}
         self._freed: dict[int, asyncio.Event] = {}
         self._closed = False
         # Called with the seconds each journal write of a run took (metrics).
@@ -522,28 +522,28 @@ class PostgresJournalStore:
                 (x for x in self.lines if x.fenced is None), key=lambda line: line.load
             )
 
-    # ---- attempts (one per outermost run) ----------------------------------------
+    # ---- leases (one per outermost run) ----------------------------------------
 
-    async def acquire(self, scope: str, wait: float | None) -> Attempt:
+    async def acquire(self, scope: str, wait: float | None) -> Lease:
         """Take ``scope``'s lock on a lock connection.
 
         ``wait`` is how long to wait for a busy scope: ``None`` forever,
         ``0`` not at all. Raises :class:`SessionBusy` when it runs out."""
-        attempt = await self.acquire_if(scope, wait, None)
-        assert attempt is not None
-        return attempt
+        lease = await self.acquire_if(scope, wait, None)
+        assert lease is not None
+        return lease
 
     async def acquire_if(
         self,
         scope: str,
         wait: float | None,
         gate: Callable[[Conn, int, bool], Awaitable[bool | None]] | None,
-    ) -> Attempt | None:
+    ) -> Lease | None:
         """:meth:`acquire`, with ``gate(conn, key, may_lock)`` run instead of
         the plain try-lock: one statement that decides whether to take the
         lock and, when ``may_lock``, tries to (``pg_try_advisory_lock(key)``)
         in the same round trip. It returns whether it got the lock, or
-        ``None`` when it chose not to try: then there is no attempt.
+        ``None`` when it chose not to try: then there is no lease.
 
         Waiting never blocks a shared connection: the lock is tried again,
         at once when a run of this process frees it, else after a short
@@ -563,10 +563,10 @@ class PostgresJournalStore:
                     self._forget(key)
                 raise
             if tried and may_lock:
-                attempt = Attempt(self, line, scope)
-                self._held[key] = attempt
-                line.attempts.add(attempt)
-                return attempt
+                lease = Lease(self, line, scope)
+                self._held[key] = lease
+                line.leases.add(lease)
+                return lease
             if may_lock:
                 self._forget(key)
             if tried is None:
@@ -585,14 +585,14 @@ class PostgresJournalStore:
         if freed is not None:
             freed.set()
 
-    async def release(self, attempt: Attempt) -> None:
-        """Unlock the attempt's scope, checking that this process holds it no
+    async def release(self, lease: Lease) -> None:
+        """Unlock the lease's scope, checking that this process holds it no
         more; a connection where it would still be held is closed."""
-        if attempt.released:
+        if lease.released:
             return
-        attempt.released = True
-        line = attempt.line
-        key = {"key": attempt.lock_key}
+        lease.released = True
+        line = lease.line
+        key = {"key": lease.lock_key}
 
         async def unlock(conn: Conn) -> DictRow | None:
             cur = conn.cursor(row_factory=dict_row)
@@ -600,7 +600,7 @@ class PostgresJournalStore:
             return await cur.fetchone()
 
         try:
-            if attempt.fenced is None and line.fenced is None:
+            if lease.fenced is None and line.fenced is None:
                 with anyio.CancelScope(shield=True):
                     try:
                         row = await line.run(unlock)
@@ -610,14 +610,14 @@ class PostgresJournalStore:
                     if row is None or not row["released"] or row["still_held"]:
                         log.error(
                             "scope %s: lock not held at release, or held still; closing "
-                            "its lock connection", attempt.scope,
-                            extra={"action": "unlock_mismatch", "scope": attempt.scope},
+                            "its lock connection", lease.scope,
+                            extra={"action": "unlock_mismatch", "scope": lease.scope},
                         )
-                        line.fence(f"the lock of scope {attempt.scope!r} was not released")
+                        line.fence(f"the lock of scope {lease.scope!r} was not released")
         finally:
-            line.attempts.discard(attempt)
-            if self._held.get(attempt.lock_key) is attempt:
-                self._forget(attempt.lock_key)
+            line.leases.discard(lease)
+            if self._held.get(lease.lock_key) is lease:
+                self._forget(lease.lock_key)
 
     # ---- values -------------------------------------------------------------------
 
@@ -768,7 +768,7 @@ def _try_lock(
     ``may_lock`` false the lock is held in this process already and is not
     asked for."""
 
-    async def attempt(conn: Conn) -> bool | None:
+    async def try_lock(conn: Conn) -> bool | None:
         if gate is not None:
             return await gate(conn, key, may_lock)
         if not may_lock:
@@ -777,4 +777,4 @@ def _try_lock(
         row = await cur.fetchone()
         return bool(row and row[0])
 
-    return attempt
+    return try_lock

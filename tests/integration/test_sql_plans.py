@@ -19,7 +19,7 @@ PARAMS: dict[str, Any] = {
     "before": 0.0, "cutoff": None, "batch": 1000,
 }
 
-HOT = ["scope_busy", "hand_over", "precheck_run", "start_request", "finish_request",
+HOT = ["scope_busy", "hand_off", "precheck_run", "start_request", "finish_request",
        "prune_steps", "prune_counts"]
 
 

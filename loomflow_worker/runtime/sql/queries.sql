@@ -285,7 +285,7 @@ UPDATE runs
        dispatched_at = now() + make_interval(secs => %(countdown)s), holder_pid = NULL
  WHERE request_id = %(request_id)s AND status = 'running';
 
--- name: hand_over
+-- name: hand_off
 -- Hand the scope to its oldest unfinished request (as finish_request does)
 -- unless it was handed already.
 UPDATE runs SET dispatched_at = now(), handed_at = now()
@@ -423,7 +423,7 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
           AND l.objid = (h.lock_key & 4294967295)::oid)
  LIMIT %(limit)s;
 
--- name: mark_unpublished
+-- name: mark_undispatched
 -- The broker refused a request's message: it is the first the sweeper
 -- publishes once the broker is back.
 UPDATE runs SET dispatched_at = '-infinity'
