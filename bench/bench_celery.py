@@ -631,7 +631,7 @@ async def bench_split(
                                 max_size=settings.pool_max_size)
     agent = build_agent(loom)
     inner: list[tuple[float, float]] = []
-    run_agent = ours_execute._run_agent
+    run_agent = ours_execute._call_agent
 
     async def timed_run_agent(*args: Any, **kwargs: Any) -> Any:
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -666,7 +666,7 @@ async def bench_split(
                 1000 * statistics.fmean(r[1] for r in rows))
 
     result = SplitResult(requests)
-    ours_execute._run_agent = timed_run_agent
+    ours_execute._call_agent = timed_run_agent
     try:
         for i in range(20):  # warm-up
             await ours(f"{tag}-split-warm-o{i}")
@@ -700,7 +700,7 @@ async def bench_split(
                         summary(await measure(plain_run, f"{tag}-split-{r}-p"))
                     )
     finally:
-        ours_execute._run_agent = run_agent
+        ours_execute._call_agent = run_agent
         await ctx.aclose()
         await loom.aclose()
     return result

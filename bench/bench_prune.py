@@ -6,7 +6,7 @@ requests, then measures the latency of fresh journal steps written by
 concurrent runs (``PostgresRuntime``, each run a loop of fresh steps):
 
 1. without a prune, for ``--baseline`` seconds;
-2. while ``loomflow_worker.admin.Pruner`` deletes everything older than 30 days
+2. while ``loomflow_worker.runtime.prune.Pruner`` deletes everything older than 30 days
    in batches at full speed, as ``loomflow-worker prune`` does;
 3. (the rows loaded again) while it deletes them the way the sweeper's retention
    does: batches of 1,000 for at most 0.5 s a sweep, one sweep a second.
@@ -37,9 +37,9 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from loomflow_worker.admin import Pruner
 from loomflow_worker.runtime import PostgresRuntime
 from loomflow_worker.runtime.codec import CodecStats, encode
+from loomflow_worker.runtime.prune import Pruner
 from loomflow_worker.tasks.sweeper import PRUNE_BATCH, PRUNE_BUDGET
 
 ADMIN_DSN_ENV = "LOOMFLOW_WORKER_BENCH_ADMIN_DSN"

@@ -29,6 +29,7 @@ from .runtime.errors import (
     SessionBusy,
 )
 from .runtime.migrate import latest_version, migrate
+from .runtime.prune import Pruner, cutoff
 from .runtime.store import describe_dsn, probe
 from .runtime.validate import check_text
 from .settings import CONSOLE_PORT, Settings
@@ -620,8 +621,9 @@ def prune(older_than: timedelta, batch_size: int, yes: bool) -> None:
     keep their journal; the scopes' epoch marks are kept)."""
     with admin.connect(_settings()) as conn:
         # The database's clock, on which every age it holds was stamped.
-        before = admin.db_cutoff(conn, older_than)
-        counts = admin.prune_counts(conn, before)
+        with admin.translated():
+            pruner = Pruner(cutoff(conn, older_than), batch_size=batch_size)
+            counts = pruner.counts(conn)
         total = sum(counts.values())
         age = admin.format_duration(older_than.total_seconds())
         if total == 0:
@@ -629,7 +631,6 @@ def prune(older_than: timedelta, batch_size: int, yes: bool) -> None:
             return
         if not yes:
             click.confirm(f"Delete {_describe_counts(counts)} (older than {age})?", abort=True)
-        pruner = admin.Pruner(before, batch_size=batch_size)
         started = time.monotonic()
         with click.progressbar(length=total, label="pruning", file=sys.stderr) as bar:
             done = [0]

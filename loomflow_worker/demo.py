@@ -33,12 +33,13 @@ import anyio
 import psycopg
 import redis
 from kombu.utils.url import sanitize_url
+from psycopg.rows import class_row
 
 from . import admin
 from .runtime import PostgresRuntime
 from .runtime.store import describe_dsn
 from .settings import CONSOLE_PORT, Settings
-from .testing import EffectsLog
+from .testing import EffectsLog, Execution
 
 SESSIONS = {
     "alice-lisbon": ["flights", "hotel", "museum", "dinner"],
@@ -281,14 +282,13 @@ async def _prepare(dsn: str) -> None:
     await EffectsLog(dsn).setup()
 
 
-def _executions(dsn: str, prefix: str) -> list[tuple[str, int, Any, Any]]:
+def _executions(dsn: str, prefix: str) -> list[Execution]:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
+        return conn.cursor(row_factory=class_row(Execution)).execute(
             "SELECT tag, pid, started_at, finished_at FROM loomflow_worker_effects "
             "WHERE starts_with(tag, %s) ORDER BY id",
             (prefix,),
         ).fetchall()
-    return [(r[0], r[1], r[2], r[3]) for r in rows]
 
 
 def _watch(
@@ -305,7 +305,8 @@ def _watch(
     total = sum(len(steps) for _, steps, _ in requests)
     while time.monotonic() < deadline:
         rows = _executions(dsn, prefix)
-        for tag, pid, _started, finished in rows:
+        for run in rows:
+            tag, pid, finished = run.tag, run.pid, run.finished_at
             key = (tag, pid, finished is not None)
             if key in reported:
                 continue
@@ -323,7 +324,7 @@ def _watch(
                     killed_run = next(r.id for _, steps, r in requests if tag in steps)
                     _say(f"  !! SIGKILL {victim} (main process and pool) while {session} was "
                          f"running {step}")
-        finished_tags = {tag for tag, _, _, f in rows if f is not None}
+        finished_tags = {run.tag for run in rows if run.finished_at is not None}
         if len(finished_tags) >= total:
             break
         time.sleep(0.1)
@@ -384,10 +385,10 @@ def _summary(
     prefix = requests[0][1][0].split(":")[0] + ":"
     rows = _executions(found.database_url, prefix)
     completed: dict[str, int] = {}
-    for tag, _pid, _start, end in rows:
-        if end is not None:
-            completed[tag] = completed.get(tag, 0) + 1
-    interrupted = sum(1 for _, _, _, end in rows if end is None)
+    for run in rows:
+        if run.finished_at is not None:
+            completed[run.tag] = completed.get(run.tag, 0) + 1
+    interrupted = sum(1 for run in rows if run.finished_at is None)
     once = all(n == 1 for n in completed.values())
     finished = sum(1 for _, _, r in requests if r.successful())
     _say("")

@@ -7,8 +7,15 @@ from typing import Annotated, Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
-from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 #: The shortest console token accepted.
 MIN_TOKEN_LENGTH = 16
@@ -211,3 +218,25 @@ def result_backend_problem(url: str) -> str | None:
         f"unknown result backend {shown}; use redis:// or rediss:// (or another Celery "
         "result backend)"
     )
+
+
+def validation_message(exc: ValidationError | SettingsError) -> str:
+    """A settings error as ``field: message`` lines, without the values given
+    (pydantic's own text repeats them, connection strings included). A value
+    that is not even JSON (a dict or list setting) is named with the parser's
+    complaint, which quotes no part of it."""
+    if isinstance(exc, SettingsError):
+        cause = exc.__cause__
+        detail = f": {first_line(cause)}" if isinstance(cause, ValueError) else ""
+        return f"{exc}{detail}; dict and list settings are read as JSON"
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        lines.append(f"{where}: {error['msg']}")
+    return "; ".join(lines)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's text (its type when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -33,6 +33,7 @@ import psycopg
 from loomflow import tool
 from loomflow.core.types import Message, ModelChunk, Role, ToolCall, ToolDef, Usage
 from loomflow.tools import Tool
+from psycopg.rows import class_row
 
 __all__ = ["DeterministicModel", "EffectsLog", "Execution", "UnmatchedToolResult", "plan"]
 
@@ -223,12 +224,13 @@ class EffectsLog:
 
     async def executions(self, tag_prefix: str = "") -> list[Execution]:
         async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
-            cur = await conn.execute(
+            cur = conn.cursor(row_factory=class_row(Execution))
+            await cur.execute(
                 "SELECT tag, pid, started_at, finished_at FROM loomflow_worker_effects "
                 "WHERE starts_with(tag, %s) ORDER BY id",
                 (tag_prefix,),
             )
-            return [Execution(*row) for row in await cur.fetchall()]
+            return await cur.fetchall()
 
     async def counts(self, tag_prefix: str = "") -> dict[str, int]:
         found: dict[str, int] = {}

@@ -34,7 +34,7 @@ from ..runtime import (
 )
 from ..runtime.errors import LoomflowWorkerError
 from ..runtime.lockconn import LockConnection
-from ..runtime.store import Attempt, Conn
+from ..runtime.store import Conn, Lease
 from ..settings import Settings
 from . import ledger
 from .registry import agent_factory, agent_time_limit
@@ -94,7 +94,7 @@ async def _noop_emit(event: Event) -> None:
     return None
 
 
-def _emitter(ctx: WorkerContext, request_id: str, attempt_no: int, attempt: Attempt) -> Any:
+def _emitter(ctx: WorkerContext, request_id: str, attempt_no: int, lease: Lease) -> Any:
     """The run's ``emit``: every event to the request's live stream."""
     events = ctx.events
     if events is None:
@@ -103,7 +103,7 @@ def _emitter(ctx: WorkerContext, request_id: str, attempt_no: int, attempt: Atte
     async def emit(event: Event) -> None:
         events.publish(
             request_id, attempt_no, str(event.kind),
-            event.model_dump_json(fallback=repr), replayed=attempt.last_replayed,
+            event.model_dump_json(fallback=repr), replayed=lease.last_replayed,
         )
 
     return emit
@@ -198,7 +198,7 @@ class WorkerContext:
             await anyio.sleep(interval)
             async with anyio.create_task_group() as beats:
                 for line in list(runtime.journal.lines):
-                    running = [a for a in line.attempts if a.request_id is not None]
+                    running = [a for a in line.leases if a.request_id is not None]
                     if running and line.fenced is None:
                         beats.start_soon(_beat, line, running, interval)
 
@@ -271,17 +271,17 @@ async def execute(
     # held: usually the request before it finished and is releasing it, and
     # published nothing for this one, whose message this is.
     try:
-        attempt = await runtime.journal.acquire_if(req.scope, HANDOFF_LOCK_WAIT, precheck_and_lock)
-        if attempt is None and pre is None:
+        lease = await runtime.journal.acquire_if(req.scope, HANDOFF_LOCK_WAIT, precheck_and_lock)
+        if lease is None and pre is None:
             # Published by name, from a process with no database access.
             async with runtime.pool.connection() as conn:
                 await ledger.ensure_row(conn, request_id, req)
-            attempt = await runtime.journal.acquire_if(
+            lease = await runtime.journal.acquire_if(
                 req.scope, HANDOFF_LOCK_WAIT, precheck_and_lock
             )
     except SessionBusy:
         return await _park_busy(runtime, request_id, req, options)
-    if attempt is None:
+    if lease is None:
         assert pre is not None
         pooled = _pooled(runtime)
         if pre.status in ledger.TERMINAL:
@@ -292,30 +292,30 @@ async def execute(
             return Outcome("parked", dispatch=[pre.older] if pre.older_stale else [])
         # Handed the session since the look above: its turn, go on.
         try:
-            attempt = await runtime.journal.acquire(req.scope, wait=HANDOFF_LOCK_WAIT)
+            lease = await runtime.journal.acquire(req.scope, wait=HANDOFF_LOCK_WAIT)
         except SessionBusy:
             return await _park_busy(runtime, request_id, req, options)
     try:
         holder = f"{node or ctx.holder.rsplit(':', 1)[0]}:{os.getpid()}"
-        outcome = await _run_holding(ctx, runtime, attempt, request_id, req, holder, time_limit,
+        outcome = await _run_holding(ctx, runtime, lease, request_id, req, holder, time_limit,
                                      options)
     finally:
-        await runtime.journal.release(attempt)
+        await runtime.journal.release(lease)
     if outcome.kind in ledger.TERMINAL and not outcome.handed:
         async with runtime.pool.connection() as conn:
             # A request enqueued while this one finished may have parked on the
             # lock after the finish chose no one: look once more, unlocked.
-            handoff = await ledger.hand_over(conn, req.scope)
+            handoff = await ledger.hand_off(conn, req.scope)
         if handoff is not None:
-            outcome.dispatch.extend(handoff.publish)
+            outcome.dispatch.extend(handoff.dispatch)
     if ctx.events is not None:
         await ctx.events.flush()
     return outcome
 
 
 class Io(Protocol):
-    """Runs one piece of ledger work on a connection: the attempt's lock
-    connection (``Attempt.io``) or a pooled one (:func:`_pooled`)."""
+    """Runs one piece of ledger work on a connection: the lease's lock
+    connection (``Lease.io``) or a pooled one (:func:`_pooled`)."""
 
     def __call__(self, fn: Callable[[Conn], Awaitable[T]]) -> Awaitable[T]: ...
 
@@ -336,7 +336,7 @@ async def _duplicate(
     is done now."""
     log.info("request %s already %s", request_id, status,
              extra={"action": "duplicate", **_log_fields(request_id, req)})
-    handoff = await io(lambda conn: ledger.hand_over(conn, req.scope))
+    handoff = await io(lambda conn: ledger.hand_off(conn, req.scope))
     return _ended(status, handoff, result=result, error=error)
 
 
@@ -383,7 +383,7 @@ def _ended(
     """A request's end: what it handed its scope to is published when needed."""
     return Outcome(
         kind,  # type: ignore[arg-type]
-        dispatch=handoff.publish if handoff is not None else [],
+        dispatch=handoff.dispatch if handoff is not None else [],
         handed=handoff is not None,
         **fields,
     )
@@ -449,34 +449,34 @@ def time_limit_ending(time_limit: float) -> Ending:
 async def _run_holding(
     ctx: WorkerContext,
     runtime: PostgresRuntime,
-    attempt: Attempt,
+    lease: Lease,
     request_id: str,
     req: RunRequest,
     holder: str,
     time_limit: float | None = None,
     options: MessageOptions | None = None,
 ) -> Outcome:
-    started = await attempt.io(
+    started = await lease.io(
         lambda conn: ledger.start(
             conn, request_id, req.scope, holder, ctx.settings.redispatch_after
         )
     )
     if started.status in ledger.TERMINAL:
-        return await _duplicate(attempt.io, request_id, req, started.status,
+        return await _duplicate(lease.io, request_id, req, started.status,
                                 result=started.result, error=started.error)
     if started.status == "parked":
         assert started.older is not None
-        await _park_behind(attempt.io, request_id, req, started.older, started.older_stale,
+        await _park_behind(lease.io, request_id, req, started.older, started.older_stale,
                            options)
         return Outcome("parked", dispatch=[started.older] if started.older_stale else [])
     assert started.epoch is not None
     try:
         ending: Ending | Retry | None = ending_before_run(started, ctx.settings, holder)
         if ending is None:
-            ending = await _run(ctx, runtime, attempt, request_id, req, started, time_limit)
+            ending = await _run(ctx, runtime, lease, request_id, req, started, time_limit)
         if isinstance(ending, Retry):
             retry, attempt_no = ending, started.attempt
-            await attempt.io(
+            await lease.io(
                 lambda conn: ledger.schedule_retry(
                     conn, request_id, attempt_no, retry.error, retry.countdown
                 )
@@ -486,7 +486,7 @@ async def _run_holding(
                         extra={"action": "retry", **_log_fields(request_id, req)})
             return Outcome("retry", error=f"{type(retry.error).__name__}: {retry.error}",
                            countdown=retry.countdown)
-        return await _conclude(ctx, attempt, request_id, req, started, ending)
+        return await _conclude(ctx, lease, request_id, req, started, ending)
     except LockLost as exc:
         # Fenced while this worker lives: not a crash (see AttemptLost).
         raise AttemptLost(request_id, started.attempt, exc) from exc
@@ -498,7 +498,7 @@ def _log_fields(request_id: str, req: RunRequest) -> dict[str, Any]:
 
 async def _conclude(
     ctx: WorkerContext,
-    attempt: Attempt,
+    lease: Lease,
     request_id: str,
     req: RunRequest,
     started: ledger.Started,
@@ -508,9 +508,9 @@ async def _conclude(
     epoch advance, the next request chosen, in one statement), its live
     events closed, logged and counted; the outcome says what to hand over."""
     assert started.epoch is not None
-    await attempt.flush_last_run()
+    await lease.flush_last_run()
     with anyio.CancelScope(shield=True):
-        chosen = await attempt.io(
+        chosen = await lease.io(
             lambda conn: ledger.finish(
                 conn, request_id, req.scope, started.attempt, started.epoch or 0,
                 status=ending.status, result=ending.result, error=ending.error,
@@ -531,7 +531,7 @@ async def _conclude(
 async def _run(
     ctx: WorkerContext,
     runtime: PostgresRuntime,
-    attempt: Attempt,
+    lease: Lease,
     request_id: str,
     req: RunRequest,
     started: ledger.Started,
@@ -561,8 +561,8 @@ async def _run(
     # The process's heartbeat stamps the request from now on; when the lock
     # connection is lost, the run stops at once, mid-step.
     fence = anyio.CancelScope()
-    attempt.request_id = request_id
-    attempt.on_fenced.append(lambda _: fence.cancel())
+    lease.request_id = request_id
+    lease.on_fenced.append(lambda _: fence.cancel())
     # A revoke with terminate stops it at once, mid-step.
     halt = anyio.CancelScope()
     halted: list[str] = []
@@ -574,18 +574,18 @@ async def _run(
     ctx._halts[request_id] = stop_now
     try:
         try:
-            with fence, halt, run_options(attempt=attempt, epoch=started.epoch):
+            with fence, halt, run_options(lease=lease, epoch=started.epoch):
                 with anyio.move_on_after(time_limit) as deadline:
-                    emit = _emitter(ctx, request_id, started.attempt, attempt)
+                    emit = _emitter(ctx, request_id, started.attempt, lease)
                     if req.kind == "resume":
                         with resuming_last_run():
-                            result = await _run_agent(agent, request_id, req, emit)
+                            result = await _call_agent(agent, request_id, req, emit)
                     else:
-                        result = await _run_agent(agent, request_id, req, emit)
+                        result = await _call_agent(agent, request_id, req, emit)
             if fence.cancelled_caught:
-                raise attempt.fenced or LockLost(req.scope, "the heartbeat failed")
+                raise lease.fenced or LockLost(req.scope, "the heartbeat failed")
         finally:
-            attempt.request_id = None
+            lease.request_id = None
             ctx._halts.pop(request_id, None)
             if meter is not None:
                 meter.steps.labels("executed").inc(runtime.stats.steps_executed - executed)
@@ -593,21 +593,21 @@ async def _run(
     except LockLost:
         raise
     except Exception as exc:  # the run raised: not a crash, so retry or fail
-        if attempt.fenced is not None:
-            raise attempt.fenced from exc
+        if lease.fenced is not None:
+            raise lease.fenced from exc
         return ending_of_error(exc, started, ctx.settings, ctx.backoff)
     except BaseException as exc:
         stopped = _stopped(exc)
         if stopped is not None:
             return Ending("cancelled", error=stopped.reason, error_type="Cancelled",
                           note=" at a step boundary")
-        if isinstance(exc, asyncio.CancelledError) and attempt.fenced is None:
+        if isinstance(exc, asyncio.CancelledError) and lease.fenced is None:
             # Stopped from outside (a shutdown): this attempt was interrupted,
             # which the next one must not count as a crash. Recorded under the
             # lock, before the next attempt can start.
             attempt_no = started.attempt
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                await attempt.io(
+                await lease.io(
                     lambda conn: ledger.end_attempt(conn, request_id, attempt_no, "interrupted")
                 )
             log.info("request %s interrupted", request_id,
@@ -616,14 +616,14 @@ async def _run(
     if halt.cancelled_caught:
         return Ending("cancelled", error=halted[0], error_type="Revoked", note=f": {halted[0]}")
     if deadline.cancelled_caught:
-        if attempt.fenced is not None:
-            raise attempt.fenced
+        if lease.fenced is not None:
+            raise lease.fenced
         return time_limit_ending(time_limit)
     payload = {**result.model_dump(mode="json"), "request_id": request_id}
     return Ending("succeeded", result=payload)
 
 
-async def _run_agent(agent: Any, request_id: str, req: RunRequest, emit: Any) -> Any:
+async def _call_agent(agent: Any, request_id: str, req: RunRequest, emit: Any) -> Any:
     return await agent.run(
         req.prompt,
         session_id=req.session_id,
@@ -652,7 +652,7 @@ def _stopped(exc: BaseException) -> RunStopped | None:
     return None
 
 
-async def _beat(line: LockConnection, running: list[Attempt], interval: float) -> None:
+async def _beat(line: LockConnection, running: list[Lease], interval: float) -> None:
     """One heartbeat of the requests running on ``line``. One that fails or
     gets no answer within two intervals means the locks are lost (or soon
     will be, when the server gives up on us): every run on the connection
@@ -668,6 +668,6 @@ async def _beat(line: LockConnection, running: list[Attempt], interval: float) -
     except TimeoutError:
         line.fence(f"no heartbeat answer within {2 * interval:g}s")
         return
-    for attempt in running:
-        if attempt.request_id in cancelled and attempt.stop is None:
-            attempt.stop = RunStopped("cancelled while running")
+    for lease in running:
+        if lease.request_id in cancelled and lease.stop is None:
+            lease.stop = RunStopped("cancelled while running")

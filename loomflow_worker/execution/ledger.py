@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, fields
 from datetime import datetime
@@ -12,6 +13,7 @@ from typing import Any, Literal
 
 import psycopg
 from loomflow.runtime import _codec
+from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
@@ -69,40 +71,52 @@ class Pending:
                          self.metadata)
 
     @classmethod
-    def from_row(cls, row: tuple[Any, ...], at: int = 0) -> Pending:
-        """The request in ``row``'s columns from ``at`` on (``PENDING_COLUMNS`` of them)."""
-        return cls(*row[at:at + PENDING_COLUMNS])
+    def of(cls, row: Mapping[str, Any]) -> Pending:
+        """The request named by ``row``'s columns of the same names (a row may
+        carry more)."""
+        return cls(**{name: row[name] for name in _PENDING_COLUMNS})
 
 
-#: How many columns of a query's row make a :class:`Pending`.
-PENDING_COLUMNS = len(fields(Pending))
+_PENDING_COLUMNS = tuple(f.name for f in fields(Pending))
 
 
-def _pending(row: tuple[Any, ...] | None, at: int = 0) -> Pending | None:
-    return None if row is None or row[at] is None else Pending.from_row(row, at)
+def _pending(row: Mapping[str, Any] | None) -> Pending | None:
+    """The request in ``row``, or ``None`` when the row holds none (no row,
+    or the columns of an outer join that found nothing)."""
+    return None if row is None or row["request_id"] is None else Pending.of(row)
 
 
 @dataclass(frozen=True)
 class Handoff:
     """The request a finishing one handed its scope to.
 
-    Its message is published again only when a worker already took the one
-    it was enqueued with and parked it (``received``); otherwise that message
-    is still on its way and runs it, and publishing again would only make a
+    It is dispatched again only when a worker already took the message it
+    was enqueued with and parked it (``received``); otherwise that message
+    is still on its way and runs it, and dispatching again would only make a
     duplicate for some worker to receive and drop."""
 
     pending: Pending
     received: bool
 
     @property
-    def publish(self) -> list[Pending]:
+    def dispatch(self) -> list[Pending]:
         return [self.pending] if self.received else []
 
 
-def _handoff(row: tuple[Any, ...] | None) -> Handoff | None:
-    if row is None:
-        return None
-    return Handoff(Pending.from_row(row), bool(row[PENDING_COLUMNS]))
+def _handoff(row: DictRow | None) -> Handoff | None:
+    return None if row is None else Handoff(Pending.of(row), bool(row["received"]))
+
+
+async def _fetchone(conn: Conn, name: str, params: Mapping[str, Any]) -> DictRow | None:
+    """The first row of the query ``name``, by column name."""
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(query(name), params)
+    return await cur.fetchone()
+
+
+def _rows(conn: psycopg.Connection[Any], name: str, params: Mapping[str, Any]) -> list[DictRow]:
+    """The rows of the query ``name``, by column name (a sync connection)."""
+    return conn.cursor(row_factory=dict_row).execute(query(name), params).fetchall()
 
 
 def _row_params(
@@ -154,11 +168,10 @@ def _same_as_recorded(conn: psycopg.Connection[Any], request_id: str, req: RunRe
     """``True`` when the ledger holds ``request_id`` with ``req``'s arguments,
     ``False`` when it does not hold it; :class:`InvalidInput` naming what
     differs when it holds another request under that id."""
-    row = conn.execute(query("recorded_request"), {"request_id": request_id}).fetchone()
-    if row is None:
+    found = _rows(conn, "recorded_request", {"request_id": request_id})
+    if not found:
         return False
-    recorded = dict(zip(_IDENTITY, row, strict=True))
-    differ = [name for name in _IDENTITY if recorded[name] != getattr(req, name)]
+    differ = [name for name in _IDENTITY if found[0][name] != getattr(req, name)]
     if differ:
         raise InvalidInput(
             f"task_id {request_id!r} is already the id of another request (its "
@@ -259,24 +272,24 @@ class EnqueuePool:
                     # Enqueues on one scope take turns here, so "busy" is decided once.
                     conn.execute(query("enqueue_lock"), {"key": enqueue_lock_key(req.scope)})
                     if on_busy == "reject":
-                        busy = conn.execute(query("scope_busy"), {"scope": req.scope}).fetchone()
-                        if busy is not None:
+                        busy = _rows(conn, "scope_busy", {"scope": req.scope})
+                        if busy:
                             raise SessionBusy(
                                 req.scope, 0,
-                                detail=f"request {busy[0]} is {busy[1]} on it and "
-                                'on_busy="reject" was asked',
+                                detail=f"request {busy[0]['request_id']} is "
+                                f"{busy[0]['status']} on it and on_busy=\"reject\" was asked",
                             )
                         return _insert_new(conn, request_id, req, start)
                     enqueued = _insert_new(conn, request_id, req, start)
                     if enqueued.duplicate:
                         return enqueued
-                    rows = conn.execute(
-                        query("cancel_requests"),
+                    rows = _rows(
+                        conn, "cancel_requests",
                         {"request_id": None, "scope": req.scope, "by": request_id,
                          "reason": f"interrupted by request {request_id}"},
-                    ).fetchall()
+                    )
                     return Enqueued(
-                        [Pending.from_row(row, 1) for row in rows if row[0] == "cancelled"],
+                        [Pending.of(row) for row in rows if row["status"] == Status.CANCELLED],
                         not_before=enqueued.not_before,
                     )
         except psycopg.errors.UndefinedTable as exc:
@@ -290,11 +303,11 @@ class EnqueuePool:
                 "nothing was enqueued"
             ) from exc
 
-    def mark_unpublished(self, dsn: str, connect_timeout: int, request_id: str) -> None:
+    def mark_undispatched(self, dsn: str, connect_timeout: int, request_id: str) -> None:
         """The broker refused ``request_id``'s message: the sweeper publishes it
         first once the broker is back. Best effort: without the mark the sweeper
         still finds it, later."""
-        self._mark(dsn, connect_timeout, "mark_unpublished", request_id)
+        self._mark(dsn, connect_timeout, "mark_undispatched", request_id)
 
     def mark_result_unstored(self, dsn: str, connect_timeout: int, request_id: str) -> bool:
         """The result backend refused finished ``request_id``'s result: the
@@ -338,12 +351,12 @@ class EnqueuePool:
     ) -> list[tuple[str, Pending]]:
         try:
             with self.connection(dsn, connect_timeout) as conn:
-                rows = conn.execute(query(name), params).fetchall()
+                rows = _rows(conn, name, params)
         except (psycopg.OperationalError, TimeoutError) as exc:
             raise DatabaseUnavailable(
                 f"can't reach Postgres at {describe_dsn(dsn)} to cancel: {exc}"
             ) from exc
-        return [(row[0], Pending.from_row(row, 1)) for row in rows]
+        return [(row["status"], Pending.of(row)) for row in rows]
 
 
 # ---- the worker side (async, on the attempt's lock connection) ---------------------------
@@ -402,16 +415,14 @@ async def precheck(
     """The ledger's view of ``request_id`` (``None``: it has no row), and its
     scope's lock (``lock_key``) tried in the same statement when it may run
     (and ``may_lock``: this process does not hold it already)."""
-    cur = await conn.execute(
-        query("precheck_run"),
+    row = await _fetchone(
+        conn, "precheck_run",
         {"request_id": request_id, "stale": stale_after, "key": lock_key, "may_lock": may_lock},
     )
-    row = await cur.fetchone()
     if row is None:
         return None
-    stale_at = 3 + PENDING_COLUMNS
-    return Precheck(row[0], row[1], row[2], _pending(row, 3), bool(row[stale_at]),
-                    None if row[stale_at + 1] is None else bool(row[stale_at + 1]))
+    return Precheck(row["status"], row["result"], row["error"], _pending(row),
+                    bool(row["stale"]), None if row["locked"] is None else bool(row["locked"]))
 
 
 @dataclass(frozen=True)
@@ -448,27 +459,26 @@ async def start(
     otherwise the attempt is counted and the request marked running, its epoch
     pinned on the first attempt (the scope's current one, or its last run's
     for a resume)."""
-    cur = await conn.execute(
-        query("start_request"),
+    row = await _fetchone(
+        conn, "start_request",
         {"request_id": request_id, "scope": scope, "holder": holder, "pid": os.getpid(),
          "stale": stale_after},
     )
-    row = await cur.fetchone()
     if row is None:
         raise LookupError(f"request {request_id} has no ledger row")
-    (status, seq, result, error, error_type, cancel, epoch, attempts, crashes, failures,
-     since_heartbeat, since_handoff) = row[:12]
-    older = row[12:]
-    if status in TERMINAL:
-        return Started(status, seq, result=result, error=error, error_type=error_type)
-    if older[0] is not None:
-        return Started("parked", seq, older=_pending(older),
-                       older_stale=bool(older[PENDING_COLUMNS]))
+    seq = row["seq"]
+    if row["status"] in TERMINAL:
+        return Started(row["status"], seq, result=row["result"], error=row["error"],
+                       error_type=row["error_type"])
+    # The columns of the oldest unfinished request before this one, if any.
+    older = _pending(row)
+    if older is not None:
+        return Started("parked", seq, older=older, older_stale=bool(row["stale"]))
     return Started(
-        "running", seq, epoch, attempts, crashes, failures,
-        cancel_requested=bool(cancel),
-        since_heartbeat=since_heartbeat,
-        since_handoff=since_handoff,
+        Status.RUNNING, seq, row["epoch"], row["attempts"], row["crashes"], row["failures"],
+        cancel_requested=bool(row["cancel_requested"]),
+        since_heartbeat=row["since_heartbeat"],
+        since_handoff=row["since_handoff"],
     )
 
 
@@ -487,15 +497,14 @@ async def finish(
     """The request's end in one statement: the scope's epoch advanced past
     ``epoch`` (forward only), status, result and error recorded, the attempt
     closed, and the scope handed to its next unfinished request."""
-    cur = await conn.execute(
-        query("finish_request"),
+    return _handoff(await _fetchone(
+        conn, "finish_request",
         {"request_id": request_id, "scope": scope, "attempt": attempt,
          "new_epoch": epoch + 1, "epoch_value": _codec.dumps(epoch + 1),
          "status": status,
          "result": None if result is None else Jsonb(result),
          "error": error, "error_type": error_type},
-    )
-    return _handoff(await cur.fetchone())
+    ))
 
 
 async def schedule_retry(
@@ -519,11 +528,10 @@ async def end_attempt(conn: Conn, request_id: str, attempt: int, outcome: str) -
     )
 
 
-async def hand_over(conn: Conn, scope: str) -> Handoff | None:
+async def hand_off(conn: Conn, scope: str) -> Handoff | None:
     """Hand ``scope`` to its oldest unfinished request, unless it was handed
     already (then whoever handed it published it, or its message runs it)."""
-    cur = await conn.execute(query("hand_over"), {"scope": scope})
-    return _handoff(await cur.fetchone())
+    return _handoff(await _fetchone(conn, "hand_off", {"scope": scope}))
 
 
 def _jsonb(value: dict[str, Any] | None) -> Jsonb | None:
@@ -550,8 +558,9 @@ async def mark_dispatched(conn: Conn, request_id: str) -> None:
 async def heartbeat(conn: Conn, request_ids: list[str]) -> set[str]:
     """Stamp running requests as alive in one statement; returns those whose
     cancel was requested."""
-    cur = await conn.execute(query("heartbeat"), {"request_ids": request_ids})
-    return {request_id for request_id, cancel in await cur.fetchall() if cancel}
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(query("heartbeat"), {"request_ids": request_ids})
+    return {row["request_id"] for row in await cur.fetchall() if row["cancel_requested"]}
 
 
 # ---- requests Celery revoked or let expire (sync: the worker's main process) --------------
@@ -564,10 +573,10 @@ def end_revoked(
     (``expired``). ``(True, handoff)`` once it is ended (or was already),
     ``(False, None)`` while an attempt still holds its scope: it is flagged and
     stops at its next step; call again once that attempt is gone."""
-    row = conn.execute(query("revoked_request"), {"request_id": request_id}).fetchone()
-    if row is None or row[1] not in UNFINISHED:
+    found = _rows(conn, "revoked_request", {"request_id": request_id})
+    if not found or found[0]["status"] not in UNFINISHED:
         return True, None
-    scope, status, epoch, lock_key = row
+    scope, lock_key = found[0]["scope"], found[0]["lock_key"]
     ending = {
         "request_id": request_id,
         "status": Status.EXPIRED if expired else Status.CANCELLED,
@@ -575,20 +584,26 @@ def end_revoked(
         else "revoked (Celery revoke)",
         "error_type": "Expired" if expired else "Revoked",
     }
-    if status == Status.QUEUED and epoch is None:
+    if found[0]["status"] == Status.QUEUED and found[0]["epoch"] is None:
         # It never started: it journaled nothing, and ends without its lock.
         conn.execute(query("end_revoked"), ending)
-        return True, _handoff(conn.execute(query("hand_over"), {"scope": scope}).fetchone())
+        return True, _hand_off_sync(conn, scope)
     got = conn.execute(query("try_lock"), {"key": lock_key}).fetchone()
     if not (got and got[0]):
         conn.execute(query("flag_cancel"), {"request_id": request_id})
         return False, None
     try:
         conn.execute(query("end_revoked"), ending)
-        handoff = _handoff(conn.execute(query("hand_over"), {"scope": scope}).fetchone())
+        handoff = _hand_off_sync(conn, scope)
     finally:
         conn.execute(query("unlock"), {"key": lock_key})
     return True, handoff
+
+
+def _hand_off_sync(conn: psycopg.Connection[Any], scope: str) -> Handoff | None:
+    """:func:`hand_off` on a sync connection."""
+    found = _rows(conn, "hand_off", {"scope": scope})
+    return _handoff(found[0] if found else None)
 
 
 def mark_lost(conn: psycopg.Connection[Any], request_id: str, attempt: int) -> None:

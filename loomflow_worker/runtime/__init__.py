@@ -11,13 +11,13 @@ from .errors import (
     SessionPooler,
 )
 from .migrate import latest_version, migrate
-from .runtime import PostgresRuntime, current_attempt, run_options
-from .store import Attempt, LockSettings, PostgresJournalStore, RunStats, scope_lock_key
+from .runtime import PostgresRuntime, current_lease, run_options
+from .store import Lease, LockSettings, PostgresJournalStore, RunStats, scope_lock_key
 
 __all__ = [
-    "Attempt",
     "DatabaseUnavailable",
     "InvalidInput",
+    "Lease",
     "LockLost",
     "LockSettings",
     "LoomflowWorkerError",
@@ -28,7 +28,7 @@ __all__ = [
     "SchemaError",
     "SessionBusy",
     "SessionPooler",
-    "current_attempt",
+    "current_lease",
     "latest_version",
     "migrate",
     "run_options",

@@ -43,7 +43,7 @@ from .errors import LockLost
 from .sql import query
 
 if TYPE_CHECKING:
-    from .store import Attempt
+    from .store import Lease
 
 log = logging.getLogger("loomflow_worker.runtime")
 
@@ -85,7 +85,7 @@ class LockConnection:
         self.backend_pid = conn.info.backend_pid
         # The cause of the fence once the connection failed.
         self.fenced: LockLost | None = None
-        self.attempts: set[Attempt] = set()
+        self.leases: set[Lease] = set()
         self._work: deque[_Work] = deque()
         self._writes: list[_Write] = []
         # The callers of the statement in flight.
@@ -103,7 +103,7 @@ class LockConnection:
 
     @property
     def load(self) -> int:
-        return len(self.attempts)
+        return len(self.leases)
 
     # ---- what callers use --------------------------------------------------------------
 
@@ -136,14 +136,14 @@ class LockConnection:
         self.fenced = fenced
         log.error(
             "lock connection %d (backend %s) lost: %s; fencing its %d runs",
-            self.index, self.backend_pid, cause, len(self.attempts),
-            extra={"action": "fenced", "backend": self.backend_pid, "runs": len(self.attempts)},
+            self.index, self.backend_pid, cause, len(self.leases),
+            extra={"action": "fenced", "backend": self.backend_pid, "runs": len(self.leases)},
         )
         for done in self._current:
             _fail(done, fenced)
         self._fail_waiting(fenced)
-        for attempt in list(self.attempts):
-            attempt.fence(fenced)
+        for lease in list(self.leases):
+            lease.fence(fenced)
         self._wake.set()
         server = self._server
         if server is not None and server is not asyncio.current_task():
@@ -164,7 +164,7 @@ class LockConnection:
             await self._close()
 
     def _scopes(self) -> str:
-        scopes = sorted(a.scope for a in self.attempts)
+        scopes = sorted(a.scope for a in self.leases)
         if len(scopes) == 1:
             return scopes[0]
         return f"{len(scopes)} scopes on lock connection {self.index}"

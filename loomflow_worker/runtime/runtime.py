@@ -50,8 +50,8 @@ from .errors import InvalidInput
 from .signals import SignalListener
 from .store import (
     LAST_RUN_KEY,
-    Attempt,
     Conn,
+    Lease,
     LockSettings,
     OpenChoice,
     PostgresJournalStore,
@@ -61,7 +61,7 @@ from .validate import check_id, check_signal_name
 
 log = logging.getLogger("loomflow_worker.runtime")
 
-_attempt_var: ContextVar[Attempt | None] = ContextVar("_loomflow_worker_attempt", default=None)
+_lease_var: ContextVar[Lease | None] = ContextVar("_loomflow_worker_lease", default=None)
 
 _UNSET: Any = object()
 
@@ -72,9 +72,9 @@ class RunOptions:
 
     epoch: int | None = None
     lock_wait: float | None = _UNSET
-    on_open: Callable[[Attempt, int], Awaitable[None]] | None = None
+    on_open: Callable[[Lease, int], Awaitable[None]] | None = None
     on_finish: Callable[[Conn, int], Awaitable[None]] | None = None
-    attempt: Attempt | None = None
+    lease: Lease | None = None
 
 
 _DEFAULT_OPTIONS = RunOptions()
@@ -88,29 +88,29 @@ def run_options(
     *,
     epoch: int | None = None,
     lock_wait: float | None = _UNSET,
-    on_open: Callable[[Attempt, int], Awaitable[None]] | None = None,
+    on_open: Callable[[Lease, int], Awaitable[None]] | None = None,
     on_finish: Callable[[Conn, int], Awaitable[None]] | None = None,
-    attempt: Attempt | None = None,
+    lease: Lease | None = None,
 ) -> Iterator[None]:
     """Options for outermost runs opened inside this context.
 
     ``epoch`` pins the run's namespace: a crashed request resumes in its
     own epoch even after later requests on its scope have run.
     ``lock_wait`` overrides how long to wait for a busy scope (``0``: not
-    at all, ``None``: forever). ``on_open(attempt, epoch)`` runs under the
+    at all, ``None``: forever). ``on_open(lease, epoch)`` runs under the
     lock before the first step; ``on_finish(conn, new_epoch)`` runs inside
     the transaction that advances the epoch.
 
-    ``attempt`` hands the run a scope lock the caller already holds
+    ``lease`` hands the run a scope lock the caller already holds
     (``runtime.journal.acquire``): the run uses it, and leaves both the
-    epoch advance (``attempt.finish``) and the release to the caller, who
+    epoch advance (``lease.finish``) and the release to the caller, who
     can then record the run's result in the same transaction."""
     if epoch is not None and (not isinstance(epoch, int) or epoch < 0):
         raise InvalidInput(f"epoch must be a non-negative integer, not {epoch!r}")
     token = _options_var.set(
         RunOptions(
             epoch=epoch, lock_wait=lock_wait, on_open=on_open, on_finish=on_finish,
-            attempt=attempt,
+            lease=lease,
         )
     )
     try:
@@ -119,9 +119,9 @@ def run_options(
         _options_var.reset(token)
 
 
-def current_attempt() -> Attempt | None:
-    """The attempt (lock connection and scope) of the run open in this context."""
-    return _attempt_var.get()
+def current_lease() -> Lease | None:
+    """The lease (lock connection and scope) of the run open in this context."""
+    return _lease_var.get()
 
 
 def _scope(session_id: str) -> str:
@@ -273,7 +273,12 @@ class PostgresRuntime(JournaledRuntime):
         *,
         batch_size: int = 5000,
     ) -> int:
-        """Delete journal entries and checkpoints matching every filter, in batches."""
+        """Delete what matches every filter, in batches (returns how many rows):
+        journal entries, streams and checkpoints written before ``before``,
+        and requests finished before it, of the scope ``session_id``. A scope
+        with an unfinished request keeps its journal; unless one scope is
+        named, each keeps its epoch bookkeeping. The rules of
+        ``loomflow-worker prune`` and of the sweeper's retention."""
         return await self._pg.prune_rows(
             before=before, session_id=session_id, batch_size=batch_size
         )
@@ -307,21 +312,21 @@ class PostgresRuntime(JournaledRuntime):
     async def _outermost(self, scope: str, session_id: str) -> AsyncIterator[JournaledSession]:
         opts = _options_var.get() or _DEFAULT_OPTIONS
         choice = OpenChoice(opts.epoch, _resume_last_run_var.get())
-        given = opts.attempt
+        given = opts.lease
         if given is not None:
             if given.scope != scope or given.released:
                 raise InvalidInput(
-                    f"run_options(attempt=...) holds scope {given.scope!r}"
+                    f"run_options(lease=...) holds scope {given.scope!r}"
                     f"{' (released)' if given.released else ''}, but the run opened {scope!r}"
                 )
-            attempt = given
+            lease = given
         else:
             wait = (
                 self._pg.lock_settings.wait_timeout if opts.lock_wait is _UNSET else opts.lock_wait
             )
-            attempt = await self._pg.acquire(scope, wait, opening=choice)
+            lease = await self._pg.acquire(scope, wait, opening=choice)
         try:
-            current, _last, epoch = await attempt.open(
+            current, _last, epoch = await lease.open(
                 pinned=choice.pinned, resume_last=choice.resume_last
             )
             run = _OpenRun(
@@ -329,21 +334,21 @@ class PostgresRuntime(JournaledRuntime):
                 epoch=epoch, next_epoch=current,
             )
             if opts.on_open is not None:
-                await opts.on_open(attempt, epoch)
+                await opts.on_open(lease, epoch)
             run_token = _open_run_var.set(run)
-            attempt_token = _attempt_var.set(attempt)
+            lease_token = _lease_var.set(lease)
             try:
                 async with self._enter(session_id) as sess:
                     yield sess
             finally:
-                _attempt_var.reset(attempt_token)
+                _lease_var.reset(lease_token)
                 _open_run_var.reset(run_token)
             if given is None:
                 with anyio.CancelScope(shield=True):
-                    await attempt.finish(epoch, advance=run.touched, on_finish=opts.on_finish)
+                    await lease.finish(epoch, advance=run.touched, on_finish=opts.on_finish)
         finally:
             if given is None:
-                await self._pg.release(attempt)
+                await self._pg.release(lease)
 
     @asynccontextmanager
     async def _enter(self, session_id: str) -> AsyncIterator[Any]:
@@ -360,9 +365,9 @@ class PostgresRuntime(JournaledRuntime):
         if not run.touched:
             run.touched = True
             if run.parent is None and not run.container:
-                attempt = _attempt_var.get()
-                if attempt is not None and attempt.scope == scope:
-                    attempt.mark_last_run(run.epoch)
+                lease = _lease_var.get()
+                if lease is not None and lease.scope == scope:
+                    lease.mark_last_run(run.epoch)
                 else:
                     await self._write_step(scope, LAST_RUN_KEY, run.epoch)
         return f"{run.ns}/{key}" if run.ns else key
@@ -374,16 +379,16 @@ class PostgresRuntime(JournaledRuntime):
         return run.ns if run is not None and run.scope == scope else ""
 
     async def _lookup_step(self, scope: str, key: str) -> tuple[bool, Any]:
-        attempt = _attempt_var.get()
-        if attempt is not None:
-            return await attempt.lookup_step(scope, self._namespace(scope), key)
+        lease = _lease_var.get()
+        if lease is not None:
+            return await lease.lookup_step(scope, self._namespace(scope), key)
         entry = await self._pg.get_step(scope, key)
         return (False, None) if entry is None else (True, entry.value)
 
     async def _write_step(self, scope: str, key: str, value: Any) -> None:
-        attempt = _attempt_var.get()
-        if attempt is not None:
-            await attempt.write_step(scope, key, value)
+        lease = _lease_var.get()
+        if lease is not None:
+            await lease.write_step(scope, key, value)
         else:
             await self._pg.put_step(scope, key, value)
 
@@ -409,14 +414,14 @@ class PostgresRuntime(JournaledRuntime):
             base = _step_key(name, args, kwargs, idempotency_key)
         self._check_can_continue()
         run = _open_run_var.get()
-        attempt = _attempt_var.get()
-        if attempt is not None and run is not None and run.touched and run.scope == scope:
+        lease = _lease_var.get()
+        if lease is not None and run is not None and run.touched and run.scope == scope:
             # The common case, with no await until the callable runs: the run's
             # namespace is in memory already.
             key = f"{run.ns}/{base}" if run.ns else base
-            found, value = attempt.cached_step(scope, run.ns, key)
+            found, value = lease.cached_step(scope, run.ns, key)
             if found is None:
-                found, value = await attempt.lookup_step(scope, run.ns, key)
+                found, value = await lease.lookup_step(scope, run.ns, key)
         else:
             key = await self._run_key(scope, base)
             found, value = await self._lookup_step(scope, key)
@@ -437,18 +442,18 @@ class PostgresRuntime(JournaledRuntime):
 
     @staticmethod
     def _mark_replayed(replayed: bool) -> None:
-        attempt = _attempt_var.get()
-        if attempt is not None:
-            attempt.last_replayed = replayed
+        lease = _lease_var.get()
+        if lease is not None:
+            lease.last_replayed = replayed
 
     def _check_can_continue(self) -> None:
         """At a step boundary: a fenced run stops here, and so does one asked to stop."""
-        attempt = _attempt_var.get()
-        if attempt is not None:
-            if attempt.fenced is not None:
-                raise attempt.fenced
-            if attempt.stop is not None:
-                raise attempt.stop
+        lease = _lease_var.get()
+        if lease is not None:
+            if lease.fenced is not None:
+                raise lease.fenced
+            if lease.stop is not None:
+                raise lease.stop
 
     def stream_step(
         self,
@@ -474,9 +479,9 @@ class PostgresRuntime(JournaledRuntime):
         scope = _scope(session_id)
         self._check_can_continue()
         key = await self._run_key(scope, _step_key(name, args, kwargs))
-        attempt = _attempt_var.get()
-        if attempt is not None:
-            found, cached = await attempt.lookup_stream(scope, self._namespace(scope), key)
+        lease = _lease_var.get()
+        if lease is not None:
+            found, cached = await lease.lookup_stream(scope, self._namespace(scope), key)
         else:
             stored = await self._pg.get_stream(scope, key)
             found, cached = stored is not None, stored
@@ -490,8 +495,8 @@ class PostgresRuntime(JournaledRuntime):
         async for chunk in fn(*args, **kwargs):
             recorded.append(chunk)
             yield chunk
-        if attempt is not None:
-            await attempt.write_stream(scope, key, recorded)
+        if lease is not None:
+            await lease.write_stream(scope, key, recorded)
         else:
             await self._pg.put_stream(scope, key, recorded)
         self.stats.steps_executed += 1
@@ -535,21 +540,21 @@ class PostgresRuntime(JournaledRuntime):
         check_signal_name(name)
         user_id = _waiter(user_id)
         with anyio.fail_after(timeout_s):
-            attempt = _attempt_var.get()
+            lease = _lease_var.get()
             run = _open_run_var.get()
-            if attempt is None or run is None:
+            if lease is None or run is None:
                 blob = await self._signals.take(session_id, user_id, name)
                 return self._decode_signal(blob, name)
             slot = (run.ns, f"{session_id}\x00{name}")
-            n = attempt.signal_counts.get(slot, 0) + 1
-            attempt.signal_counts[slot] = n
+            n = lease.signal_counts.get(slot, 0) + 1
+            lease.signal_counts[slot] = n
             key = await self._run_key(run.scope, _step_key(f"signal_{name}_{n}", (session_id,), {}))
-            found, value = await attempt.lookup_step(run.scope, run.ns, key)
+            found, value = await lease.lookup_step(run.scope, run.ns, key)
             if found:
                 self.stats.steps_replayed += 1
                 return value
             blob = await self._signals.take_into_journal(
-                attempt, session_id, user_id, name, run.scope, key
+                lease, session_id, user_id, name, run.scope, key
             )
             return self._decode_signal(blob, name)
 

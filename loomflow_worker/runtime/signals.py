@@ -22,7 +22,7 @@ from psycopg_pool import AsyncConnectionPool
 from .sql import query
 
 if TYPE_CHECKING:
-    from .store import Attempt, Conn
+    from .store import Conn, Lease
 
 log = logging.getLogger("loomflow_worker.runtime")
 
@@ -79,7 +79,7 @@ class SignalListener:
                 await self._sleep(woken)
 
     async def take_into_journal(
-        self, attempt: Attempt, session_id: str, user_id: str | None, name: str, scope: str,
+        self, lease: Lease, session_id: str, user_id: str | None, name: str, scope: str,
         key: str,
     ) -> bytes:
         """Take a signal and journal it under ``key`` in one transaction on the
@@ -92,7 +92,7 @@ class SignalListener:
             "key": key,
         }
 
-        await attempt.flush_last_run()
+        await lease.flush_last_run()
 
         async def take(conn: Conn) -> tuple[Any, ...] | None:
             cur = await conn.execute(query("take_signal_into_journal"), params)
@@ -100,10 +100,10 @@ class SignalListener:
 
         while True:
             with self._waiting(session_id) as woken:
-                row = await attempt.io(take)
+                row = await lease.io(take)
                 if row is not None:
                     blob = bytes(row[0])
-                    attempt.remember_step(scope, key, blob)
+                    lease.remember_step(scope, key, blob)
                     return blob
                 await self._sleep(woken)
 

@@ -1,4 +1,4 @@
-"""The Postgres journal store (psycopg 3) and the attempt that owns a scope.
+"""The Postgres journal store (psycopg 3) and the lease that owns a scope.
 
 Two kinds of connection:
 
@@ -33,6 +33,7 @@ import psycopg
 from loomflow.runtime.journal import Checkpoint, CheckpointMeta, JournalEntry
 from psycopg import AsyncConnection
 from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from .codec import CodecStats, Serializer, check_serializer, decode, encode
@@ -40,6 +41,7 @@ from .errors import DatabaseUnavailable, InvalidInput, LockLost, SessionBusy, Se
 from .lockconn import Conn as Conn
 from .lockconn import JournalRow, LockConnection
 from .migrate import migrate
+from .prune import Pruner
 from .sql import query
 
 log = logging.getLogger("loomflow_worker.runtime")
@@ -162,22 +164,24 @@ class OpenChoice:
     pinned: int | None
     resume_last: bool
 
-    def read(self, scope: str) -> Callable[[Conn], Awaitable[list[tuple[Any, ...]]]]:
-        async def run(conn: Conn) -> list[tuple[Any, ...]]:
+    def read(self, scope: str) -> Callable[[Conn], Awaitable[list[DictRow]]]:
+        async def run(conn: Conn) -> list[DictRow]:
             cur = await self.send(conn, scope)
             return await cur.fetchall()
 
         return run
 
-    async def send(self, conn: Conn, scope: str) -> psycopg.AsyncCursor[Any]:
-        return await conn.execute(
+    async def send(self, conn: Conn, scope: str) -> psycopg.AsyncCursor[DictRow]:
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(
             query("open_run"),
             {"scope": scope, "pinned": self.pinned, "resume": self.resume_last},
             binary=True,  # journal values arrive as raw bytes, not hex text
         )
+        return cur
 
 
-class Attempt:
+class Lease:
     """One outermost run holding its scope: its lease on a shared lock
     connection, and the journal entries of the namespaces the run has
     opened, kept in memory so a replayed step costs no round trip."""
@@ -188,11 +192,11 @@ class Attempt:
         self.scope = scope
         self.lock_key = scope_lock_key(scope)
         self.fenced: LockLost | None = None
-        # Called once when the attempt is fenced (its lock connection lost).
+        # Called once when the lease is fenced (its lock connection lost).
         self.on_fenced: list[Callable[[LockLost], None]] = []
         # Set to stop the run at its next step boundary (a cancel, a deadline).
         self.stop: BaseException | None = None
-        # The request the attempt runs, when it runs one (heartbeats).
+        # The request the lease runs, when it runs one (heartbeats).
         self.request_id: str | None = None
         # Whether the latest step came from the journal (marks live events).
         self.last_replayed = False
@@ -205,11 +209,11 @@ class Attempt:
         # write rather than in a round trip of its own.
         self.last_run: int | None = None
         self.pending_last_run: int | None = None
-        # The scope's current epoch as read at open: only this attempt can
+        # The scope's current epoch as read at open: only this lease can
         # move it while the lock is held.
         self.current_epoch: int | None = None
         # What the open query returned in the lock's round trip, if it was sent there.
-        self.prefetched: tuple[OpenChoice, list[tuple[Any, ...]]] | None = None
+        self.prefetched: tuple[OpenChoice, list[DictRow]] | None = None
 
     @property
     def backend_pid(self) -> int:
@@ -242,10 +246,8 @@ class Attempt:
             rows = prefetched[1]
         else:
             rows = await self.io(choice.read(self.scope))
-        current, last, epoch = rows[0][:3]
-        for _, _, _, is_stream, key, blob in rows:
-            if key is not None:
-                (self._streams if is_stream else self._steps)[(self.scope, key)] = bytes(blob)
+        current, last, epoch = rows[0]["current"], rows[0]["last"], rows[0]["epoch"]
+        self._keep(self.scope, rows)
         self._loaded.add((self.scope, str(epoch) if epoch else ""))
         self.last_run = last
         self.current_epoch = current
@@ -266,20 +268,25 @@ class Attempt:
         if (scope, ns) in self._loaded:
             return
 
-        async def run(conn: Conn) -> list[tuple[Any, ...]]:
+        async def run(conn: Conn) -> list[DictRow]:
+            cur = conn.cursor(row_factory=dict_row)
             if ns:
                 lo, hi = _namespace_bounds(ns)
-                cur = await conn.execute(
-                    query("load_namespace"), {"scope": scope, "lo": lo, "hi": hi}
-                )
+                await cur.execute(query("load_namespace"), {"scope": scope, "lo": lo, "hi": hi})
             else:
-                cur = await conn.execute(query("load_root_namespace"), {"scope": scope})
+                await cur.execute(query("load_root_namespace"), {"scope": scope})
             return await cur.fetchall()
 
-        rows = await self.io(run)
-        for is_stream, key, blob in rows:
-            (self._streams if is_stream else self._steps)[(scope, key)] = bytes(blob)
+        self._keep(scope, await self.io(run))
         self._loaded.add((scope, ns))
+
+    def _keep(self, scope: str, rows: list[DictRow]) -> None:
+        """Hold journal rows (``stream``, ``step_name``, ``value``) in memory; a
+        row with no ``step_name`` is an empty namespace's."""
+        for row in rows:
+            if row["step_name"] is not None:
+                kept = self._streams if row["stream"] else self._steps
+                kept[(scope, row["step_name"])] = bytes(row["value"])
 
     def cached_step(self, scope: str, ns: str, key: str) -> tuple[bool | None, Any]:
         """``lookup_step`` without I/O: ``(None, None)`` when the namespace isn't
@@ -346,10 +353,12 @@ class Attempt:
 
     async def _stored_epochs(self, conn: Conn) -> tuple[int, int | None]:
         """``(current epoch, epoch of the last run or None)`` of the scope."""
-        cur = await conn.execute(query("read_epochs"), {"scope": self.scope})
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(query("read_epochs"), {"scope": self.scope})
         found: dict[str, int] = {}
-        for key, blob in await cur.fetchall():
-            ok, value = self.store._decode(bytes(blob), key)
+        for row in await cur.fetchall():
+            key = row["step_name"]
+            ok, value = self.store._decode(bytes(row["value"]), key)
             if ok and isinstance(value, int):
                 found[key] = value
         return found.get(EPOCH_KEY, 0), found.get(LAST_RUN_KEY)
@@ -438,7 +447,7 @@ class PostgresJournalStore:
         # Scope lock keys held (or being taken) by this process, and the
         # attempts waiting for one held here: a session lock is reentrant
         # on its connection, so this process must never take one twice.
-        self._held: dict[int, Attempt | None] = {}
+        self._held: dict[int, Lease | None] = {}
         self._freed: dict[int, asyncio.Event] = {}
         self._closed = False
         # Called with the seconds each journal write of a run took (metrics).
@@ -546,20 +555,20 @@ class PostgresJournalStore:
                 (x for x in self.lines if x.fenced is None), key=lambda line: line.load
             )
 
-    # ---- attempts (one per outermost run) ----------------------------------------
+    # ---- leases (one per outermost run) ----------------------------------------
 
     async def acquire(
         self, scope: str, wait: float | None, *, opening: OpenChoice | None = None
-    ) -> Attempt:
+    ) -> Lease:
         """Take ``scope``'s lock on a lock connection.
 
         ``wait`` is how long to wait for a busy scope: ``None`` forever,
         ``0`` not at all. Raises :class:`SessionBusy` when it runs out.
         With ``opening``, the first try sends the run's open query in the
-        same round trip as the lock's, for :meth:`Attempt.open`."""
-        attempt = await self.acquire_if(scope, wait, None, opening=opening)
-        assert attempt is not None
-        return attempt
+        same round trip as the lock's, for :meth:`Lease.open`."""
+        lease = await self.acquire_if(scope, wait, None, opening=opening)
+        assert lease is not None
+        return lease
 
     async def acquire_if(
         self,
@@ -568,12 +577,12 @@ class PostgresJournalStore:
         gate: Callable[[Conn, int, bool], Awaitable[bool | None]] | None,
         *,
         opening: OpenChoice | None = None,
-    ) -> Attempt | None:
+    ) -> Lease | None:
         """:meth:`acquire`, with ``gate(conn, key, may_lock)`` run instead of
         the plain try-lock: one statement that decides whether to take the
         lock and, when ``may_lock``, tries to (``pg_try_advisory_lock(key)``)
         in the same round trip. It returns whether it got the lock, or
-        ``None`` when it chose not to try: then there is no attempt.
+        ``None`` when it chose not to try: then there is no lease.
 
         Waiting never blocks a shared connection: the lock is tried again,
         at once when a run of this process frees it, else after a short
@@ -596,12 +605,12 @@ class PostgresJournalStore:
                     self._forget(key)
                 raise
             if tried and may_lock:
-                attempt = Attempt(self, line, scope)
+                lease = Lease(self, line, scope)
                 if try_open is not None and opened is not None:
-                    attempt.prefetched = (try_open, opened)
-                self._held[key] = attempt
-                line.attempts.add(attempt)
-                return attempt
+                    lease.prefetched = (try_open, opened)
+                self._held[key] = lease
+                line.leases.add(lease)
+                return lease
             if may_lock:
                 self._forget(key)
             if tried is None:
@@ -620,37 +629,39 @@ class PostgresJournalStore:
         if freed is not None:
             freed.set()
 
-    async def release(self, attempt: Attempt) -> None:
-        """Unlock the attempt's scope, checking that this process holds it no
+    async def release(self, lease: Lease) -> None:
+        """Unlock the lease's scope, checking that this process holds it no
         more; a connection where it would still be held is closed."""
-        if attempt.released:
+        if lease.released:
             return
-        attempt.released = True
-        line = attempt.line
-        key = {"key": attempt.lock_key}
+        lease.released = True
+        line = lease.line
+        key = {"key": lease.lock_key}
 
-        async def unlock(conn: Conn) -> tuple[Any, ...] | None:
-            cur = await conn.execute(query("unlock_scope"), key)
+        async def unlock(conn: Conn) -> DictRow | None:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(query("unlock_scope"), key)
             return await cur.fetchone()
 
         try:
-            if attempt.fenced is None and line.fenced is None:
+            if lease.fenced is None and line.fenced is None:
                 with anyio.CancelScope(shield=True):
                     try:
                         row = await line.run(unlock)
                     except LockLost:
-                        row = (True, False)  # the connection is gone, and its locks
-                    if row is None or not row[0] or row[1]:
+                        # The connection is gone, and its locks with it.
+                        row = {"released": True, "still_held": False}
+                    if row is None or not row["released"] or row["still_held"]:
                         log.error(
                             "scope %s: lock not held at release, or held still; closing "
-                            "its lock connection", attempt.scope,
-                            extra={"action": "unlock_mismatch", "scope": attempt.scope},
+                            "its lock connection", lease.scope,
+                            extra={"action": "unlock_mismatch", "scope": lease.scope},
                         )
-                        line.fence(f"the lock of scope {attempt.scope!r} was not released")
+                        line.fence(f"the lock of scope {lease.scope!r} was not released")
         finally:
-            line.attempts.discard(attempt)
-            if self._held.get(attempt.lock_key) is attempt:
-                self._forget(attempt.lock_key)
+            line.leases.discard(lease)
+            if self._held.get(lease.lock_key) is lease:
+                self._forget(lease.lock_key)
 
     # ---- values -------------------------------------------------------------------
 
@@ -662,18 +673,19 @@ class PostgresJournalStore:
 
     # ---- JournalStore protocol (outside a run's cache) ------------------------------
 
-    async def _fetchone(self, name: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
+    async def _fetchone(self, name: str, params: dict[str, Any]) -> DictRow | None:
         async with self.pool.connection() as conn:
-            cur = await conn.execute(query(name), params)
-            row: tuple[Any, ...] | None = await cur.fetchone()
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(query(name), params)
+            row: DictRow | None = await cur.fetchone()
             return row
 
     async def get_step(self, session_id: str, step_name: str) -> JournalEntry | None:
         row = await self._fetchone("get_step", {"scope": session_id, "key": step_name})
         if row is None:
             return None
-        ok, value = self._decode(bytes(row[0]), step_name)
-        return JournalEntry(value=value, created_at=row[1]) if ok else None
+        ok, value = self._decode(bytes(row["value"]), step_name)
+        return JournalEntry(value=value, created_at=row["created_at"]) if ok else None
 
     async def put_step(self, session_id: str, step_name: str, value: Any) -> None:
         blob = self._encode(value, step_name)
@@ -689,7 +701,7 @@ class PostgresJournalStore:
         row = await self._fetchone("get_stream", {"scope": session_id, "key": step_name})
         if row is None:
             return None
-        ok, chunks = self._decode(bytes(row[0]), step_name)
+        ok, chunks = self._decode(bytes(row["chunks"]), step_name)
         return list(chunks or []) if ok else None
 
     async def put_stream(self, session_id: str, step_name: str, chunks: list[Any]) -> None:
@@ -722,21 +734,23 @@ class PostgresJournalStore:
         row = await self._fetchone(
             "get_checkpoint", {"session_id": session_id, "checkpoint_id": checkpoint_id}
         )
-        return None if row is None else Checkpoint.model_validate_json(row[0])
+        return None if row is None else Checkpoint.model_validate_json(row["payload"])
 
     async def get_latest_checkpoint(self, session_id: str) -> Checkpoint | None:
         row = await self._fetchone("latest_checkpoint", {"session_id": session_id})
-        return None if row is None else Checkpoint.model_validate_json(row[0])
+        return None if row is None else Checkpoint.model_validate_json(row["payload"])
 
     async def list_checkpoints(self, session_id: str, limit: int = 50) -> list[CheckpointMeta]:
         async with self.pool.connection() as conn:
-            cur = await conn.execute(
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
                 query("list_checkpoints"), {"session_id": session_id, "limit": limit}
             )
             rows = await cur.fetchall()
         return [
             CheckpointMeta(
-                checkpoint_id=r[0], turn=r[1], created_at=datetime.fromtimestamp(r[2], tz=UTC)
+                checkpoint_id=r["checkpoint_id"], turn=r["turn"],
+                created_at=datetime.fromtimestamp(r["created_at"], tz=UTC),
             )
             for r in rows
         ]
@@ -755,37 +769,15 @@ class PostgresJournalStore:
         batch_size: int = 5000,
         on_batch: Callable[[str, int], None] | None = None,
     ) -> int:
-        """Delete journal entries, streams and checkpoints matching every filter.
-
-        Works in batches of ``batch_size`` rows, each its own short
-        transaction that skips rows a running step has locked, so it never
-        holds up running runs for long. With ``before`` only, a scope's epoch
-        bookkeeping is kept (a later run must not reuse an old epoch).
-        Returns how many rows went; ``on_batch(table, rows)`` sees each batch.
-        """
-        if batch_size < 1:
-            raise InvalidInput(f"batch_size must be at least 1, not {batch_size}")
-        params = {
-            "before": before.timestamp() if before is not None else None,
-            "session_id": session_id,
-            "batch": batch_size,
-        }
-        total = 0
-        for name, table in (
-            ("prune_steps", "journal_steps"),
-            ("prune_streams", "journal_streams"),
-            ("prune_checkpoints", "checkpoints"),
-        ):
-            while True:
-                async with self.pool.connection() as conn:
-                    cur = await conn.execute(query(name), params)
-                    deleted = cur.rowcount
-                total += deleted
-                if on_batch is not None and deleted:
-                    on_batch(table, deleted)
-                if deleted < batch_size:
-                    break
-        return total
+        """Prune by the rules of :mod:`.prune` what is older than ``before`` (a
+        naive one is local time, as loomflow's stores read it) of the scope
+        ``session_id``, either filter ``None`` for none. Returns how many rows
+        went; ``on_batch(table, rows)`` sees each batch."""
+        if before is not None and before.tzinfo is None:
+            before = before.astimezone()
+        pruner = Pruner(before, scope=session_id, batch_size=batch_size)
+        await pruner.arun(self.pool.connection, on_batch=on_batch)
+        return pruner.total
 
 
 def pool_target(pool: AsyncConnectionPool[Any]) -> tuple[str, dict[str, Any]]:
@@ -875,7 +867,7 @@ def _try_lock(
     may_lock: bool,
     scope: str,
     opening: OpenChoice | None,
-) -> Callable[[Conn], Awaitable[tuple[bool | None, list[tuple[Any, ...]] | None]]]:
+) -> Callable[[Conn], Awaitable[tuple[bool | None, list[DictRow] | None]]]:
     """The statement that tries a scope's lock (``gate``'s, when given); with
     ``may_lock`` false the lock is held in this process already and is not
     asked for. With ``opening``, the run's open query follows the try-lock
@@ -883,7 +875,7 @@ def _try_lock(
     snapshot of its own, so it reads every step the previous holder
     committed; its rows are dropped when the lock was busy."""
 
-    async def attempt(conn: Conn) -> tuple[bool | None, list[tuple[Any, ...]] | None]:
+    async def try_lock(conn: Conn) -> tuple[bool | None, list[DictRow] | None]:
         if gate is not None:
             return await gate(conn, key, may_lock), None
         if not may_lock:
@@ -907,4 +899,4 @@ def _try_lock(
             await conn.execute(query("unlock_if_held"), {"key": key})
             raise
 
-    return attempt
+    return try_lock

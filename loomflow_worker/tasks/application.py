@@ -36,7 +36,6 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from .. import metrics
-from ..admin import validation_message
 from ..execution import ledger
 from ..execution.execute import (
     AttemptLost,
@@ -60,7 +59,7 @@ from ..runtime.errors import (
 from ..runtime.sql import query
 from ..runtime.store import probe
 from ..runtime.validate import check_id
-from ..settings import Settings
+from ..settings import Settings, validation_message
 from . import pool
 from .broker import AMQP
 from .loop import ChildLoop
@@ -76,7 +75,7 @@ CLOSE_TIMEOUT = 5.0
 
 #: A publish gives up after about a second: the ledger row is the record, and
 #: the sweeper publishes a request whose message was lost.
-PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.3,
+DISPATCH_RETRY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.3,
                  "interval_max": 0.5}
 
 #: A worker's result backend gives up storing a result after about two
@@ -327,7 +326,7 @@ def _end_revoked(request_id: str, expired: bool) -> None:
             log.info("request %s %s", request_id, "expired" if expired else "revoked",
                      extra={"action": "expired" if expired else "revoked",
                             "request": request_id})
-            for pending in handoff.publish if handoff is not None else []:
+            for pending in handoff.dispatch if handoff is not None else []:
                 _dispatch_recorded(pending, "handed the session")
             return
         if time.monotonic() > deadline:
@@ -429,7 +428,7 @@ def _backend_errors(backend: Any) -> tuple[type[BaseException], ...]:
     """What storing a result raises when the result backend can't be reached."""
     from celery.exceptions import BackendStoreError
 
-    return (*_publish_errors(), *tuple(getattr(backend, "connection_errors", ())),
+    return (*_dispatch_errors(), *tuple(getattr(backend, "connection_errors", ())),
             BackendStoreError)
 
 
@@ -498,7 +497,7 @@ class AgentTask(Task):
         # fails now is logged, not raised: the caller's handle is good, and a
         # caller retrying the enqueue under a new id would run it twice.
         task_args, task_kwargs = request.task_args()
-        options.setdefault("retry_policy", PUBLISH_RETRY)
+        options.setdefault("retry_policy", DISPATCH_RETRY)
         if enqueued.not_before is not None:
             # The message's eta is the moment the ledger recorded, exactly.
             options.pop("countdown", None)
@@ -506,15 +505,15 @@ class AgentTask(Task):
         try:
             _check_result_backend()
             result = super().apply_async(task_args, task_kwargs, task_id=task_id, **options)
-        except _publish_errors() as exc:
-            _publish_deferred(task_id, "accepted", exc)
+        except _dispatch_errors() as exc:
+            _dispatch_deferred(task_id, "accepted", exc)
             result = self.AsyncResult(task_id)
         except RuntimeError as exc:
             # Celery's result consumer gave up reconnecting (Redis went away
             # after the check above).
-            if not isinstance(exc.__cause__, _publish_errors()):
+            if not isinstance(exc.__cause__, _dispatch_errors()):
                 raise
-            _publish_deferred(task_id, "accepted", exc.__cause__)
+            _dispatch_deferred(task_id, "accepted", exc.__cause__)
             result = self.AsyncResult(task_id)
         for pending in enqueued.cancelled:
             _dispatch_recorded(pending, "cancelled")  # so its result is stored
@@ -529,7 +528,7 @@ class AgentTask(Task):
         message carried once a worker took it (its chain, callbacks, chord and
         group, headers, priority, time limits), as Celery's retry would."""
         task_args, task_kwargs = pending.task_args()
-        options = {**(pending.options or {}), "retry_policy": PUBLISH_RETRY}
+        options = {**(pending.options or {}), "retry_policy": DISPATCH_RETRY}
         if pending.not_before is not None:
             options["eta"] = pending.not_before
         super().apply_async(task_args, task_kwargs, task_id=pending.request_id, **options)
@@ -587,14 +586,14 @@ def _dispatch(pending: Pending) -> None:
     (resume_agent if pending.kind == "resume" else run_agent).dispatch(pending)
 
 
-def _publish_deferred(request_id: str, state: str, exc: BaseException) -> None:
+def _dispatch_deferred(request_id: str, state: str, exc: BaseException) -> None:
     log.warning(
         "request %s is %s (the runs ledger has it) but the broker refused its message (%s); "
         "a worker's sweeper takes it from the ledger once the broker is back",
-        request_id, state, exc, extra={"action": "publish_deferred", "request": request_id},
+        request_id, state, exc, extra={"action": "dispatch_deferred", "request": request_id},
     )
     current = settings()
-    _enqueue.mark_unpublished(
+    _enqueue.mark_undispatched(
         current.database_url.get_secret_value(), current.connect_timeout, request_id
     )
 
@@ -605,8 +604,8 @@ def _dispatch_recorded(pending: Pending, state: str) -> None:
     carries it out)."""
     try:
         _dispatch(pending)
-    except _publish_errors() as exc:
-        _publish_deferred(pending.request_id, state, exc)
+    except _dispatch_errors() as exc:
+        _dispatch_deferred(pending.request_id, state, exc)
 
 
 def cancel_run(request_id: str) -> str:
@@ -665,7 +664,7 @@ def _check_result_backend() -> None:
         backend.client.ping()
 
 
-def _publish_errors() -> tuple[type[BaseException], ...]:
+def _dispatch_errors() -> tuple[type[BaseException], ...]:
     """What a publish raises when the broker can't be reached."""
     import kombu.exceptions
     import redis

@@ -29,9 +29,12 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
+from psycopg.rows import dict_row
 
-from .. import admin, metrics
-from ..execution.ledger import PENDING_COLUMNS, Pending
+from .. import metrics
+from ..durations import format_duration
+from ..execution.ledger import Pending, Status
+from ..runtime.prune import Pruner, cutoff
 from ..runtime.sql import query
 from ..settings import Settings
 
@@ -61,7 +64,7 @@ def confirm_lost(
     chosen: list[tuple[Pending, str]] = []
     still: dict[str, float] = {}
     for pending, status in orphans:
-        if status == "queued":
+        if status == Status.QUEUED:
             since = suspects.get(pending.request_id, now)
             if now - since < confirm:
                 still[pending.request_id] = since
@@ -91,7 +94,7 @@ class Sweeper:
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection[Any] | None = None
         self.leader = False
-        self._pruner: admin.Pruner | None = None
+        self._pruner: Pruner | None = None
         self._next_prune = 0.0
         # Queued requests that looked lost on the last sweep, since when.
         self._suspects: dict[str, float] = {}
@@ -195,11 +198,14 @@ class Sweeper:
              {"after": self.settings.handoff_grace, "within": 3600, "limit": 200}, False,
              "mark_result_checked"),
         ):
-            rows = conn.execute(query(name), params).fetchall()
+            rows = conn.cursor(row_factory=dict_row).execute(query(name), params).fetchall()
             checked: list[str] = []
-            for request_id, status, result, error, _error_type in rows:
+            for row in rows:
+                request_id, status = row["request_id"], row["status"]
                 try:
-                    stored = self.store_result(request_id, status, result, error, force)
+                    stored = self.store_result(
+                        request_id, status, row["result"], row["error"], force
+                    )
                 except Exception as exc:
                     if not self._backend_down:
                         log.warning("sweeper: the result backend is unreachable (%s); "
@@ -244,14 +250,14 @@ class Sweeper:
 
     def sweep(self, conn: psycopg.Connection[Any]) -> int:
         """One sweep; returns how many requests it dispatched again."""
-        frozen = conn.execute(
+        frozen = conn.cursor(row_factory=dict_row).execute(
             query("frozen_holders"), {"lease": self.settings.lease}
         ).fetchall()
         meter = metrics.get()
         # One lock connection carries many runs: it is ended once, for all of them.
         by_backend: dict[int, list[str]] = {}
-        for request_id, pid in frozen:
-            by_backend.setdefault(pid, []).append(request_id)
+        for row in frozen:
+            by_backend.setdefault(row["pid"], []).append(row["request_id"])
         for pid, request_ids in by_backend.items():
             conn.execute(query("terminate_backend"), {"pid": pid})
             if meter is not None:
@@ -263,7 +269,7 @@ class Sweeper:
                     ", ..." if len(request_ids) > 5 else ""), pid,
                 extra={"action": "sweeper_fence", "requests": request_ids, "backend": pid},
             )
-        orphans = conn.execute(
+        orphans = conn.cursor(row_factory=dict_row).execute(
             query("orphans"),
             {"after": self.settings.redispatch_after, "queued_after": self.settings.handoff_grace,
              "waiting": self._waiting(), "dead_after": 2 * self.settings.heartbeat_interval,
@@ -273,8 +279,7 @@ class Sweeper:
         # apart: one a worker has just taken from the broker is counted nowhere
         # until its attempt starts, milliseconds later.
         chosen, self._suspects = confirm_lost(
-            [(Pending.from_row(row), str(row[PENDING_COLUMNS])) for row in orphans],
-            self._suspects,
+            [(Pending.of(row), str(row["status"])) for row in orphans], self._suspects,
             time.monotonic(), max(2 * self.settings.sweep_interval, 1.0),
         )
         for pending, status in chosen:
@@ -300,8 +305,8 @@ class Sweeper:
             if time.monotonic() < self._next_prune:
                 return 0
             # On the database's clock, whatever this host's says.
-            before = admin.db_cutoff(conn, timedelta(seconds=retention))
-            self._pruner = admin.Pruner(before, batch_size=PRUNE_BATCH)
+            before = cutoff(conn, timedelta(seconds=retention))
+            self._pruner = Pruner(before, batch_size=PRUNE_BATCH)
         pruner = self._pruner
         already = pruner.total
         pruner.run(conn, budget=budget)
@@ -311,7 +316,7 @@ class Sweeper:
             if pruner.total:
                 log.info(
                     "sweeper: pruned what is older than %s: %s",
-                    admin.format_duration(retention),
+                    format_duration(retention),
                     ", ".join(f"{n} {table}" for table, n in pruner.totals.items() if n),
                     extra={"action": "sweeper_prune", **pruner.totals},
                 )

@@ -34,7 +34,7 @@ import anyio
 import anyio.to_thread
 from loomflow import Agent
 
-from loomflow_worker.runtime import Attempt, PostgresRuntime, run_options
+from loomflow_worker.runtime import Lease, PostgresRuntime, run_options
 from loomflow_worker.testing import DeterministicModel, EffectsLog
 
 EVENT_PREFIX = "LFW-EVENT "
@@ -78,7 +78,7 @@ async def main(args: argparse.Namespace) -> None:
         for index, prompt in enumerate(args.prompt):
             opened: list[int] = []
 
-            async def on_open(attempt: Attempt, epoch: int, opened: list[int] = opened) -> None:
+            async def on_open(attempt: Lease, epoch: int, opened: list[int] = opened) -> None:
                 opened.append(epoch)
 
             calls, executed, replayed = (

@@ -16,8 +16,8 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 
-from loomflow_worker import admin
 from loomflow_worker import cli as cli_module
+from loomflow_worker.runtime import prune
 
 from .celery_harness import Fleet
 from .test_cli import cli
@@ -195,7 +195,7 @@ def test_prune_measures_ages_on_the_database_clock_not_the_callers(
             real = datetime.now(UTC) + timedelta(days=2)
             return cls.fromtimestamp(real.timestamp(), tz=tz)  # type: ignore[arg-type]
 
-    for module in (cli_module, admin):
+    for module in (cli_module, prune):
         monkeypatch.setattr(module, "datetime", FastClock)
     done = CliRunner().invoke(
         cli_module.main, ["prune", "--older-than", "1d", "--yes"],
@@ -209,6 +209,6 @@ def test_prune_measures_ages_on_the_database_clock_not_the_callers(
 
 def test_the_prune_cutoff_is_the_database_now(dsn: str) -> None:
     with psycopg.connect(dsn) as conn:  # one transaction: one now()
-        cutoff = admin.db_cutoff(conn, timedelta(days=1, seconds=30))
+        cutoff = prune.cutoff(conn, timedelta(days=1, seconds=30))
         row = conn.execute("SELECT now() - interval '1 day 30 seconds'").fetchone()
     assert row is not None and cutoff == row[0]

@@ -40,12 +40,12 @@ async def _finish_first(conn: Any) -> ledger.Handoff | None:
     return await ledger.finish(conn, FIRST, REQUEST.scope, 1, 0, status="succeeded", result={})
 
 
-async def _hand_over_after_a_cancel(conn: Any) -> ledger.Handoff | None:
+async def _hand_off_after_a_cancel(conn: Any) -> ledger.Handoff | None:
     await conn.execute("UPDATE runs SET status = 'cancelled' WHERE request_id = %s", (FIRST,))
-    return await ledger.hand_over(conn, REQUEST.scope)
+    return await ledger.hand_off(conn, REQUEST.scope)
 
 
-HANDERS = [_finish_first, _hand_over_after_a_cancel]
+HANDERS = [_finish_first, _hand_off_after_a_cancel]
 Hander = Callable[[Any], Awaitable[ledger.Handoff | None]]
 
 
@@ -73,7 +73,7 @@ async def test_handed_first_the_parker_sees_it_and_does_not_park(
     hander, parker = conns
     handoff = await hand(hander)  # transaction still open
     assert handoff is not None and handoff.pending.request_id == NEXT
-    assert not handoff.received and handoff.publish == []
+    assert not handoff.received and handoff.dispatch == []
     may_park = await _blocked(lambda: ledger.park(parker, NEXT), hander.commit)
     assert may_park is False
 
@@ -88,7 +88,7 @@ async def test_parked_first_the_hander_sees_it_and_publishes(
     handoff = await _blocked(lambda: hand(hander), parker.commit)
     await hander.commit()
     assert handoff is not None and handoff.received
-    assert [p.request_id for p in handoff.publish] == [NEXT]
+    assert [p.request_id for p in handoff.dispatch] == [NEXT]
 
 
 async def test_a_scope_is_handed_once(conns: tuple[Any, Any]) -> None:
@@ -99,4 +99,4 @@ async def test_a_scope_is_handed_once(conns: tuple[Any, Any]) -> None:
     assert first is not None and first.received
     # A duplicate of the finished request looks again: already handed, so
     # nothing is published twice.
-    assert await ledger.hand_over(hander, REQUEST.scope) is None
+    assert await ledger.hand_off(hander, REQUEST.scope) is None

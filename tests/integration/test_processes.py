@@ -36,10 +36,10 @@ from loomflow import Agent
 from loomflow.runtime import _codec, journal_scope
 
 from loomflow_worker.runtime import (
-    Attempt,
+    Lease,
     LockLost,
     PostgresRuntime,
-    current_attempt,
+    current_lease,
     run_options,
     scope_lock_key,
 )
@@ -447,7 +447,7 @@ async def test_concurrent_runs_advance_the_epoch_once_each(
     agent = Agent("t", model=model, tools=[effects.tool()], runtime=runtime, auto_extract=False)
     opened_13: list[int] = []
 
-    async def on_open(attempt: Attempt, epoch: int) -> None:
+    async def on_open(attempt: Lease, epoch: int) -> None:
         opened_13.append(epoch)
 
     with run_options(on_open=on_open):
@@ -472,7 +472,7 @@ async def test_terminated_lock_backend_fences_the_run(dsn: str, runtime: Postgre
     async def terminate_own_lock_backend(tag: str) -> None:
         if tag != "t2" or cut:
             return
-        attempt = current_attempt()
+        attempt = current_lease()
         assert attempt is not None and attempt.scope == scope
         cut["journal"] = await journal_snapshot(dsn)
         cut["pid"] = attempt.backend_pid
@@ -659,7 +659,7 @@ async def test_frozen_lock_connection_fences_the_run(dsn: str, proxy: FreezableP
     async def freeze_lock_connection(tag: str) -> None:
         if tag != "t2" or frozen:
             return
-        attempt = current_attempt()
+        attempt = current_lease()
         assert attempt is not None and attempt.scope == scope
         frozen["pid"] = attempt.backend_pid
         frozen["journal"] = await journal_snapshot(dsn)

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from loomflow import Agent, tool
 
-from loomflow_worker.runtime import LockLost, PostgresRuntime, current_attempt
+from loomflow_worker.runtime import LockLost, PostgresRuntime, current_lease
 from loomflow_worker.testing import DeterministicModel, EffectsLog
 
 from .helpers import calls, make_agent, steps_journaled_twice
@@ -143,7 +143,7 @@ async def test_a_lost_lock_connection_fences_every_run_on_it(dsn: str) -> None:
     runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
 
     async def note_backend(tag: str) -> None:
-        attempt = current_attempt()
+        attempt = current_lease()
         assert attempt is not None
         cut.setdefault("pid", attempt.backend_pid)
         running.set()

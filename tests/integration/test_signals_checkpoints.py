@@ -278,3 +278,36 @@ async def test_signals_are_scoped_per_session_and_user(dsn: str) -> None:
     finally:
         await sender.aclose()
         await waiter.aclose()
+
+
+async def test_one_prune_spares_unfinished_scopes_and_deletes_finished_requests(
+    runtime: PostgresRuntime, dsn: str
+) -> None:
+    """runtime.prune() follows the rules of `loomflow-worker prune` and of the
+    sweeper's retention: a scope with an unfinished request keeps its journal,
+    requests finished before the cutoff go, unfinished ones stay."""
+    async def noop() -> str:
+        return "v"
+
+    for scope in ("parked", "done"):
+        async with runtime.session(scope):
+            await runtime.step("x", noop)
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO runs (request_id, scope, session_id, agent, prompt, status,"
+            " finished_at) VALUES ('waiting', 'parked', 'parked', 'a', 'p', 'queued', NULL),"
+            " ('finished', 'done', 'done', 'a', 'p', 'succeeded', now())"
+        )
+    deleted = await runtime.prune(before=datetime.now(UTC) + timedelta(seconds=1))
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT session_id, count(*) FROM journal_steps"
+            " WHERE step_name NOT IN ('__run_epoch__', '__last_run_epoch__') GROUP BY 1"
+        )
+        left = dict(await cur.fetchall())
+        cur = await conn.execute("SELECT request_id FROM runs")
+        requests = [r[0] for r in await cur.fetchall()]
+    assert left == {"parked": 1}
+    assert requests == ["waiting"]
+    assert deleted == 2  # done's step and its finished request
+    assert await epoch_of(dsn, "done") == 1

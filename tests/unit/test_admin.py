@@ -11,6 +11,7 @@ from pydantic import SecretStr, ValidationError
 
 from loomflow_worker import admin
 from loomflow_worker.runtime import InvalidInput
+from loomflow_worker.runtime.prune import Pruner
 from loomflow_worker.settings import Settings
 
 
@@ -129,6 +130,6 @@ def test_a_value_that_is_not_loomflow_json_is_never_unpickled() -> None:
 
 def test_pruner_refuses_a_naive_cutoff_or_an_empty_batch() -> None:
     with pytest.raises(InvalidInput):
-        admin.Pruner(datetime.now(), batch_size=10)
+        Pruner(datetime.now(), batch_size=10)
     with pytest.raises(InvalidInput):
-        admin.Pruner(datetime.now(UTC), batch_size=0)
+        Pruner(datetime.now(UTC), batch_size=0)

@@ -1,8 +1,9 @@
 """The package's layers import one way, with no circles (no services).
 
-runtime (journal, locks, SQL, migrations) <- execution (the ledger and one
-attempt of a request, no Celery) <- tasks (the Celery binding) <- faces (the
-CLI, the demo). Settings, events and metrics are leaves anyone may use."""
+runtime (journal, locks, SQL, migrations, prune) <- execution (the ledger and
+one attempt of a request, no Celery) <- tasks (the Celery binding) and admin
+(operator tools, no Celery) <- faces (the CLI, the demo). Settings, events
+and metrics are leaves anyone may use."""
 
 from __future__ import annotations
 
@@ -107,16 +108,21 @@ def test_no_import_circles() -> None:
 CONSOLE = f"{NAME}.console"
 LAYERS = {
     f"{NAME}.runtime": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.cli", f"{NAME}.admin",
-                        f"{NAME}.demo", f"{NAME}.events", f"{NAME}.metrics", CONSOLE},
+                        f"{NAME}.demo", f"{NAME}.events", f"{NAME}.metrics", CONSOLE,
+                        f"{NAME}.durations"},
     f"{NAME}.execution": {f"{NAME}.tasks", f"{NAME}.cli", f"{NAME}.admin", f"{NAME}.demo",
                           CONSOLE},
-    f"{NAME}.tasks": {f"{NAME}.cli", f"{NAME}.demo", CONSOLE},
+    # The Celery binding uses the runtime's prune, not the operator tools.
+    f"{NAME}.tasks": {f"{NAME}.cli", f"{NAME}.demo", f"{NAME}.admin", CONSOLE},
+    # Operator tools (one module per job) serve the faces; they use no Celery.
+    # The console is a face: the CLI and the demo start it, nothing else imports it.
+    f"{NAME}.admin": {f"{NAME}.tasks", f"{NAME}.cli", f"{NAME}.demo", CONSOLE},
+    f"{NAME}.durations": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.admin",
+                          f"{NAME}.cli", CONSOLE},
     f"{NAME}.settings": {f"{NAME}.runtime", f"{NAME}.execution", f"{NAME}.tasks",
                          f"{NAME}.admin", f"{NAME}.cli", f"{NAME}.events", CONSOLE},
     f"{NAME}.events": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.admin", f"{NAME}.cli",
                        CONSOLE},
-    # The console is a face: the CLI and the demo start it, nothing else imports it.
-    f"{NAME}.admin": {CONSOLE},
 }
 
 

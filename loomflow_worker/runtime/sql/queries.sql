@@ -133,11 +133,11 @@ DELETE FROM checkpoints
         ORDER BY created_at DESC, checkpoint_id DESC LIMIT %(keep)s);
 
 -- name: get_checkpoint
-SELECT payload::text FROM checkpoints
+SELECT payload::text AS payload FROM checkpoints
  WHERE session_id = %(session_id)s AND checkpoint_id = %(checkpoint_id)s;
 
 -- name: latest_checkpoint
-SELECT payload::text FROM checkpoints WHERE session_id = %(session_id)s
+SELECT payload::text AS payload FROM checkpoints WHERE session_id = %(session_id)s
  ORDER BY created_at DESC, checkpoint_id DESC LIMIT 1;
 
 -- name: list_checkpoints
@@ -151,7 +151,7 @@ WITH sent AS (
     VALUES (%(session_id)s, %(user_id)s, %(name)s, %(payload)s)
     RETURNING id
 )
-SELECT pg_notify('loomflow_worker_signals', md5(%(session_id)s)), (SELECT id FROM sent);
+SELECT pg_notify('loomflow_worker_signals', md5(%(session_id)s)), (SELECT id FROM sent) AS id;
 
 -- name: take_signal
 -- A waiter of (session, user) takes the oldest signal sent to that user or to
@@ -178,28 +178,86 @@ WITH taken AS (
 )
 SELECT payload FROM taken;
 
+-- ---- pruning (runtime.prune, `loomflow-worker prune`, the sweeper's retention) ------------
+-- One set of rules. What matches every filter given goes: journal entries,
+-- streams and checkpoints written before "before" (epoch seconds), of the
+-- scope "scope"; then requests finished before "cutoff" (the same moment;
+-- their attempts cascade), of that scope. The scopes of unfinished requests keep their
+-- journal (a run parked on a signal for longer than the cutoff still needs it
+-- to resume), and unless one scope is named, every scope keeps its epoch
+-- bookkeeping (a later run must not reuse an old epoch). NULL: no filter.
+-- Each batch skips the rows a running step has locked.
+
+-- name: prune_cutoff
+-- The moment ``age`` seconds ago on the database's clock: every age the ledger
+-- and journal hold is measured on it, whatever the caller's clock says.
+SELECT now() - make_interval(secs => %(age)s::float8) AS cutoff;
+
 -- name: prune_steps
 DELETE FROM journal_steps WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM journal_steps
-     WHERE (%(before)s::float8 IS NULL OR created_at < %(before)s::float8)
-       AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
-       AND (%(session_id)s::text IS NOT NULL
-            OR step_name NOT IN ('__run_epoch__', '__last_run_epoch__'))
+    SELECT ctid FROM journal_steps j
+     WHERE (%(before)s::float8 IS NULL OR j.created_at < %(before)s::float8)
+       AND (%(scope)s::text IS NULL OR j.session_id = %(scope)s::text)
+       AND (%(scope)s::text IS NOT NULL
+            OR j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__'))
+       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
+                          AND loomflow_worker_unfinished(r.status))
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
 -- name: prune_streams
 DELETE FROM journal_streams WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM journal_streams
-     WHERE (%(before)s::float8 IS NULL OR created_at < %(before)s::float8)
-       AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
+    SELECT ctid FROM journal_streams j
+     WHERE (%(before)s::float8 IS NULL OR j.created_at < %(before)s::float8)
+       AND (%(scope)s::text IS NULL OR j.session_id = %(scope)s::text)
+       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
+                          AND loomflow_worker_unfinished(r.status))
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
 -- name: prune_checkpoints
 DELETE FROM checkpoints WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM checkpoints
-     WHERE (%(before)s::float8 IS NULL OR created_at < %(before)s::float8)
-       AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
+    SELECT ctid FROM checkpoints c
+     WHERE (%(before)s::float8 IS NULL OR c.created_at < %(before)s::float8)
+       AND (%(scope)s::text IS NULL OR c.session_id = %(scope)s::text)
+       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
+                          AND loomflow_worker_unfinished(r.status))
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
+
+-- name: prune_runs
+-- enqueued_at bounds the scan of runs_status: a request finished before the
+-- cutoff was enqueued before it.
+DELETE FROM runs WHERE request_id = ANY(ARRAY(
+    SELECT request_id FROM runs
+     WHERE loomflow_worker_finished(status)
+       AND (%(cutoff)s::timestamptz IS NULL
+            OR (enqueued_at < %(cutoff)s::timestamptz AND finished_at < %(cutoff)s::timestamptz))
+       AND (%(scope)s::text IS NULL OR scope = %(scope)s::text)
+     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
+
+-- name: prune_counts
+-- What the prune_* queries would delete now (a progress bar's length).
+SELECT (SELECT count(*) FROM journal_steps j
+         WHERE (%(before)s::float8 IS NULL OR j.created_at < %(before)s::float8)
+           AND (%(scope)s::text IS NULL OR j.session_id = %(scope)s::text)
+           AND (%(scope)s::text IS NOT NULL
+                OR j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__'))
+           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
+                              AND loomflow_worker_unfinished(r.status))) AS journal_steps,
+       (SELECT count(*) FROM journal_streams j
+         WHERE (%(before)s::float8 IS NULL OR j.created_at < %(before)s::float8)
+           AND (%(scope)s::text IS NULL OR j.session_id = %(scope)s::text)
+           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
+                              AND loomflow_worker_unfinished(r.status))) AS journal_streams,
+       (SELECT count(*) FROM checkpoints c
+         WHERE (%(before)s::float8 IS NULL OR c.created_at < %(before)s::float8)
+           AND (%(scope)s::text IS NULL OR c.session_id = %(scope)s::text)
+           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
+                              AND loomflow_worker_unfinished(r.status))) AS checkpoints,
+       (SELECT count(*) FROM runs
+         WHERE loomflow_worker_finished(status)
+           AND (%(cutoff)s::timestamptz IS NULL
+                OR (enqueued_at < %(cutoff)s::timestamptz
+                    AND finished_at < %(cutoff)s::timestamptz))
+           AND (%(scope)s::text IS NULL OR scope = %(scope)s::text)) AS runs;
 
 -- ---- the run ledger --------------------------------------------------------------------
 
@@ -228,7 +286,7 @@ VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kin
 ON CONFLICT (request_id) DO UPDATE
    SET status = 'failed', error = EXCLUDED.error, error_type = EXCLUDED.error_type,
        finished_at = now()
- WHERE runs.status IN ('queued', 'running');
+ WHERE loomflow_worker_unfinished(runs.status);
 
 -- name: end_attempt
 UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(outcome)s
@@ -241,16 +299,17 @@ UPDATE runs
        not_before = now() + make_interval(secs => %(countdown)s), holder_pid = NULL
  WHERE request_id = %(request_id)s AND status = 'running';
 
--- name: hand_over
+-- name: hand_off
 -- Hand the scope to its oldest unfinished request (as finish_request does)
 -- unless it was handed already.
 UPDATE runs SET dispatched_at = now(), handed_at = now()
  WHERE request_id = (SELECT request_id FROM runs
-                      WHERE scope = %(scope)s AND status IN ('queued', 'running')
+                      WHERE scope = %(scope)s AND loomflow_worker_unfinished(status)
                       ORDER BY seq LIMIT 1)
    AND handed_at IS NULL
 RETURNING request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
-          CASE WHEN status = 'queued' THEN options END, received_at IS NOT NULL AS received;
+          CASE WHEN status = 'queued' THEN options END AS options,
+          received_at IS NOT NULL AS received;
 
 -- name: park_request
 -- A worker parks the request whose message it took: stamped, so the request
@@ -271,7 +330,7 @@ UPDATE runs SET dispatched_at = now() WHERE request_id = %(request_id)s;
 
 -- name: get_run
 SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadata, status,
-       epoch, attempts, failures, crashes, holder, result, error, error_type,
+       epoch, attempts AS attempts_count, failures, crashes, holder, result, error, error_type,
        enqueued_at, started_at, finished_at, not_before
   FROM runs WHERE request_id = %(request_id)s;
 
@@ -282,9 +341,9 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadat
 SELECT r.status, r.result, r.error,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
        o.not_before, o.options, o.stale,
-       CASE WHEN r.status IN ('queued', 'running') AND o.request_id IS NULL
+       CASE WHEN loomflow_worker_unfinished(r.status) AND o.request_id IS NULL
             THEN CASE WHEN %(may_lock)s THEN pg_try_advisory_lock(%(key)s) ELSE false END
-       END
+       END AS locked
   FROM runs r
   LEFT JOIN LATERAL (
       SELECT request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
@@ -292,7 +351,7 @@ SELECT r.status, r.result, r.error,
              greatest(dispatched_at, not_before) < now() - make_interval(secs => %(stale)s)
              AS stale
         FROM runs o
-       WHERE o.scope = r.scope AND o.status IN ('queued', 'running') AND o.seq < r.seq
+       WHERE o.scope = r.scope AND loomflow_worker_unfinished(o.status) AND o.seq < r.seq
        ORDER BY o.seq LIMIT 1) o ON true
  WHERE r.request_id = %(request_id)s;
 
@@ -367,7 +426,7 @@ WITH in_broker AS (
            not_before, CASE WHEN status = 'queued' THEN options END AS options, status, dispatched_at, swept_at,
            started_at, heartbeat_at, lock_key
       FROM runs
-     WHERE status IN ('queued', 'running')
+     WHERE loomflow_worker_unfinished(status)
      ORDER BY scope, seq
 )
 SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata,
@@ -400,7 +459,7 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
           AND l.objid = (h.lock_key & 4294967295)::oid)
  LIMIT %(limit)s;
 
--- name: mark_unpublished
+-- name: mark_undispatched
 -- The broker refused a request's message: it is the first the sweeper
 -- publishes once the broker is back.
 UPDATE runs SET dispatched_at = '-infinity'
@@ -417,7 +476,7 @@ SELECT pg_advisory_xact_lock(%(key)s);
 
 -- name: scope_busy
 SELECT request_id, status FROM runs
- WHERE scope = %(scope)s AND status IN ('queued', 'running')
+ WHERE scope = %(scope)s AND loomflow_worker_unfinished(status)
  ORDER BY seq LIMIT 1;
 
 -- name: cancel_requests
@@ -436,10 +495,10 @@ UPDATE runs
                           ELSE finished_at END
  WHERE (%(request_id)s::text IS NOT NULL AND request_id = %(request_id)s::text)
     OR (%(by)s::text IS NOT NULL AND scope = %(scope)s::text
-        AND status IN ('queued', 'running') AND request_id <> %(by)s::text
+        AND loomflow_worker_unfinished(status) AND request_id <> %(by)s::text
         AND seq < (SELECT seq FROM runs WHERE request_id = %(by)s::text))
 RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata,
-          CASE WHEN status = 'queued' THEN not_before END, options;
+          CASE WHEN status = 'queued' THEN not_before END AS not_before, options;
 
 -- name: cancel_queued
 -- Drop waiting work: every queued request (of a session, of a user, or all),
@@ -456,13 +515,13 @@ UPDATE runs
    AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
    AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
 RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata,
-          CASE WHEN status = 'queued' THEN not_before END, options;
+          CASE WHEN status = 'queued' THEN not_before END AS not_before, options;
 
 -- ---- operating the fleet (loomflow_worker.admin, the CLI) ---------------------------------
 
 -- name: admin_list_runs
 SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
-       holder, not_before
+       holder AS worker, not_before
   FROM runs
  WHERE (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
    AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
@@ -497,66 +556,6 @@ SELECT true, step_name, created_at, chunks FROM journal_streams
             ELSE step_name !~ '^([0-9]+|[0-9a-f]{16})/' END
  ORDER BY created_at, step_name;
 
--- name: admin_prune_counts
--- What admin_prune_* would delete now (the progress bar's length).
-SELECT (SELECT count(*) FROM journal_steps j
-         WHERE j.created_at < %(before)s::float8
-           AND j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
-           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                              AND r.status IN ('queued', 'running'))),
-       (SELECT count(*) FROM journal_streams j
-         WHERE j.created_at < %(before)s::float8
-           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                              AND r.status IN ('queued', 'running'))),
-       (SELECT count(*) FROM checkpoints c
-         WHERE c.created_at < %(before)s::float8
-           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
-                              AND r.status IN ('queued', 'running'))),
-       (SELECT count(*) FROM runs
-         WHERE status IN ('succeeded', 'failed', 'cancelled', 'dead', 'expired')
-           AND enqueued_at < %(cutoff)s AND finished_at < %(cutoff)s);
-
--- name: admin_cutoff
--- The moment ``age`` seconds ago on the database's clock: every age the ledger
--- and journal hold is measured on it, whatever the caller's clock says.
-SELECT now() - make_interval(secs => %(age)s::float8);
-
--- name: admin_prune_steps
--- prune_steps by age, sparing the scopes of unfinished requests (a run parked
--- on a signal for longer than the cutoff still needs its journal to resume).
-DELETE FROM journal_steps WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM journal_steps j
-     WHERE j.created_at < %(before)s::float8
-       AND j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
-       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                          AND r.status IN ('queued', 'running'))
-     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
-
--- name: admin_prune_streams
-DELETE FROM journal_streams WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM journal_streams j
-     WHERE j.created_at < %(before)s::float8
-       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                          AND r.status IN ('queued', 'running'))
-     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
-
--- name: admin_prune_checkpoints
-DELETE FROM checkpoints WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM checkpoints c
-     WHERE c.created_at < %(before)s::float8
-       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
-                          AND r.status IN ('queued', 'running'))
-     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
-
--- name: admin_prune_runs
--- Finished requests (their attempts cascade). enqueued_at bounds the scan of
--- runs_status: a request finished before the cutoff was enqueued before it.
-DELETE FROM runs WHERE request_id = ANY(ARRAY(
-    SELECT request_id FROM runs
-     WHERE status IN ('succeeded', 'failed', 'cancelled', 'dead', 'expired')
-       AND enqueued_at < %(cutoff)s AND finished_at < %(cutoff)s
-     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
-
 -- name: admin_server_version
 SELECT current_setting('server_version');
 
@@ -582,7 +581,7 @@ WITH r AS (
            greatest(o.dispatched_at, o.not_before) < now() - make_interval(secs => %(stale)s)
            AS stale
       FROM runs o JOIN r ON o.scope = r.scope
-     WHERE o.status IN ('queued', 'running') AND o.seq < r.seq
+     WHERE loomflow_worker_unfinished(o.status) AND o.seq < r.seq
      ORDER BY o.seq LIMIT 1
 ), marks AS (
     SELECT max(loomflow_worker_epoch(value)) FILTER (WHERE step_name = '__run_epoch__') AS current,
@@ -604,7 +603,7 @@ WITH r AS (
            started_at = now(),
            heartbeat_at = now()
       FROM r, marks m
-     WHERE u.request_id = r.request_id AND r.status IN ('queued', 'running')
+     WHERE u.request_id = r.request_id AND loomflow_worker_unfinished(r.status)
        AND NOT EXISTS (SELECT 1 FROM older)
     RETURNING u.epoch, u.attempts, u.crashes, u.failures
 ), attempt_row AS (
@@ -640,7 +639,7 @@ WITH advanced AS (
     UPDATE runs
        SET status = %(status)s, result = %(result)s, error = %(error)s,
            error_type = %(error_type)s, finished_at = now(), holder_pid = NULL
-     WHERE request_id = %(request_id)s AND status IN ('queued', 'running')
+     WHERE request_id = %(request_id)s AND loomflow_worker_unfinished(status)
 ), closed AS (
     UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(status)s
      WHERE request_id = %(request_id)s AND attempt = %(attempt)s
@@ -648,7 +647,7 @@ WITH advanced AS (
     SELECT request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
            CASE WHEN status = 'queued' THEN options END AS options
       FROM runs
-     WHERE scope = %(scope)s AND status IN ('queued', 'running') AND request_id <> %(request_id)s
+     WHERE scope = %(scope)s AND loomflow_worker_unfinished(status) AND request_id <> %(request_id)s
      ORDER BY seq LIMIT 1
 ), handed AS (
     -- Handed the scope; published again after this commit when a worker
@@ -669,7 +668,7 @@ UPDATE run_attempts SET outcome = 'interrupted'
 -- Requests finished between `after` and `within` seconds ago whose result the
 -- sweeper has not yet checked in the result backend.
 SELECT request_id, status, result, error, error_type FROM runs
- WHERE NOT result_checked AND status NOT IN ('queued', 'running')
+ WHERE NOT result_checked AND loomflow_worker_finished(status)
    AND finished_at < now() - make_interval(secs => %(after)s)
    AND finished_at > now() - make_interval(secs => %(within)s)
  ORDER BY finished_at LIMIT %(limit)s;
@@ -681,7 +680,7 @@ UPDATE runs SET result_checked = true WHERE request_id = ANY(%(request_ids)s);
 -- Its worker could not store the finished request's result in the result
 -- backend: the sweeper stores it from here.
 UPDATE runs SET result_stored = false
- WHERE request_id = %(request_id)s AND status NOT IN ('queued', 'running');
+ WHERE request_id = %(request_id)s AND NOT loomflow_worker_unfinished(status);
 
 -- name: unstored_results
 SELECT request_id, status, result, error, error_type FROM runs
@@ -725,12 +724,12 @@ SELECT pg_advisory_unlock(%(key)s) FROM pg_locks l
 -- Release one scope's lock and say whether this backend still holds it
 -- (it must not: the lock was taken once).
 WITH released AS (SELECT pg_advisory_unlock(%(key)s) AS ok)
-SELECT r.ok, EXISTS (
+SELECT r.ok AS released, EXISTS (
     SELECT 1 FROM pg_locks l
      WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
        AND l.pid = pg_backend_pid()
        AND l.classid = ((%(key)s::bigint >> 32) & 4294967295)::oid
-       AND l.objid = (%(key)s::bigint & 4294967295)::oid)
+       AND l.objid = (%(key)s::bigint & 4294967295)::oid) AS still_held
   FROM released r;
 
 -- ---- revoked and expired requests --------------------------------------------------------
@@ -745,7 +744,7 @@ SELECT scope, status, epoch, lock_key FROM runs WHERE request_id = %(request_id)
 -- for a request that never started (it journaled nothing).
 WITH r AS (
     SELECT request_id, scope, epoch FROM runs
-     WHERE request_id = %(request_id)s AND status IN ('queued', 'running') FOR UPDATE
+     WHERE request_id = %(request_id)s AND loomflow_worker_unfinished(status) FOR UPDATE
 ), advanced AS (
     INSERT INTO journal_steps (session_id, step_name, value, created_at)
     SELECT r.scope, '__run_epoch__', convert_to('LJ1' || (r.epoch + 1)::text, 'UTF8'),
@@ -769,11 +768,11 @@ SELECT count(*) FROM ended;
 
 -- name: flag_cancel
 UPDATE runs SET cancel_requested = true
- WHERE request_id = %(request_id)s AND status IN ('queued', 'running');
+ WHERE request_id = %(request_id)s AND loomflow_worker_unfinished(status);
 
 -- name: unfinished_among
 SELECT request_id FROM runs
- WHERE request_id = ANY(%(request_ids)s::text[]) AND status IN ('queued', 'running');
+ WHERE request_id = ANY(%(request_ids)s::text[]) AND loomflow_worker_unfinished(status);
 
 -- name: mark_attempt_lost
 -- A worker whose attempt lost its lock connection (a Postgres restart, a
@@ -922,4 +921,4 @@ SELECT count(*) FILTER (WHERE status = 'queued' AND dispatched_at <= now()) AS r
        count(*) FILTER (WHERE status = 'queued' AND dispatched_at > now()) AS backing_off,
        count(*) FILTER (WHERE status = 'running') AS running,
        min(enqueued_at) FILTER (WHERE status = 'queued') AS oldest_queued
-  FROM runs WHERE status IN ('queued', 'running');
+  FROM runs WHERE loomflow_worker_unfinished(status);

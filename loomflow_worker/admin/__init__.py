@@ -1,0 +1,45 @@
+"""Operating a fleet, one module per job: :mod:`.runs` (the ledger and journal
+read for people), :mod:`.signals` (signals sent by an operator),
+:mod:`.doctor` (health checks), on :mod:`.connect` (the database connection
+and its errors). Pruning is the runtime's (:mod:`loomflow_worker.runtime.prune`).
+
+Sync functions on psycopg 3 connections, called by the ``loomflow-worker``
+command. Every query lives in ``runtime/sql/queries.sql``; every error names
+what to do and never a password (connection strings are shown through
+``describe_dsn``).
+"""
+
+from __future__ import annotations
+
+from ..durations import MAX_DURATION, format_duration, parse_duration
+from ..settings import validation_message
+from .connect import Conn, connect, redact, secrets_of, translated
+from .doctor import Check, check_settings, doctor, sanitize_url
+from .runs import (
+    MAX_LIST,
+    STATUSES,
+    TERMINAL,
+    AttemptInfo,
+    RequestNotFound,
+    RunDetail,
+    RunRow,
+    RunStatus,
+    StepInfo,
+    attribute_steps,
+    get_run,
+    list_runs,
+    run_status,
+    shorten,
+    step_name,
+    summarize_value,
+    wait_for,
+)
+from .signals import send_signal
+
+__all__ = [
+    "MAX_DURATION", "MAX_LIST", "STATUSES", "TERMINAL", "AttemptInfo", "Check", "Conn",
+    "RequestNotFound", "RunDetail", "RunRow", "RunStatus", "StepInfo", "attribute_steps",
+    "check_settings", "connect", "doctor", "format_duration", "get_run", "list_runs",
+    "parse_duration", "redact", "run_status", "sanitize_url", "secrets_of", "send_signal",
+    "shorten", "step_name", "summarize_value", "translated", "validation_message", "wait_for",
+]

@@ -1,0 +1,378 @@
+"""The runs ledger and journal read for people: requests listed, one request's
+attempts and journal (which attempt executed or replayed each step)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from loomflow.core.types import ModelChunk, ToolResult
+from psycopg.rows import class_row, dict_row
+
+from ..execution import ledger
+from ..runtime.codec import CodecStats, decode
+from ..runtime.errors import InvalidInput, LoomflowWorkerError
+from ..runtime.sql import query
+from .connect import Conn, translated
+
+TERMINAL = tuple(str(s) for s in ledger.TERMINAL)
+STATUSES = tuple(str(s) for s in ledger.Status)
+
+
+class RequestNotFound(LoomflowWorkerError, LookupError):
+    """No request with this id in the runs ledger."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        super().__init__(
+            f"no request {request_id!r} in the runs ledger (pruned, mistyped, or enqueued "
+            "against another database); `loomflow-worker runs` lists the recent ones"
+        )
+
+
+#: The most requests one listing returns.
+MAX_LIST = 1_000_000
+
+
+@dataclass(frozen=True)
+class RunRow:
+    request_id: str
+    session_id: str
+    user_id: str | None
+    agent: str
+    status: str
+    attempts: int
+    enqueued_at: datetime
+    finished_at: datetime | None
+    worker: str | None
+    # When it may start (apply_async's countdown or eta; None: at once).
+    not_before: datetime | None = None
+
+
+def list_runs(
+    conn: Conn,
+    *,
+    session_id: str | None = None,
+    user_id: str | None = None,
+    statuses: Sequence[str] = (),
+    older_than: timedelta | None = None,
+    newer_than: timedelta | None = None,
+    limit: int = 50,
+) -> list[RunRow]:
+    """Requests, newest first, matching every filter given (ages by enqueue time)."""
+    unknown = [s for s in statuses if s not in STATUSES]
+    if unknown:
+        raise InvalidInput(f"unknown status {unknown[0]!r}; one of {', '.join(STATUSES)}")
+    if not 1 <= limit <= MAX_LIST:
+        raise InvalidInput(f"limit must be from 1 to {MAX_LIST}, not {limit}")
+    params = {
+        "session_id": session_id,
+        "user_id": user_id,
+        "statuses": list(statuses) or None,
+        "older": older_than.total_seconds() if older_than is not None else None,
+        "newer": newer_than.total_seconds() if newer_than is not None else None,
+        "limit": limit,
+    }
+    with translated():
+        return conn.cursor(row_factory=class_row(RunRow)).execute(
+            query("admin_list_runs"), params
+        ).fetchall()
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    status: str
+    result: Any
+    error: str | None
+    error_type: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in TERMINAL
+
+
+def run_status(conn: Conn, request_id: str) -> RunStatus:
+    """The request's status and outcome, or :class:`RequestNotFound`."""
+    with translated():
+        row = conn.cursor(row_factory=class_row(RunStatus)).execute(
+            query("admin_run_status"), {"request_id": request_id}
+        ).fetchone()
+    if row is None:
+        raise RequestNotFound(request_id)
+    return row
+
+
+def wait_for(
+    conn: Conn, request_id: str, *, timeout: float | None = None, poll: float = 0.05
+) -> RunStatus:
+    """Poll the ledger until the request is finished; ``TimeoutError`` after ``timeout``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        status = run_status(conn, request_id)
+        if status.finished:
+            return status
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"request {request_id} still {status.status} after {timeout:g}s"
+            )
+        time.sleep(poll)
+        poll = min(poll * 1.5, 0.5)
+
+
+@dataclass(frozen=True)
+class AttemptInfo:
+    attempt: int
+    worker: str
+    pid: int
+    epoch: int
+    started_at: datetime
+    ended_at: datetime | None
+    outcome: str | None
+
+
+@dataclass
+class StepInfo:
+    """One journal entry of a run and what each attempt did with it.
+
+    ``executed_in`` is the attempt during which the entry was written (None:
+    before this request's first attempt, by an earlier request of the same
+    epoch, e.g. the run a ``resume_agent`` continues). ``replayed_in`` are
+    the later attempts that read it back; ``rerun_in`` the later attempts
+    that ran the same step again under a new key (its inputs changed)."""
+
+    key: str
+    stream: bool
+    written_at: datetime
+    took: float | None
+    summary: str
+    executed_in: int | None = None
+    replayed_in: list[int] = field(default_factory=list)
+    rerun_in: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return step_name(self.key)
+
+    def history(self) -> str:
+        """``"executed in attempt 1, replayed in 2"`` and the like."""
+        if self.executed_in is None:
+            parts = ["written before this request"]
+        else:
+            parts = [f"executed in attempt {self.executed_in}"]
+        if self.replayed_in:
+            parts.append("replayed in " + ", ".join(map(str, self.replayed_in)))
+        if self.rerun_in:
+            parts.append("run again (new inputs) in " + ", ".join(map(str, self.rerun_in)))
+        return ", ".join(parts)
+
+
+@dataclass
+class RunDetail:
+    request_id: str
+    seq: int
+    scope: str
+    session_id: str
+    user_id: str | None
+    agent: str
+    kind: str
+    prompt: str
+    metadata: dict[str, Any]
+    status: str
+    epoch: int | None
+    attempts_count: int
+    failures: int
+    crashes: int
+    holder: str | None
+    result: Any
+    error: str | None
+    error_type: str | None
+    enqueued_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    # When it may start (apply_async's countdown or eta, or a retry's backoff).
+    not_before: datetime | None = None
+    attempts: list[AttemptInfo] = field(default_factory=list)
+    journal: list[StepInfo] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["attempts"] = [asdict(a) for a in self.attempts]
+        data["journal"] = [
+            {**asdict(s), "name": s.name, "history": s.history()} for s in self.journal
+        ]
+        plain: dict[str, Any] = json.loads(json.dumps(data, default=_json_default))
+        return plain
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+def get_run(conn: Conn, request_id: str) -> RunDetail:
+    """The request, its attempts and its journal (with what each attempt
+    executed or replayed), or :class:`RequestNotFound`."""
+    with translated():
+        detail = conn.cursor(row_factory=class_row(RunDetail)).execute(
+            query("get_run"), {"request_id": request_id}
+        ).fetchone()
+        if detail is None:
+            raise RequestNotFound(request_id)
+        detail.attempts = conn.cursor(row_factory=class_row(AttemptInfo)).execute(
+            query("admin_run_attempts"), {"request_id": request_id}
+        ).fetchall()
+        if detail.epoch is not None:
+            ns = str(detail.epoch)
+            rows = conn.cursor(row_factory=dict_row).execute(
+                query("admin_run_journal"),
+                {"scope": detail.scope, "epoch": detail.epoch, "lo": ns + "/", "hi": ns + "0"},
+            ).fetchall()
+            detail.journal = attribute_steps(
+                [(bool(r["stream"]), r["step_name"], float(r["created_at"]), bytes(r["value"]))
+                 for r in rows],
+                detail.attempts,
+                ran_nothing=_attempts_that_ran_nothing(detail),
+            )
+    return detail
+
+
+def _attempts_that_ran_nothing(detail: RunDetail) -> set[int]:
+    """An attempt that ended before running the agent: cancelled before it started
+    (attempts that found the request dead are told by their outcome)."""
+    skipped: set[int] = set()
+    last = detail.attempts[-1] if detail.attempts else None
+    if (
+        last is not None
+        and last.outcome == "cancelled"
+        and detail.error == "cancelled before it started"
+    ):
+        skipped.add(last.attempt)
+    return skipped
+
+
+_KEY_HASH = re.compile(r"(@[0-9a-f]{16}|:[0-9a-f]{64})$")
+# loomflow numbers its own steps by position in the run (model_call_2,
+# tool_call_1_0, persist_episode_3, signal_go_1): the same name under another
+# key in a later attempt is that step run again with other inputs.
+_POSITIONAL = re.compile(r"_\d+$")
+
+
+_EPOCH_PREFIX = re.compile(r"^\d+/")
+
+
+def step_name(key: str) -> str:
+    """A journal key without its epoch namespace and its inputs' fingerprint:
+    ``3/model_call_1@ab..`` is ``model_call_1``; ``idem:tool_call_1_0:<sha256>``
+    is ``idem:tool_call_1_0``."""
+    return _KEY_HASH.sub("", _EPOCH_PREFIX.sub("", key))
+
+
+def attribute_steps(
+    entries: Sequence[tuple[bool, str, float, bytes]],
+    attempts: Sequence[AttemptInfo],
+    *,
+    ran_nothing: set[int] | None = None,
+    now: float | None = None,
+) -> list[StepInfo]:
+    """Which attempt executed each journal entry and which attempts replayed it.
+
+    Every attempt writes only the steps it executes, so an entry whose last
+    write (``created_at``) falls within attempt k (from its start to the next
+    attempt's start) was executed by attempt k; each later attempt that ran
+    replayed it, unless that attempt wrote the same step under a new key (its
+    inputs changed, so it ran again instead). ``entries`` are ``(stream, key,
+    created_at, value)``."""
+    # An attempt that found the request dead ran nothing (no replay either).
+    skipped = (ran_nothing or set()) | {a.attempt for a in attempts if a.outcome == "dead"}
+    starts = [(a.attempt, a.started_at.timestamp()) for a in attempts]
+    now = time.time() if now is None else now
+
+    def executed_by(at: float) -> int | None:
+        owner = None
+        for number, started in starts:
+            if started <= at:
+                owner = number
+        return owner
+
+    ordered = sorted(entries, key=lambda e: (e[2], e[1]))
+    steps: list[StepInfo] = []
+    last_write: dict[int | None, float] = {}
+    for stream, key, created, value in ordered:
+        owner = executed_by(created)
+        previous = last_write.get(owner)
+        if previous is None and owner is not None:
+            previous = dict(starts)[owner]
+        last_write[owner] = created
+        steps.append(
+            StepInfo(
+                key=key,
+                stream=stream,
+                written_at=datetime.fromtimestamp(created, tz=UTC),
+                took=None if previous is None else max(0.0, created - previous),
+                summary=summarize_value(value, key),
+                executed_in=owner,
+            )
+        )
+    ran_again: dict[tuple[bool, str], set[int]] = {}
+    for step in steps:
+        if step.executed_in is not None and _POSITIONAL.search(step.name):
+            ran_again.setdefault((step.stream, step.name), set()).add(step.executed_in)
+    for step in steps:
+        first = step.executed_in or 0
+        for number, _ in starts:
+            if number <= first or number in skipped:
+                continue
+            if number in ran_again.get((step.stream, step.name), set()):
+                step.rerun_in.append(number)
+            else:
+                step.replayed_in.append(number)
+    return steps
+
+
+def summarize_value(blob: bytes, key: str, width: int = 100) -> str:
+    """A one-line account of a journal value: a tool's output, a model call's text
+    and tool calls. Only loomflow's JSON encoding is read, never a pickle."""
+    ok, value = decode(blob, "json", CodecStats(), key=key)
+    if not ok:
+        return f"({len(blob)} bytes, not JSON-encoded)"
+    return shorten(_describe(value), width)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, ToolResult):
+        if value.ok:
+            return f"ok: {_text(value.output)}"
+        return f"error: {value.error or value.reason or 'failed'}"
+    if isinstance(value, list) and value and all(isinstance(v, ModelChunk) for v in value):
+        text = "".join(c.text or "" for c in value if c.kind == "text")
+        calls = [
+            f"{c.tool_call.tool}({json.dumps(c.tool_call.args, sort_keys=True)})"
+            for c in value if c.kind == "tool_call" and c.tool_call is not None
+        ]
+        parts = []
+        if text:
+            parts.append(repr(text))
+        if calls:
+            parts.append("calls " + ", ".join(calls))
+        return "model: " + ("; ".join(parts) or "(no output)")
+    return _text(value)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, sort_keys=True, default=str)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def shorten(text: str, width: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"

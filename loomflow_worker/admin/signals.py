@@ -1,0 +1,36 @@
+"""Signals sent by an operator: the same row and NOTIFY as ``PostgresRuntime.signal``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loomflow.runtime import _codec
+from psycopg.rows import dict_row
+
+from ..runtime.errors import InvalidInput
+from ..runtime.sql import query
+from ..runtime.validate import check_id, check_signal_name
+from .connect import Conn, translated
+
+
+def send_signal(
+    conn: Conn, session_id: str, name: str, payload: Any = None, user_id: str | None = None
+) -> int:
+    """Deliver a durable signal to ``session_id`` (to ``user_id``'s waiters only,
+    when given; what ``PostgresRuntime.signal`` does: the same row and
+    NOTIFY); returns the signal's id."""
+    check_id("session_id", session_id)
+    if user_id is not None:
+        check_id("user_id", user_id)
+    check_signal_name(name)
+    try:
+        blob = _codec.dumps(payload)
+    except TypeError as exc:
+        raise InvalidInput(f"signal {name!r}: the payload can't be stored as JSON: {exc}") from exc
+    with translated():
+        row = conn.cursor(row_factory=dict_row).execute(
+            query("send_signal"),
+            {"session_id": session_id, "user_id": user_id, "name": name, "payload": blob},
+        ).fetchone()
+    assert row is not None
+    return int(row["id"])
