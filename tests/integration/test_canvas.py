@@ -4,6 +4,7 @@ group membership, headers, priority, time limits)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import psycopg
@@ -112,5 +113,12 @@ def test_a_parked_request_keeps_its_time_limit_headers_priority_and_errback(
     assert options["headers"]["tenant"] == "t-1"
     assert options["priority"] == 3 and options["time_limit"] == 2.0
     assert options["link_error"][0]["args"][1] == "s-errors"
-    errback = next(r for r in runs.values() if r["prompt"] == calls("errback"))
-    wait_status(fleet.dsn, errback["request_id"], ("succeeded",), timeout=20)
+    # Celery sends the errback once the failure is stored: the caller may see
+    # the failure a moment before the errback's request is recorded.
+    deadline = time.monotonic() + 20
+    while not (errbacks := [r for r in _runs(fleet.dsn).values()
+                            if r["prompt"] == calls("errback")]):
+        assert time.monotonic() < deadline, "the errback was never enqueued"
+        time.sleep(0.1)
+    assert len(errbacks) == 1
+    wait_status(fleet.dsn, errbacks[0]["request_id"], ("succeeded",), timeout=20)
