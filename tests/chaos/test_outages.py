@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from celery.app.backends import by_url
 from celery.result import AsyncResult
 from pydantic import SecretStr
 
@@ -87,7 +88,11 @@ def check_all(fleet: Fleet, sent: list[Sent], *, fresh_handles: bool = False) ->
     with ``fresh_handles``, read through new result handles (a handle made
     before a restart may sit on a result subscription Celery gave up)."""
     if fresh_handles:
-        sent = [dataclasses.replace(s, result=AsyncResult(s.result.id, app=tasks.app))
+        # A backend of its own: the app's may hold a result subscription that
+        # Celery gave up on during the restarts.
+        cls, url = by_url(tasks.settings().result_backend.get_secret_value(), tasks.app.loader)
+        backend = cls(app=tasks.app, url=url)
+        sent = [dataclasses.replace(s, result=AsyncResult(s.result.id, backend=backend))
                 for s in sent]
     wait_terminal(fleet.dsn, sent, timeout=60)
     v = verdict(fleet.dsn, sent)
