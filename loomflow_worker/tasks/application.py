@@ -37,15 +37,8 @@ from pydantic_settings import SettingsError
 
 from .. import metrics
 from ..execution import ledger
-from ..execution.execute import (
-    AttemptLost,
-    Outcome,
-    RunCancelled,
-    RunDead,
-    RunFailed,
-    WorkerContext,
-    execute,
-)
+from ..execution.errors import AttemptLost, RunCancelled, RunDead, RunFailed
+from ..execution.execute import Outcome, WorkerContext, execute
 from ..execution.ledger import ON_BUSY, EnqueuePool, OnBusy, Pending, StartAt
 from ..execution.registry import DEFAULT_AGENT, import_agent_modules
 from ..execution.request import Kind, check_request
