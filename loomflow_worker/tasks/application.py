@@ -151,7 +151,13 @@ def _celery_settings(new: Settings) -> dict[str, Any]:
 
 
 def _use(made: Celery) -> None:
-    """Make ``made`` the app of this process, closing the one before."""
+    """Make ``made`` the app of this process, closing the one before.
+
+    A prefork child never uses the broker connections its parent opened:
+    the app registers Celery's own after-fork hook with billiard when its
+    pool is first used, which drops its connection and producer pools in
+    the child; redis-py's clients (the result backend) and the enqueue pool
+    check their process id."""
     previous: Celery | None = _state.get("app")
     _state["app"] = made
     made.set_current()
