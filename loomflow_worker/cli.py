@@ -22,15 +22,18 @@ from pydantic_settings import SettingsError
 
 from . import admin, metrics
 from .runtime.errors import (
+    CONNECT,
     DatabaseUnavailable,
     InvalidInput,
     LoomflowWorkerError,
     SchemaError,
     SessionBusy,
+    describe_dsn,
+    translated,
 )
 from .runtime.migrate import latest_version, migrate
 from .runtime.prune import Pruner, cutoff
-from .runtime.store import describe_dsn, probe
+from .runtime.store import probe
 from .runtime.validate import check_text
 from .settings import CONSOLE_PORT, Settings
 
@@ -109,7 +112,8 @@ def handled(fn: Callable[P, None]) -> Callable[P, None]:
                 # Bytes that are not UTF-8 reach Python as lone surrogates.
                 if isinstance(value, str):
                     check_text(name, value)
-            fn(*args, **kwargs)
+            with translated("query"):
+                fn(*args, **kwargs)
         except (click.ClickException, click.exceptions.Abort, click.exceptions.Exit):
             raise  # click's own: usage errors (exit 2), a declined prompt (exit 1)
         except admin.RequestNotFound as exc:
@@ -120,8 +124,6 @@ def handled(fn: Callable[P, None]) -> Callable[P, None]:
             _fail(EXIT_USAGE, str(exc))
         except (DatabaseUnavailable, SchemaError) as exc:
             _fail(EXIT_UNAVAILABLE, str(exc))
-        except psycopg.OperationalError as exc:
-            _fail(EXIT_UNAVAILABLE, f"Postgres: {str(exc).strip() or type(exc).__name__}")
         except psycopg.ProgrammingError as exc:
             _fail(EXIT_USAGE, f"Postgres refused the connection string or a query: {exc}")
         except psycopg.Error as exc:
@@ -256,9 +258,11 @@ def migrate_command() -> None:
 
     async def run() -> list[int]:
         await probe(dsn, settings.connect_timeout)
-        async with await psycopg.AsyncConnection.connect(
-            dsn, connect_timeout=settings.connect_timeout
-        ) as conn:
+        with translated(CONNECT, dsn):
+            conn = await psycopg.AsyncConnection.connect(
+                dsn, connect_timeout=settings.connect_timeout
+            )
+        async with conn:
             return await migrate(conn)
 
     try:
@@ -621,7 +625,7 @@ def prune(older_than: timedelta, batch_size: int, yes: bool) -> None:
     keep their journal; the scopes' epoch marks are kept)."""
     with admin.connect(_settings()) as conn:
         # The database's clock, on which every age it holds was stamped.
-        with admin.translated():
+        with translated("query"):
             pruner = Pruner(cutoff(conn, older_than), batch_size=batch_size)
             counts = pruner.counts(conn)
         total = sum(counts.values())
@@ -640,7 +644,7 @@ def prune(older_than: timedelta, batch_size: int, yes: bool) -> None:
                 done[0] += step
                 bar.update(step)
 
-            with admin.translated():
+            with translated("query"):
                 totals = pruner.run(conn, on_batch=advance)
     click.echo(f"deleted {_describe_counts(totals)} in "
                f"{admin.format_duration(time.monotonic() - started)}")

@@ -37,7 +37,7 @@ from psycopg.rows import class_row
 
 from . import admin
 from .runtime import PostgresRuntime
-from .runtime.store import describe_dsn
+from .runtime.errors import describe_dsn
 from .settings import CONSOLE_PORT, Settings
 from .testing import EffectsLog, Execution
 

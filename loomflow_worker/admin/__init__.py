@@ -1,7 +1,8 @@
 """Operating a fleet, one module per job: :mod:`.runs` (the ledger and journal
 read for people), :mod:`.signals` (signals sent by an operator),
-:mod:`.doctor` (health checks), on :mod:`.connect` (the database connection
-and its errors). Pruning is the runtime's (:mod:`loomflow_worker.runtime.prune`).
+:mod:`.doctor` (health checks), on :mod:`.connect` (the database connection;
+driver errors become the runtime's by ``runtime.errors.translated``), with
+:mod:`.errors` (their own). Pruning is the runtime's (:mod:`loomflow_worker.runtime.prune`).
 
 Sync functions on psycopg 3 connections, called by the ``loomflow-worker``
 command. Every query lives in ``runtime/sql/queries.sql``; every error names
@@ -13,14 +14,14 @@ from __future__ import annotations
 
 from ..durations import MAX_DURATION, format_duration, parse_duration
 from ..settings import validation_message
-from .connect import Conn, connect, redact, secrets_of, translated
+from .connect import Conn, connect, redact, secrets_of
 from .doctor import Check, check_settings, doctor, sanitize_url
+from .errors import RequestNotFound
 from .runs import (
     MAX_LIST,
     STATUSES,
     TERMINAL,
     AttemptInfo,
-    RequestNotFound,
     RunDetail,
     RunRow,
     RunStatus,
@@ -41,5 +42,5 @@ __all__ = [
     "RequestNotFound", "RunDetail", "RunRow", "RunStatus", "StepInfo", "attribute_steps",
     "check_settings", "connect", "doctor", "format_duration", "get_run", "list_runs",
     "parse_duration", "redact", "run_status", "sanitize_url", "secrets_of", "send_signal",
-    "shorten", "step_name", "summarize_value", "translated", "validation_message", "wait_for",
+    "shorten", "step_name", "summarize_value", "validation_message", "wait_for",
 ]

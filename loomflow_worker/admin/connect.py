@@ -1,19 +1,17 @@
-"""The fleet's database for operator tools: one connection, driver errors as
-this package's, passwords kept out of whatever is shown."""
+"""The fleet's database for operator tools: one connection (driver errors as
+the runtime translates them), passwords kept out of whatever is shown."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 import psycopg
 
-from ..runtime.errors import DatabaseUnavailable, InvalidInput, SchemaError
-from ..runtime.store import describe_dsn
-from ..settings import Settings, first_line
+from ..runtime.errors import CONNECT, translated
+from ..settings import Settings
 
 Conn = psycopg.Connection[Any]
 
@@ -53,37 +51,11 @@ def redact(text: str, secrets: Sequence[str]) -> str:
 def connect(settings: Settings, *, application_name: str = "loomflow-worker admin") -> Conn:
     """An autocommit connection to the fleet's database, or :class:`DatabaseUnavailable`."""
     dsn = settings.database_url.get_secret_value()
-    try:
+    with translated(CONNECT, dsn):
         return psycopg.connect(
             dsn,
             autocommit=True,
             connect_timeout=settings.connect_timeout,
             application_name=application_name,
         )
-    except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(
-            f"can't connect to Postgres at {describe_dsn(dsn)}: {first_line(exc)}; check "
-            "that the server is running and LOOMFLOW_WORKER_DATABASE_URL is right"
-        ) from exc
-    except psycopg.ProgrammingError as exc:
-        # libpq quotes the offending part, which may be the password.
-        reason = redact(first_line(exc), secrets_of(settings))
-        raise InvalidInput(
-            f"LOOMFLOW_WORKER_DATABASE_URL is not a valid connection string: {reason}"
-        ) from exc
 
-
-@contextmanager
-def translated(dsn_hint: str = "") -> Iterator[None]:
-    """Driver errors of admin queries as this package's errors, the cause kept."""
-    try:
-        yield
-    except psycopg.errors.UndefinedTable as exc:
-        raise SchemaError(
-            "the loomflow-worker tables are missing: run `loomflow-worker migrate` against "
-            f"this database{dsn_hint}"
-        ) from exc
-    except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-        raise DatabaseUnavailable(
-            f"lost the connection to Postgres{dsn_hint}: {first_line(exc)}"
-        ) from exc

@@ -8,12 +8,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..runtime.errors import InvalidInput, LoomflowWorkerError
+from ..runtime.errors import InvalidInput, LoomflowWorkerError, describe_dsn, translated
 from ..runtime.migrate import latest_version
 from ..runtime.sql import query
-from ..runtime.store import describe_dsn, probe
+from ..runtime.store import probe
 from ..settings import Settings, first_line
-from .connect import connect, translated
+from .connect import connect
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def _check_database(settings: Settings) -> list[Check]:
         ]
     with conn:
         try:
-            with translated():
+            with translated("query"):
                 version_row = conn.execute(query("admin_server_version")).fetchone()
                 present = conn.execute(query("admin_schema_present")).fetchone()
                 applied = (

@@ -16,23 +16,13 @@ from psycopg.rows import class_row, dict_row
 
 from ..execution import ledger
 from ..runtime.codec import CodecStats, decode
-from ..runtime.errors import InvalidInput, LoomflowWorkerError
+from ..runtime.errors import InvalidInput, translated
 from ..runtime.sql import query
-from .connect import Conn, translated
+from .connect import Conn
+from .errors import RequestNotFound
 
 TERMINAL = tuple(str(s) for s in ledger.TERMINAL)
 STATUSES = tuple(str(s) for s in ledger.Status)
-
-
-class RequestNotFound(LoomflowWorkerError, LookupError):
-    """No request with this id in the runs ledger."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        super().__init__(
-            f"no request {request_id!r} in the runs ledger (pruned, mistyped, or enqueued "
-            "against another database); `loomflow-worker runs` lists the recent ones"
-        )
 
 
 #: The most requests one listing returns.
@@ -78,7 +68,7 @@ def list_runs(
         "newer": newer_than.total_seconds() if newer_than is not None else None,
         "limit": limit,
     }
-    with translated():
+    with translated("query"):
         return conn.cursor(row_factory=class_row(RunRow)).execute(
             query("admin_list_runs"), params
         ).fetchall()
@@ -98,7 +88,7 @@ class RunStatus:
 
 def run_status(conn: Conn, request_id: str) -> RunStatus:
     """The request's status and outcome, or :class:`RequestNotFound`."""
-    with translated():
+    with translated("query"):
         row = conn.cursor(row_factory=class_row(RunStatus)).execute(
             query("admin_run_status"), {"request_id": request_id}
         ).fetchone()
@@ -218,7 +208,7 @@ def _json_default(value: Any) -> Any:
 def get_run(conn: Conn, request_id: str) -> RunDetail:
     """The request, its attempts and its journal (with what each attempt
     executed or replayed), or :class:`RequestNotFound`."""
-    with translated():
+    with translated("query"):
         detail = conn.cursor(row_factory=class_row(RunDetail)).execute(
             query("get_run"), {"request_id": request_id}
         ).fetchone()

@@ -7,10 +7,10 @@ from typing import Any
 from loomflow.runtime import _codec
 from psycopg.rows import dict_row
 
-from ..runtime.errors import InvalidInput
+from ..runtime.errors import InvalidInput, translated
 from ..runtime.sql import query
 from ..runtime.validate import check_id, check_signal_name
-from .connect import Conn, translated
+from .connect import Conn
 
 
 def send_signal(
@@ -27,7 +27,7 @@ def send_signal(
         blob = _codec.dumps(payload)
     except TypeError as exc:
         raise InvalidInput(f"signal {name!r}: the payload can't be stored as JSON: {exc}") from exc
-    with translated():
+    with translated("query"):
         row = conn.cursor(row_factory=dict_row).execute(
             query("send_signal"),
             {"session_id": session_id, "user_id": user_id, "name": name, "payload": blob},

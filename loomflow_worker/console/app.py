@@ -25,7 +25,6 @@ from urllib.parse import parse_qs, urlencode
 
 import psycopg
 from jinja2 import Environment, PackageLoader, select_autoescape
-from psycopg_pool import PoolTimeout
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -42,8 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import admin
 from ..events import aiter_events, describe_event, events_url
-from ..runtime.errors import InvalidInput
-from ..runtime.store import describe_dsn
+from ..runtime.errors import InvalidInput, describe_dsn, driver_error
 from ..runtime.validate import check_id
 from ..settings import Settings
 from . import data
@@ -374,15 +372,11 @@ def create_app(
     async def bad_input(_request: Request, exc: Exception) -> Response:
         return pages.error(400, str(exc))
 
-    async def no_schema(_request: Request, _exc: Exception) -> Response:
-        return pages.error(503, "The loomflow-worker tables are missing: run "
-                           "`loomflow-worker migrate` against this database.")
-
-    async def unavailable(_request: Request, exc: Exception) -> Response:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        where = describe_dsn(settings.database_url.get_secret_value())
-        return pages.error(503, f"Postgres at {where} is unavailable: {reason}. The page "
-                           "works again once it answers.")
+    async def database(_request: Request, exc: Exception) -> Response:
+        ours = driver_error(exc, "read from", settings.database_url.get_secret_value())
+        if ours is None:
+            raise exc
+        return pages.error(503, f"{ours}. The page works again once it answers.")
 
     routes = [
         Route("/", home),
@@ -402,9 +396,7 @@ def create_app(
         exception_handlers={
             data.RunNotFound: not_found,
             InvalidInput: bad_input,
-            psycopg.errors.UndefinedTable: no_schema,
-            psycopg.OperationalError: unavailable,
-            PoolTimeout: unavailable,
+            psycopg.Error: database,
         },
     )
     app.add_middleware(TokenRequired, gate=gate, pages=pages)

@@ -32,11 +32,17 @@ from ..runtime import (
     SessionBusy,
     run_options,
 )
-from ..runtime.errors import LoomflowWorkerError
 from ..runtime.lockconn import LockConnection
 from ..runtime.store import Conn, Lease
 from ..settings import Settings
 from . import ledger
+from .errors import AttemptLost
+
+# Failures stored by earlier versions name this module as their error's: it
+# still offers them (Celery's result backend looks them up here).
+from .errors import RunCancelled as RunCancelled
+from .errors import RunDead as RunDead
+from .errors import RunFailed as RunFailed
 from .registry import agent_factory, agent_time_limit
 from .request import Kind, RunRequest, check_request
 
@@ -48,29 +54,6 @@ T = TypeVar("T")
 #: request before it releasing it, or a crashed holder's being freed)
 #: before it parks.
 HANDOFF_LOCK_WAIT = 2.0
-
-
-class RunFailed(LoomflowWorkerError):
-    """The request ended ``failed``; the message says why."""
-
-
-class RunDead(LoomflowWorkerError):
-    """The request ended ``dead``: its worker died too many times running it."""
-
-
-class RunCancelled(LoomflowWorkerError):
-    """The request was cancelled."""
-
-
-class AttemptLost(LoomflowWorkerError):
-    """An attempt lost its lock connection (a Postgres restart, a network blip)
-    while its worker lived: it is fenced, and the request runs again. Not a
-    crash: :func:`mark_lost` records it so."""
-
-    def __init__(self, request_id: str, attempt: int, cause: LockLost) -> None:
-        self.request_id = request_id
-        self.attempt = attempt
-        super().__init__(str(cause))
 
 
 @dataclass

@@ -17,9 +17,9 @@ from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
-from ..runtime.errors import DatabaseUnavailable, InvalidInput, SchemaError, SessionBusy
+from ..runtime.errors import InvalidInput, SessionBusy, translated
 from ..runtime.sql import query
-from ..runtime.store import Conn, IdleCheck, describe_dsn, scope_lock_key
+from ..runtime.store import Conn, IdleCheck, scope_lock_key
 from .request import RunRequest, task_args
 
 
@@ -262,46 +262,36 @@ class EnqueuePool:
         ``request_id`` is an idempotency key: when the ledger has it already,
         with the same arguments, nothing is written and the result says it is
         a duplicate; with other arguments, :class:`InvalidInput` names them."""
-        try:
-            with self.connection(dsn, connect_timeout) as conn:
-                if on_busy == "enqueue":
+        with (translated("record the request in", dsn, then="nothing was enqueued"),
+              self.connection(dsn, connect_timeout) as conn):
+            if on_busy == "enqueue":
+                return _insert_new(conn, request_id, req, start)
+            with conn.transaction():
+                if _same_as_recorded(conn, request_id, req):
+                    return Enqueued(duplicate=True)
+                # Enqueues on one scope take turns here, so "busy" is decided once.
+                conn.execute(query("enqueue_lock"), {"key": enqueue_lock_key(req.scope)})
+                if on_busy == "reject":
+                    busy = _rows(conn, "scope_busy", {"scope": req.scope})
+                    if busy:
+                        raise SessionBusy(
+                            req.scope, 0,
+                            detail=f"request {busy[0]['request_id']} is "
+                            f"{busy[0]['status']} on it and on_busy=\"reject\" was asked",
+                        )
                     return _insert_new(conn, request_id, req, start)
-                with conn.transaction():
-                    if _same_as_recorded(conn, request_id, req):
-                        return Enqueued(duplicate=True)
-                    # Enqueues on one scope take turns here, so "busy" is decided once.
-                    conn.execute(query("enqueue_lock"), {"key": enqueue_lock_key(req.scope)})
-                    if on_busy == "reject":
-                        busy = _rows(conn, "scope_busy", {"scope": req.scope})
-                        if busy:
-                            raise SessionBusy(
-                                req.scope, 0,
-                                detail=f"request {busy[0]['request_id']} is "
-                                f"{busy[0]['status']} on it and on_busy=\"reject\" was asked",
-                            )
-                        return _insert_new(conn, request_id, req, start)
-                    enqueued = _insert_new(conn, request_id, req, start)
-                    if enqueued.duplicate:
-                        return enqueued
-                    rows = _rows(
-                        conn, "cancel_requests",
-                        {"request_id": None, "scope": req.scope, "by": request_id,
-                         "reason": f"interrupted by request {request_id}"},
-                    )
-                    return Enqueued(
-                        [Pending.of(row) for row in rows if row["status"] == Status.CANCELLED],
-                        not_before=enqueued.not_before,
-                    )
-        except psycopg.errors.UndefinedTable as exc:
-            raise SchemaError(
-                "the runs table is missing: run `loomflow-worker migrate` (or start a worker, "
-                "which migrates) against this database"
-            ) from exc
-        except (psycopg.OperationalError, TimeoutError) as exc:
-            raise DatabaseUnavailable(
-                f"can't record the request in Postgres at {describe_dsn(dsn)}: {exc}; "
-                "nothing was enqueued"
-            ) from exc
+                enqueued = _insert_new(conn, request_id, req, start)
+                if enqueued.duplicate:
+                    return enqueued
+                rows = _rows(
+                    conn, "cancel_requests",
+                    {"request_id": None, "scope": req.scope, "by": request_id,
+                     "reason": f"interrupted by request {request_id}"},
+                )
+                return Enqueued(
+                    [Pending.of(row) for row in rows if row["status"] == Status.CANCELLED],
+                    not_before=enqueued.not_before,
+                )
 
     def mark_undispatched(self, dsn: str, connect_timeout: int, request_id: str) -> None:
         """The broker refused ``request_id``'s message: the sweeper publishes it
@@ -349,13 +339,8 @@ class EnqueuePool:
     def _cancel(
         self, dsn: str, connect_timeout: int, name: str, params: dict[str, Any]
     ) -> list[tuple[str, Pending]]:
-        try:
-            with self.connection(dsn, connect_timeout) as conn:
-                rows = _rows(conn, name, params)
-        except (psycopg.OperationalError, TimeoutError) as exc:
-            raise DatabaseUnavailable(
-                f"can't reach Postgres at {describe_dsn(dsn)} to cancel: {exc}"
-            ) from exc
+        with translated("cancel in", dsn), self.connection(dsn, connect_timeout) as conn:
+            rows = _rows(conn, name, params)
         return [(row["status"], Pending.of(row)) for row in rows]
 
 

@@ -1,6 +1,14 @@
-"""What the runtime raises, each with what went wrong and what to do."""
+"""What the runtime raises, each with what went wrong and what to do, and the
+one translation of the driver's errors (psycopg, its pool) into these."""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 
 class LoomflowWorkerError(Exception):
@@ -70,3 +78,91 @@ class RunStopped(BaseException):
     def __init__(self, reason: str) -> None:
         self.reason = reason
         super().__init__(f"the run was stopped at a step boundary: {reason}")
+
+
+# ---- driver errors --------------------------------------------------------------------------
+
+#: What :func:`translated` is told when the driver's error came from connecting.
+CONNECT = "connect to"
+
+# A quoted part of a libpq parse error: a piece of the connection string given,
+# which may be its password.
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's text (its type when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def describe_dsn(conninfo: str) -> str:
+    """``host:port/dbname`` of a connection string, never its password.
+
+    Whatever the string looks like: an unparsable one is not shown at all,
+    a host or database name that took in part of an unescaped password (an
+    ``@`` in it) is cut after its last ``@``, and the password, wherever it
+    ended up, is masked."""
+    try:
+        parts = conninfo_to_dict(conninfo)
+    except psycopg.ProgrammingError:
+        return "<unparsable connection string>"
+
+    def shown(key: str) -> str:
+        return str(parts.get(key) or "").rsplit("@", 1)[-1]
+
+    host = shown("host") or shown("hostaddr") or "localhost (socket)"
+    text = f"{host}:{shown('port') or 5432}/{shown('dbname') or shown('user')}"
+    password = str(parts.get("password") or "")
+    return text.replace(password, "***") if len(password) >= 3 else text
+
+
+def masked_quotes(text: str) -> str:
+    """``text`` with every quoted piece longer than a character masked: what
+    libpq quotes of a connection string it can't parse may be its password."""
+    return _QUOTED.sub(lambda m: m[0] if len(m[1]) <= 1 else '"***"', text)
+
+
+def driver_error(
+    exc: BaseException, doing: str, dsn: str | None = None, *, then: str = ""
+) -> LoomflowWorkerError | None:
+    """This package's error for the driver's ``exc``, met trying to ``doing``
+    (``"connect to"``, ``"record the request in"``, ...) Postgres at ``dsn``;
+    ``then`` says what it means for the caller (``"nothing was enqueued"``).
+    ``None`` for an error that is not the driver's, or no sign of an
+    unreachable server, a missing schema or a bad connection string (a
+    failed statement, say).
+
+    Every message names the server by :func:`describe_dsn`, so never its
+    password."""
+    where = f"Postgres at {describe_dsn(dsn)}" if dsn else "Postgres"
+    tail = f"; {then}" if then else ""
+    if isinstance(exc, psycopg.errors.UndefinedTable):
+        return SchemaError(
+            f"the loomflow-worker tables are missing in {where}: run `loomflow-worker migrate` "
+            f"(or start a worker, which migrates) against this database{tail}"
+        )
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        # A pool's PoolTimeout is an OperationalError.
+        return DatabaseUnavailable(
+            f"can't {doing} {where}: {first_line(exc)}{tail}; check that the server is running "
+            "and LOOMFLOW_WORKER_DATABASE_URL is right"
+        )
+    if doing == CONNECT and isinstance(exc, psycopg.ProgrammingError):
+        return InvalidInput(
+            f"LOOMFLOW_WORKER_DATABASE_URL is not a valid connection string: "
+            f"{masked_quotes(first_line(exc))}"
+        )
+    return None
+
+
+@contextmanager
+def translated(doing: str, dsn: str | None = None, *, then: str = "") -> Iterator[None]:
+    """Driver errors raised inside as :func:`driver_error` has them, the cause kept."""
+    try:
+        yield
+    except psycopg.Error as exc:
+        ours = driver_error(exc, doing, dsn, then=then)
+        if ours is None:
+            raise
+        raise ours from exc

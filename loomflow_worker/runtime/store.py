@@ -32,12 +32,21 @@ import anyio
 import psycopg
 from loomflow.runtime.journal import Checkpoint, CheckpointMeta, JournalEntry
 from psycopg import AsyncConnection
-from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from .codec import CodecStats, Serializer, check_serializer, decode, encode
-from .errors import DatabaseUnavailable, InvalidInput, LockLost, SessionBusy, SessionPooler
+from .errors import (
+    CONNECT,
+    DatabaseUnavailable,
+    InvalidInput,
+    LockLost,
+    SessionBusy,
+    SessionPooler,
+    describe_dsn,
+    first_line,
+    translated,
+)
 from .lockconn import Conn as Conn
 from .lockconn import JournalRow, LockConnection
 from .migrate import migrate
@@ -63,27 +72,6 @@ def scope_lock_key(scope: str) -> int:
     """The advisory lock key (a signed bigint) of a journal scope."""
     digest = hashlib.blake2b(_LOCK_SALT + scope.encode("utf-8", "surrogatepass"), digest_size=8)
     return int.from_bytes(digest.digest(), "big", signed=True)
-
-
-def describe_dsn(conninfo: str) -> str:
-    """``host:port/dbname`` of a connection string, never its password.
-
-    Whatever the string looks like: an unparsable one is not shown at all,
-    a host or database name that took in part of an unescaped password (an
-    ``@`` in it) is cut after its last ``@``, and the password, wherever it
-    ended up, is masked."""
-    try:
-        parts = conninfo_to_dict(conninfo)
-    except psycopg.ProgrammingError:
-        return "<unparsable connection string>"
-
-    def shown(key: str) -> str:
-        return str(parts.get(key) or "").rsplit("@", 1)[-1]
-
-    host = shown("host") or shown("hostaddr") or "localhost (socket)"
-    text = f"{host}:{shown('port') or 5432}/{shown('dbname') or shown('user')}"
-    password = str(parts.get("password") or "")
-    return text.replace(password, "***") if len(password) >= 3 else text
 
 
 class IdleCheck:
@@ -509,14 +497,10 @@ class PostgresJournalStore:
 
     async def _open_line(self) -> LockConnection:
         s = self.lock_settings
-        try:
+        with translated(CONNECT, self.conninfo):
             conn: Conn = await AsyncConnection.connect(
                 self.conninfo, **{**self.conn_kwargs, **s.client_kwargs()}
             )
-        except psycopg.OperationalError as exc:
-            raise DatabaseUnavailable(
-                f"no lock connection to {describe_dsn(self.conninfo)}: {exc}"
-            ) from exc
         try:
             # The server side of the same keepalive, so a partitioned worker's
             # locks are freed in seconds rather than after the kernel's two hours.
@@ -801,15 +785,9 @@ async def probe(dsn: str, connect_timeout: int) -> None:
 
 
 async def _connect(dsn: str, connect_timeout: int) -> Conn:
-    try:
+    with translated(CONNECT, dsn):
         return await AsyncConnection.connect(dsn, autocommit=True,
                                              connect_timeout=connect_timeout)
-    except psycopg.OperationalError as exc:
-        raise DatabaseUnavailable(
-            f"can't connect to Postgres at {describe_dsn(dsn)}: {_first_line(exc)}; check that "
-            "the server is running and the connection string (LOOMFLOW_WORKER_DATABASE_URL) is "
-            "right"
-        ) from exc
 
 
 async def require_sessions(conn: Conn, dsn: str, connect_timeout: int) -> None:
@@ -831,7 +809,7 @@ async def require_sessions(conn: Conn, dsn: str, connect_timeout: int) -> None:
             async with other.transaction():
                 theirs = await _probe_row(other, "session_probe_read", {})
         except psycopg.Error as exc:
-            problem = f"a transaction block was refused ({_first_line(exc)})"
+            problem = f"a transaction block was refused ({first_line(exc)})"
         else:
             if theirs[0] == mine[0] or theirs[1] == token:
                 problem = "two connections were given one server session"
@@ -854,11 +832,6 @@ async def _probe_row(conn: Conn, name: str, params: dict[str, Any]) -> tuple[Any
     row = await cur.fetchone()
     assert row is not None
     return tuple(row)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else repr(exc)
 
 
 def _try_lock(

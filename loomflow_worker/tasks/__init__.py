@@ -1,7 +1,8 @@
 """Agent runs as Celery tasks: ``celery -A loomflow_worker.tasks worker``."""
 
-from ..execution.execute import RunCancelled, RunDead, RunFailed
+from ..execution.errors import RunCancelled, RunDead, RunFailed
 from ..execution.registry import register_agent, registered_agents
+from . import execute as _stored_error_module  # noqa: F401  (see its docstring)
 from .application import (
     AgentTask,
     app,

@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 from celery import Celery, Task
 from celery.exceptions import Ignore, Reject
+from celery.local import Proxy
 from celery.result import AsyncResult, task_join_will_block
 from celery.signals import (
     task_revoked,
@@ -37,15 +38,8 @@ from pydantic_settings import SettingsError
 
 from .. import metrics
 from ..execution import ledger
-from ..execution.execute import (
-    AttemptLost,
-    Outcome,
-    RunCancelled,
-    RunDead,
-    RunFailed,
-    WorkerContext,
-    execute,
-)
+from ..execution.errors import AttemptLost, RunCancelled, RunDead, RunFailed
+from ..execution.execute import Outcome, WorkerContext, execute
 from ..execution.ledger import ON_BUSY, EnqueuePool, OnBusy, Pending, StartAt
 from ..execution.registry import DEFAULT_AGENT, import_agent_modules
 from ..execution.request import Kind, check_request
@@ -67,8 +61,6 @@ from .pool import REFUSED_POOLS, RunPool, pool_name
 from .sweeper import Sweeper
 
 log = logging.getLogger("loomflow_worker.tasks")
-
-app = Celery("loomflow_worker", amqp=AMQP)
 
 #: How long a pool child that is exiting waits for its connections to close.
 CLOSE_TIMEOUT = 5.0
@@ -101,61 +93,96 @@ def settings() -> Settings:
 
 
 def configure(new: Settings | None = None) -> Settings:
-    """Point the app at ``new`` settings (default: read the environment again)."""
+    """Point this process at ``new`` settings (default: read the environment again).
+
+    A worker configures once, at import. A process that enqueues for several
+    fleets in turn (tests, the demo, benchmarks) gets a new Celery app for
+    each, made by :func:`make_app`; :data:`app`, :data:`run_agent` and
+    :data:`resume_agent` always lead to the current one. The one before is
+    closed, and kombu's pools of broker connections with it."""
     new = new or Settings()
     _state["settings"] = new
     _state.pop("context", None)
+    _use(make_app(new))
+    _enqueue.close()
+    return new
+
+
+def make_app(new: Settings | None) -> Celery:
+    """A Celery app on ``new`` settings (Celery's defaults when ``None``: the
+    environment's are invalid), with the ``run_agent`` and ``resume_agent``
+    tasks."""
+    made = Celery("loomflow_worker", amqp=AMQP)
+    if new is not None:
+        made.conf.update(_celery_settings(new))
+    made.task(bind=True, base=RunAgentTask, name=RUN_AGENT)(_run_agent)
+    made.task(bind=True, base=ResumeAgentTask, name=RESUME_AGENT)(_resume_agent)
+    return made
+
+
+def _celery_settings(new: Settings) -> dict[str, Any]:
     transport: dict[str, Any] = {}
     if new.redis_key_prefix:
         transport["global_keyprefix"] = new.redis_key_prefix
     broker_options = {**new.broker_transport_options, **transport}
     if new.is_redis_broker:
         broker_options["visibility_timeout"] = new.visibility_timeout
-    app.conf.update(
-        broker_url=new.broker_url.get_secret_value(),
-        result_backend=new.result_backend.get_secret_value(),
-        broker_transport_options=broker_options,
-        result_backend_transport_options=dict(transport),
-        task_default_queue=new.queue,
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        task_acks_on_failure_or_timeout=True,
-        worker_prefetch_multiplier=1,
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        result_accept_content=["json"],
-        broker_connection_retry_on_startup=True,
-        imports=list(new.agents),
-        worker_hijack_root_logger=False,
-        worker_soft_shutdown_timeout=new.soft_shutdown_timeout,
-        worker_enable_soft_shutdown_on_idle=True,
-    )
-    _enqueue.close()
-    _drop_connections()
-    return new
+    return {
+        "broker_url": new.broker_url.get_secret_value(),
+        "result_backend": new.result_backend.get_secret_value(),
+        "broker_transport_options": broker_options,
+        # Only workers store results (callers read them): the retries are theirs.
+        "result_backend_transport_options": {**transport, "retry_policy": STORE_RETRY},
+        "task_default_queue": new.queue,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_acks_on_failure_or_timeout": True,
+        "worker_prefetch_multiplier": 1,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "broker_connection_retry_on_startup": True,
+        "imports": list(new.agents),
+        "worker_hijack_root_logger": False,
+        "worker_soft_shutdown_timeout": new.soft_shutdown_timeout,
+        "worker_enable_soft_shutdown_on_idle": True,
+    }
 
 
-def _drop_connections() -> None:
-    # The app caches its result backend and broker connections on first use;
-    # after a reconfiguration they must be made again from the new settings.
-    app._backend_cache = None
-    vars(app._local).pop("backend", None)
-    app._pool = None
-    amqp = app.__dict__.get("amqp")
-    if amqp is not None:
-        amqp._producer_pool = None
-    # kombu keeps connection and producer pools per broker URL in process-wide
-    # groups: close them all, or the app would get a closed pool back.
-    kombu_pools.reset()  # type: ignore[no-untyped-call]
+def _use(made: Celery) -> None:
+    """Make ``made`` the app of this process, closing the one before.
+
+    A prefork child never uses the broker connections its parent opened:
+    the app registers Celery's own after-fork hook with billiard when its
+    pool is first used, which drops its connection and producer pools in
+    the child; redis-py's clients (the result backend) and the enqueue pool
+    check their process id."""
+    previous: Celery | None = _state.get("app")
+    _state["app"] = made
+    made.set_current()
+    if previous is not None:
+        previous.close()
+        # kombu keeps connection and producer pools per connection in
+        # process-wide groups: close them, so no socket of the closed app
+        # stays open.
+        kombu_pools.reset()  # type: ignore[no-untyped-call]
 
 
-try:
-    configure()
-except (ValidationError, SettingsError) as exc:
-    # Importing the package must not fail on bad settings (the CLI's doctor
-    # reports them); using the app does, with this error.
-    _state["settings_error"] = exc
+def current_app() -> Celery:
+    """The app this process enqueues with, or its worker runs."""
+    made: Celery = _state["app"]
+    return made
+
+
+RUN_AGENT = "loomflow_worker.run_agent"
+RESUME_AGENT = "loomflow_worker.resume_agent"
+
+#: The current app (``celery -A loomflow_worker.tasks`` finds it here).
+app = Proxy(current_app)
+#: The current app's tasks.
+run_agent = Proxy(lambda: current_app().tasks[RUN_AGENT])
+resume_agent = Proxy(lambda: current_app().tasks[RESUME_AGENT])
 
 
 def _context() -> WorkerContext:
@@ -196,10 +223,6 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
     if settings().metrics_port:
         metrics.prepare_multiprocess_dir()
     _refuse_session_pooler(settings())
-    app.conf.result_backend_transport_options = {
-        **(app.conf.result_backend_transport_options or {}), "retry_policy": STORE_RETRY,
-    }
-    _drop_connections()
 
 
 def _refuse_session_pooler(current: Settings) -> None:
@@ -768,8 +791,7 @@ class ResumeAgentTask(AgentTask):
     kind: Kind = "resume"
 
 
-@app.task(bind=True, base=RunAgentTask, name="loomflow_worker.run_agent")
-def run_agent(
+def _run_agent(
     self: RunAgentTask,
     prompt: str,
     session_id: str,
@@ -787,8 +809,7 @@ def run_agent(
     )
 
 
-@app.task(bind=True, base=ResumeAgentTask, name="loomflow_worker.resume_agent")
-def resume_agent(
+def _resume_agent(
     self: ResumeAgentTask,
     prompt: str,
     session_id: str,
@@ -800,3 +821,12 @@ def resume_agent(
     return _perform(
         self, {"prompt": prompt, "session_id": session_id, "user_id": user_id, "agent": agent}
     )
+
+
+try:
+    configure()
+except (ValidationError, SettingsError) as exc:
+    # Importing the package must not fail on bad settings (the CLI's doctor
+    # reports them); using the app does, with this error.
+    _state["settings_error"] = exc
+    _use(make_app(None))

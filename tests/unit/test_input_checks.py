@@ -10,7 +10,7 @@ from pydantic import SecretStr, ValidationError
 
 from loomflow_worker.admin import MAX_DURATION, parse_duration, validation_message
 from loomflow_worker.runtime import InvalidInput
-from loomflow_worker.runtime.store import describe_dsn
+from loomflow_worker.runtime.errors import describe_dsn
 from loomflow_worker.runtime.validate import check_json_text, check_text
 from loomflow_worker.settings import (
     Settings,

@@ -135,3 +135,18 @@ def test_each_layer_imports_only_those_below_it() -> None:
                 wrong += [f"{module} imports {dep}" for dep in deps
                           if any(dep == f or dep.startswith(f + ".") for f in forbidden)]
     assert wrong == []
+
+
+def test_each_layer_defines_its_errors_in_its_errors_module() -> None:
+    wrong = []
+    for layer in ("runtime", "execution", "tasks", "admin"):
+        for path in (PACKAGE / layer).rglob("*.py"):
+            if path.name == "errors.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef) and any(
+                    (base.id if isinstance(base, ast.Name) else getattr(base, "attr", ""))
+                    .endswith(("Error", "Exception")) for base in node.bases
+                ):
+                    wrong.append(f"{path.relative_to(PACKAGE)}: {node.name}")
+    assert wrong == []

@@ -1,0 +1,34 @@
+"""What the execution layer raises: how a request ended, when not with a result,
+and an attempt lost while its worker lived.
+
+A request's stored failure names its error's module and class (Celery's
+result backend imports them when a caller reads the result), so results
+stored by earlier versions name ``loomflow_worker.execution.execute`` or
+``loomflow_worker.tasks.execute``; both still offer these classes."""
+
+from __future__ import annotations
+
+from ..runtime.errors import LockLost, LoomflowWorkerError
+
+
+class RunFailed(LoomflowWorkerError):
+    """The request ended ``failed``; the message says why."""
+
+
+class RunDead(LoomflowWorkerError):
+    """The request ended ``dead``: its worker died too many times running it."""
+
+
+class RunCancelled(LoomflowWorkerError):
+    """The request was cancelled."""
+
+
+class AttemptLost(LoomflowWorkerError):
+    """An attempt lost its lock connection (a Postgres restart, a network blip)
+    while its worker lived: it is fenced, and the request runs again. Not a
+    crash: :func:`~.ledger.mark_lost` records it so."""
+
+    def __init__(self, request_id: str, attempt: int, cause: LockLost) -> None:
+        self.request_id = request_id
+        self.attempt = attempt
+        super().__init__(str(cause))
