@@ -1,7 +1,7 @@
 """Broker and result-backend restarts, on a ``redis-server`` of the test's own.
 
 The shared Redis can't be restarted (other tests use it), so each test
-starts its own (persisting to disk at shutdown, as a default Redis does) and
+starts its own (keeping its data in an append-only file) and
 restarts it while runs are in flight. Afterwards every worker's main process
 still runs, every request is ``succeeded`` once, and every caller's
 ``AsyncResult.get()`` returns the run's output."""
