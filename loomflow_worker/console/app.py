@@ -350,7 +350,8 @@ def create_app(
         except Exception as exc:
             depth = f"unknown (the broker did not answer: {type(exc).__name__})"
         return pages.render("fleet.html", view=view, broker_depth=depth,
-                            queue=settings.queue)
+                            queue=settings.queue,
+                            workers_window=admin.format_duration(data.WORKERS_WINDOW))
 
     async def login_page(request: Request) -> Response:
         if request.method == "GET":

@@ -35,6 +35,11 @@ PAGE_SIZE = 50
 MAX_JOURNAL = 5000
 #: How far back the fleet page looks for attempts (seconds).
 RECENT_WINDOW = 3600.0
+#: How far back the fleet page looks for worker processes' heartbeats (seconds).
+WORKERS_WINDOW = 900.0
+#: How many worker processes, and sweeper actions, the fleet page lists.
+MAX_WORKERS = 200
+MAX_ACTIONS = 50
 
 
 def make_pool(settings: Settings, *, max_size: int = 4) -> Pool:
@@ -355,6 +360,20 @@ class InFlight:
 
 
 @dataclass(frozen=True)
+class WorkerSeen:
+    worker: str
+    hostname: str
+    pid: int
+    slots: int
+    runs: int
+    heartbeat_interval: float
+    started_at: datetime
+    seen_at: datetime
+    stopped_at: datetime | None
+    state: str
+
+
+@dataclass(frozen=True)
 class RecentWorker:
     worker: str
     attempts: int
@@ -391,6 +410,16 @@ class Swept:
 
 
 @dataclass(frozen=True)
+class SweeperAction:
+    id: int
+    at: datetime
+    worker: str
+    action: str
+    request_id: str | None
+    detail: str
+
+
+@dataclass(frozen=True)
 class QueueDepth:
     ready: int
     backing_off: int
@@ -400,22 +429,28 @@ class QueueDepth:
 
 @dataclass
 class FleetView:
+    workers: list[WorkerSeen]
     in_flight: list[InFlight]
     recent: list[RecentWorker]
     connections: list[Connections]
     leader: Leader | None
     swept: list[Swept]
+    actions: list[SweeperAction]
     queue: QueueDepth
     now: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 async def fleet(pool: Pool) -> FleetView:
     return FleetView(
+        workers=await _rows(pool, "console_workers",
+                            {"window": WORKERS_WINDOW, "limit": MAX_WORKERS}, WorkerSeen),
         in_flight=await _rows(pool, "console_in_flight", {}, InFlight),
         recent=await _rows(pool, "console_recent_workers", {"window": RECENT_WINDOW},
                            RecentWorker),
         connections=await _rows(pool, "console_connections", {}, Connections),
         leader=next(iter(await _rows(pool, "console_leader", {}, Leader)), None),
         swept=await _rows(pool, "console_swept", {"limit": 20}, Swept),
+        actions=await _rows(pool, "console_sweeper_actions", {"limit": MAX_ACTIONS},
+                            SweeperAction),
         queue=(await _rows(pool, "console_queue", {}, QueueDepth))[0],
     )

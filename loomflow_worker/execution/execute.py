@@ -55,6 +55,9 @@ T = TypeVar("T")
 #: before it parks.
 HANDOFF_LOCK_WAIT = 2.0
 
+#: How long a process that closes waits to mark its ``workers`` row stopped.
+STOP_STAMP_WAIT = 2.0
+
 
 @dataclass
 class Outcome:
@@ -95,16 +98,22 @@ def _emitter(ctx: WorkerContext, request_id: str, attempt_no: int, lease: Lease)
 class WorkerContext:
     """What one pool child owns: its runtime and the agents built with it."""
 
-    def __init__(self, settings: Settings, slots: int = 1) -> None:
-        """``slots``: how many runs this process carries at once."""
+    def __init__(self, settings: Settings, slots: int = 1, node: str | None = None) -> None:
+        """``slots``: how many runs this process carries at once; ``node``:
+        the Celery node it serves (the host name when none)."""
         self.settings = settings
         self.slots = slots
-        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self.node = node or socket.gethostname()
+        # The process as its runs name their holder, and its ``workers`` row.
+        self.holder = f"{self.node}:{os.getpid()}"
         self._runtime: PostgresRuntime | None = None
         self.events: EventPublisher | None = None
         self._agents: dict[str, Any] = {}
         self._connect_lock = anyio.Lock()
         self._beating: asyncio.Task[None] | None = None
+        self._presence: asyncio.Task[None] | None = None
+        # The last stamp of the process's row failed: said once per outage.
+        self._unseen = False
         # Running requests of this process, by id: how to halt each.
         self._halts: dict[str, Callable[[str], None]] = {}
 
@@ -131,8 +140,12 @@ class WorkerContext:
                 # would make the runs of a busy process queue for them.
                 limiter = anyio.to_thread.current_default_thread_limiter()
                 limiter.total_tokens = max(limiter.total_tokens, self.slots)
-                self._beating = asyncio.get_running_loop().create_task(
+                loop = asyncio.get_running_loop()
+                self._beating = loop.create_task(
                     self._heartbeats(runtime), name="loomflow-worker heartbeat"
+                )
+                self._presence = loop.create_task(
+                    self._stamps(runtime), name="loomflow-worker presence"
                 )
                 meter = metrics.get()
                 if meter is not None:
@@ -185,12 +198,51 @@ class WorkerContext:
                     if running and line.fenced is None:
                         beats.start_soon(_beat, line, running, interval)
 
+    async def _stamps(self, runtime: PostgresRuntime) -> None:
+        """Stamp the process's own row in ``workers`` at once, then on every
+        heartbeat interval, idle or not: one statement per interval, on a
+        pooled connection (never a lock connection), on a loop of its own so
+        a slow pool never delays the runs' heartbeats."""
+        interval = self.settings.heartbeat_interval
+        while True:
+            await self._stamp(runtime, stopped=False)
+            await anyio.sleep(interval)
+
+    async def _stamp(self, runtime: PostgresRuntime, *, stopped: bool) -> None:
+        """One stamp of the process's row (``stopped``: it closes). A failure
+        is only logged: the row is for the console, no run depends on it."""
+        beat = ledger.WorkerBeat(
+            worker=self.holder, hostname=socket.gethostname(), pid=os.getpid(),
+            slots=self.slots, interval=self.settings.heartbeat_interval,
+            runs=len(self._halts),
+        )
+        try:
+            # Closing waits for it no more than STOP_STAMP_WAIT.
+            with anyio.fail_after(min(2 * beat.interval, STOP_STAMP_WAIT) if stopped
+                                  else 2 * beat.interval):
+                async with runtime.pool.connection() as conn:
+                    if stopped:
+                        await ledger.worker_stopped(conn, beat.worker)
+                    else:
+                        await ledger.worker_seen(conn, beat)
+        except Exception as exc:
+            if not self._unseen:
+                log.warning("could not stamp this worker's row in the workers table: %s",
+                            exc, extra={"action": "worker_stamp", "worker": beat.worker})
+            self._unseen = True
+            return
+        self._unseen = False
+
     async def aclose(self) -> None:
-        beating, self._beating = self._beating, None
-        if beating is not None:
-            beating.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beating
+        tasks, self._beating, self._presence = (self._beating, self._presence), None, None
+        for task in tasks:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._runtime is not None:
+            with anyio.CancelScope(shield=True):
+                await self._stamp(self._runtime, stopped=True)
         for agent in self._agents.values():
             closer = getattr(agent, "aclose", None)
             if closer is not None:
@@ -279,7 +331,7 @@ async def execute(
         except SessionBusy:
             return await _park_busy(runtime, request_id, req, options)
     try:
-        holder = f"{node or ctx.holder.rsplit(':', 1)[0]}:{os.getpid()}"
+        holder = f"{node or ctx.node}:{os.getpid()}"
         outcome = await _run_holding(ctx, runtime, lease, request_id, req, holder, time_limit,
                                      options)
     finally:

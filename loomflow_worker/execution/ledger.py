@@ -6,7 +6,7 @@ import os
 import threading
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal
@@ -546,6 +546,29 @@ async def heartbeat(conn: Conn, request_ids: list[str]) -> set[str]:
     cur = conn.cursor(row_factory=dict_row)
     await cur.execute(query("heartbeat"), {"request_ids": request_ids})
     return {row["request_id"] for row in await cur.fetchall() if row["cancel_requested"]}
+
+
+
+@dataclass(frozen=True)
+class WorkerBeat:
+    """What a worker process says of itself on each heartbeat (``workers``)."""
+
+    worker: str
+    hostname: str
+    pid: int
+    slots: int
+    interval: float
+    runs: int
+
+
+async def worker_seen(conn: Conn, beat: WorkerBeat) -> None:
+    """Stamp the process's row in ``workers`` (made on its first beat)."""
+    await conn.execute(query("worker_seen"), asdict(beat))
+
+
+async def worker_stopped(conn: Conn, worker: str) -> None:
+    """Mark the process's row stopped: it closes cleanly."""
+    await conn.execute(query("worker_stopped"), {"worker": worker})
 
 
 # ---- requests Celery revoked or let expire (sync: the worker's main process) --------------

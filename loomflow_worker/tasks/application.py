@@ -189,7 +189,7 @@ def _context() -> WorkerContext:
     ctx: WorkerContext | None = _state.get("context")
     if ctx is None:
         import_agent_modules(settings().agents)
-        ctx = WorkerContext(settings(), slots=_state.get("slots", 1))
+        ctx = WorkerContext(settings(), slots=_state.get("slots", 1), node=_state.get("node"))
         _state["context"] = ctx
     return ctx
 
@@ -209,6 +209,8 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
         log.critical("%s; the worker does not start", exc)
         raise SystemExit(2) from None
     if sender is not None:
+        # The node name its runs and its processes' rows in `workers` carry.
+        _state["node"] = getattr(sender, "hostname", None)
         name = pool_name(sender.pool_cls)
         if name in REFUSED_POOLS:
             raise SystemExit(

@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -47,6 +48,22 @@ LEADER_KEY = 0x6C66_7773_7765_6570  # "lfwsweep"
 PRUNE_EVERY = 300.0
 PRUNE_BUDGET = 0.5
 PRUNE_BATCH = 1000
+
+# What the sweeper keeps of its own actions (``sweeper_actions``, for the
+# console): the last KEEP_ACTIONS, none older than KEEP_ACTIONS_FOR seconds;
+# and how long a worker process's row (``workers``) outlives its last beat.
+KEEP_ACTIONS = 1000
+KEEP_ACTIONS_FOR = 86400.0
+FORGET_WORKERS_AFTER = 86400.0
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing the sweeper did, as ``sweeper_actions`` records it."""
+
+    action: str
+    request_id: str | None = None
+    detail: str = ""
 
 
 def confirm_lost(
@@ -100,6 +117,9 @@ class Sweeper:
         self._suspects: dict[str, float] = {}
         # The result backend refused the last store: said once per outage.
         self._backend_down = False
+        # This sweep's actions, recorded at its end (record_actions).
+        self.actions: list[Action] = []
+        self._next_forget = 0.0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="loomflow-worker sweeper",
@@ -137,11 +157,16 @@ class Sweeper:
             try:
                 if self._conn is None or self._conn.closed:
                     self._conn = self._connect()
-                if self._lead(self._conn):
-                    self.sweep_revoked(self._conn)
-                    self.sweep(self._conn)
-                    self.repair_results(self._conn)
-                    self.retain(self._conn)
+                conn = self._conn
+                try:
+                    if self._lead(conn):
+                        self.sweep_revoked(conn)
+                        self.sweep(conn)
+                        self.repair_results(conn)
+                        self.retain(conn)
+                        self.forget_workers(conn)
+                finally:
+                    self.record_actions(conn)
                 backoff = self.settings.sweep_interval
             except psycopg.Error as exc:
                 log.warning("sweeper: %s; reconnecting", exc, extra={"action": "sweeper_error"})
@@ -164,12 +189,16 @@ class Sweeper:
                     conn.execute(query("terminate_backend"), {"pid": stale[0]})
                     log.warning("sweeper: ended a frozen leader's connection (pid %s)",
                                 stale[0], extra={"action": "sweeper_takeover"})
+                    self.actions.append(Action(
+                        "takeover", detail=f"ended a frozen leader's connection (pid {stale[0]})"))
                 return False
             log.info("sweeper: leading the fleet from %s", self.holder,
                      extra={"action": "sweeper_leader"})
+            self.actions.append(Action("lead", detail=f"leading the fleet from {self.holder}"))
             # A new leader prunes at once: the last one may have stopped midway.
             self._pruner = None
             self._next_prune = 0.0
+            self._next_forget = 0.0
         conn.execute(query("leader_claim"), {"holder": self.holder})
         return True
 
@@ -222,6 +251,9 @@ class Sweeper:
                         "could not store", status, request_id,
                         extra={"action": "sweeper_result", "request": request_id},
                     )
+                    self.actions.append(Action(
+                        "result_stored", request_id,
+                        f"stored its {status} result, which its worker could not store"))
             if checked:
                 conn.execute(query(done), {"request_ids": checked})
             if self._backend_down:
@@ -246,6 +278,9 @@ class Sweeper:
         ids = [str(r[0]) for r in rows]
         if ids:
             self.end_revoked(ids)
+            self.actions.extend(
+                Action("revoked", request_id, "revoked while its message waited")
+                for request_id in ids)
         return len(ids)
 
     def sweep(self, conn: psycopg.Connection[Any]) -> int:
@@ -269,6 +304,11 @@ class Sweeper:
                     ", ..." if len(request_ids) > 5 else ""), pid,
                 extra={"action": "sweeper_fence", "requests": request_ids, "backend": pid},
             )
+            self.actions.extend(
+                Action("fence", request_id,
+                       f"no heartbeat for over {self.settings.lease:g}s; ended its worker's "
+                       f"lock connection (pid {pid})")
+                for request_id in request_ids)
         orphans = conn.cursor(row_factory=dict_row).execute(
             query("orphans"),
             {"after": self.settings.redispatch_after, "queued_after": self.settings.handoff_grace,
@@ -292,6 +332,8 @@ class Sweeper:
                 pending.request_id, status,
                 extra={"action": "sweeper_redispatch", "request": pending.request_id},
             )
+            self.actions.append(Action(
+                "redispatch", pending.request_id, f"it was {status} with its session free"))
         return len(chosen)
 
     def retain(self, conn: psycopg.Connection[Any], *, budget: float = PRUNE_BUDGET) -> int:
@@ -320,4 +362,47 @@ class Sweeper:
                     ", ".join(f"{n} {table}" for table, n in pruner.totals.items() if n),
                     extra={"action": "sweeper_prune", **pruner.totals},
                 )
+                self.actions.append(Action(
+                    "pruned", detail=f"older than {format_duration(retention)}: " + ", ".join(
+                        f"{n} {table}" for table, n in pruner.totals.items() if n)))
         return pruner.total - already
+
+    def forget_workers(self, conn: psycopg.Connection[Any]) -> int:
+        """Delete the ``workers`` rows of processes not seen for
+        FORGET_WORKERS_AFTER (right after taking the lead, then every
+        PRUNE_EVERY seconds); returns how many. A failure is only logged."""
+        if time.monotonic() < self._next_forget:
+            return 0
+        self._next_forget = time.monotonic() + PRUNE_EVERY
+        try:
+            forgot = conn.execute(
+                query("forget_workers"), {"after": FORGET_WORKERS_AFTER}).rowcount
+        except psycopg.Error as exc:
+            log.warning("sweeper: could not forget long-gone workers: %s", exc,
+                        extra={"action": "sweeper_forget"})
+            return 0
+        if forgot > 0:
+            self.actions.append(Action(
+                "forgot_workers",
+                detail=f"{forgot} worker process(es) not seen for "
+                       f"{format_duration(FORGET_WORKERS_AFTER)}"))
+        return max(forgot, 0)
+
+    def record_actions(self, conn: psycopg.Connection[Any]) -> None:
+        """Record this sweep's actions in ``sweeper_actions`` (one statement,
+        which also drops the oldest). A failure is only logged: the actions
+        are in the log and the metrics too."""
+        actions, self.actions = self.actions, []
+        if not actions:
+            return
+        try:
+            conn.execute(query("record_sweeper_actions"), {
+                "worker": self.holder,
+                "actions": [a.action for a in actions],
+                "request_ids": [a.request_id for a in actions],
+                "details": [a.detail for a in actions],
+                "keep": KEEP_ACTIONS, "keep_for": KEEP_ACTIONS_FOR,
+            })
+        except psycopg.Error as exc:
+            log.warning("sweeper: could not record %d action(s): %s", len(actions), exc,
+                        extra={"action": "sweeper_record"})

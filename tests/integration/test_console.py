@@ -5,6 +5,7 @@ plan on a ledger of many requests (real Postgres, the real cancel_run)."""
 from __future__ import annotations
 
 import html
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from loomflow_worker.tasks import run_agent, settings
 
 from .celery_harness import Fleet, ledger
 from .helpers import calls
+from .test_celery import _wait_for_execution
 from .test_cli import cli
 
 TOKEN = "console-token-" + "x" * 20
@@ -246,3 +248,69 @@ def _ago(conn: psycopg.Connection[object], seconds: float) -> object:
     row = conn.execute("SELECT now() - make_interval(secs => %s)", (seconds,)).fetchone()
     assert row is not None
     return row[0]
+
+
+FAST = {
+    "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_LEASE": "3",
+    "TEST_TOOL_SLEEP": "0.4",
+}
+
+
+def _worker_on_page(client: TestClient, worker: str) -> tuple[str, int] | None:
+    """The state and runs in flight the fleet page shows for ``worker`` (node:pid)."""
+    page = client.get("/fleet")
+    assert page.status_code == 200
+    found = re.search(
+        rf'<tr data-worker="{re.escape(html.escape(worker))}" data-state="(\w+)".*?'
+        r'<td class="num runs">(\d+)</td>', page.text)
+    return None if found is None else (found[1], int(found[2]))
+
+
+def _until_shown(client: TestClient, worker: str, expected: tuple[str, int],
+                 timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    shown = None
+    while time.monotonic() < deadline:
+        shown = _worker_on_page(client, worker)
+        if shown == expected:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the fleet page shows {worker} as {shown}, not {expected}")
+
+
+def test_the_fleet_page_shows_workers_by_heartbeat_and_the_sweepers_actions(
+    fleet: Fleet, client: TestClient
+) -> None:
+    fleet.start("w1", concurrency=1, **FAST)
+    fleet.start("w2", concurrency=1, **FAST)
+    killed = run_agent.delay(calls("f0", "f1", "f2", "f3"), "fleet-s")
+    _, pid, _, _ = _wait_for_execution(fleet.dsn, "f1")
+    victim = fleet.worker_of(pid)
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT holder FROM runs WHERE request_id = %s",
+                           (killed.id,)).fetchone()
+    assert row is not None and row[0].endswith(f":{pid}")
+    first = str(row[0])
+    # Seen by its heartbeat, with the run it carries.
+    _until_shown(client, first, ("live", 1))
+
+    fleet.kill(victim)
+    assert killed.get(timeout=60)["output"].startswith("done: recorded f0")
+    # No beat since the SIGKILL: stale after two of its intervals.
+    _until_shown(client, first, ("stale", 1))
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT worker FROM run_attempts WHERE request_id = %s "
+                           "AND attempt = 2", (killed.id,)).fetchone()
+    assert row is not None
+    second = str(row[0])
+    _until_shown(client, second, ("live", 0))
+    # The sweeper dispatched the killed run again, and the page says so.
+    page = client.get("/fleet").text
+    actions = re.findall(r'<tr data-action="(\w+)">(.*?)</tr>', page, re.S)
+    assert any(action == "redispatch" and killed.id[:8] in cells
+               for action, cells in actions), actions
+
+    fleet.terminate("w2")
+    _until_shown(client, second, ("stopped", 0), timeout=5)

@@ -362,6 +362,21 @@ UPDATE runs SET heartbeat_at = now()
  WHERE request_id = ANY(%(request_ids)s::text[]) AND status = 'running'
 RETURNING request_id, cancel_requested;
 
+-- name: worker_seen
+-- A worker process's own row, stamped once per heartbeat interval: how many
+-- runs it carries now, of how many slots (a restarted pid starts a new row).
+INSERT INTO workers AS w (worker, hostname, pid, slots, heartbeat_interval, runs)
+VALUES (%(worker)s, %(hostname)s, %(pid)s, %(slots)s, %(interval)s, %(runs)s)
+ON CONFLICT (worker) DO UPDATE
+   SET runs = EXCLUDED.runs, slots = EXCLUDED.slots,
+       heartbeat_interval = EXCLUDED.heartbeat_interval, seen_at = now(),
+       started_at = CASE WHEN w.stopped_at IS NULL THEN w.started_at ELSE now() END,
+       stopped_at = NULL;
+
+-- name: worker_stopped
+-- A worker process that closes cleanly.
+UPDATE workers SET stopped_at = now(), seen_at = now(), runs = 0 WHERE worker = %(worker)s;
+
 -- ---- the sweeper ---------------------------------------------------------------------------
 
 -- name: leader_lock
@@ -458,6 +473,25 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
           AND l.classid = ((h.lock_key >> 32) & 4294967295)::oid
           AND l.objid = (h.lock_key & 4294967295)::oid)
  LIMIT %(limit)s;
+
+-- name: record_sweeper_actions
+-- What one sweep did, in one statement that also keeps the table short: the
+-- last `keep` actions, none older than `keep_for` seconds.
+WITH added AS (
+    INSERT INTO sweeper_actions (worker, action, request_id, detail)
+    SELECT %(worker)s, a.action, a.request_id, a.detail
+      FROM unnest(%(actions)s::text[], %(request_ids)s::text[], %(details)s::text[])
+           AS a(action, request_id, detail)
+    RETURNING id
+)
+DELETE FROM sweeper_actions
+ WHERE id <= (SELECT max(id) FROM added) - %(keep)s
+    OR at < now() - make_interval(secs => %(keep_for)s);
+
+-- name: forget_workers
+-- Worker processes not seen for `after` seconds (an autoscaled fleet's
+-- long-gone ones).
+DELETE FROM workers WHERE seen_at < now() - make_interval(secs => %(after)s);
 
 -- name: mark_undispatched
 -- The broker refused a request's message: it is the first the sweeper
@@ -922,3 +956,23 @@ SELECT count(*) FILTER (WHERE status = 'queued' AND dispatched_at <= now()) AS r
        count(*) FILTER (WHERE status = 'running') AS running,
        min(enqueued_at) FILTER (WHERE status = 'queued') AS oldest_queued
   FROM runs WHERE loomflow_worker_unfinished(status);
+
+-- name: console_workers
+-- console: worker processes seen by heartbeat within `window` seconds, latest
+-- first: live, stale (no beat for over two of its intervals: gone without
+-- closing, or frozen) or stopped (closed cleanly).
+SELECT worker, hostname, pid, slots, runs, heartbeat_interval, started_at, seen_at,
+       stopped_at,
+       CASE WHEN stopped_at IS NOT NULL THEN 'stopped'
+            WHEN seen_at < now() - make_interval(secs => 2 * heartbeat_interval) THEN 'stale'
+            ELSE 'live' END AS state
+  FROM workers
+ WHERE seen_at > now() - make_interval(secs => %(window)s)
+ ORDER BY (stopped_at IS NULL) DESC, seen_at DESC, worker
+ LIMIT %(limit)s;
+
+-- name: console_sweeper_actions
+-- console: the sweeper's latest actions, latest first.
+SELECT id, at, worker, action, request_id, detail
+  FROM sweeper_actions
+ ORDER BY id DESC LIMIT %(limit)s;
