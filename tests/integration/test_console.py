@@ -5,6 +5,7 @@ plan on a ledger of many requests (real Postgres, the real cancel_run)."""
 from __future__ import annotations
 
 import html
+import logging
 import re
 import socket
 import time
@@ -20,7 +21,7 @@ from loomflow_worker.console import BackgroundConsole, create_app
 from loomflow_worker.runtime.errors import InvalidInput
 from loomflow_worker.runtime.sql import query
 from loomflow_worker.settings import Settings
-from loomflow_worker.tasks import run_agent, settings
+from loomflow_worker.tasks import run_agent, settings, sweeper
 
 from .celery_harness import Fleet, ledger
 from .helpers import calls
@@ -314,3 +315,32 @@ def test_the_fleet_page_shows_workers_by_heartbeat_and_the_sweepers_actions(
 
     fleet.terminate("w2")
     _until_shown(client, second, ("stopped", 0), timeout=5)
+
+
+def test_the_sweeper_keeps_its_actions_and_the_workers_table_short(
+    dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(sweeper, "KEEP_ACTIONS", 10)
+    made = sweeper.Sweeper(Settings(database_url=dsn), lambda _: None)  # type: ignore[arg-type]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO workers (worker, hostname, pid, slots, heartbeat_interval, seen_at) "
+            "VALUES ('old@h:1', 'h', 1, 1, 2, now() - interval '2 days'), "
+            "('new@h:2', 'h', 2, 1, 2, now())")
+        assert made.forget_workers(conn) == 1
+        assert made.forget_workers(conn) == 0  # not again before PRUNE_EVERY
+        for batch in range(3):
+            made.actions.extend(sweeper.Action("redispatch", f"r{batch}-{i}") for i in range(7))
+            made.record_actions(conn)
+        assert made.actions == []
+        kept = [r[0] for r in conn.execute(
+            "SELECT coalesce(request_id, action) FROM sweeper_actions ORDER BY id")]
+        assert len(kept) == 10 and kept[-1] == "r2-6"
+        assert [r[0] for r in conn.execute("SELECT worker FROM workers")] == ["new@h:2"]
+        # A failing record is logged, and the sweep goes on.
+        conn.execute("ALTER TABLE sweeper_actions RENAME TO sweeper_actions_away")
+        made.actions.append(sweeper.Action("fence", "r9"))
+        with caplog.at_level(logging.WARNING, logger="loomflow_worker.sweeper"):
+            made.record_actions(conn)
+        assert "could not record 1 action" in caplog.text
+        assert conn.execute("SELECT 1").fetchone() == (1,)

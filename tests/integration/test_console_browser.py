@@ -157,6 +157,10 @@ def test_a_killed_run_shows_two_attempts_and_its_replayed_steps(
         died = page.locator("#workers tr.dead")
         expect(died).to_have_count(1)
         expect(page.locator("#sweeper")).to_contain_text("Leader:")
+        # The killed worker's process went stale, and the sweeper sent its run again.
+        expect(page.locator("#seen tr[data-state='stale']")).to_have_count(1)
+        expect(page.locator("#seen tr[data-state='live']")).not_to_have_count(0)
+        expect(page.locator("#sweeper tr[data-action='redispatch']")).not_to_have_count(0)
         expect(page.locator("#connections")).to_contain_text("loomflow-worker sweeper")
         expect(page.locator("#queue")).to_contain_text("message")
         _shot(page, "fleet")

@@ -1,10 +1,13 @@
-"""What a pool child says about the agents it builds."""
+"""What a pool child says about the agents it builds, and of itself in ``workers``."""
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
+import anyio
+import psycopg
 import pytest
 import redis.asyncio as aredis
 from loomflow import Agent
@@ -46,3 +49,37 @@ async def test_an_agent_with_process_local_memory_is_warned_about_once(
         await ctx.aclose()
     warned = [r for r in caplog.records if "keeps its memory in this process" in r.getMessage()]
     assert [r.getMessage().split("'")[1] for r in warned] == ["test-memory-per-process"]
+
+
+async def _worker_row(dsn: str, worker: str) -> tuple[int, int, bool, bool] | None:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT pid, runs, seen_at > now() - interval '5 seconds', stopped_at IS NOT NULL "
+            "FROM workers WHERE worker = %s", (worker,))
+        row = await cur.fetchone()
+    return None if row is None else (row[0], row[1], row[2], row[3])
+
+
+async def test_an_idle_process_stamps_its_row_and_marks_it_stopped_when_it_closes(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = Settings(database_url=dsn, events=False, heartbeat_interval=0.2)  # type: ignore[arg-type]
+    ctx = WorkerContext(settings, slots=3, node="n1@host")
+    assert ctx.holder == f"n1@host:{os.getpid()}"
+    try:
+        await ctx.runtime()
+        await anyio.sleep(0.1)
+        assert await _worker_row(dsn, ctx.holder) == (os.getpid(), 0, True, False)
+        # The table gone (a failing stamp): logged once, and the process goes on.
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            await conn.execute("ALTER TABLE workers RENAME TO workers_away")
+        with caplog.at_level(logging.WARNING, logger="loomflow_worker.tasks"):
+            await anyio.sleep(0.7)
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            await conn.execute("ALTER TABLE workers_away RENAME TO workers")
+        warned = [r for r in caplog.records if "could not stamp" in r.getMessage()]
+        assert len(warned) == 1
+        assert ctx._presence is not None and not ctx._presence.done()
+    finally:
+        await ctx.aclose()
+    assert await _worker_row(dsn, ctx.holder) == (os.getpid(), 0, True, True)
