@@ -102,6 +102,11 @@ def test_a_frozen_worker_is_fenced_and_its_request_recovered(fleet: Fleet) -> No
     counts = _counts(fleet.dsn)
     assert counts["f1"] == 1 and counts["f3"] == 1 and counts["f2"] == 2
     assert "fenced" in fleet.log_text() or "LockLost" in fleet.log_text()
+    # The sweeper recorded the fence, for the console's fleet page.
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        fences = conn.execute("SELECT detail FROM sweeper_actions WHERE action = 'fence' "
+                              "AND request_id = %s", (result.id,)).fetchall()
+    assert fences and "no heartbeat" in fences[0][0], fences
     print(f"\nfrozen worker: request finished {recovered_in:.1f}s after the freeze")
 
 
