@@ -26,6 +26,7 @@ from .runs import (
     RunRow,
     RunStatus,
     StepInfo,
+    attempts_that_ran_nothing,
     attribute_steps,
     get_run,
     list_runs,
@@ -39,7 +40,8 @@ from .signals import send_signal
 
 __all__ = [
     "MAX_DURATION", "MAX_LIST", "STATUSES", "TERMINAL", "AttemptInfo", "Check", "Conn",
-    "RequestNotFound", "RunDetail", "RunRow", "RunStatus", "StepInfo", "attribute_steps",
+    "RequestNotFound", "RunDetail", "RunRow", "RunStatus", "StepInfo", "attempts_that_ran_nothing",
+    "attribute_steps",
     "check_settings", "connect", "doctor", "format_duration", "get_run", "list_runs",
     "parse_duration", "redact", "run_status", "sanitize_url", "secrets_of", "send_signal",
     "shorten", "step_name", "summarize_value", "validation_message", "wait_for",

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from loomflow.core.types import ModelChunk, ToolResult
 from psycopg.rows import class_row, dict_row
@@ -227,23 +227,26 @@ def get_run(conn: Conn, request_id: str) -> RunDetail:
                 [(bool(r["stream"]), r["step_name"], float(r["created_at"]), bytes(r["value"]))
                  for r in rows],
                 detail.attempts,
-                ran_nothing=_attempts_that_ran_nothing(detail),
+                ran_nothing=attempts_that_ran_nothing(detail.error, detail.attempts),
             )
     return detail
 
 
-def _attempts_that_ran_nothing(detail: RunDetail) -> set[int]:
+class _Ended(Protocol):
+    @property
+    def attempt(self) -> int: ...
+    @property
+    def outcome(self) -> str | None: ...
+
+
+def attempts_that_ran_nothing(error: str | None, attempts: Sequence[_Ended]) -> set[int]:
     """An attempt that ended before running the agent: cancelled before it started
-    (attempts that found the request dead are told by their outcome)."""
-    skipped: set[int] = set()
-    last = detail.attempts[-1] if detail.attempts else None
-    if (
-        last is not None
-        and last.outcome == "cancelled"
-        and detail.error == "cancelled before it started"
-    ):
-        skipped.add(last.attempt)
-    return skipped
+    (attempts that found the request dead are told by their outcome). ``error``
+    is the request's; the console reads the same rule."""
+    last = attempts[-1] if attempts else None
+    if last is not None and last.outcome == "cancelled" and error == "cancelled before it started":
+        return {last.attempt}
+    return set()
 
 
 _KEY_HASH = re.compile(r"(@[0-9a-f]{16}|:[0-9a-f]{64})$")

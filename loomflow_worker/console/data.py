@@ -9,7 +9,7 @@ small pool of read-only connections; rows come back as the dataclasses below
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -300,17 +300,6 @@ class RunNotFound(InvalidInput, LookupError):
         )
 
 
-def ran_nothing(run: RunRow, attempts: Sequence[AttemptRow]) -> set[int]:
-    """Attempts that ended before running the agent (so replayed nothing): the
-    last one, when it found the request cancelled before it started."""
-    last = attempts[-1] if attempts else None
-    if last is not None and last.outcome == "cancelled" and (
-        run.error == "cancelled before it started"
-    ):
-        return {last.attempt}
-    return set()
-
-
 async def run_status(pool: Pool, request_id: str, *, full_prompt: bool = False) -> RunRow:
     """The request's ledger row, or :class:`RunNotFound`."""
     check_id("request", request_id)
@@ -342,7 +331,7 @@ async def get_run(pool: Pool, request_id: str, *, full_prompt: bool = False) -> 
     view.journal_cut = len(entries) > MAX_JOURNAL
     view.steps = admin.attribute_steps(
         entries[:MAX_JOURNAL], [a.info() for a in attempts],
-        ran_nothing=ran_nothing(run, attempts), now=run.now.timestamp(),
+        ran_nothing=admin.attempts_that_ran_nothing(run.error, attempts), now=run.now.timestamp(),
     )
     return view
 
