@@ -39,15 +39,22 @@ _STEP_ENDS = {"tool_result", "completed", "error", END}
 
 # The fields of a stream entry, in the order _APPEND takes them.
 _FIELDS = ("attempt", "replayed", "kind", "data", "at")
-# XADD each event (5 arguments apiece, after the stream's bound and lifetime),
-# then renew the stream's lifetime.
+# For each stream (KEYS[k]): how many events it gets, then theirs, 5 arguments
+# apiece (after every stream's bound and lifetime); XADD each event, then renew
+# the stream's lifetime. One call appends a whole batch, whatever streams it spans.
 _APPEND = """
-for i = 3, #ARGV, 5 do
-    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*',
-               'attempt', ARGV[i], 'replayed', ARGV[i + 1], 'kind', ARGV[i + 2],
-               'data', ARGV[i + 3], 'at', ARGV[i + 4])
+local a = 3
+for k = 1, #KEYS do
+    local n = tonumber(ARGV[a])
+    a = a + 1
+    for _ = 1, n do
+        redis.call('XADD', KEYS[k], 'MAXLEN', '~', ARGV[1], '*',
+                   'attempt', ARGV[a], 'replayed', ARGV[a + 1], 'kind', ARGV[a + 2],
+                   'data', ARGV[a + 3], 'at', ARGV[a + 4])
+        a = a + 5
+    end
+    redis.call('EXPIRE', KEYS[k], ARGV[2])
 end
-redis.call('EXPIRE', KEYS[1], ARGV[2])
 """
 
 
@@ -225,16 +232,18 @@ class EventPublisher:
             await self.flush()
 
     async def _send(self, entries: list[tuple[str, dict[str, str]]]) -> None:
-        # One call per stream, appending all its new events: a round trip and
-        # a command for Redis to parse per stream rather than per event.
+        # One call for the whole batch: a round trip and a command for Redis
+        # to parse per flush, not per stream or per event.
         by_key: dict[str, list[str]] = {}
         for request_id, fields in entries:
-            args = by_key.setdefault(
-                stream_key(self._prefix, request_id), [str(self._maxlen), str(self._retention)]
+            by_key.setdefault(stream_key(self._prefix, request_id), []).extend(
+                fields[name] for name in _FIELDS
             )
-            args += (fields[name] for name in _FIELDS)
-        for key, args in by_key.items():
-            await self._append(keys=[key], args=args)
+        args = [str(self._maxlen), str(self._retention)]
+        for values in by_key.values():
+            args.append(str(len(values) // len(_FIELDS)))
+            args += values
+        await self._append(keys=list(by_key), args=args)
 
     async def aclose(self) -> None:
         if self._flusher is not None:

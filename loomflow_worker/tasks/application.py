@@ -58,7 +58,7 @@ from . import pool
 from .broker import AMQP
 from .loop import ChildLoop
 from .pool import REFUSED_POOLS, RunPool, pool_name
-from .sweeper import Sweeper
+from .sweeper import ResultRepair, Sweeper
 
 log = logging.getLogger("loomflow_worker.tasks")
 
@@ -276,20 +276,29 @@ def _queue_length() -> int:
         return int(declared.message_count)
 
 
-def _store_missing_result(
-    request_id: str, status: str, result: Any, error: str | None, force: bool
-) -> bool:
-    """Store a finished request's outcome, as the ledger has it, in the result
-    backend if it is not there (``force``: whatever is there); ``True`` when
-    it was stored."""
-    if not force and app.backend.get_state(request_id) != "PENDING":
-        return False
+def _results_missing(request_ids: list[str]) -> set[str]:
+    """Which of these finished requests have no outcome in the result backend:
+    on Redis, one pipelined ``EXISTS`` per request (nothing read back), one
+    round trip for the lot."""
+    from celery.backends.redis import RedisBackend
+
+    backend = app.backend
+    if isinstance(backend, RedisBackend):
+        with backend.client.pipeline(transaction=False) as pipe:
+            for request_id in request_ids:
+                pipe.exists(backend.get_key_for_task(request_id))
+            found = pipe.execute()
+        return {rid for rid, exists in zip(request_ids, found, strict=True) if not exists}
+    return {rid for rid in request_ids if backend.get_state(rid) == "PENDING"}
+
+
+def _store_result(request_id: str, status: str, result: Any, error: str | None) -> None:
+    """Store a finished request's outcome, as the ledger has it, in the result backend."""
     if status == "succeeded":
         app.backend.store_result(request_id, result, "SUCCESS")
     else:
         failure = {"dead": RunDead, "cancelled": RunCancelled}.get(status, RunFailed)
         app.backend.store_result(request_id, failure(error or status), "FAILURE")
-    return True
 
 
 @worker_ready.connect
@@ -304,7 +313,8 @@ def _start_sweeper(**_: Any) -> None:
         except Exception:
             log.exception("the worker could not connect to Postgres yet; will retry per task")
     if settings().sweeper:
-        sweeper = Sweeper(settings(), _dispatch, _queue_length, _store_missing_result,
+        sweeper = Sweeper(settings(), _dispatch, _queue_length,
+                          ResultRepair(_results_missing, _store_result),
                           revoked=_end_revoked_requests)
         _state["sweeper"] = sweeper
         sweeper.start()
@@ -612,6 +622,8 @@ def _dispatch(pending: Pending) -> None:
 
 
 def _dispatch_deferred(request_id: str, state: str, exc: BaseException) -> None:
+    global _backend_answered
+    _backend_answered = None  # the next enqueue checks the backend first
     log.warning(
         "request %s is %s (the runs ledger has it) but the broker refused its message (%s); "
         "a worker's sweeper takes it from the ledger once the broker is back",
@@ -675,18 +687,35 @@ def cancel_queued(session_id: str | None = None, user_id: str | None = None) -> 
     return [pending.request_id for _, pending in found]
 
 
+#: How long a result backend that answered a PING is taken to be up: enqueues
+#: within it send none.
+BACKEND_CHECK_EVERY = 1.0
+# The backend that last answered, and when (a publish that fails forgets it).
+_backend_answered: tuple[object, float] | None = None
+
+
 def _check_result_backend() -> None:
     """Raise a connection error at once when the result backend's Redis is down.
 
     Before publishing, Celery subscribes the caller to the request's result
     on Redis, retrying for about 19 seconds when Redis is down and then
     giving up with an anonymous ``RuntimeError``. One ``PING`` (a fraction of a
-    millisecond) finds out first. Pool children do not subscribe."""
+    millisecond) finds out first, at most once every BACKEND_CHECK_EVERY
+    seconds: a Redis that goes away in between is met by that retry, whose
+    error ``apply_async`` also turns into a deferred dispatch. Pool children
+    do not subscribe."""
+    global _backend_answered
     from celery.backends.redis import RedisBackend
 
     backend = app.backend
-    if isinstance(backend, RedisBackend) and not task_join_will_block():
-        backend.client.ping()
+    if not isinstance(backend, RedisBackend) or task_join_will_block():
+        return
+    now = time.monotonic()
+    answered = _backend_answered
+    if answered is not None and answered[0] is backend and now - answered[1] < BACKEND_CHECK_EVERY:
+        return
+    backend.client.ping()
+    _backend_answered = (backend, now)
 
 
 def _dispatch_errors() -> tuple[type[BaseException], ...]:

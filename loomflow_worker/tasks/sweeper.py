@@ -57,6 +57,17 @@ KEEP_ACTIONS_FOR = 86400.0
 FORGET_WORKERS_AFTER = 86400.0
 
 
+
+@dataclass(frozen=True)
+class ResultRepair:
+    """How the sweeper reaches the result backend: ``missing(request_ids)``
+    says which of them have no outcome stored (in one round trip where the
+    backend allows), ``store(request_id, status, result, error)`` stores one
+    as the ledger has it."""
+
+    missing: Callable[[list[str]], set[str]]
+    store: Callable[[str, str, Any, str | None], None]
+
 @dataclass(frozen=True)
 class Action:
     """One thing the sweeper did, as ``sweeper_actions`` records it."""
@@ -96,7 +107,7 @@ class Sweeper:
         settings: Settings,
         dispatch: Callable[[Pending], None],
         queue_length: Callable[[], int] | None = None,
-        store_result: Callable[[str, str, Any, str | None, bool], bool] | None = None,
+        results: ResultRepair | None = None,
         revoked: Callable[[list[str]], None] | None = None,
     ) -> None:
         self.settings = settings
@@ -104,7 +115,7 @@ class Sweeper:
         self.end_revoked = revoked
         self._revoked_seen: set[str] = set()
         self.dispatch = dispatch
-        self.store_result = store_result
+        self.results = results
         self.queue_length = queue_length
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self._stop = threading.Event()
@@ -218,44 +229,46 @@ class Sweeper:
         in the result backend: those the backend refused (it was down), and
         those whose worker died between its commit and storing it; returns how
         many. While the backend is down, they wait for a later sweep."""
-        if self.store_result is None:
+        if self.results is None:
             return 0
         repaired = 0
-        for name, params, force, done in (
-            ("unstored_results", {"limit": 200}, True, "mark_result_stored"),
+        within = 3600
+        for name, params, check, done in (
+            ("unstored_results", {"limit": 200}, False, "mark_result_stored"),
             ("unchecked_results",
-             {"after": self.settings.handoff_grace, "within": 3600, "limit": 200}, False,
+             {"after": self.settings.handoff_grace, "within": within, "limit": 200}, True,
              "mark_result_checked"),
         ):
             rows = conn.cursor(row_factory=dict_row).execute(query(name), params).fetchall()
+            if not rows:
+                continue
             checked: list[str] = []
-            for row in rows:
-                request_id, status = row["request_id"], row["status"]
-                try:
-                    stored = self.store_result(
-                        request_id, status, row["result"], row["error"], force
-                    )
-                except Exception as exc:
-                    if not self._backend_down:
-                        log.warning("sweeper: the result backend is unreachable (%s); "
-                                    "results wait in the ledger", exc,
-                                    extra={"action": "sweeper_result_wait"})
-                    self._backend_down = True
-                    break
+            try:
+                missing = (self.results.missing([row["request_id"] for row in rows])
+                           if check else None)
+                for row in rows:
+                    request_id, status = row["request_id"], row["status"]
+                    if missing is None or request_id in missing:
+                        self.results.store(request_id, status, row["result"], row["error"])
+                        repaired += 1
+                        log.warning(
+                            "sweeper: stored the %s result of request %s, which its worker "
+                            "could not store", status, request_id,
+                            extra={"action": "sweeper_result", "request": request_id},
+                        )
+                        self.actions.append(Action(
+                            "result_stored", request_id,
+                            f"stored its {status} result, which its worker could not store"))
+                    checked.append(request_id)
                 self._backend_down = False
-                checked.append(request_id)
-                if stored:
-                    repaired += 1
-                    log.warning(
-                        "sweeper: stored the %s result of request %s, which its worker "
-                        "could not store", status, request_id,
-                        extra={"action": "sweeper_result", "request": request_id},
-                    )
-                    self.actions.append(Action(
-                        "result_stored", request_id,
-                        f"stored its {status} result, which its worker could not store"))
+            except Exception as exc:
+                if not self._backend_down:
+                    log.warning("sweeper: the result backend is unreachable (%s); "
+                                "results wait in the ledger", exc,
+                                extra={"action": "sweeper_result_wait"})
+                self._backend_down = True
             if checked:
-                conn.execute(query(done), {"request_ids": checked})
+                conn.execute(query(done), {"request_ids": checked, "within": within})
             if self._backend_down:
                 break
         return repaired

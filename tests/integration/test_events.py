@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import threading
+import uuid
 
-from loomflow_worker.events import RunEvent, iter_events
+import redis
+
+from loomflow_worker.events import EventPublisher, RunEvent, iter_events, stream_key
+from loomflow_worker.settings import Settings
 from loomflow_worker.tasks import run_agent, settings
 
-from .celery_harness import Fleet
+from .celery_harness import REDIS_URL, Fleet
 from .helpers import calls
 from .test_celery import _wait_for_execution
 
@@ -69,3 +75,40 @@ def test_events_of_a_resumed_attempt_say_what_replayed(fleet: Fleet) -> None:
     # ...and ran the interrupted one for real.
     fresh = [e for e in second if not e.replayed and e.kind == "tool_result"]
     assert [output(e) for e in fresh] == ["recorded r2"]
+
+
+def test_one_flush_appends_each_requests_events_to_its_own_stream_in_order() -> None:
+    """A batch spanning many requests goes out in one call, and each stream
+    gets exactly its own events, in the order they were published, with a
+    lifetime."""
+    prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
+    url = REDIS_URL
+    requests = [f"r{i}" for i in range(5)]
+
+    async def publish() -> None:
+        publisher = EventPublisher(url, prefix=prefix, maxlen=1000, retention=600,
+                                   interval=60)
+        try:
+            for step in range(4):
+                for i, request_id in enumerate(requests[: step + 2]):
+                    publisher.publish(request_id, 1, "model_chunk",
+                                      json.dumps({"step": step, "i": i}), replayed=False)
+            await publisher.flush()
+        finally:
+            await publisher.aclose()
+
+    client = redis.Redis.from_url(url)
+    try:
+        asyncio.run(publish())
+        for i, request_id in enumerate(requests):
+            events = list(iter_events(request_id, url=url, follow=False,
+                                      settings=Settings(redis_key_prefix=prefix)))
+            steps = [e.data["step"] for e in events]
+            assert steps == [s for s in range(4) if i < s + 2], (request_id, steps)
+            assert all(e.data["i"] == i and e.kind == "model_chunk" for e in events)
+            assert 0 < client.ttl(stream_key(prefix, request_id)) <= 600
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()

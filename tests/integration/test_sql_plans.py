@@ -50,3 +50,33 @@ def test_a_hot_query_finds_unfinished_requests_through_the_partial_index(
     with psycopg.connect(big_ledger, autocommit=True) as conn:
         plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + query(name), PARAMS))
     assert "runs_scope_open" in plan, plan
+
+
+def test_every_way_a_request_ends_queues_one_result_check(dsn: str) -> None:
+    """A request that ends (finished by its worker, cancelled while queued, or
+    recorded already failed) gets one row in ``results_to_check``; its start
+    and heartbeats get none; the sweeper's mark removes the checked rows."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        def waiting() -> list[str]:
+            rows = conn.execute("SELECT request_id FROM results_to_check ORDER BY 1")
+            return [r[0] for r in rows]
+
+        for rid in ("a", "b"):
+            conn.execute("INSERT INTO runs (request_id, scope, session_id, agent, prompt)"
+                         " VALUES (%s, 's', 's', 'x', 'p')", (rid,))
+        conn.execute("INSERT INTO runs (request_id, scope, session_id, agent, prompt, status,"
+                     " finished_at) VALUES ('c', 's', 's', 'x', 'p', 'failed', now())")
+        conn.execute("UPDATE runs SET status = 'running' WHERE request_id = 'a'")
+        conn.execute("UPDATE runs SET heartbeat_at = now() WHERE request_id = 'a'")
+        assert waiting() == ["c"]
+        conn.execute("UPDATE runs SET status = 'succeeded', finished_at = now()"
+                     " WHERE request_id = 'a'")
+        conn.execute("UPDATE runs SET status = 'cancelled', finished_at = now()"
+                     " WHERE request_id = 'b'")
+        conn.execute("UPDATE runs SET result_stored = false WHERE request_id = 'a'")
+        assert waiting() == ["a", "b", "c"]
+        unchecked = conn.execute(query("unchecked_results"),
+                                 {"after": -1, "within": 3600, "limit": 10}).fetchall()
+        assert sorted(r[0] for r in unchecked) == ["a", "b", "c"]
+        conn.execute(query("mark_result_checked"), {"request_ids": ["a", "c"], "within": 3600})
+        assert waiting() == ["b"]

@@ -701,14 +701,17 @@ UPDATE run_attempts SET outcome = 'interrupted'
 -- name: unchecked_results
 -- Requests finished between `after` and `within` seconds ago whose result the
 -- sweeper has not yet checked in the result backend.
-SELECT request_id, status, result, error, error_type FROM runs
- WHERE NOT result_checked AND loomflow_worker_finished(status)
-   AND finished_at < now() - make_interval(secs => %(after)s)
-   AND finished_at > now() - make_interval(secs => %(within)s)
- ORDER BY finished_at LIMIT %(limit)s;
+SELECT r.request_id, r.status, r.result, r.error, r.error_type
+  FROM results_to_check c JOIN runs r USING (request_id)
+ WHERE c.finished_at < now() - make_interval(secs => %(after)s)
+   AND c.finished_at > now() - make_interval(secs => %(within)s)
+ ORDER BY c.finished_at LIMIT %(limit)s;
 
 -- name: mark_result_checked
-UPDATE runs SET result_checked = true WHERE request_id = ANY(%(request_ids)s);
+-- Checked, and those past looking back to (or whose request was pruned).
+DELETE FROM results_to_check
+ WHERE request_id = ANY(%(request_ids)s)
+    OR finished_at < now() - make_interval(secs => %(within)s);
 
 -- name: mark_result_unstored
 -- Its worker could not store the finished request's result in the result
@@ -721,7 +724,7 @@ SELECT request_id, status, result, error, error_type FROM runs
  WHERE NOT result_stored ORDER BY finished_at LIMIT %(limit)s;
 
 -- name: mark_result_stored
-UPDATE runs SET result_stored = true, result_checked = true
+UPDATE runs SET result_stored = true
  WHERE request_id = ANY(%(request_ids)s);
 
 -- ---- lock connections shared by many runs -----------------------------------------------
