@@ -1,10 +1,12 @@
-"""Broker and result-backend restarts, on a ``redis-server`` of the test's own.
+"""Broker and result-backend restarts, on a ``redis-server`` or RabbitMQ node
+of the test's own.
 
-The shared Redis can't be restarted (other tests use it), so each test
-starts its own (keeping its data in an append-only file) and
-restarts it while runs are in flight. Afterwards every worker's main process
-still runs, every request is ``succeeded`` once, and every caller's
-``AsyncResult.get()`` returns the run's output."""
+The shared Redis and RabbitMQ can't be restarted (other tests use them), so
+each test starts its own (a Redis keeping its data in an append-only file, a
+RabbitMQ node with its own name, ports and data) and restarts it while runs
+are in flight. Afterwards every worker's main process still runs, every
+request is ``succeeded`` once, and every caller's ``AsyncResult.get()``
+returns the run's output."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from tests.chaos.checks import (
     wait_terminal,
 )
 from tests.integration.celery_harness import Fleet
-from tests.integration.services import PrivateRedis
+from tests.integration.services import PrivateRabbitMQ, PrivateRedis
 
 ENV = {
     "TEST_TOOL_SLEEP": "0.3",
@@ -59,7 +61,19 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
         server.stop()
 
 
-def use_redis(fleet: Fleet, *, broker: str | None = None, backend: str | None = None) -> None:
+@pytest.fixture
+def private_rabbitmq(tmp_path: Path) -> Iterator[PrivateRabbitMQ]:
+    workdir = tmp_path / "rabbitmq"
+    workdir.mkdir()
+    server = PrivateRabbitMQ(workdir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def use_services(fleet: Fleet, *, broker: str | None = None, backend: str | None = None) -> None:
     """Point the fleet's workers, and this process, at another broker / result backend."""
     current = tasks.settings()
     update: dict[str, SecretStr] = {}
@@ -114,7 +128,7 @@ def check_all(fleet: Fleet, sent: list[Sent], *, fresh_handles: bool = False) ->
     assert_sound(v, f"worker log lines:\n{problem_lines(fleet)}")
 
 
-def wait_reconnected(fleet: Fleet, name: str, connects: int, timeout: float = 30) -> None:
+def wait_reconnected(fleet: Fleet, name: str, connects: int, timeout: float = 60) -> None:
     """Wait for worker ``name``'s ``connects``-th broker connection (its log's
     "Connected to" lines); fail as soon as its main process logs
     "Unrecoverable" or exits instead."""
@@ -150,7 +164,7 @@ def test_worker_outlives_redis_restarts(
     holds unacked messages and waits on Redis for more (it used to exit
     there with "Unrecoverable error: AttributeError('NoneType' object has no
     attribute 'hostname')"), the last while it takes no more."""
-    use_redis(fleet, broker=private_redis.url, backend=private_redis.url)
+    use_services(fleet, broker=private_redis.url, backend=private_redis.url)
     install_journal_audit(fleet.dsn)
     worker = fleet.start("w1", 4, cli=cli, pool="threads" if cli else "prefork", gossip=True,
                          **ENV)
@@ -168,6 +182,30 @@ def test_worker_outlives_redis_restarts(
     assert grep_logs(fleet, "Unrecoverable") == ""
 
 
+def test_workers_outlive_a_rabbitmq_restart(
+    private_rabbitmq: PrivateRabbitMQ, fleet: Fleet
+) -> None:
+    """A RabbitMQ restart (RabbitMQ the broker, Redis the result backend) under
+    a ``celery worker`` and a ``loomflow-worker worker`` with runs in flight:
+    each main process reconnects, the runs in flight complete once (RabbitMQ
+    requeues their unacked messages when it closes the connections, and
+    delivers them again), and runs sent after the restart complete."""
+    use_services(fleet, broker=private_rabbitmq.url)
+    install_journal_audit(fleet.dsn)
+    fleet.start("w1", 4, gossip=True, **ENV)
+    fleet.start("w2", 4, cli=True, pool="threads", gossip=True, **ENV)
+    sent = [send(i, f"s{i}", "u", "abcdef") for i in range(6)]
+    in_flight = wait_running(fleet.dsn, sent)
+    private_rabbitmq.restart(down_for=0.5)
+    print(f"restart: in flight {in_flight}")
+    for name in fleet.workers:
+        wait_reconnected(fleet, name, 2)
+    sent += [send(i, f"s{i % 6}", "u", "a") for i in range(6, 10)]
+    check_all(fleet, sent)
+    assert all(proc.poll() is None for proc in fleet.workers.values())
+    assert grep_logs(fleet, "Unrecoverable") == ""
+
+
 def test_results_stored_after_a_backend_outage(
     fleet: Fleet, private_redis: PrivateRedis
 ) -> None:
@@ -175,7 +213,7 @@ def test_results_stored_after_a_backend_outage(
     store a result: runs finish meanwhile, their results wait in the ledger
     (``result_stored`` false) and the sweeper stores them once Redis is back;
     every caller's ``get()`` returns the output, none gets a ConnectionError."""
-    use_redis(fleet, broker=private_redis.url, backend=private_redis.url)
+    use_services(fleet, broker=private_redis.url, backend=private_redis.url)
     install_journal_audit(fleet.dsn)
     worker = fleet.start("w1", 4, cli=True, **ENV)
     # Two requests per session: the second is handed the session (a publish)
