@@ -1,10 +1,12 @@
-"""Broker and result-backend restarts, on a ``redis-server`` of the test's own.
+"""Broker and result-backend restarts, on a ``redis-server`` or RabbitMQ node
+of the test's own.
 
-The shared Redis can't be restarted (other tests use it), so each test
-starts its own (keeping its data in an append-only file) and
-restarts it while runs are in flight. Afterwards every worker's main process
-still runs, every request is ``succeeded`` once, and every caller's
-``AsyncResult.get()`` returns the run's output."""
+The shared Redis and RabbitMQ can't be restarted (other tests use them), so
+each test starts its own (a Redis keeping its data in an append-only file, a
+RabbitMQ node with its own name, ports and data) and restarts it while runs
+are in flight. Afterwards every worker's main process still runs, every
+request is ``succeeded`` once, and every caller's ``AsyncResult.get()``
+returns the run's output."""
 
 from __future__ import annotations
 
@@ -28,12 +30,13 @@ from tests.chaos.checks import (
     grep_logs,
     install_journal_audit,
     problem_lines,
+    request_key,
     send,
     verdict,
     wait_terminal,
 )
 from tests.integration.celery_harness import Fleet
-from tests.integration.services import PrivateRedis
+from tests.integration.services import PrivateRabbitMQ, PrivateRedis
 
 ENV = {
     "TEST_TOOL_SLEEP": "0.3",
@@ -58,7 +61,19 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
         server.stop()
 
 
-def use_redis(fleet: Fleet, *, broker: str | None = None, backend: str | None = None) -> None:
+@pytest.fixture
+def private_rabbitmq(tmp_path: Path) -> Iterator[PrivateRabbitMQ]:
+    workdir = tmp_path / "rabbitmq"
+    workdir.mkdir()
+    server = PrivateRabbitMQ(workdir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def use_services(fleet: Fleet, *, broker: str | None = None, backend: str | None = None) -> None:
     """Point the fleet's workers, and this process, at another broker / result backend."""
     current = tasks.settings()
     update: dict[str, SecretStr] = {}
@@ -83,6 +98,19 @@ def wait_in_flight(dsn: str, after: float, timeout: float = 20) -> list[str]:
     raise AssertionError(f"no tool call in flight within {timeout}s")
 
 
+def wait_running(dsn: str, batch: list[Sent], timeout: float = 20) -> list[str]:
+    """Tags of the tool calls in flight once every request of ``batch`` has one."""
+    keys = {request_key(s.tags[0]) for s in batch}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tags = [e.tag for e in executions(dsn)
+                if e.finished_at is None and request_key(e.tag) in keys]
+        if {request_key(tag) for tag in tags} == keys:
+            return tags
+        time.sleep(0.02)
+    raise AssertionError(f"requests {sorted(keys)} not all running within {timeout}s")
+
+
 def check_all(fleet: Fleet, sent: list[Sent], *, fresh_handles: bool = False) -> None:
     """Every request succeeded once, and its Celery result holds its output;
     with ``fresh_handles``, read through new result handles (a handle made
@@ -100,32 +128,81 @@ def check_all(fleet: Fleet, sent: list[Sent], *, fresh_handles: bool = False) ->
     assert_sound(v, f"worker log lines:\n{problem_lines(fleet)}")
 
 
+def wait_reconnected(fleet: Fleet, name: str, connects: int, timeout: float = 60) -> None:
+    """Wait for worker ``name``'s ``connects``-th broker connection (its log's
+    "Connected to" lines); fail as soon as its main process logs
+    "Unrecoverable" or exits instead."""
+    proc = fleet.workers[name]
+    log = fleet.logs / f"{name}.log"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        if "Unrecoverable" in text or proc.poll() is not None:
+            raise AssertionError(
+                f"worker {name}'s main process did not outlive the restart:\n"
+                + grep_logs(fleet, "Unrecoverable", "CRITICAL", "consumer:", limit=20))
+        if text.count("] Connected to ") >= connects:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"worker {name} not connected again within {timeout}s:\n"
+                         + grep_logs(fleet, "consumer:", limit=20))
+
+
+#: Requests sent before each restart, to a worker taking four at once: with
+#: two, it holds their messages unacked while it waits on Redis for more;
+#: with four, it takes no more.
+ROUNDS = (2, 2, 4)
+
+
 @pytest.mark.parametrize("cli", [False, True], ids=["celery-worker", "loomflow-worker"])
 def test_worker_outlives_redis_restarts(
     fleet: Fleet, private_redis: PrivateRedis, cli: bool
 ) -> None:
-    """A Redis restart under a worker with runs in flight: its main process
-    reconnects (it used to exit with "Unrecoverable error: AttributeError(
-    'NoneType' object has no attribute 'hostname')"), the runs in flight
-    complete once, and runs sent after the restarts complete."""
-    use_redis(fleet, broker=private_redis.url, backend=private_redis.url)
+    """Redis restarts under a worker with runs in flight: its main process
+    reconnects each time, the runs in flight complete once, and runs sent
+    after the restarts complete. The first restarts come while the worker
+    holds unacked messages and waits on Redis for more (it used to exit
+    there with "Unrecoverable error: AttributeError('NoneType' object has no
+    attribute 'hostname')"), the last while it takes no more."""
+    use_services(fleet, broker=private_redis.url, backend=private_redis.url)
     install_journal_audit(fleet.dsn)
     worker = fleet.start("w1", 4, cli=cli, pool="threads" if cli else "prefork", gossip=True,
                          **ENV)
-    sent = [send(i, f"s{i % 4}", "u", "abc") for i in range(8)]
-    after = 0.0
-    for round_no in range(2):
-        in_flight = wait_in_flight(fleet.dsn, after)
-        after = time.time()
-        private_redis.restart(down_for=2.0)
-        print(f"restart {round_no + 1}: in flight {in_flight}")
-        time.sleep(1.5)
-        assert worker.poll() is None, (
-            f"the worker exited after restart {round_no + 1}:\n"
-            + grep_logs(fleet, "Unrecoverable", "Error", limit=20))
-    sent += [send(i, f"s{i % 4}", "u", "a") for i in range(8, 12)]
+    sent: list[Sent] = []
+    for round_no, count in enumerate(ROUNDS, start=1):
+        batch = [send(i, f"s{i}", "u", "abc") for i in range(len(sent), len(sent) + count)]
+        sent += batch
+        in_flight = wait_running(fleet.dsn, batch)
+        private_redis.restart(down_for=0.5)
+        print(f"restart {round_no}: in flight {in_flight}")
+        wait_reconnected(fleet, "w1", round_no + 1)
+    sent += [send(i, f"s{i % 4}", "u", "a") for i in range(len(sent), len(sent) + 4)]
     check_all(fleet, sent, fresh_handles=True)
     assert worker.poll() is None
+    assert grep_logs(fleet, "Unrecoverable") == ""
+
+
+def test_workers_outlive_a_rabbitmq_restart(
+    private_rabbitmq: PrivateRabbitMQ, fleet: Fleet
+) -> None:
+    """A RabbitMQ restart (RabbitMQ the broker, Redis the result backend) under
+    a ``celery worker`` and a ``loomflow-worker worker`` with runs in flight:
+    each main process reconnects, the runs in flight complete once (RabbitMQ
+    requeues their unacked messages when it closes the connections, and
+    delivers them again), and runs sent after the restart complete."""
+    use_services(fleet, broker=private_rabbitmq.url)
+    install_journal_audit(fleet.dsn)
+    fleet.start("w1", 4, gossip=True, **ENV)
+    fleet.start("w2", 4, cli=True, pool="threads", gossip=True, **ENV)
+    sent = [send(i, f"s{i}", "u", "abcdef") for i in range(6)]
+    in_flight = wait_running(fleet.dsn, sent)
+    private_rabbitmq.restart(down_for=0.5)
+    print(f"restart: in flight {in_flight}")
+    for name in fleet.workers:
+        wait_reconnected(fleet, name, 2)
+    sent += [send(i, f"s{i % 6}", "u", "a") for i in range(6, 10)]
+    check_all(fleet, sent)
+    assert all(proc.poll() is None for proc in fleet.workers.values())
     assert grep_logs(fleet, "Unrecoverable") == ""
 
 
@@ -136,7 +213,7 @@ def test_results_stored_after_a_backend_outage(
     store a result: runs finish meanwhile, their results wait in the ledger
     (``result_stored`` false) and the sweeper stores them once Redis is back;
     every caller's ``get()`` returns the output, none gets a ConnectionError."""
-    use_redis(fleet, broker=private_redis.url, backend=private_redis.url)
+    use_services(fleet, broker=private_redis.url, backend=private_redis.url)
     install_journal_audit(fleet.dsn)
     worker = fleet.start("w1", 4, cli=True, **ENV)
     # Two requests per session: the second is handed the session (a publish)

@@ -1,5 +1,6 @@
-"""Private services a test can stop and start: its own ``redis-server`` and
-``pgbouncer``, on free ports, so an outage hits nobody else's tests."""
+"""Private services a test can stop and start: its own ``redis-server``,
+RabbitMQ node and ``pgbouncer``, on free ports, so an outage hits nobody
+else's tests."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -69,6 +71,85 @@ class PrivateRedis(_Service):
         )
         _wait_port(self.port, self.proc, log)
 
+
+    def restart(self, down_for: float = 0.0) -> None:
+        self.stop()
+        time.sleep(down_for)
+        self.start()
+
+
+# Debian's /usr/sbin/rabbitmq-server runs the node as the rabbitmq user when
+# started by root, which could not write a test's directories: start the
+# script it wraps.
+RABBITMQ_SERVER = next(
+    (path for path in ("/usr/lib/rabbitmq/bin/rabbitmq-server", shutil.which("rabbitmq-server"))
+     if path and os.access(path, os.X_OK)),
+    "/usr/lib/rabbitmq/bin/rabbitmq-server",
+)
+
+
+class PrivateRabbitMQ(_Service):
+    """A RabbitMQ node of the test's own, beside the shared one: its own node
+    name, AMQP and distribution ports, and, under ``workdir``, its own
+    configuration (no plugins), data, logs and Erlang cookie. It registers
+    with the machine's ``epmd``. Its durable queues and persistent messages
+    outlive ``restart()``, which stops the node (every connection is closed)
+    and boots it again, as a production RabbitMQ restart does."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.dist_port = free_port()
+        self.node = f"lfwtest-{self.port}@localhost"
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    def _env(self) -> dict[str, str]:
+        config = self.workdir / "rabbitmq.conf"
+        if not config.exists():
+            config.write_text(f"listeners.tcp.default = 127.0.0.1:{self.port}\n")
+            (self.workdir / "enabled_plugins").write_text("[].\n")
+            (self.workdir / "rabbitmq-env.conf").write_text("")
+        return {
+            **{k: v for k, v in os.environ.items() if not k.startswith("RABBITMQ_")},
+            "HOME": str(self.workdir),  # where Erlang keeps the node's cookie
+            "RABBITMQ_NODENAME": self.node,
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+            "RABBITMQ_CONF_ENV_FILE": str(self.workdir / "rabbitmq-env.conf"),
+            "RABBITMQ_CONFIG_FILE": str(config),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.workdir / "advanced.config"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.workdir / "enabled_plugins"),
+            "RABBITMQ_MNESIA_BASE": str(self.workdir / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.workdir / "log"),
+        }
+
+    def start(self) -> None:
+        log = self.workdir / f"rabbitmq-{self.port}.out"
+        self.proc = subprocess.Popen(
+            [RABBITMQ_SERVER], cwd=self.workdir, env=self._env(),
+            stdout=log.open("ab"), stderr=subprocess.STDOUT,
+            # The script starts the Erlang VM as its child (stopping it on
+            # SIGTERM): a group of their own lets stop() kill both at worst.
+            start_new_session=True,
+        )
+        _wait_port(self.port, self.proc, log, timeout=90)
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
     def restart(self, down_for: float = 0.0) -> None:
         self.stop()
