@@ -296,6 +296,7 @@ class Round:
     seconds: float
     enqueue_s: float
     cpu_s: dict[str, float]  # component -> seconds of CPU in the round
+    enqueue_cpu_s: float = 0.0  # of the client's CPU, what the enqueue loop took
     parked: int = 0  # ours: deliveries that parked behind an older request of their session
     failed: int = 0
     overlapped: int = 0  # plain: runs that began before the previous run of their session ended
@@ -399,9 +400,9 @@ def run_round(bench: Bench, variant: str, requests: int, sessions: int, tag: str
     settled = settle()
     parked_before = bench.fleet.count(bench.names[variant], " parked")
     before = bench.snapshot(variant)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     sent = [send(calls(*THREE_TOOLS), sids[i % sessions]) for i in range(requests)]
-    enqueued = time.perf_counter() - t0
+    enqueued, enqueue_cpu = time.perf_counter() - t0, time.process_time() - c0
     app = tasks.app if variant == "ours" else plain.app
     values = ResultSet(sent, app=app).join_native(timeout=RESULT_TIMEOUT_S, propagate=False)
     seconds = time.perf_counter() - t0
@@ -409,8 +410,9 @@ def run_round(bench: Bench, variant: str, requests: int, sessions: int, tag: str
     want = expected_output(*THREE_TOOLS)
     bad = [v for v in values if not isinstance(v, dict) or v.get("output") != want]
     parked = bench.fleet.count(bench.names[variant], " parked") - parked_before
-    done = Round(variant, requests, seconds, enqueued, cpu, parked, failed=len(bad),
-                 first_error=repr(bad[0])[:300] if bad else "", settled=settled)
+    done = Round(variant, requests, seconds, enqueued, cpu, enqueue_cpu, parked,
+                 failed=len(bad), first_error=repr(bad[0])[:300] if bad else "",
+                 settled=settled)
     if variant == "ours" and bad:
         raise AssertionError(f"ours: {len(bad)} unexpected result(s), e.g. {bad[0]!r}")
     if variant == "plain":
@@ -709,6 +711,10 @@ async def bench_split(
 # ---- report ------------------------------------------------------------------------------------
 
 
+def enqueue_cpu_ms(tp: ThroughputResult, variant: str) -> float:
+    return statistics.median(1000 * r.enqueue_cpu_s / r.requests for r in tp.rounds[variant])
+
+
 def stats_line(label: str, values: Sequence[float]) -> str:
     if not values:
         return f"   {label:<40} (none)"
@@ -747,7 +753,9 @@ def report(
           f"(the {len(quiet)} round(s) in which other < {QUIET_OTHER:.0%} for both sides)")
     p("   enqueue time of a round (client, s): "
       f"ours {statistics.median(r.enqueue_s for r in tp.rounds['ours']):.2f}, "
-      f"plain {statistics.median(r.enqueue_s for r in tp.rounds['plain']):.2f}")
+      f"plain {statistics.median(r.enqueue_s for r in tp.rounds['plain']):.2f}; "
+      "its CPU per request (ms), of the client's: "
+      f"ours {enqueue_cpu_ms(tp, 'ours'):.2f}, plain {enqueue_cpu_ms(tp, 'plain'):.2f}")
     p("   CPU per request, ms (median over rounds): main = the side's 2 worker main processes "
       "(consumer),")
     p("   children = their pool children (the tasks), postgres = backends connected to the side's "

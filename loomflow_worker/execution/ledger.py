@@ -230,7 +230,6 @@ class EnqueuePool:
                     kwargs={"autocommit": True, "connect_timeout": connect_timeout,
                             "application_name": "loomflow-worker enqueue"},
                     check=idle.check,
-                    reset=idle.returned,
                     open=True,
                     name="loomflow-worker-enqueue",
                 )

@@ -75,23 +75,23 @@ def scope_lock_key(scope: str) -> int:
 
 
 class IdleCheck:
-    """A pool's ``check`` that spends a round trip only on a connection that
-    sat idle over ``after`` seconds. One returned a moment ago is as good as
-    it was then, and a busy worker's connections come back within
-    milliseconds; one that broke in between fails its next statement, which
-    the caller retries like any lost connection. ``returned`` is the pool's
-    ``reset``: it stamps each connection as it comes back."""
+    """A pool's ``check`` that spends a round trip only on a connection not
+    taken from the pool for over ``after`` seconds. One in use a moment ago
+    is as good as it was then, and a busy worker takes its connections every
+    few milliseconds; one that broke in between fails its next statement,
+    which the caller retries like any lost connection. It stamps each
+    connection as it is taken: a pool ``reset`` hook would stamp it as it
+    comes back, but makes the pool hand every returned connection to its
+    worker thread (or task) first."""
 
     def __init__(self, after: float = 1.0) -> None:
         self.after = after
-        self._back: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+        self._taken: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
     def _due(self, conn: Any) -> bool:
-        back = self._back.get(conn)
-        return back is None or time.monotonic() - back > self.after
-
-    def returned(self, conn: Any) -> None:
-        self._back[conn] = time.monotonic()
+        now = time.monotonic()
+        taken, self._taken[conn] = self._taken.get(conn), now
+        return taken is None or now - taken > self.after
 
     def check(self, conn: psycopg.Connection[Any]) -> None:
         if self._due(conn):
@@ -100,9 +100,6 @@ class IdleCheck:
     async def acheck(self, conn: AsyncConnection[Any]) -> None:
         if self._due(conn):
             await AsyncConnectionPool.check_connection(conn)
-
-    async def areturned(self, conn: AsyncConnection[Any]) -> None:
-        self.returned(conn)
 
 
 @dataclass(frozen=True)
@@ -470,7 +467,6 @@ class PostgresJournalStore:
             max_size=max_size,
             open=False,
             check=idle.acheck,
-            reset=idle.areturned,
             name="loomflow-worker",
         )
         await pool.open(wait=True, timeout=settings.connect_timeout)
