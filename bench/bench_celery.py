@@ -40,6 +40,7 @@ import contextlib
 import os
 import platform
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -296,6 +297,8 @@ class Round:
     seconds: float
     enqueue_s: float
     cpu_s: dict[str, float]  # component -> seconds of CPU in the round
+    # The same from the drain's start (the whole round's without --drain).
+    drain_cpu_s: dict[str, float]
     enqueue_cpu_s: float = 0.0  # of the client's CPU, what the enqueue loop took
     parked: int = 0  # ours: deliveries that parked behind an older request of their session
     failed: int = 0
@@ -309,11 +312,11 @@ class Round:
 
     @property
     def busy(self) -> float:
-        return sum(self.cpu_s.values()) / (self.seconds * NCPU)
+        return sum(self.drain_cpu_s.values()) / (self.seconds * NCPU)
 
     @property
     def other(self) -> float:
-        return self.cpu_s["other"] / (self.seconds * NCPU)
+        return self.drain_cpu_s["other"] / (self.seconds * NCPU)
 
 
 @dataclass
@@ -356,6 +359,26 @@ class Bench:
     dbnames: dict[str, str]  # variant -> database name
     watch: psycopg.Connection[Any]
     redis_client: redis.Redis
+    queues: dict[str, str] = field(default_factory=dict)  # variant -> its queue
+    # Whether a round is a backlog the workers drain (their consumers paused
+    # while it is enqueued) rather than requests enqueued as they run.
+    drain: bool = False
+
+    def nodes(self, variant: str) -> list[str]:
+        host = socket.gethostname()
+        return [f"{name}.{self.fleet.tag}@{host}" for name in self.names[variant]]
+
+    def consume(self, variant: str, on: bool) -> None:
+        """Resume (or pause) the consumers of ``variant``'s workers on its queue,
+        waiting for every worker to say it did."""
+        app = tasks.app if variant == "ours" else plain.app
+        nodes = self.nodes(variant)
+        verb = app.control.add_consumer if on else app.control.cancel_consumer
+        replies = verb(self.queues[variant], destination=nodes, reply=True, timeout=10)
+        answered = {node for reply in replies or [] for node in reply}
+        if answered != set(nodes):
+            raise RuntimeError(f"{variant}: no {'add' if on else 'cancel'}_consumer reply "
+                               f"from {sorted(set(nodes) - answered)}")
 
     def snapshot(self, variant: str) -> CpuSnapshot:
         return CpuSnapshot(
@@ -394,23 +417,33 @@ def submit(variant: str) -> Callable[[str, str], AsyncResult]:
 
 
 def run_round(bench: Bench, variant: str, requests: int, sessions: int, tag: str) -> Round:
-    """``requests`` runs over ``sessions`` sessions, enqueued round-robin as fast as we can."""
+    """``requests`` runs over ``sessions`` sessions, enqueued round-robin as fast as we
+    can; with ``bench.drain``, enqueued while the workers consume nothing, then drained
+    (the round's time runs from the consumers' resumption; its CPU counts the enqueue)."""
     send = submit(variant)
     sids = [f"{tag}-s{k}" for k in range(sessions)]
     settled = settle()
     parked_before = bench.fleet.count(bench.names[variant], " parked")
+    if bench.drain:
+        bench.consume(variant, False)
     before = bench.snapshot(variant)
     t0, c0 = time.perf_counter(), time.process_time()
     sent = [send(calls(*THREE_TOOLS), sids[i % sessions]) for i in range(requests)]
     enqueued, enqueue_cpu = time.perf_counter() - t0, time.process_time() - c0
+    during: CpuSnapshot | None = None
+    if bench.drain:
+        during = bench.snapshot(variant)
+        t0 = time.perf_counter()
+        bench.consume(variant, True)
     app = tasks.app if variant == "ours" else plain.app
     values = ResultSet(sent, app=app).join_native(timeout=RESULT_TIMEOUT_S, propagate=False)
     seconds = time.perf_counter() - t0
     cpu = bench.cpu_since(variant, before)
+    drained = bench.cpu_since(variant, during) if during is not None else cpu
     want = expected_output(*THREE_TOOLS)
     bad = [v for v in values if not isinstance(v, dict) or v.get("output") != want]
     parked = bench.fleet.count(bench.names[variant], " parked") - parked_before
-    done = Round(variant, requests, seconds, enqueued, cpu, enqueue_cpu, parked,
+    done = Round(variant, requests, seconds, enqueued, cpu, drained, enqueue_cpu, parked,
                  failed=len(bad), first_error=repr(bad[0])[:300] if bad else "",
                  settled=settled)
     if variant == "ours" and bad:
@@ -857,6 +890,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plain-acks-late", action="store_true",
                         help="give the plain app ours' delivery settings (acks_late, "
                              "reject_on_worker_lost, prefetch multiplier 1)")
+    parser.add_argument("--stream", action="store_true",
+                        help="enqueue each round while the workers run it (one client "
+                        "thread, so a slower enqueue paces the round) instead of as a "
+                        "backlog the workers then drain")
     parser.add_argument("--quick", action="store_true", help="small numbers for a smoke run")
     args = parser.parse_args(argv)
     args.split_rounds = 3
@@ -1008,7 +1045,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"settings: --requests {args.requests} --sessions {args.sessions} "
               f"--rounds {args.rounds} --concurrency {args.concurrency} "
               f"--handoffs {args.handoffs} --split-requests {args.split_requests} "
-              f"--ours-pool {args.ours_pool} --ours-threads {args.ours_threads}; "
+              f"--ours-pool {args.ours_pool} --ours-threads {args.ours_threads}"
+              f"{' --stream' if args.stream else ''}; "
               f"plain delivery: {plain_delivery}", flush=True)
         tasks.configure(ours_settings)
         plain.configure(plain_config)
@@ -1031,7 +1069,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = redis.Redis.from_url(redis_url)
         try:
             with psycopg.connect(admin_dsn, autocommit=True) as watch:
-                bench = Bench(fleet, names, dbnames, watch, r)
+                bench = Bench(fleet, names, dbnames, watch, r, queues, drain=not args.stream)
                 tp = bench_throughput(bench, args.requests, args.sessions, args.rounds, tag)
             tp.event_streams, tp.event_entries = count_event_streams(r, prefix)
         finally:
