@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -153,13 +154,14 @@ def _cut(text: str, width: int) -> str:
 class EventPublisher:
     """Appends a worker's run events to Redis, batched, never failing a run.
 
-    Events are buffered and sent every ``interval`` seconds in one pipeline
-    (and at :meth:`flush`, which the worker calls when a request ends), so a
-    run costs a few round trips to Redis, not one per event. An event that
-    closes a step is sent sooner, ``step_end_delay`` seconds after it (time
-    for the events right behind it to join the batch): a worker that dies
-    later than that has lost none of the step's events; one that dies sooner
-    loses them, and the next attempt sends them again, marked replayed."""
+    Events are buffered and sent ``interval`` seconds after the first of a
+    batch, all in one call (and at :meth:`flush`, which the worker calls when
+    a request ends), so a run costs a few round trips to Redis, not one per
+    event. An event that closes a step is sent sooner, ``step_end_delay``
+    seconds after it (time for the events right behind it to join the
+    batch): a worker that dies later than that has lost none of the step's
+    events; one that dies sooner loses them, and the next attempt sends them
+    again, marked replayed."""
 
     def __init__(
         self,
@@ -178,78 +180,81 @@ class EventPublisher:
         self._retention = max(1, int(retention))
         self._interval = interval
         self._step_end_delay = step_end_delay
-        self._buffer: list[tuple[str, dict[str, str]]] = []
-        self._pending = asyncio.Event()
-        self._urgent = asyncio.Event()
+        # Events to send, by request: the arguments of _APPEND, five per event.
+        self._buffer: dict[str, list[str]] = {}
         self._sending = asyncio.Lock()
-        self._flusher: asyncio.Task[None] | None = None
+        # The next flush: when it is due, and its timer.
+        self._due = math.inf
+        self._timer: asyncio.TimerHandle | None = None
+        self._flushes: set[asyncio.Task[None]] = set()
         self.dropped = 0
 
     def publish(
         self, request_id: str, attempt: int, kind: str, data: str, *, replayed: bool
     ) -> None:
         """Queue one event; ``data`` is its payload as JSON text."""
-        self._buffer.append((request_id, {
-            "attempt": str(attempt),
-            "replayed": "1" if replayed and kind not in _ATTEMPT_KINDS else "0",
-            "kind": kind,
-            "data": data,
-            "at": f"{time.time():.6f}",
-        }))
-        self._pending.set()
-        if self._flusher is None:
-            self._flusher = asyncio.get_running_loop().create_task(self._flush_forever())
-        if kind in _STEP_ENDS:
-            # A step is done: send soon, so a crash after it loses nothing of it.
-            self._urgent.set()
+        flag = "1" if replayed and kind not in _ATTEMPT_KINDS else "0"
+        entry = (str(attempt), flag, kind, data, f"{time.time():.6f}")  # as _FIELDS
+        events = self._buffer.get(request_id)
+        if events is None:
+            self._buffer[request_id] = list(entry)
+        else:
+            events += entry
+        # A step is done: send soon, so a crash after it loses nothing of it.
+        self._schedule(self._step_end_delay if kind in _STEP_ENDS else self._interval)
 
     def end(self, request_id: str, attempt: int, status: str, error: str | None) -> None:
         data = json.dumps({"status": status, "error": error}, separators=(",", ":"))
         self.publish(request_id, attempt, END, data, replayed=False)
 
+    def _schedule(self, delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay
+        if due >= self._due:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._due = due
+        self._timer = loop.call_at(due, self._flush_due)
+
+    def _flush_due(self) -> None:
+        self._timer, self._due = None, math.inf
+        task = asyncio.get_running_loop().create_task(self.flush())
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
     async def flush(self) -> None:
         """Send every event published so far (or drop them, counted, if Redis fails)."""
         async with self._sending:
-            entries, self._buffer = self._buffer, []
-            self._pending.clear()
-            if not entries:
+            batch, self._buffer = self._buffer, {}
+            if not batch:
                 return
+            if self._timer is not None:  # this sends what it was set for
+                self._timer.cancel()
+                self._timer, self._due = None, math.inf
             try:
-                await self._send(entries)
+                await self._send(batch)
             except (redis.RedisError, OSError) as exc:
-                self.dropped += len(entries)
-                log.warning("events: dropped %d events (%s)", len(entries), exc,
+                dropped = sum(len(events) for events in batch.values()) // len(_FIELDS)
+                self.dropped += dropped
+                log.warning("events: dropped %d events (%s)", dropped, exc,
                             extra={"action": "events_dropped"})
 
-    async def _flush_forever(self) -> None:
-        while True:
-            await self._pending.wait()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._urgent.wait(), self._interval)
-            if self._urgent.is_set():
-                await asyncio.sleep(self._step_end_delay)
-            self._urgent.clear()
-            await self.flush()
-
-    async def _send(self, entries: list[tuple[str, dict[str, str]]]) -> None:
-        # One call for the whole batch: a round trip and a command for Redis
-        # to parse per flush, not per stream or per event.
-        by_key: dict[str, list[str]] = {}
-        for request_id, fields in entries:
-            by_key.setdefault(stream_key(self._prefix, request_id), []).extend(
-                fields[name] for name in _FIELDS
-            )
+    async def _send(self, batch: dict[str, list[str]]) -> None:
         args = [str(self._maxlen), str(self._retention)]
-        for values in by_key.values():
-            args.append(str(len(values) // len(_FIELDS)))
-            args += values
-        await self._append(keys=list(by_key), args=args)
+        for events in batch.values():
+            args.append(str(len(events) // len(_FIELDS)))
+            args += events
+        keys = [stream_key(self._prefix, request_id) for request_id in batch]
+        await self._append(keys=keys, args=args)
 
     async def aclose(self) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._due = None, math.inf
+        for task in list(self._flushes):
             with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
+                await task
         with contextlib.suppress(Exception):
             await self.flush()
         await self._client.aclose()
