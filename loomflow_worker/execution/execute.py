@@ -330,17 +330,26 @@ async def execute(
             lease = await runtime.journal.acquire(req.scope, wait=HANDOFF_LOCK_WAIT)
         except SessionBusy:
             return await _park_busy(runtime, request_id, req, options)
+    outcome: Outcome | None = None
+    look = False
     try:
         holder = f"{node or ctx.node}:{os.getpid()}"
         outcome = await _run_holding(ctx, runtime, lease, request_id, req, holder, time_limit,
                                      options)
     finally:
-        await runtime.journal.release(lease)
-    if outcome.kind in ledger.TERMINAL and not outcome.handed:
-        async with runtime.pool.connection() as conn:
-            # A request enqueued while this one finished may have parked on the
-            # lock after the finish chose no one: look once more, unlocked.
-            handoff = await ledger.hand_off(conn, req.scope)
+        # A request enqueued while this one finished may have parked on the
+        # lock after the finish chose no one: look once more, unlocked (in the
+        # unlock's round trip).
+        look = outcome is not None and outcome.kind in ledger.TERMINAL and not outcome.handed
+        followed = await runtime.journal.release(
+            lease, then=ledger.send_hand_off(req.scope) if look else None
+        )
+    if look:
+        if followed is not None:
+            handoff = ledger.handoff_of(followed)
+        else:
+            async with runtime.pool.connection() as conn:
+                handoff = await ledger.hand_off(conn, req.scope)
         if handoff is not None:
             outcome.dispatch.extend(handoff.dispatch)
     if ctx.events is not None:

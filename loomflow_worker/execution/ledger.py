@@ -19,7 +19,7 @@ from psycopg_pool import ConnectionPool
 
 from ..runtime.errors import InvalidInput, SessionBusy, translated
 from ..runtime.sql import query
-from ..runtime.store import Conn, IdleCheck, scope_lock_key
+from ..runtime.store import Conn, Followup, IdleCheck, scope_lock_key
 from .request import RunRequest, task_args
 
 
@@ -516,6 +516,23 @@ async def hand_off(conn: Conn, scope: str) -> Handoff | None:
     """Hand ``scope`` to its oldest unfinished request, unless it was handed
     already (then whoever handed it published it, or its message runs it)."""
     return _handoff(await _fetchone(conn, "hand_off", {"scope": scope}))
+
+
+def send_hand_off(scope: str) -> Followup:
+    """:func:`hand_off` as a statement sent after the scope's unlock, in its
+    round trip (``PostgresJournalStore.release(lease, then=...)``); read its
+    rows with :func:`handoff_of`."""
+
+    async def send(conn: Conn) -> psycopg.AsyncCursor[DictRow]:
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(query("hand_off"), {"scope": scope})
+        return cur
+
+    return send
+
+
+def handoff_of(rows: list[DictRow]) -> Handoff | None:
+    return _handoff(rows[0] if rows else None)
 
 
 def _jsonb(value: dict[str, Any] | None) -> Jsonb | None:

@@ -141,6 +141,11 @@ def _namespace_bounds(ns: str) -> tuple[str, str]:
     return ns + "/", ns + "0"
 
 
+#: Sends one statement on a connection and returns its cursor, to be read
+#: once the pipeline it joined is synced (see :meth:`PostgresJournalStore.release`).
+Followup = Callable[[Conn], Awaitable[psycopg.AsyncCursor[DictRow]]]
+
+
 @dataclass(frozen=True)
 class OpenChoice:
     """Which epoch a run opens: ``pinned``, else the last run's when
@@ -609,25 +614,40 @@ class PostgresJournalStore:
         if freed is not None:
             freed.set()
 
-    async def release(self, lease: Lease) -> None:
+    async def release(
+        self, lease: Lease, then: Followup | None = None
+    ) -> list[DictRow] | None:
         """Unlock the lease's scope, checking that this process holds it no
-        more; a connection where it would still be held is closed."""
+        more; a connection where it would still be held is closed.
+
+        ``then(conn)`` sends a statement that must run once the scope is free
+        (a look for work that waited on it): it goes in the unlock's round
+        trip, in one pipeline, and Postgres runs it after the unlock, on a
+        snapshot of its own. Its rows are returned; ``None`` when it did not
+        run (the connection was lost, or the lock was not held): run it
+        elsewhere."""
         if lease.released:
-            return
+            return None
         lease.released = True
         line = lease.line
         key = {"key": lease.lock_key}
 
-        async def unlock(conn: Conn) -> DictRow | None:
+        async def unlock(conn: Conn) -> tuple[DictRow | None, list[DictRow] | None]:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(query("unlock_scope"), key)
-            return await cur.fetchone()
+            if then is None:
+                await cur.execute(query("unlock_scope"), key)
+                return await cur.fetchone(), None
+            async with conn.pipeline():
+                await cur.execute(query("unlock_scope"), key)
+                followed = await then(conn)
+            return await cur.fetchone(), await followed.fetchall()
 
+        followed: list[DictRow] | None = None
         try:
             if lease.fenced is None and line.fenced is None:
                 with anyio.CancelScope(shield=True):
                     try:
-                        row = await line.run(unlock)
+                        row, followed = await line.run(unlock)
                     except LockLost:
                         # The connection is gone, and its locks with it.
                         row = {"released": True, "still_held": False}
@@ -638,10 +658,12 @@ class PostgresJournalStore:
                             extra={"action": "unlock_mismatch", "scope": lease.scope},
                         )
                         line.fence(f"the lock of scope {lease.scope!r} was not released")
+                        followed = None
         finally:
             line.leases.discard(lease)
             if self._held.get(lease.lock_key) is lease:
                 self._forget(lease.lock_key)
+        return followed
 
     # ---- values -------------------------------------------------------------------
 

@@ -15,9 +15,14 @@ from typing import Any
 import anyio
 import psycopg
 import pytest
+from loomflow import Agent
 
+from loomflow_worker import NoMemory, register_agent
 from loomflow_worker.execution import ledger
-from loomflow_worker.execution.request import RunRequest
+from loomflow_worker.execution.execute import WorkerContext, execute
+from loomflow_worker.execution.request import RunRequest, check_request
+from loomflow_worker.settings import Settings
+from loomflow_worker.testing import DeterministicModel
 
 pytestmark = pytest.mark.anyio
 
@@ -100,3 +105,48 @@ async def test_a_scope_is_handed_once(conns: tuple[Any, Any]) -> None:
     # A duplicate of the finished request looks again: already handed, so
     # nothing is published twice.
     assert await ledger.hand_off(hander, REQUEST.scope) is None
+
+
+@register_agent("test-handoff-look")
+def _quick(runtime: Any) -> Agent:
+    return Agent("a", model=DeterministicModel(), runtime=runtime, memory=NoMemory(),
+                 auto_extract=False)
+
+
+async def test_a_request_that_parks_after_the_finish_chose_no_one_is_handed_the_scope(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request enqueued just after the one before it finished (so that
+    finish chose no one) finds the scope's lock still held, waits for it, and
+    parks: the finishing worker looks once more after its unlock and hands
+    it the scope, to publish again. Two worker contexts (two lock
+    connections); the second request arrives between the finish and the
+    unlock of the first."""
+    settings = Settings(database_url=dsn, events=False)  # type: ignore[arg-type]
+    first_ctx, next_ctx = WorkerContext(settings), WorkerContext(settings)
+    args = {"prompt": "hello", "session_id": "s", "user_id": "u",
+            "agent": "test-handoff-look", "metadata": None}
+    req = check_request(settings, kind="run", **args)
+    enqueue = ledger.EnqueuePool()
+    parked: list[str] = []
+    real_finish = ledger.finish
+
+    async def finish_then_the_next_arrives(*a: Any, **kw: Any) -> ledger.Handoff | None:
+        chosen = await real_finish(*a, **kw)
+        if not parked:
+            enqueue.insert(dsn, 5, NEXT, req)
+            outcome = await execute(next_ctx, NEXT, args, "run")
+            parked.append(outcome.kind)
+        return chosen
+
+    monkeypatch.setattr(ledger, "finish", finish_then_the_next_arrives)
+    try:
+        enqueue.insert(dsn, 5, FIRST, req)
+        outcome = await execute(first_ctx, FIRST, args, "run")
+    finally:
+        enqueue.close()
+        await first_ctx.aclose()
+        await next_ctx.aclose()
+    assert parked == ["parked"]
+    assert outcome.kind == "succeeded"
+    assert [p.request_id for p in outcome.dispatch] == [NEXT]
