@@ -484,11 +484,14 @@ class AgentTask(Task):
             return self.app.backend
         return _ResultStore(self.app.backend)
 
-    def _bind(self, args: Any, kwargs: Any) -> dict[str, Any]:
+    @functools.cached_property
+    def _signature(self) -> inspect.Signature:
         # The task's own function (bound: without ``self``) says what it takes.
-        signature = inspect.signature(self.run)
+        return inspect.signature(self.run)
+
+    def _bind(self, args: Any, kwargs: Any) -> dict[str, Any]:
         try:
-            bound = signature.bind(*(args or ()), **(kwargs or {}))
+            bound = self._signature.bind(*(args or ()), **(kwargs or {}))
         except TypeError as exc:
             raise InvalidInput(f"{self.name}: {exc}") from exc
         bound.apply_defaults()
