@@ -233,33 +233,40 @@ class Sweeper:
             return 0
         repaired = 0
         within = 3600
+        cur = conn.cursor(row_factory=dict_row)
         for name, params, check, done in (
             ("unstored_results", {"limit": 200}, False, "mark_result_stored"),
             ("unchecked_results",
              {"after": self.settings.handoff_grace, "within": within, "limit": 200}, True,
              "mark_result_checked"),
         ):
-            rows = conn.cursor(row_factory=dict_row).execute(query(name), params).fetchall()
-            if not rows:
+            ids = [row["request_id"] for row in cur.execute(query(name), params).fetchall()]
+            if not ids:
                 continue
             checked: list[str] = []
             try:
-                missing = (self.results.missing([row["request_id"] for row in rows])
-                           if check else None)
+                # Outcomes are read only for what the backend lacks: a result
+                # can be large, and nearly every one is there.
+                missing = self.results.missing(ids) if check else set(ids)
+                rows = cur.execute(
+                    query("request_outcomes"), {"request_ids": [i for i in ids if i in missing]}
+                ).fetchall() if missing else []
                 for row in rows:
                     request_id, status = row["request_id"], row["status"]
-                    if missing is None or request_id in missing:
-                        self.results.store(request_id, status, row["result"], row["error"])
-                        repaired += 1
-                        log.warning(
-                            "sweeper: stored the %s result of request %s, which its worker "
-                            "could not store", status, request_id,
-                            extra={"action": "sweeper_result", "request": request_id},
-                        )
-                        self.actions.append(Action(
-                            "result_stored", request_id,
-                            f"stored its {status} result, which its worker could not store"))
+                    self.results.store(request_id, status, row["result"], row["error"])
+                    repaired += 1
                     checked.append(request_id)
+                    log.warning(
+                        "sweeper: stored the %s result of request %s, which its worker "
+                        "could not store", status, request_id,
+                        extra={"action": "sweeper_result", "request": request_id},
+                    )
+                    self.actions.append(Action(
+                        "result_stored", request_id,
+                        f"stored its {status} result, which its worker could not store"))
+                # The rest were there already, or their request is gone.
+                stored = {row["request_id"] for row in rows}
+                checked += [i for i in ids if i not in stored]
                 self._backend_down = False
             except Exception as exc:
                 if not self._backend_down:

@@ -78,5 +78,8 @@ def test_every_way_a_request_ends_queues_one_result_check(dsn: str) -> None:
         unchecked = conn.execute(query("unchecked_results"),
                                  {"after": -1, "within": 3600, "limit": 10}).fetchall()
         assert sorted(r[0] for r in unchecked) == ["a", "b", "c"]
+        outcomes = conn.execute(query("request_outcomes"),
+                                {"request_ids": ["a", "b", "gone"]}).fetchall()
+        assert sorted((r[0], r[1]) for r in outcomes) == [("a", "succeeded"), ("b", "cancelled")]
         conn.execute(query("mark_result_checked"), {"request_ids": ["a", "c"], "within": 3600})
         assert waiting() == ["b"]

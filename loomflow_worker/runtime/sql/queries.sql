@@ -701,11 +701,15 @@ UPDATE run_attempts SET outcome = 'interrupted'
 -- name: unchecked_results
 -- Requests finished between `after` and `within` seconds ago whose result the
 -- sweeper has not yet checked in the result backend.
-SELECT r.request_id, r.status, r.result, r.error, r.error_type
-  FROM results_to_check c JOIN runs r USING (request_id)
- WHERE c.finished_at < now() - make_interval(secs => %(after)s)
-   AND c.finished_at > now() - make_interval(secs => %(within)s)
- ORDER BY c.finished_at LIMIT %(limit)s;
+SELECT request_id FROM results_to_check
+ WHERE finished_at < now() - make_interval(secs => %(after)s)
+   AND finished_at > now() - make_interval(secs => %(within)s)
+ ORDER BY finished_at LIMIT %(limit)s;
+
+-- name: request_outcomes
+-- What the result backend lacks for these finished requests, as the ledger has it.
+SELECT request_id, status, result, error, error_type FROM runs
+ WHERE request_id = ANY(%(request_ids)s) AND loomflow_worker_finished(status);
 
 -- name: mark_result_checked
 -- Checked, and those past looking back to (or whose request was pruned).
@@ -720,8 +724,7 @@ UPDATE runs SET result_stored = false
  WHERE request_id = %(request_id)s AND NOT loomflow_worker_unfinished(status);
 
 -- name: unstored_results
-SELECT request_id, status, result, error, error_type FROM runs
- WHERE NOT result_stored ORDER BY finished_at LIMIT %(limit)s;
+SELECT request_id FROM runs WHERE NOT result_stored ORDER BY finished_at LIMIT %(limit)s;
 
 -- name: mark_result_stored
 UPDATE runs SET result_stored = true
