@@ -33,7 +33,7 @@ from ..runtime import (
     run_options,
 )
 from ..runtime.lockconn import LockConnection
-from ..runtime.store import Conn, Lease
+from ..runtime.store import Conn, Lease, OpenChoice
 from ..settings import Settings
 from . import ledger
 from .errors import AttemptLost
@@ -335,7 +335,7 @@ async def execute(
     try:
         holder = f"{node or ctx.node}:{os.getpid()}"
         outcome = await _run_holding(ctx, runtime, lease, request_id, req, holder, time_limit,
-                                     options)
+                                     options, pinned=pre.pinned if pre is not None else None)
     finally:
         # A request enqueued while this one finished may have parked on the
         # lock after the finish chose no one: look once more, unlocked (in the
@@ -499,12 +499,20 @@ async def _run_holding(
     holder: str,
     time_limit: float | None = None,
     options: MessageOptions | None = None,
+    *,
+    pinned: int | None = None,
 ) -> Outcome:
+    """``pinned``: the epoch an earlier attempt pinned, as the precheck read it:
+    the run's open query goes with the start, for that epoch (or the one the
+    start pins now), and the run opens from what it read."""
+    opening = OpenChoice(pinned, req.kind == "resume")
     started = await lease.io(
         lambda conn: ledger.start(
-            conn, request_id, req.scope, holder, ctx.settings.redispatch_after
+            conn, request_id, req.scope, holder, ctx.settings.redispatch_after, opening
         )
     )
+    if started.opened is not None:
+        lease.prefetched = (opening, started.opened)
     if started.status in ledger.TERMINAL:
         return await _duplicate(lease.io, request_id, req, started.status,
                                 result=started.result, error=started.error)

@@ -19,7 +19,7 @@ from psycopg_pool import ConnectionPool
 
 from ..runtime.errors import InvalidInput, SessionBusy, translated
 from ..runtime.sql import query
-from ..runtime.store import Conn, Followup, IdleCheck, scope_lock_key
+from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice, scope_lock_key
 from .request import RunRequest, task_args
 
 
@@ -391,6 +391,8 @@ class Precheck:
     older_stale: bool
     # Whether the scope's lock was taken (``None``: not tried).
     locked: bool | None = None
+    # The epoch an earlier attempt pinned (``None``: none did).
+    pinned: int | None = None
 
 
 async def precheck(
@@ -406,7 +408,8 @@ async def precheck(
     if row is None:
         return None
     return Precheck(row["status"], row["result"], row["error"], _pending(row),
-                    bool(row["stale"]), None if row["locked"] is None else bool(row["locked"]))
+                    bool(row["stale"]), None if row["locked"] is None else bool(row["locked"]),
+                    row["pinned"])
 
 
 @dataclass(frozen=True)
@@ -429,6 +432,8 @@ class Started:
     # and since the previous request of its session finished (a handoff).
     since_heartbeat: float | None = None
     since_handoff: float | None = None
+    # The rows of the run's open query, when it was sent with the start.
+    opened: list[DictRow] | None = field(default=None, compare=False)
 
 
 async def start(
@@ -437,17 +442,27 @@ async def start(
     scope: str,
     holder: str,
     stale_after: float,
+    opening: OpenChoice | None = None,
 ) -> Started:
     """Under the scope lock, in one statement: a duplicate of a finished request
     gets its stored outcome; a request behind an unfinished older one parks;
     otherwise the attempt is counted and the request marked running, its epoch
     pinned on the first attempt (the scope's current one, or its last run's
-    for a resume)."""
-    row = await _fetchone(
-        conn, "start_request",
-        {"request_id": request_id, "scope": scope, "holder": holder, "pid": os.getpid(),
-         "stale": stale_after},
-    )
+    for a resume). With ``opening``, the run's open query follows in the same
+    round trip (one pipeline; Postgres runs it after the start), its rows in
+    ``opened`` for the lease to use when it opens that epoch."""
+    params = {"request_id": request_id, "scope": scope, "holder": holder, "pid": os.getpid(),
+              "stale": stale_after}
+    opened: list[DictRow] | None = None
+    if opening is None:
+        row = await _fetchone(conn, "start_request", params)
+    else:
+        cur = conn.cursor(row_factory=dict_row)
+        async with conn.pipeline():
+            await cur.execute(query("start_request"), params)
+            reading = await opening.send(conn, scope)
+        row = await cur.fetchone()
+        opened = await reading.fetchall()
     if row is None:
         raise LookupError(f"request {request_id} has no ledger row")
     seq = row["seq"]
@@ -463,6 +478,7 @@ async def start(
         cancel_requested=bool(row["cancel_requested"]),
         since_heartbeat=row["since_heartbeat"],
         since_handoff=row["since_handoff"],
+        opened=opened,
     )
 
 

@@ -232,7 +232,11 @@ class Lease:
         the current one."""
         choice = OpenChoice(pinned, resume_last)
         prefetched, self.prefetched = self.prefetched, None
-        if prefetched is not None and prefetched[0] == choice:
+        if prefetched is not None and (
+            prefetched[0] == choice
+            # Read for the epoch pinned now (by the start it went with).
+            or (pinned is not None and prefetched[1] and prefetched[1][0]["epoch"] == pinned)
+        ):
             rows = prefetched[1]
         else:
             rows = await self.io(choice.read(self.scope))

@@ -338,7 +338,7 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadat
 -- The request, the oldest unfinished request of its scope before it, and,
 -- in the same statement, the scope's lock when the request is unfinished and
 -- nothing is before it (NULL: not tried).
-SELECT r.status, r.result, r.error,
+SELECT r.status, r.result, r.error, r.epoch AS pinned,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
        o.not_before, o.options, o.stale,
        CASE WHEN loomflow_worker_unfinished(r.status) AND o.request_id IS NULL
