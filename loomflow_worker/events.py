@@ -171,7 +171,7 @@ class EventPublisher:
         maxlen: int,
         retention: float,
         interval: float = 0.1,
-        step_end_delay: float = 0.01,
+        step_end_delay: float = 0.05,
     ) -> None:
         self._client: aredis.Redis = aredis.Redis.from_url(url, socket_timeout=5)
         self._append = self._client.register_script(_APPEND)
