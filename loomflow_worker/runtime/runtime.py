@@ -83,6 +83,10 @@ _options_var: ContextVar[RunOptions | None] = ContextVar(
 )
 
 
+#: The largest epoch a scope can have: epochs are stored as Postgres integers.
+MAX_EPOCH = 2**31 - 1
+
+
 @contextmanager
 def run_options(
     *,
@@ -105,8 +109,13 @@ def run_options(
     (``runtime.journal.acquire``): the run uses it, and leaves both the
     epoch advance (``lease.finish``) and the release to the caller, who
     can then record the run's result in the same transaction."""
-    if epoch is not None and (not isinstance(epoch, int) or epoch < 0):
-        raise InvalidInput(f"epoch must be a non-negative integer, not {epoch!r}")
+    if epoch is not None and (
+        not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch <= MAX_EPOCH
+    ):
+        raise InvalidInput(
+            f"epoch must be an integer from 0 to {MAX_EPOCH} (a scope's epochs are Postgres "
+            f"integers), not {epoch!r}"
+        )
     token = _options_var.set(
         RunOptions(
             epoch=epoch, lock_wait=lock_wait, on_open=on_open, on_finish=on_finish,

@@ -143,3 +143,19 @@ def test_a_start_time_is_read_as_celery_reads_it() -> None:
     naive = soon.replace(tzinfo=None)  # a naive eta is in the app's timezone (UTC)
     assert _start_at(None, naive) == StartAt(eta=soon)
     assert _start_at(None, soon.isoformat()) == StartAt(eta=soon)
+
+
+@pytest.mark.parametrize("epoch", [-1, 2**31, 10**12, True, 1.5, "3"])
+def test_an_epoch_postgres_cannot_store_is_refused_by_run_options(epoch: object) -> None:
+    from loomflow_worker.runtime import run_options
+
+    with (pytest.raises(InvalidInput, match=r"epoch must be an integer from 0 to 2147483647"),
+          run_options(epoch=epoch)):  # type: ignore[arg-type]
+        pass
+
+
+def test_the_largest_epoch_postgres_stores_is_accepted() -> None:
+    from loomflow_worker.runtime import run_options
+
+    with run_options(epoch=2**31 - 1):
+        pass
