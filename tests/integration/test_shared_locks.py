@@ -188,17 +188,20 @@ async def test_a_lost_lock_connection_fences_every_run_on_it(dsn: str) -> None:
 
 async def test_an_open_that_fails_after_the_lock_leaves_the_scope_free(dsn: str) -> None:
     """The open query rides in the lock's round trip; when Postgres refuses it
-    (here an epoch beyond its integer range), the lock taken just before must
-    not stay held on the shared connection."""
-    from loomflow_worker.runtime import run_options
-
+    (here the journal's table is away), the lock taken just before must not
+    stay held on the shared connection."""
     effects = EffectsLog(dsn)
     await effects.setup()
     runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
     try:
         agent = make_agent(runtime, effects)
-        with run_options(epoch=2**40), pytest.raises(psycopg.errors.NumericValueOutOfRange):
-            await agent.run(calls("a"), session_id="s", user_id="u")
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as admin:
+            await admin.execute("ALTER TABLE journal_streams RENAME TO journal_streams_away")
+            try:
+                with pytest.raises(psycopg.errors.UndefinedTable):
+                    await agent.run(calls("a"), session_id="s", user_id="u")
+            finally:
+                await admin.execute("ALTER TABLE journal_streams_away RENAME TO journal_streams")
         other = await PostgresRuntime.connect(dsn, lock_connections=1)
         try:
             with anyio.fail_after(5):
