@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -87,19 +88,57 @@ def empty_dsn() -> Iterator[str]:
         _admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
-@pytest.fixture
-def dsn(template_db: str) -> Iterator[str]:
-    """A migrated database of this test's own, dropped afterwards."""
-    name = f"lfw_test_{uuid.uuid4().hex[:10]}"
-    _admin(
-        sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
-            sql.Identifier(name), sql.Identifier(template_db)
+class _Clones:
+    """Fresh copies of the template, each made one test ahead in a thread of its
+    own, so that a test does not wait for its database to be copied."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        self._next: concurrent.futures.Future[str] | None = None
+        self._maker = concurrent.futures.ThreadPoolExecutor(1, "lfw-clone")
+
+    def _clone(self) -> str:
+        name = f"lfw_test_{uuid.uuid4().hex[:10]}"
+        _admin(
+            sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+                sql.Identifier(name), sql.Identifier(self.template)
+            )
         )
-    )
+        return name
+
+    def take(self) -> str:
+        """A database no test had, and the next one started."""
+        made = self._next.result() if self._next is not None else self._clone()
+        self._next = self._maker.submit(self._clone)
+        return made
+
+    def close(self) -> None:
+        self._maker.shutdown(wait=True)
+        if self._next is not None and self._next.exception() is None:
+            _drop(self._next.result())
+
+
+def _drop(name: str) -> None:
+    _admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture(scope="session")
+def _clones(template_db: str) -> Iterator[_Clones]:
+    clones = _Clones(template_db)
+    try:
+        yield clones
+    finally:
+        clones.close()
+
+
+@pytest.fixture
+def dsn(_clones: _Clones) -> Iterator[str]:
+    """A migrated database of this test's own, dropped afterwards."""
+    name = _clones.take()
     try:
         yield dsn_for(name)
     finally:
-        _admin(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        _drop(name)
 
 
 @pytest.fixture

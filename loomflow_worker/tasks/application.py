@@ -511,6 +511,8 @@ class AgentTask(Task):
         unfinished request: ``"enqueue"`` (wait for its turn), ``"reject"``
         (raise :class:`SessionBusy`, nothing recorded) or ``"interrupt"``
         (cancel the earlier requests, then run this one)."""
+        if task_id is not None and task_id == self.request.id and options.get("retries"):
+            return self._publish_retry(args, kwargs, task_id, options)
         kwargs = dict(kwargs or {})
         on_busy = kwargs.pop("on_busy", on_busy)
         if on_busy not in ON_BUSY:
@@ -556,6 +558,20 @@ class AgentTask(Task):
         for pending in enqueued.cancelled:
             _dispatch_recorded(pending, "cancelled")  # so its result is stored
         return result
+
+    def _publish_retry(
+        self, args: Any, kwargs: Any, task_id: str, options: dict[str, Any]
+    ) -> AsyncResult:
+        """Publish Celery's retry of the request this worker is running: the
+        ledger rescheduled it already (queued, not before its countdown), so it
+        is sent as it was received, not recorded again (which would find it a
+        duplicate and publish nothing, leaving it to the sweeper)."""
+        options = {"retry_policy": DISPATCH_RETRY, **options}
+        try:
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        except _dispatch_errors() as exc:
+            _dispatch_deferred(task_id, "queued for its retry", exc)
+            return self.AsyncResult(task_id)
 
     def delay(self, *args: Any, **kwargs: Any) -> AsyncResult:
         return self.apply_async(args, kwargs)

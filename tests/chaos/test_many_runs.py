@@ -185,8 +185,9 @@ def test_a_frozen_process_is_fenced_as_a_whole(fleet: Fleet) -> None:
     finally:
         os.killpg(frozen.pid, signal.SIGCONT)
     # Continued, the frozen process finishes the tool calls it was in (their side
-    # effects are its own), then finds every run fenced: it journals nothing more.
-    time.sleep(4)
+    # effects are its own), then finds every run fenced: its attempts end having
+    # journaled nothing more.
+    fleet.wait_tasks_ended("w1", [s.request_id for s in sent])
     assert _journal_writes(fleet.dsn) == written
     logs = "".join(p.read_text(errors="replace") for p in fleet.logs.glob("*.log"))
     assert "ended their worker's lock connection" in logs

@@ -52,12 +52,14 @@ def test_a_whole_worker_killed_mid_run_resumes_elsewhere_in_seconds(
         killed_at = time.time()
         fleet.kill(victim)
         times.append(_next_start(fleet.dsn, tags[1], pid) - killed_at)
+        # The lost worker comes back while the request finishes elsewhere.
+        fleet.start(victim, concurrency=1, wait=False, **env)
         assert result.get(timeout=60)["output"] == "done: " + ", ".join(
             f"recorded {t}" for t in tags
         )
         counts = _counts(fleet.dsn)
         assert counts[tags[0]] == 1 and counts[tags[2]] == 1 and counts[tags[1]] == 2
-        fleet.start(victim, concurrency=1, **env)
+        fleet.wait_ready(victim)
     assert steps_journaled_twice(fleet.dsn) == []
     p50, worst = statistics.median(times), max(times)
     print(f"\n{broker}: kill -> resumed step over {len(times)} trials: "
@@ -81,7 +83,8 @@ def test_a_frozen_worker_is_fenced_and_its_request_recovered(fleet: Fleet) -> No
     tags = ["f1", "f2", "f3"]
     result = run_agent.delay(calls(*tags), "s")
     _, pid, _, _ = _wait_for_execution(fleet.dsn, "f2")
-    frozen = fleet.workers[fleet.worker_of(pid)]
+    frozen_name = fleet.worker_of(pid)
+    frozen = fleet.workers[frozen_name]
     os.killpg(frozen.pid, signal.SIGSTOP)
     try:
         frozen_at = time.monotonic()
@@ -94,8 +97,8 @@ def test_a_frozen_worker_is_fenced_and_its_request_recovered(fleet: Fleet) -> No
     finally:
         os.killpg(frozen.pid, signal.SIGCONT)
     # Continued, the frozen worker finishes its tool, then finds itself fenced:
-    # it writes nothing more and finishes nothing.
-    time.sleep(4)
+    # its attempt ends having written nothing more and finished nothing.
+    fleet.wait_tasks_ended(frozen_name, [result.id])
     assert _journal_snapshot(fleet.dsn) == before
     row_after = ledger(fleet.dsn, result.id)
     assert row_after == row_before and row_after["status"] == "succeeded"

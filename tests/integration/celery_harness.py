@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,11 +45,13 @@ class Fleet:
         cli: bool = False,
         pool: str = "prefork",
         gossip: bool = False,
+        wait: bool = True,
         **extra_env: str,
     ) -> subprocess.Popen[bytes]:
         """Start a worker; ``cli=True`` starts it with ``loomflow-worker worker``
         (soft shutdown on SIGTERM) instead of plain ``celery worker``;
-        ``gossip=True`` keeps Celery's gossip and mingle on (its defaults)."""
+        ``gossip=True`` keeps Celery's gossip and mingle on (its defaults);
+        ``wait=False`` returns at once (:meth:`wait_ready` waits for it)."""
         log = self.logs / f"{name}.log"
         if log.exists():
             log.unlink()
@@ -69,14 +72,21 @@ class Fleet:
             start_new_session=True,
         )
         self.workers[name] = proc
-        deadline = time.monotonic() + 60
+        if wait:
+            self.wait_ready(name)
+        return proc
+
+    def wait_ready(self, name: str, timeout: float = 60) -> None:
+        """Wait until worker ``name`` says it is ready."""
+        proc, log = self.workers[name], self.logs / f"{name}.log"
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if log.exists() and "ready." in log.read_text(errors="replace"):
-                return proc
+                return
             if proc.poll() is not None:
                 out = (self.logs / f"{name}.out").read_text(errors="replace")
                 raise RuntimeError(f"worker {name} exited at start:\n{out}")
-            time.sleep(0.1)
+            time.sleep(0.05)
         raise RuntimeError(f"worker {name} not ready: {log.read_text(errors='replace')}")
 
     def kill(self, name: str) -> None:
@@ -123,6 +133,25 @@ class Fleet:
     def stop_all(self) -> None:
         for name in list(self.workers):
             self.kill(name)
+
+    def wait_tasks_ended(self, name: str, request_ids: list[str], timeout: float = 30) -> None:
+        """Wait until worker ``name``'s log says its task of each of ``request_ids``
+        ended (succeeded, raised, retried, was ignored or rejected)."""
+        log = self.logs / f"{name}.log"
+        pending = set(request_ids)
+        deadline = time.monotonic() + timeout
+        while pending:
+            text = log.read_text(errors="replace") if log.exists() else ""
+            pending = {
+                rid for rid in pending
+                if not re.search(rf"Task \S+\[{rid}\] (succeeded|raised|retry|ignored|reject)",
+                                 text)
+            }
+            if pending:
+                assert time.monotonic() < deadline, (
+                    f"worker {name} still running {sorted(pending)[:5]} after {timeout:g}s"
+                )
+                time.sleep(0.05)
 
     def log_text(self) -> str:
         return "\n".join(

@@ -49,6 +49,8 @@ def _start_worker(fleet: Fleet, name: str, api: MessagesAPI, instructions: str) 
         ANTHROPIC_API_KEY=API_KEY,
         TEST_CLAUDE_INSTRUCTIONS=instructions,
         TEST_TOOL_SLEEP=TOOL_SLEEP,
+        LOOMFLOW_WORKER_SWEEP_INTERVAL="0.5",
+        LOOMFLOW_WORKER_HEARTBEAT_INTERVAL="0.5",
     )
 
 

@@ -207,6 +207,23 @@ def test_an_error_retries_with_backoff_replaying_the_journal(fleet: Fleet) -> No
     assert row["status"] == "succeeded" and row["failures"] == 1 and row["attempts"] == 2
     assert row["crashes"] == 0
     assert _counts(fleet.dsn) == {"once": 1}
+    # The retry message itself brought the second attempt, after its backoff:
+    # the sweeper sends a queued request again only after the handoff grace (5 s).
+    assert _retry_gaps(fleet.dsn, result.id)[0] < 4
+
+
+def _retry_gaps(dsn: str, request_id: str) -> list[float]:
+    """Seconds from the end of each attempt to the start of the next."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT started_at, ended_at FROM run_attempts WHERE request_id = %s "
+            "ORDER BY attempt",
+            (request_id,),
+        ).fetchall()
+    assert len(rows) > 1, rows
+    return [(later[0] - earlier[1]).total_seconds() for earlier, later in pairwise(rows)]
 
 
 def test_past_the_retry_limit_a_request_fails_and_the_session_moves_on(fleet: Fleet) -> None:
@@ -221,6 +238,7 @@ def test_past_the_retry_limit_a_request_fails_and_the_session_moves_on(fleet: Fl
     row = ledger(fleet.dsn, failing.id)
     assert row["status"] == "failed" and row["attempts"] == 3 and row["failures"] == 2
     assert "model overloaded" in str(row["error"])
+    assert max(_retry_gaps(fleet.dsn, failing.id)) < 4
 
 
 def _queue_length(fleet: Fleet) -> int:

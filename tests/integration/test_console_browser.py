@@ -40,14 +40,24 @@ TOKEN = "browser-test-token-" + uuid.uuid4().hex
 ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
-@pytest.fixture
-def browser() -> Iterator[Browser]:
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Browser]:
     with sync_playwright() as playwright:
         found = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             yield found
         finally:
             found.close()
+
+
+@pytest.fixture
+def browser(chromium: Browser) -> Iterator[Browser]:
+    """The module's Chromium; the pages a test opened are closed after it."""
+    try:
+        yield chromium
+    finally:
+        for context in chromium.contexts:
+            context.close()
 
 
 def _shot(page: Page, name: str) -> Path:

@@ -148,7 +148,8 @@ def test_a_request_accepted_while_the_broker_is_down_returns_its_handle_and_runs
     by_cli = done.stdout.strip()
     assert f"request {by_cli} is accepted" in done.stderr
     # A worker's sweeper publishes them: the queue is empty, the requests queued.
-    fleet.start("w1", concurrency=1, LOOMFLOW_WORKER_HANDOFF_GRACE="0.5")
+    fleet.start("w1", concurrency=1, LOOMFLOW_WORKER_HANDOFF_GRACE="0.5",
+                LOOMFLOW_WORKER_SWEEP_INTERVAL="0.3")
     assert run_agent.AsyncResult(result.id).get(timeout=60)["output"] == "done: recorded late"
     assert wait_status(fleet.dsn, by_cli, ("succeeded",)) == "succeeded"
     assert _counts(fleet.dsn) == {"late": 1, "late-cli": 1}
