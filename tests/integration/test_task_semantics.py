@@ -14,6 +14,9 @@ from pydantic import SecretStr
 
 from loomflow_worker import InvalidInput, cancel_queued, cancel_run
 from loomflow_worker import tasks as tasks_module
+from loomflow_worker.execution.ledger import EnqueuePool
+from loomflow_worker.execution.registry import import_agent_modules
+from loomflow_worker.execution.request import check_request
 from loomflow_worker.tasks import RunCancelled, resume_agent, run_agent
 
 from .celery_harness import REDIS_URL, Fleet, ledger, wait_status
@@ -153,6 +156,45 @@ def test_a_request_accepted_while_the_broker_is_down_returns_its_handle_and_runs
     assert run_agent.AsyncResult(result.id).get(timeout=60)["output"] == "done: recorded late"
     assert wait_status(fleet.dsn, by_cli, ("succeeded",)) == "succeeded"
     assert _counts(fleet.dsn) == {"late": 1, "late-cli": 1}
+
+
+def test_a_retry_the_broker_refuses_is_published_by_the_sweeper_once_it_is_back(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Celery's retry of a running request (``apply_async`` under the request's
+    own id, with ``retries``) is published as it was received; when the broker
+    refuses it, the caller is not failed: the request stays queued in the
+    ledger, marked for the sweeper, which publishes it once a worker is up."""
+    up = tasks_module.settings()
+    request_id = str(uuid.uuid4())
+    import_agent_modules(up.agents)
+    req = check_request(up, kind="run", prompt=calls("retried"), session_id="s1")
+    enqueue = EnqueuePool()
+    try:
+        enqueue.insert(up.database_url.get_secret_value(), 5, request_id, req)
+    finally:
+        enqueue.close()
+    args, kwargs = req.task_args()
+    tasks_module.configure(up.model_copy(update={"broker_url": SecretStr("redis://127.0.0.1:1/0")}))
+    run_agent.push_request(id=request_id, retries=0)
+    try:
+        started = time.monotonic()
+        result = run_agent.apply_async(args, kwargs, task_id=request_id, retries=1, countdown=1)
+        took = time.monotonic() - started
+    finally:
+        run_agent.pop_request()
+        tasks_module.configure(up)
+    assert result.id == request_id
+    assert took < 5, f"the retry's publish took {took:.1f}s with the broker down"
+    assert any(request_id in r.getMessage() and "queued for its retry" in r.getMessage()
+               for r in caplog.records)
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT status, dispatched_at = '-infinity' FROM runs"
+                           " WHERE request_id = %s", (request_id,)).fetchone()
+    assert row == ("queued", True)
+    fleet.start("w1", concurrency=1, LOOMFLOW_WORKER_HANDOFF_GRACE="0.5")
+    assert run_agent.AsyncResult(request_id).get(timeout=60)["output"] == "done: recorded retried"
+    assert _counts(fleet.dsn) == {"retried": 1}
 
 
 # ---- bad input -----------------------------------------------------------------------------------
