@@ -212,10 +212,14 @@ class EventPublisher:
         due = loop.time() + delay
         if due >= self._due:
             return
-        if self._timer is not None:
-            self._timer.cancel()
+        self._cancel_timer()
         self._due = due
         self._timer = loop.call_at(due, self._flush_due)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._due = None, math.inf
 
     def _flush_due(self) -> None:
         self._timer, self._due = None, math.inf
@@ -229,9 +233,7 @@ class EventPublisher:
             batch, self._buffer = self._buffer, {}
             if not batch:
                 return
-            if self._timer is not None:  # this sends what it was set for
-                self._timer.cancel()
-                self._timer, self._due = None, math.inf
+            self._cancel_timer()  # this sends what it was set for
             try:
                 await self._send(batch)
             except (redis.RedisError, OSError) as exc:
@@ -249,9 +251,7 @@ class EventPublisher:
         await self._append(keys=keys, args=args)
 
     async def aclose(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer, self._due = None, math.inf
+        self._cancel_timer()
         for task in list(self._flushes):
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -331,7 +331,6 @@ async def execute(
         except SessionBusy:
             return await _park_busy(runtime, request_id, req, options)
     outcome: Outcome | None = None
-    look = False
     try:
         holder = f"{node or ctx.node}:{os.getpid()}"
         outcome = await _run_holding(ctx, runtime, lease, request_id, req, holder, time_limit,

@@ -57,7 +57,6 @@ KEEP_ACTIONS_FOR = 86400.0
 FORGET_WORKERS_AFTER = 86400.0
 
 
-
 @dataclass(frozen=True)
 class ResultRepair:
     """How the sweeper reaches the result backend: ``missing(request_ids)``
@@ -67,6 +66,7 @@ class ResultRepair:
 
     missing: Callable[[list[str]], set[str]]
     store: Callable[[str, str, Any, str | None], None]
+
 
 @dataclass(frozen=True)
 class Action:
@@ -243,14 +243,18 @@ class Sweeper:
             ids = [row["request_id"] for row in cur.execute(query(name), params).fetchall()]
             if not ids:
                 continue
+            try:
+                missing = self.results.missing(ids) if check else set(ids)
+            except Exception as exc:
+                self._backend_unreachable(exc)
+                break
+            # Outcomes are read only for what the backend lacks: a result can
+            # be large, and nearly every one is there.
+            rows = cur.execute(
+                query("request_outcomes"), {"request_ids": [i for i in ids if i in missing]}
+            ).fetchall() if missing else []
             checked: list[str] = []
             try:
-                # Outcomes are read only for what the backend lacks: a result
-                # can be large, and nearly every one is there.
-                missing = self.results.missing(ids) if check else set(ids)
-                rows = cur.execute(
-                    query("request_outcomes"), {"request_ids": [i for i in ids if i in missing]}
-                ).fetchall() if missing else []
                 for row in rows:
                     request_id, status = row["request_id"], row["status"]
                     self.results.store(request_id, status, row["result"], row["error"])
@@ -265,20 +269,24 @@ class Sweeper:
                         "result_stored", request_id,
                         f"stored its {status} result, which its worker could not store"))
                 # The rest were there already, or their request is gone.
-                stored = {row["request_id"] for row in rows}
+                stored = set(checked)
                 checked += [i for i in ids if i not in stored]
                 self._backend_down = False
             except Exception as exc:
-                if not self._backend_down:
-                    log.warning("sweeper: the result backend is unreachable (%s); "
-                                "results wait in the ledger", exc,
-                                extra={"action": "sweeper_result_wait"})
-                self._backend_down = True
+                self._backend_unreachable(exc)
             if checked:
                 conn.execute(query(done), {"request_ids": checked, "within": within})
             if self._backend_down:
                 break
         return repaired
+
+    def _backend_unreachable(self, exc: Exception) -> None:
+        """Results wait in the ledger while the backend is down: said once per outage."""
+        if not self._backend_down:
+            log.warning("sweeper: the result backend is unreachable (%s); "
+                        "results wait in the ledger", exc,
+                        extra={"action": "sweeper_result_wait"})
+        self._backend_down = True
 
     def sweep_revoked(self, conn: psycopg.Connection[Any]) -> int:
         """End the unfinished requests whose ids Celery revoked (workers learn
