@@ -30,6 +30,11 @@ class Metrics:
     handoff: Any
     recovery: Any
     sweeper: Any
+    loop_lag: Any
+    loop_stalls: Any
+    admitting: Any
+    lock_queue: Any
+    fenced: Any
 
 
 _metrics: Metrics | None = None
@@ -52,7 +57,7 @@ def setup() -> Metrics:
     """Create the metrics (once per process)."""
     global _metrics
     if _metrics is None:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
 
         _metrics = Metrics(
             requests=Counter(
@@ -77,6 +82,27 @@ def setup() -> Metrics:
                 buckets=_SECONDS,
             ),
             sweeper=Counter("loomflow_worker_sweeper_actions", "Sweeper actions", ["action"]),
+            loop_lag=Histogram(
+                "loomflow_worker_loop_lag_seconds",
+                "How late the event loop ran a ready callback (sampled every 0.1 s)",
+                buckets=_SECONDS,
+            ),
+            loop_stalls=Counter(
+                "loomflow_worker_loop_stalls", "Times the event loop was held for over a second"
+            ),
+            admitting=Gauge(
+                "loomflow_worker_admitting",
+                "1 while the process takes new requests from the broker, 0 while it is paused",
+                multiprocess_mode="liveall",
+            ),
+            lock_queue=Gauge(
+                "loomflow_worker_lock_queue_depth",
+                "Work waiting for the process's lock connections",
+                multiprocess_mode="liveall",
+            ),
+            fenced=Counter(
+                "loomflow_worker_fenced_runs", "Runs fenced because their lock connection was lost"
+            ),
         )
     return _metrics
 

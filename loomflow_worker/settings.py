@@ -108,6 +108,16 @@ class Settings(BaseSettings):
     connect_timeout: int = Field(default=10, ge=1)
     lock_io_timeout: float = Field(default=30.0, gt=0)
 
+    # Admission: a worker process stops taking requests from the broker while
+    # its event loop runs later than admission_lag seconds, or while more
+    # than admission_queue statements wait for its lock connections, and
+    # takes them again once it has caught up; --concurrency is the ceiling.
+    # A loop held longer than loop_stall_warning seconds is logged, naming
+    # the request and step that held it.
+    admission_lag: float = Field(default=0.5, gt=0)
+    admission_queue: int = Field(default=200, ge=1)
+    loop_stall_warning: float = Field(default=1.0, gt=0)
+
     # The run console (`loomflow-worker console`): the token a request from
     # anywhere but loopback must present, and any cancel from its pages.
     console_token: SecretStr | None = None

@@ -33,6 +33,7 @@ from ..runtime import (
     run_options,
 )
 from ..runtime.lockconn import LockConnection
+from ..runtime.loopwatch import LoopWatch, Stall
 from ..runtime.store import Conn, Lease, OpenChoice
 from ..settings import Settings
 from . import ledger
@@ -116,6 +117,8 @@ class WorkerContext:
         self._unseen = False
         # Running requests of this process, by id: how to halt each.
         self._halts: dict[str, Callable[[str], None]] = {}
+        # How late the process's loop runs (started with the runtime).
+        self.watch: LoopWatch | None = None
 
     async def runtime(self) -> PostgresRuntime:
         async with self._connect_lock:
@@ -150,6 +153,13 @@ class WorkerContext:
                 meter = metrics.get()
                 if meter is not None:
                     runtime.journal.on_write = meter.journal_write.observe
+                self.watch = LoopWatch(
+                    stall=self.settings.loop_stall_warning,
+                    step_codes=PostgresRuntime.step_codes(),
+                    on_stall=self._stalled,
+                    on_lag=meter.loop_lag.observe if meter is not None else None,
+                )
+                self.watch.start()
                 url = events_url(self.settings)
                 if url is not None:
                     self.events = EventPublisher(
@@ -186,17 +196,57 @@ class WorkerContext:
         return True
 
     async def _heartbeats(self, runtime: PostgresRuntime) -> None:
-        """Stamp every running request of the process as alive: one statement
-        per lock connection and interval. A frozen process stamps nothing,
-        so its lease runs out and the sweeper fences it as a whole."""
+        """Stamp every running request of the process as alive: one urgent
+        statement per lock connection and interval, never queued behind
+        journal writes, and never two at once on a connection. A connection
+        is fenced when it fails, or when nothing has stamped its runs for so
+        long that the sweeper may soon end it (:func:`fence_after`): a late
+        loop or a busy connection only delays a stamp. A frozen process
+        stamps nothing, so its lease runs out and the sweeper fences it."""
         interval = self.settings.heartbeat_interval
+        limit = fence_after(self.settings)
+        loop = asyncio.get_running_loop()
+        beating: dict[LockConnection, asyncio.Task[None]] = {}
         while True:
             await anyio.sleep(interval)
-            async with anyio.create_task_group() as beats:
-                for line in list(runtime.journal.lines):
-                    running = [a for a in line.leases if a.request_id is not None]
-                    if running and line.fenced is None:
-                        beats.start_soon(_beat, line, running, interval)
+            now = loop.time()
+            lines = [line for line in runtime.journal.lines if line.fenced is None]
+            for line in lines:
+                running = [a for a in line.leases if a.request_id is not None]
+                if not running:
+                    line.stamped_at = now
+                elif now - line.stamped_at > limit:
+                    line.fence(
+                        f"no heartbeat stamped its runs for {now - line.stamped_at:.1f}s "
+                        f"(the sweeper may end the connection after LEASE={self.settings.lease:g}s)"
+                    )
+                elif line not in beating or beating[line].done():
+                    beating[line] = loop.create_task(_beat(line, running))
+            beating = {line: task for line, task in beating.items() if line in lines}
+
+    def _stalled(self, stall: Stall) -> None:
+        """The loop was held (from the loop watch's thread): say by what."""
+        culprit = stall.culprit.describe() if stall.culprit is not None else "unknown code"
+        others = max(0, len(self._halts) - 1)
+        log.warning(
+            "the event loop was held for %.1fs by %s; the %d other runs of this process "
+            "waited as long. A tool that blocks (time.sleep, a synchronous client) in an "
+            "async def holds every run: make it a plain def (loomflow runs those in a "
+            "thread) or await an async call", stall.held, culprit, others,
+            extra={"action": "loop_stall", "held": round(stall.held, 3),
+                   "request": stall.culprit.request_id if stall.culprit else None,
+                   "step": stall.culprit.step if stall.culprit else None},
+        )
+        meter = metrics.get()
+        if meter is not None:
+            meter.loop_stalls.inc()
+
+    def queue_depth(self) -> int:
+        """Statements waiting for the process's lock connections."""
+        runtime = self._runtime
+        if runtime is None:
+            return 0
+        return sum(line.depth for line in list(runtime.journal.lines))
 
     async def _stamps(self, runtime: PostgresRuntime) -> None:
         """Stamp the process's own row in ``workers`` at once, then on every
@@ -234,6 +284,9 @@ class WorkerContext:
         self._unseen = False
 
     async def aclose(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+            self.watch = None
         tasks, self._beating, self._presence = (self._beating, self._presence), None, None
         for task in tasks:
             if task is not None:
@@ -703,22 +756,28 @@ def _stopped(exc: BaseException) -> RunStopped | None:
     return None
 
 
-async def _beat(line: LockConnection, running: list[Lease], interval: float) -> None:
-    """One heartbeat of the requests running on ``line``. One that fails or
-    gets no answer within two intervals means the locks are lost (or soon
-    will be, when the server gives up on us): every run on the connection
-    stops at once, mid-step, before the sweeper (which waits for a stale
-    heartbeat) can start it elsewhere. A cancel request stops a run at its
-    next step."""
+def fence_after(settings: Settings) -> float:
+    """How long a lock connection's runs may go without a heartbeat before the
+    process fences them itself: well before the sweeper, which ends a holder
+    silent for ``LEASE``, may act, and never sooner than a heartbeat interval."""
+    margin = max(2 * settings.heartbeat_interval, settings.lease / 5)
+    return max(settings.lease - margin, settings.heartbeat_interval)
+
+
+async def _beat(line: LockConnection, running: list[Lease]) -> None:
+    """One heartbeat of the requests running on ``line``, ahead of every
+    statement queued there. A cancel request stops a run at its next step."""
     ids = [a.request_id for a in running if a.request_id is not None]
+    sent = asyncio.get_running_loop().time()
     try:
-        with anyio.fail_after(2 * interval):
-            cancelled = await line.run(lambda conn: ledger.heartbeat(conn, ids))
+        cancelled = await line.run(lambda conn: ledger.heartbeat(conn, ids), urgent=True)
     except LockLost:
         return
-    except TimeoutError:
-        line.fence(f"no heartbeat answer within {2 * interval:g}s")
+    except Exception as exc:
+        log.warning("a heartbeat on lock connection %d failed: %s", line.index, exc,
+                    extra={"action": "heartbeat_failed", "backend": line.backend_pid})
         return
+    line.stamped_at = max(line.stamped_at, sent)
     for lease in running:
         if lease.request_id in cancelled and lease.stop is None:
             lease.stop = RunStopped("cancelled while running")

@@ -15,13 +15,18 @@ server task of its own that takes work from a queue:
 - any other work (start a request, finish it, take or release a lock) is
   a callable given the connection for one exclusive turn, which may be a
   transaction of several statements;
+- urgent work (the heartbeat that keeps the connection's runs alive) goes
+  before every queued write and turn, so a busy connection never makes its
+  runs look dead;
 - a caller that is cancelled stops waiting, but never a statement half
   sent: the shared connection stays usable for the other runs.
 
 When the connection fails (its backend ended, the network lost, no answer
 within the I/O timeout) every run on it is fenced at once: queued work
 fails with :class:`LockLost`, the connection is closed (Postgres frees the
-locks) and each lease's ``on_fenced`` callbacks run.
+locks) and each lease's ``on_fenced`` callbacks run. A late event loop is
+not a silent server: the I/O timeout counts only time the loop could have
+read an answer (see :class:`_Watchdog`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import psycopg
 from psycopg import AsyncConnection
 from psycopg.rows import TupleRow
 
+from .. import metrics
 from .errors import LockLost
 from .sql import query
 
@@ -87,6 +93,7 @@ class LockConnection:
         self.fenced: LockLost | None = None
         self.leases: set[Lease] = set()
         self._work: deque[_Work] = deque()
+        self._urgent: deque[_Work] = deque()
         self._writes: list[_Write] = []
         # The callers of the statement in flight.
         self._current: list[asyncio.Future[Any]] = []
@@ -95,6 +102,9 @@ class LockConnection:
         # Statements of journal writes sent, and the rows they carried.
         self.batches = 0
         self.rows_written = 0
+        # When (loop time) the last heartbeat that stamped every run of the
+        # connection was sent: the runs are alive in the ledger since then.
+        self.stamped_at = asyncio.get_running_loop().time()
 
     def start(self) -> None:
         self._server = asyncio.get_running_loop().create_task(
@@ -105,14 +115,20 @@ class LockConnection:
     def load(self) -> int:
         return len(self.leases)
 
+    @property
+    def depth(self) -> int:
+        """Work and writes waiting for the connection."""
+        return len(self._work) + len(self._writes) + len(self._urgent)
+
     # ---- what callers use --------------------------------------------------------------
 
-    async def run(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
-        """``fn(conn)`` in an exclusive turn on the connection."""
+    async def run(self, fn: Callable[[Conn], Awaitable[T]], *, urgent: bool = False) -> T:
+        """``fn(conn)`` in an exclusive turn on the connection; ``urgent``
+        work goes before everything queued."""
         if self.fenced is not None:
             raise self.fenced
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._work.append(_Work(fn, done))
+        (self._urgent if urgent else self._work).append(_Work(fn, done))
         self._wake.set()
         return await done
 
@@ -142,6 +158,9 @@ class LockConnection:
         for done in self._current:
             _fail(done, fenced)
         self._fail_waiting(fenced)
+        meter = metrics.get()
+        if meter is not None:
+            meter.fenced.inc(len(self.leases))
         for lease in list(self.leases):
             lease.fence(fenced)
         self._wake.set()
@@ -180,15 +199,15 @@ class LockConnection:
     async def _serve(self) -> None:
         try:
             while self.fenced is None:
+                while self._urgent and self.fenced is None:
+                    await self._take(self._urgent)
                 # Writes and other work take turns, so neither waits on the other
                 # for long however busy the connection is.
-                if self._writes:
+                if self._writes and self.fenced is None:
                     await self._flush()
                 if self._work and self.fenced is None:
-                    work = self._work.popleft()
-                    if not work.done.done():
-                        await self._turn(work)
-                if not self._writes and not self._work:
+                    await self._take(self._work)
+                if not self._writes and not self._work and not self._urgent:
                     self._wake.clear()
                     await self._wake.wait()
         finally:
@@ -197,12 +216,18 @@ class LockConnection:
             self._fail_waiting(self.fenced)
             await asyncio.shield(self._close())
 
+    async def _take(self, queue: deque[_Work]) -> None:
+        work = queue.popleft()
+        if not work.done.done():
+            await self._turn(work)
+
     def _fail_waiting(self, exc: LockLost) -> None:
         """Fail the work and writes still queued: they will never be sent."""
-        for work in self._work:
+        for work in (*self._urgent, *self._work):
             _fail(work.done, exc)
         for write in self._writes:
             _fail(write.done, exc)
+        self._urgent.clear()
         self._work.clear()
         self._writes.clear()
 
@@ -213,10 +238,7 @@ class LockConnection:
         I/O timeout fences the connection there and then: the callers hear of
         it at once, whatever the driver then takes to give up on the query."""
         self._current = waiting
-        silent = f"no answer within {self.io_timeout:g}s"
-        watchdog = asyncio.get_running_loop().call_later(
-            self.io_timeout, lambda: self.fence(silent, TimeoutError(silent))
-        )
+        watchdog = _Watchdog(self, asyncio.get_running_loop())
         try:
             return await fn(self.conn)
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
@@ -270,6 +292,35 @@ class LockConnection:
         self.rows_written += len(rows)
         for write in writes:
             _succeed(write.done)
+
+
+#: A timer that fires this much after its time found the loop busy elsewhere.
+LATE = 0.5
+
+
+class _Watchdog:
+    """Fences a connection whose statement gets no answer within its I/O
+    timeout. A timer that fires late found the loop held (a CPU-bound burst,
+    a tool that blocked it): the answer may be waiting unread, so the
+    statement gets another turn of the loop, as long as the loop stays late."""
+
+    def __init__(self, line: LockConnection, loop: asyncio.AbstractEventLoop) -> None:
+        self._line = line
+        self._loop = loop
+        self._due = loop.time() + line.io_timeout
+        self._handle = loop.call_at(self._due, self._expire)
+
+    def _expire(self) -> None:
+        late = self._loop.time() - self._due
+        if late > LATE:
+            self._due = self._loop.time() + min(late, self._line.io_timeout)
+            self._handle = self._loop.call_at(self._due, self._expire)
+            return
+        silent = f"no answer within {self._line.io_timeout:g}s"
+        self._line.fence(silent, TimeoutError(silent))
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 def _fail(done: asyncio.Future[Any], exc: BaseException) -> None:

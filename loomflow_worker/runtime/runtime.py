@@ -28,6 +28,7 @@ from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
+from types import CodeType
 from typing import Any
 
 import anyio
@@ -448,6 +449,12 @@ class PostgresRuntime(JournaledRuntime):
         await self._write_step(scope, key, result)
         self.stats.steps_executed += 1
         return result
+
+    @staticmethod
+    def step_codes() -> tuple[CodeType, ...]:
+        """The code of the methods that run a journaled step: their frames name
+        the step (``name``) and the run (``lease``) to a loop watch."""
+        return (PostgresRuntime.step.__code__, PostgresRuntime._stream.__code__)
 
     @staticmethod
     def _mark_replayed(replayed: bool) -> None:

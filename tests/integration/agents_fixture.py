@@ -6,6 +6,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from loomflow import Agent
@@ -23,6 +24,10 @@ async def _on_start(tag: str) -> None:
     # "poison" kills the pool child on every attempt.
     if tag.startswith("poison"):
         os.kill(os.getpid(), signal.SIGKILL)
+    # "block" holds the event loop (a synchronous wait in an async tool), every
+    # other run of the process with it, for TEST_BLOCK_SECONDS.
+    if tag.startswith("block"):
+        time.sleep(float(os.environ.get("TEST_BLOCK_SECONDS", "6")))
 
 
 class FlakyModel(DeterministicModel):
