@@ -359,6 +359,9 @@ class WorkerSeen:
     started_at: datetime
     seen_at: datetime
     stopped_at: datetime | None
+    loop_lag: float
+    lock_queue: int
+    admitting: bool
     state: str
 
 

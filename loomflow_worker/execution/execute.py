@@ -117,8 +117,12 @@ class WorkerContext:
         self._unseen = False
         # Running requests of this process, by id: how to halt each.
         self._halts: dict[str, Callable[[str], None]] = {}
-        # How late the process's loop runs (started with the runtime).
+        # How late the process's loop runs (started with the runtime), and
+        # what looks at it on each of its ticks (admission control).
         self.watch: LoopWatch | None = None
+        self.watch_observers: list[Callable[[LoopWatch], None]] = []
+        # Whether the process takes new requests (admission may pause it).
+        self.admitting: Callable[[], bool] = lambda: True
 
     async def runtime(self) -> PostgresRuntime:
         async with self._connect_lock:
@@ -159,6 +163,7 @@ class WorkerContext:
                     on_stall=self._stalled,
                     on_lag=meter.loop_lag.observe if meter is not None else None,
                 )
+                self.watch.observers = self.watch_observers
                 self.watch.start()
                 url = events_url(self.settings)
                 if url is not None:
@@ -264,7 +269,8 @@ class WorkerContext:
         beat = ledger.WorkerBeat(
             worker=self.holder, hostname=socket.gethostname(), pid=os.getpid(),
             slots=self.slots, interval=self.settings.heartbeat_interval,
-            runs=len(self._halts),
+            runs=len(self._halts), loop_lag=self.watch.lag() if self.watch is not None else 0.0,
+            lock_queue=self.queue_depth(), admitting=self.admitting(),
         )
         try:
             # Closing waits for it no more than STOP_STAMP_WAIT.
@@ -666,7 +672,7 @@ async def _run(
     # connection is lost, the run stops at once, mid-step.
     fence = anyio.CancelScope()
     lease.request_id = request_id
-    lease.on_fenced.append(lambda _: fence.cancel())
+    lease.on_fenced.append(lambda _: _fenced(fence))
     # A revoke with terminate stops it at once, mid-step.
     halt = anyio.CancelScope()
     halted: list[str] = []
@@ -736,6 +742,14 @@ async def _call_agent(agent: Any, request_id: str, req: RunRequest, emit: Any) -
         # Always pass emit: model calls then always journal to the same table.
         emit=emit,
     )
+
+
+def _fenced(fence: anyio.CancelScope) -> None:
+    """A run whose lock connection was lost stops at once, mid-step."""
+    fence.cancel()
+    meter = metrics.get()
+    if meter is not None:
+        meter.fenced.inc()
 
 
 def _count_parked(reason: str) -> None:

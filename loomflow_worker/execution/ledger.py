@@ -591,6 +591,11 @@ class WorkerBeat:
     slots: int
     interval: float
     runs: int
+    # The largest lag of its event loop over the last second, the statements
+    # waiting for its lock connections, whether it takes new requests.
+    loop_lag: float = 0.0
+    lock_queue: int = 0
+    admitting: bool = True
 
 
 async def worker_seen(conn: Conn, beat: WorkerBeat) -> None:

@@ -44,7 +44,6 @@ import psycopg
 from psycopg import AsyncConnection
 from psycopg.rows import TupleRow
 
-from .. import metrics
 from .errors import LockLost
 from .sql import query
 
@@ -158,9 +157,6 @@ class LockConnection:
         for done in self._current:
             _fail(done, fenced)
         self._fail_waiting(fenced)
-        meter = metrics.get()
-        if meter is not None:
-            meter.fenced.inc(len(self.leases))
         for lease in list(self.leases):
             lease.fence(fenced)
         self._wake.set()

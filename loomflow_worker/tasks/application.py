@@ -55,6 +55,7 @@ from ..runtime.store import probe
 from ..runtime.validate import check_id
 from ..settings import Settings, validation_message
 from . import pool
+from .admission import Admission
 from .broker import AMQP
 from .loop import ChildLoop
 from .pool import REFUSED_POOLS, RunPool, pool_name
@@ -302,11 +303,13 @@ def _store_result(request_id: str, status: str, result: Any, error: str | None) 
 
 
 @worker_ready.connect
-def _start_sweeper(**_: Any) -> None:
+def _start_sweeper(sender: Any = None, **_: Any) -> None:
     if settings().metrics_port:
         metrics.setup()
         metrics.serve(settings().metrics_port)
     if "slots" in _state:
+        if sender is not None and getattr(sender, "qos", None) is not None:
+            _admit(sender)
         # The threads pool runs in this process: connect (and migrate) now.
         try:
             _loop.run(_context().runtime())
@@ -318,6 +321,24 @@ def _start_sweeper(**_: Any) -> None:
                           revoked=_end_revoked_requests)
         _state["sweeper"] = sweeper
         sweeper.start()
+
+
+def _admit(consumer: Any) -> None:
+    """Let the process's load decide when its consumer takes messages."""
+    from celery.worker import state as worker_state
+
+    ctx, current = _context(), settings()
+    admission = Admission(
+        consumer.qos,
+        ceiling=int(_state["slots"]) * max(1, int(consumer.prefetch_multiplier or 1)),
+        lag_limit=current.admission_lag,
+        queue_limit=current.admission_queue,
+        queue_depth=ctx.queue_depth,
+        in_flight=lambda: len(worker_state.reserved_requests),
+    )
+    ctx.watch_observers.append(admission.observe)
+    ctx.admitting = lambda: admission.admitting
+    _state["admission"] = admission
 
 
 #: How long a revoked request whose attempt still holds its scope is waited

@@ -56,6 +56,11 @@ KEEP_ACTIONS = 1000
 KEEP_ACTIONS_FOR = 86400.0
 FORGET_WORKERS_AFTER = 86400.0
 
+# A finished request whose worker process still lives stores its own result,
+# late when the process is busy: the sweeper checks it only after this long
+# (one whose worker is gone, after HANDOFF_GRACE).
+RESULT_WAIT_ALIVE = 60.0
+
 
 @dataclass(frozen=True)
 class ResultRepair:
@@ -237,7 +242,8 @@ class Sweeper:
         for name, params, check, done in (
             ("unstored_results", {"limit": 200}, False, "mark_result_stored"),
             ("unchecked_results",
-             {"after": self.settings.handoff_grace, "within": within, "limit": 200}, True,
+             {"after": self.settings.handoff_grace, "alive_after": RESULT_WAIT_ALIVE,
+              "within": within, "limit": 200}, True,
              "mark_result_checked"),
         ):
             ids = [row["request_id"] for row in cur.execute(query(name), params).fetchall()]

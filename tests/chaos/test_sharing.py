@@ -4,8 +4,12 @@ runs (tests/chaos/test_many_runs.py shows that one)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -87,3 +91,36 @@ def test_a_tool_that_blocks_the_loop_six_seconds_fences_nothing_and_is_named(
     assert 5.5 <= float(held.group(1)) <= 9, stalls[0]
     assert held.group(2) == blocker.id and held.group(3).startswith("tool_call_")
     assert "agents_fixture.py" in held.group(4) and "_on_start" in stalls[0]
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Iterator[None]:
+    """``count`` processes that keep a CPU busy each: a noisy neighbour."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+def test_a_backlog_far_past_capacity_beside_cpu_hogs_fences_nothing_and_finishes(
+    fleet: Fleet,
+) -> None:
+    # The backlog is in the broker before the worker starts: it offers the
+    # process all 600 at once, twice its ceiling and far more than two busy
+    # CPUs carry.
+    sent = [send(i, f"s{i}", "u", letters="ab") for i in range(600)]
+    ids = [s.request_id for s in sent]
+    with cpu_hogs(2):
+        fleet.start("w1", concurrency=300, cli=True, pool="threads",
+                    LOOMFLOW_WORKER_ADMISSION_QUEUE="50", **{**SHARING, "TEST_TOOL_SLEEP": "0.5"})
+        found = wait_terminal(fleet.dsn, sent, timeout=240)
+    assert set(found.values()) == {"succeeded"}, (found, fleet.log_text())
+    outcomes = _attempt_outcomes(fleet.dsn, ids)
+    assert outcomes == {"succeeded": len(ids)}, (outcomes, fleet.log_text())
+    log = (fleet.logs / "w1.log").read_text()
+    assert "fencing" not in log and "lost the lock" not in log, fleet.log_text()
+    # It stopped taking requests while it caught up, and took them again.
+    assert "taking no new requests" in log and "taking requests again" in log, fleet.log_text()

@@ -318,6 +318,22 @@ def test_the_fleet_page_shows_workers_by_heartbeat_and_the_sweepers_actions(
     _until_shown(client, second, ("stopped", 0), timeout=5)
 
 
+def test_the_fleet_page_shows_each_workers_load(fleet: Fleet, client: TestClient) -> None:
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO workers (worker, hostname, pid, slots, heartbeat_interval, runs,"
+            " loop_lag, lock_queue, admitting) VALUES"
+            " ('busy@h:7', 'h', 7, 1000, 600, 312, 0.73, 41, false),"
+            " ('calm@h:8', 'h', 8, 1000, 600, 3, 0.004, 0, true)")
+    page = client.get("/fleet").text
+    rows = dict(re.findall(r'<tr data-worker="([^"]+)"[^>]*>(.*?)</tr>', page, re.S))
+    assert '<td class="admitting">paused</td>' in rows["busy@h:7"]
+    assert '<td class="num lag">0.73s</td>' in rows["busy@h:7"]
+    assert '<td class="num queue">41</td>' in rows["busy@h:7"]
+    assert '<td class="admitting">yes</td>' in rows["calm@h:8"]
+    assert '<td class="num lag">0.00s</td>' in rows["calm@h:8"]
+
+
 def test_the_sweeper_keeps_its_actions_and_the_workers_table_short(
     dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -63,3 +63,25 @@ def test_the_metrics_endpoint_shows_the_counters_moving(fleet: Fleet) -> None:
     assert after[executed] > during.get(executed, 0) > 0
     assert after['loomflow_worker_attempts_total{kind="first"}'] == 3
     assert after.get("loomflow_worker_handoff_seconds_count", 0) >= 1  # m5 waited for m2-m4
+    # The event loop's lag is sampled as the process runs.
+    assert after["loomflow_worker_loop_lag_seconds_count"] > during.get(
+        "loomflow_worker_loop_lag_seconds_count", 0) > 0
+
+
+def test_a_threads_worker_shows_its_admission_and_lock_queue(fleet: Fleet) -> None:
+    port = _free_port()
+    fleet.start("w1", concurrency=20, cli=True, pool="threads",
+                LOOMFLOW_WORKER_METRICS_PORT=str(port))
+    run_agent.delay(calls("a1"), "s1").get(timeout=60)
+    deadline = time.monotonic() + 20
+    samples = _scrape(port)
+    while not any(name.startswith("loomflow_worker_lock_queue_depth") for name in samples):
+        assert time.monotonic() < deadline, sorted(samples)
+        time.sleep(0.2)
+        samples = _scrape(port)
+    admitting = [v for name, v in samples.items() if name.startswith("loomflow_worker_admitting")]
+    # Idle, it takes requests; nothing waits for its lock connections.
+    assert admitting == [1.0], samples
+    depth = [v for name, v in samples.items()
+             if name.startswith("loomflow_worker_lock_queue_depth")]
+    assert depth == [0.0], samples

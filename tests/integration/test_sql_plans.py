@@ -76,7 +76,8 @@ def test_every_way_a_request_ends_queues_one_result_check(dsn: str) -> None:
         conn.execute("UPDATE runs SET result_stored = false WHERE request_id = 'a'")
         assert waiting() == ["a", "b", "c"]
         unchecked = conn.execute(query("unchecked_results"),
-                                 {"after": -1, "within": 3600, "limit": 10}).fetchall()
+                                 {"after": -1, "alive_after": -1, "within": 3600,
+                                  "limit": 10}).fetchall()
         assert sorted(r[0] for r in unchecked) == ["a", "b", "c"]
         outcomes = conn.execute(query("request_outcomes"),
                                 {"request_ids": ["a", "b", "gone"]}).fetchall()

@@ -364,12 +364,17 @@ RETURNING request_id, cancel_requested;
 
 -- name: worker_seen
 -- A worker process's own row, stamped once per heartbeat interval: how many
--- runs it carries now, of how many slots (a restarted pid starts a new row).
-INSERT INTO workers AS w (worker, hostname, pid, slots, heartbeat_interval, runs)
-VALUES (%(worker)s, %(hostname)s, %(pid)s, %(slots)s, %(interval)s, %(runs)s)
+-- runs it carries now, of how many slots, and how loaded it is (a restarted
+-- pid starts a new row).
+INSERT INTO workers AS w (worker, hostname, pid, slots, heartbeat_interval, runs, loop_lag,
+                          lock_queue, admitting)
+VALUES (%(worker)s, %(hostname)s, %(pid)s, %(slots)s, %(interval)s, %(runs)s, %(loop_lag)s,
+        %(lock_queue)s, %(admitting)s)
 ON CONFLICT (worker) DO UPDATE
    SET runs = EXCLUDED.runs, slots = EXCLUDED.slots,
        heartbeat_interval = EXCLUDED.heartbeat_interval, seen_at = now(),
+       loop_lag = EXCLUDED.loop_lag, lock_queue = EXCLUDED.lock_queue,
+       admitting = EXCLUDED.admitting,
        started_at = CASE WHEN w.stopped_at IS NULL THEN w.started_at ELSE now() END,
        stopped_at = NULL;
 
@@ -700,11 +705,18 @@ UPDATE run_attempts SET outcome = 'interrupted'
 
 -- name: unchecked_results
 -- Requests finished between `after` and `within` seconds ago whose result the
--- sweeper has not yet checked in the result backend.
-SELECT request_id FROM results_to_check
- WHERE finished_at < now() - make_interval(secs => %(after)s)
-   AND finished_at > now() - make_interval(secs => %(within)s)
- ORDER BY finished_at LIMIT %(limit)s;
+-- sweeper has not yet checked in the result backend. A request whose worker
+-- process still lives (stamped within two of its heartbeat intervals) stores
+-- its result itself, however busy it is: it waits `alive_after` seconds.
+SELECT c.request_id FROM results_to_check c
+  LEFT JOIN runs r ON r.request_id = c.request_id
+  LEFT JOIN workers w
+    ON w.worker = r.holder AND w.stopped_at IS NULL
+   AND w.seen_at > now() - make_interval(secs => 2 * w.heartbeat_interval)
+ WHERE c.finished_at < now() - make_interval(
+           secs => CASE WHEN w.worker IS NULL THEN %(after)s ELSE %(alive_after)s END)
+   AND c.finished_at > now() - make_interval(secs => %(within)s)
+ ORDER BY c.finished_at LIMIT %(limit)s;
 
 -- name: request_outcomes
 -- What the result backend lacks for these finished requests, as the ledger has it.
@@ -966,9 +978,10 @@ SELECT count(*) FILTER (WHERE status = 'queued' AND dispatched_at <= now()) AS r
 -- name: console_workers
 -- console: worker processes seen by heartbeat within `window` seconds, latest
 -- first: live, stale (no beat for over two of its intervals: gone without
--- closing, or frozen) or stopped (closed cleanly).
+-- closing, or frozen) or stopped (closed cleanly); with its load at its last
+-- beat (loop lag, lock-connection queue, whether it took new requests).
 SELECT worker, hostname, pid, slots, runs, heartbeat_interval, started_at, seen_at,
-       stopped_at,
+       stopped_at, loop_lag, lock_queue, admitting,
        CASE WHEN stopped_at IS NOT NULL THEN 'stopped'
             WHEN seen_at < now() - make_interval(secs => 2 * heartbeat_interval) THEN 'stale'
             ELSE 'live' END AS state
