@@ -50,6 +50,11 @@ class Settings(BaseSettings):
     retry_backoff_max: float = Field(default=60.0, gt=0)
     # A request whose worker died this many times while running it ends `dead`.
     max_crashes: int = Field(default=3, ge=1)
+    # A request whose attempts lost their lock connection this many times in a
+    # row without completing a step (its process stalled past LEASE each time)
+    # ends `dead`. A death shared with other runs of a process counts toward
+    # max_crashes only once the request ran alone (see the README).
+    max_lost: int = Field(default=5, ge=2)
 
     # Bad input refused at enqueue.
     max_prompt_chars: int = Field(default=200_000, ge=1)

@@ -28,7 +28,27 @@ class AttemptLost(LoomflowWorkerError):
     while its worker lived: it is fenced, and the request runs again. Not a
     crash: :func:`~.ledger.mark_lost` records it so."""
 
-    def __init__(self, request_id: str, attempt: int, cause: LockLost) -> None:
+    def __init__(
+        self, request_id: str, attempt: int | None, cause: LockLost, holder: str = ""
+    ) -> None:
+        """``attempt``: ``None`` when it was lost while it started (``holder``'s
+        open attempt, if the start committed)."""
         self.request_id = request_id
         self.attempt = attempt
+        self.holder = holder
         super().__init__(str(cause))
+
+
+class DiedAlone(LoomflowWorkerError):
+    """The process that ran a request alone (in quarantine) died: the death is
+    the request's own, and its next attempt counts the crash."""
+
+
+class HandedBack(BaseException):
+    """Raised at the step boundary after a request running alone completed a
+    step: cleared of suspicion, it goes back to its worker's shared process,
+    which runs its next attempt (replaying what it journaled). A
+    ``BaseException``, as :class:`~loomflow_worker.runtime.RunStopped`."""
+
+    def __init__(self) -> None:
+        super().__init__("cleared of suspicion: handed back to the shared process")

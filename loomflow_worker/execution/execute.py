@@ -37,7 +37,7 @@ from ..runtime.loopwatch import LoopWatch, Stall
 from ..runtime.store import Conn, Lease, OpenChoice
 from ..settings import Settings
 from . import ledger
-from .errors import AttemptLost
+from .errors import AttemptLost, HandedBack
 
 # Failures stored by earlier versions name this module as their error's: it
 # still offers them (Celery's result backend looks them up here).
@@ -62,7 +62,10 @@ STOP_STAMP_WAIT = 2.0
 
 @dataclass
 class Outcome:
-    kind: Literal["succeeded", "failed", "dead", "cancelled", "parked", "retry"]
+    # "quarantine": the request must run alone, in a process of its own.
+    # "handed_back": it ran alone until it completed a step; run it again here.
+    kind: Literal["succeeded", "failed", "dead", "cancelled", "parked", "retry", "quarantine",
+                  "handed_back"]
     result: dict[str, Any] | None = None
     error: str | None = None
     countdown: float = 0.0
@@ -99,11 +102,16 @@ def _emitter(ctx: WorkerContext, request_id: str, attempt_no: int, lease: Lease)
 class WorkerContext:
     """What one pool child owns: its runtime and the agents built with it."""
 
-    def __init__(self, settings: Settings, slots: int = 1, node: str | None = None) -> None:
+    def __init__(
+        self, settings: Settings, slots: int = 1, node: str | None = None, *, alone: bool = False
+    ) -> None:
         """``slots``: how many runs this process carries at once; ``node``:
-        the Celery node it serves (the host name when none)."""
+        the Celery node it serves (the host name when none); ``alone``: it
+        runs one suspected request in quarantine, which it hands back once
+        that completes a step."""
         self.settings = settings
         self.slots = slots
+        self.alone = alone
         self.node = node or socket.gethostname()
         # The process as its runs name their holder, and its ``workers`` row.
         self.holder = f"{self.node}:{os.getpid()}"
@@ -357,7 +365,8 @@ async def execute(
     async def precheck_and_lock(conn: Conn, key: int, may_lock: bool) -> bool | None:
         nonlocal pre
         pre = await ledger.precheck(
-            conn, request_id, ctx.settings.redispatch_after, key, may_lock
+            conn, request_id, ctx.settings.redispatch_after, key, may_lock,
+            shared=ctx.slots > 1,
         )
         return None if pre is None else pre.locked
 
@@ -378,6 +387,15 @@ async def execute(
     if lease is None:
         assert pre is not None
         pooled = _pooled(runtime)
+        if pre.quarantine:
+            # Handed to a process of its own, as a dispatch would: the sweeper
+            # leaves it to that process (for REDISPATCH_AFTER, should it die).
+            await pooled(lambda conn: ledger.mark_handed_alone(conn, request_id))
+            log.warning(
+                "request %s runs alone: its attempts died with their shared process or lost "
+                "their lock twice in a row without completing a step", request_id,
+                extra={"action": "quarantine", **_log_fields(request_id, req)})
+            return Outcome("quarantine")
         if pre.status in ledger.TERMINAL:
             return await _duplicate(pooled, request_id, req, pre.status,
                                     result=pre.result, error=pre.error)
@@ -521,6 +539,14 @@ def ending_before_run(started: ledger.Started, settings: Settings, holder: str) 
             f"(LOOMFLOW_WORKER_MAX_CRASHES={settings.max_crashes}); last attempt on {holder}"
         )
         return Ending("dead", error=error, error_type="WorkerDied", note=f": {error}")
+    if started.lost_streak >= settings.max_lost:
+        error = (
+            f"its last {started.lost_streak} attempts lost their lock connection without "
+            f"completing a step (LOOMFLOW_WORKER_MAX_LOST={settings.max_lost}): their process "
+            "stopped heartbeating for longer than LEASE (a tool that holds the event loop? "
+            f"the worker log names it) or their connection kept failing; last attempt on {holder}"
+        )
+        return Ending("dead", error=error, error_type="AttemptsLost", note=f": {error}")
     if started.cancel_requested:
         return Ending("cancelled", error="cancelled before it started", error_type="Cancelled",
                       note=" before it started")
@@ -564,11 +590,16 @@ async def _run_holding(
     the run's open query goes with the start, for that epoch (or the one the
     start pins now), and the run opens from what it read."""
     opening = OpenChoice(pinned, req.kind == "resume")
-    started = await lease.io(
-        lambda conn: ledger.start(
-            conn, request_id, req.scope, holder, ctx.settings.redispatch_after, opening
+    try:
+        started = await lease.io(
+            lambda conn: ledger.start(
+                conn, request_id, req.scope, holder, ctx.settings.redispatch_after, opening
+            )
         )
-    )
+    except LockLost as exc:
+        # The start may have committed (its attempt counted) before the answer
+        # was lost: this holder's open attempt is lost, not crashed.
+        raise AttemptLost(request_id, None, exc, holder) from exc
     if started.opened is not None:
         lease.prefetched = (opening, started.opened)
     if started.status in ledger.TERMINAL:
@@ -599,7 +630,9 @@ async def _run_holding(
         return await _conclude(ctx, lease, request_id, req, started, ending)
     except LockLost as exc:
         # Fenced while this worker lives: not a crash (see AttemptLost).
-        raise AttemptLost(request_id, started.attempt, exc) from exc
+        raise AttemptLost(request_id, started.attempt, exc, holder) from exc
+    except HandedBack:
+        return Outcome("handed_back")
 
 
 def _log_fields(request_id: str, req: RunRequest) -> dict[str, Any]:
@@ -672,6 +705,15 @@ async def _run(
     # connection is lost, the run stops at once, mid-step.
     fence = anyio.CancelScope()
     lease.request_id = request_id
+    if started.suspicion or started.lost_streak:
+        # Its first completed step clears it of suspicion (and, running alone,
+        # sends it back to its shared process).
+        async def cleared() -> None:
+            await lease.io(lambda conn: ledger.clear_suspicion(conn, request_id))
+            if ctx.alone:
+                lease.stop = HandedBack()
+
+        lease.on_executed = cleared
     lease.on_fenced.append(lambda _: _fenced(fence))
     # A revoke with terminate stops it at once, mid-step.
     halt = anyio.CancelScope()
@@ -707,7 +749,16 @@ async def _run(
             raise lease.fenced from exc
         return ending_of_error(exc, started, ctx.settings, ctx.backoff)
     except BaseException as exc:
-        stopped = _stopped(exc)
+        if _found(exc, HandedBack) is not None:
+            attempt_no = started.attempt
+            with anyio.CancelScope(shield=True):
+                await lease.io(
+                    lambda conn: ledger.end_attempt(conn, request_id, attempt_no, "handed_back")
+                )
+            log.info("request %s cleared running alone; handed back", request_id,
+                     extra={"action": "handed_back", **log_fields})
+            raise HandedBack() from exc
+        stopped = _found(exc, RunStopped)
         if stopped is not None:
             return Ending("cancelled", error=stopped.reason, error_type="Cancelled",
                           note=" at a step boundary")
@@ -758,13 +809,16 @@ def _count_parked(reason: str) -> None:
         meter.parked.labels(reason).inc()
 
 
-def _stopped(exc: BaseException) -> RunStopped | None:
-    """The :class:`RunStopped` that ended a run, also from inside a task group."""
-    if isinstance(exc, RunStopped):
+E = TypeVar("E", bound=BaseException)
+
+
+def _found(exc: BaseException, kind: type[E]) -> E | None:
+    """The ``kind`` exception that ended a run, also from inside a task group."""
+    if isinstance(exc, kind):
         return exc
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            found = _stopped(inner)
+            found = _found(inner, kind)
             if found is not None:
                 return found
     return None

@@ -393,23 +393,34 @@ class Precheck:
     locked: bool | None = None
     # The epoch an earlier attempt pinned (``None``: none did).
     pinned: int | None = None
+    # It must run alone, not in this shared process (see precheck_run).
+    quarantine: bool = False
 
 
 async def precheck(
-    conn: Conn, request_id: str, stale_after: float, lock_key: int, may_lock: bool = True
+    conn: Conn,
+    request_id: str,
+    stale_after: float,
+    lock_key: int,
+    may_lock: bool = True,
+    *,
+    shared: bool = False,
 ) -> Precheck | None:
     """The ledger's view of ``request_id`` (``None``: it has no row), and its
     scope's lock (``lock_key``) tried in the same statement when it may run
-    (and ``may_lock``: this process does not hold it already)."""
+    (and ``may_lock``: this process does not hold it already). In a
+    ``shared`` process, a request that must run alone takes no lock and
+    comes back with ``quarantine`` set."""
     row = await _fetchone(
         conn, "precheck_run",
-        {"request_id": request_id, "stale": stale_after, "key": lock_key, "may_lock": may_lock},
+        {"request_id": request_id, "stale": stale_after, "key": lock_key, "may_lock": may_lock,
+         "shared": shared},
     )
     if row is None:
         return None
     return Precheck(row["status"], row["result"], row["error"], _pending(row),
                     bool(row["stale"]), None if row["locked"] is None else bool(row["locked"]),
-                    row["pinned"])
+                    row["pinned"], bool(row["quarantine"]))
 
 
 @dataclass(frozen=True)
@@ -432,6 +443,10 @@ class Started:
     # and since the previous request of its session finished (a handoff).
     since_heartbeat: float | None = None
     since_handoff: float | None = None
+    # Deaths of its attempts in a shared process, and lost attempts, in a row
+    # without a completed step (see migration 0018).
+    suspicion: int = 0
+    lost_streak: int = 0
     # The rows of the run's open query, when it was sent with the start.
     opened: list[DictRow] | None = field(default=None, compare=False)
 
@@ -478,6 +493,7 @@ async def start(
         cancel_requested=bool(row["cancel_requested"]),
         since_heartbeat=row["since_heartbeat"],
         since_handoff=row["since_handoff"],
+        suspicion=row["suspicion"], lost_streak=row["lost_streak"],
         opened=opened,
     )
 
@@ -651,6 +667,27 @@ def _hand_off_sync(conn: psycopg.Connection[Any], scope: str) -> Handoff | None:
     return _handoff(found[0] if found else None)
 
 
-def mark_lost(conn: psycopg.Connection[Any], request_id: str, attempt: int) -> None:
-    """Record that ``attempt`` lost its lock connection while its worker lived."""
-    conn.execute(query("mark_attempt_lost"), {"request_id": request_id, "attempt": attempt})
+def mark_lost(
+    conn: psycopg.Connection[Any], request_id: str, attempt: int | None, holder: str
+) -> None:
+    """Record that ``attempt`` (``None``: ``holder``'s open attempt, lost while
+    it started) lost its lock connection while its worker lived."""
+    conn.execute(query("mark_attempt_lost"),
+                 {"request_id": request_id, "attempt": attempt, "holder": holder})
+
+
+async def mark_handed_alone(conn: Conn, request_id: str) -> None:
+    """The request is handed to a process of its own (quarantine): the sweeper
+    takes it for dispatched just now."""
+    await conn.execute(query("mark_swept"), {"request_id": request_id})
+
+
+async def mark_lost_now(conn: Conn, request_id: str, attempt: int | None, holder: str) -> None:
+    """:func:`mark_lost`, on an async connection."""
+    await conn.execute(query("mark_attempt_lost"),
+                       {"request_id": request_id, "attempt": attempt, "holder": holder})
+
+
+async def clear_suspicion(conn: Conn, request_id: str) -> None:
+    """A suspected request's attempt completed a step: its record is clean."""
+    await conn.execute(query("clear_suspicion"), {"request_id": request_id})

@@ -74,3 +74,9 @@ def agent_time_limit(name: str) -> float | None:
 
 def registered_agents() -> list[str]:
     return sorted(_factories)
+
+
+def agent_modules() -> list[str]:
+    """The modules whose import registered the agents (a process of its own
+    imports them to build the same agents)."""
+    return sorted({factory.__module__ for factory in _factories.values()})

@@ -63,6 +63,7 @@ class LockLost(LoomflowWorkerError):
 
     def __init__(self, scope: str, cause: str) -> None:
         self.scope = scope
+        self.cause = cause
         super().__init__(
             f"lost the lock on session scope {scope!r} ({cause}); this attempt is fenced "
             "and wrote nothing more: run the request again to resume it from the journal"

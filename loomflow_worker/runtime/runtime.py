@@ -448,6 +448,8 @@ class PostgresRuntime(JournaledRuntime):
         result = await fn(*args, **kwargs)
         await self._write_step(scope, key, result)
         self.stats.steps_executed += 1
+        if lease is not None and lease.on_executed is not None:
+            await lease.executed()
         return result
 
     @staticmethod
@@ -516,6 +518,8 @@ class PostgresRuntime(JournaledRuntime):
         else:
             await self._pg.put_stream(scope, key, recorded)
         self.stats.steps_executed += 1
+        if lease is not None and lease.on_executed is not None:
+            await lease.executed()
 
     # ---- signals ------------------------------------------------------------------------------
 

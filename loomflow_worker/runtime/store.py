@@ -204,10 +204,18 @@ class Lease:
         self.current_epoch: int | None = None
         # What the open query returned in the lock's round trip, if it was sent there.
         self.prefetched: tuple[OpenChoice, list[DictRow]] | None = None
+        # Called once, after the run's next executed (not replayed) step.
+        self.on_executed: Callable[[], Awaitable[Any]] | None = None
 
     @property
     def backend_pid(self) -> int:
         return self.line.backend_pid
+
+    async def executed(self) -> None:
+        """A step of the run was executed and journaled."""
+        callback, self.on_executed = self.on_executed, None
+        if callback is not None:
+            await callback()
 
     def fence(self, cause: LockLost) -> None:
         if self.fenced is not None:

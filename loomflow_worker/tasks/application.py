@@ -38,7 +38,7 @@ from pydantic_settings import SettingsError
 
 from .. import metrics
 from ..execution import ledger
-from ..execution.errors import AttemptLost, RunCancelled, RunDead, RunFailed
+from ..execution.errors import AttemptLost, DiedAlone, RunCancelled, RunDead, RunFailed
 from ..execution.execute import Outcome, WorkerContext, execute
 from ..execution.ledger import ON_BUSY, EnqueuePool, OnBusy, Pending, StartAt
 from ..execution.registry import DEFAULT_AGENT, import_agent_modules
@@ -56,12 +56,17 @@ from ..runtime.validate import check_id
 from ..settings import Settings, validation_message
 from . import pool
 from .admission import Admission
+from .alone import run_alone
 from .broker import AMQP
 from .loop import ChildLoop
 from .pool import REFUSED_POOLS, RunPool, pool_name
 from .sweeper import ResultRepair, Sweeper
 
 log = logging.getLogger("loomflow_worker.tasks")
+
+#: How long past the run time limit a request running alone may take before
+#: its process is stopped.
+ALONE_GRACE = 60.0
 
 #: How long a pool child that is exiting waits for its connections to close.
 CLOSE_TIMEOUT = 5.0
@@ -784,11 +789,11 @@ def _mark_lost(lost: AttemptLost) -> None:
             with _enqueue.pool(
                 current.database_url.get_secret_value(), current.connect_timeout
             ).connection(timeout=current.connect_timeout) as conn:
-                ledger.mark_lost(conn, lost.request_id, lost.attempt)
+                ledger.mark_lost(conn, lost.request_id, lost.attempt, lost.holder)
             return
         except (psycopg.Error, TimeoutError):
             if time.monotonic() + pause > deadline:
-                log.warning("request %s: could not record attempt %d as lost",
+                log.warning("request %s: could not record attempt %s as lost",
                             lost.request_id, lost.attempt,
                             extra={"action": "retry", "request": lost.request_id})
                 return
@@ -818,12 +823,24 @@ def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
         )
     request_id = task.request.id
     try:
-        outcome: Outcome = _loop.run(
-            execute(_context(), request_id, args, task.kind, task.request.hostname,
-                    time_limit=_call_time_limit(task),
-                    options=functools.partial(_message_options, task, task.request)),
-            key=request_id,
-        )
+        outcome = _attempt(task, request_id, args)
+        if outcome.kind == "quarantine":
+            outcome = run_alone(
+                request_id, args, task.kind, task.request.hostname or _context().node,
+                time_limit=_call_time_limit(task),
+                options=_message_options(task, task.request),
+                timeout=settings().run_time_limit + ALONE_GRACE,
+            )
+            if outcome.kind == "handed_back":
+                outcome = _attempt(task, request_id, args)
+            if outcome.kind in ("quarantine", "handed_back"):
+                raise task.retry(countdown=_context().backoff(task.request.retries + 1))
+    except DiedAlone as exc:
+        # Its own death: the next attempt (alone again) counts the crash.
+        countdown = _context().backoff(task.request.retries + 1)
+        log.warning("request %s died running alone (%s); retrying in %.1fs", request_id, exc,
+                    countdown, extra={"action": "retry", "request": request_id})
+        raise task.retry(exc=exc, countdown=countdown) from exc
     except (concurrent.futures.CancelledError, asyncio.CancelledError) as exc:
         # Stopped by the worker (a shutdown): the run was interrupted and its
         # session lock released; the message goes back to the queue.
@@ -852,6 +869,17 @@ def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
     if outcome.kind == "cancelled":
         raise RunCancelled(outcome.error or "cancelled")
     raise RunFailed(outcome.error or "failed")
+
+
+def _attempt(task: AgentTask, request_id: str, args: dict[str, Any]) -> Outcome:
+    """One attempt of the request on this process's loop."""
+    outcome: Outcome = _loop.run(
+        execute(_context(), request_id, args, task.kind, task.request.hostname,
+                time_limit=_call_time_limit(task),
+                options=functools.partial(_message_options, task, task.request)),
+        key=request_id,
+    )
+    return outcome
 
 
 class RunAgentTask(AgentTask):

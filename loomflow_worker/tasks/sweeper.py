@@ -329,6 +329,8 @@ class Sweeper:
             by_backend.setdefault(row["pid"], []).append(row["request_id"])
         for pid, request_ids in by_backend.items():
             conn.execute(query("terminate_backend"), {"pid": pid})
+            # Stalled, not crashed: their next attempts must not count a crash.
+            conn.execute(query("mark_frozen_lost"), {"request_ids": request_ids})
             if meter is not None:
                 meter.sweeper.labels("fence").inc(len(request_ids))
             log.warning(

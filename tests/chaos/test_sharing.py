@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psycopg
 import pytest
@@ -18,11 +18,12 @@ from loomflow_worker.tasks import run_agent
 from tests.chaos.checks import (
     assert_sound,
     install_journal_audit,
+    ledger_rows,
     send,
     verdict,
     wait_terminal,
 )
-from tests.integration.celery_harness import Fleet
+from tests.integration.celery_harness import Fleet, ledger, wait_status
 from tests.integration.helpers import calls
 
 pytestmark = pytest.mark.slow
@@ -109,9 +110,9 @@ def test_a_backlog_far_past_capacity_beside_cpu_hogs_fences_nothing_and_finishes
     fleet: Fleet,
 ) -> None:
     # The backlog is in the broker before the worker starts: it offers the
-    # process all 600 at once, twice its ceiling and far more than two busy
-    # CPUs carry.
-    sent = [send(i, f"s{i}", "u", letters="ab") for i in range(600)]
+    # process 500 at once, past its ceiling and far more than two busy CPUs
+    # carry.
+    sent = [send(i, f"s{i}", "u", letters="ab") for i in range(500)]
     ids = [s.request_id for s in sent]
     with cpu_hogs(2):
         fleet.start("w1", concurrency=300, cli=True, pool="threads",
@@ -124,3 +125,86 @@ def test_a_backlog_far_past_capacity_beside_cpu_hogs_fences_nothing_and_finishes
     assert "fencing" not in log and "lost the lock" not in log, fleet.log_text()
     # It stopped taking requests while it caught up, and took them again.
     assert "taking no new requests" in log and "taking requests again" in log, fleet.log_text()
+
+
+def _keep_workers_up(fleet: Fleet, names: list[str], env: dict[str, str],
+                     until: Callable[[], bool], timeout: float) -> int:
+    """Restart any of ``names`` that died (as an orchestrator would) until
+    ``until()``; returns how many restarts it took."""
+    restarts = 0
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, fleet.log_text()
+        for name in names:
+            if fleet.workers[name].poll() is not None:
+                restarts += 1
+                fleet.start(name, concurrency=100, cli=True, pool="threads", wait=False, **env)
+        time.sleep(0.2)
+    return restarts
+
+
+def test_a_poison_request_is_charged_its_crashes_and_its_neighbours_none(fleet: Fleet) -> None:
+    install_journal_audit(fleet.dsn)
+    # A message the sweeper sent into a process that then died waits REDISPATCH_AFTER.
+    env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "5", "LOOMFLOW_WORKER_MAX_CRASHES": "3",
+           "LOOMFLOW_WORKER_REDISPATCH_AFTER": "5"}
+    for name in ("w1", "w2"):
+        fleet.start(name, concurrency=100, cli=True, pool="threads", **env)
+    sent = [send(i, f"s{i}", "u", letters="abc") for i in range(40)]
+    _wait_running(fleet.dsn, [s.request_id for s in sent], 40)
+    started = time.monotonic()
+    # Its tool kills the process it runs in, every time.
+    poison = run_agent.delay(calls("poison-1"), "poison", user_id="u")
+    everyone = [*sent]
+
+    def ended() -> bool:
+        return (wait_terminal(fleet.dsn, everyone, timeout=0) and len(set(
+            wait_terminal(fleet.dsn, everyone, timeout=0).values()) - {"succeeded"}) == 0
+            and str(ledger(fleet.dsn, poison.id)["status"]) in ("dead", "failed", "succeeded"))
+
+    restarts = _keep_workers_up(fleet, ["w1", "w2"], env, ended, timeout=240)
+    took = time.monotonic() - started
+    row = ledger(fleet.dsn, poison.id)
+    assert row["status"] == "dead" and row["crashes"] == 3, (row, fleet.log_text())
+    assert "died 3 times" in str(row["error"]), row
+    rows = ledger_rows(fleet.dsn, sent)
+    assert {r["status"] for r in rows.values()} == {"succeeded"}, rows
+    assert sum(int(r["crashes"]) for r in rows.values()) == 0, rows
+    v = verdict(fleet.dsn, sent)
+    assert_sound(v, v.summary())
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        spans = conn.execute(
+            "SELECT extract(epoch FROM max(finished_at) - min(enqueued_at)),"
+            " extract(epoch FROM max(finished_at) FILTER (WHERE request_id <> %s)"
+            "  - (SELECT enqueued_at FROM runs WHERE request_id = %s)),"
+            " count(*) FILTER (WHERE suspicion > 0)"
+            " FROM runs", (poison.id, poison.id)).fetchone()
+        outcomes = conn.execute(
+            "SELECT coalesce(outcome, 'died'), count(*) FROM run_attempts GROUP BY 1").fetchall()
+    assert spans is not None
+    print(f"poison dead after {row['attempts']} attempts; {restarts} worker restarts; "
+          f"the 40 neighbours all succeeded, none charged a crash, the last "
+          f"{float(spans[1]):.1f}s after the poison was sent; test took {took:.1f}s; "
+          f"attempts by outcome {dict(outcomes)}")
+
+
+def test_a_tool_that_holds_the_loop_past_the_lease_ends_dead_after_max_lost(
+    fleet: Fleet,
+) -> None:
+    # Each attempt holds its process's loop 5 s, past the 3 s lease: the sweeper
+    # ends its lock connection every time, so every attempt is lost.
+    env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_MAX_LOST": "3",
+           "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3", "TEST_BLOCK_SECONDS": "5"}
+    fleet.start("w1", concurrency=20, cli=True, pool="threads", **env)
+    neighbours = [send(i, f"s{i}", "u", letters="ab") for i in range(5)]
+    stalling = run_agent.delay(calls("block-forever"), "stalling", user_id="u")
+    status = wait_status(fleet.dsn, stalling.id, ("dead", "failed", "succeeded"), timeout=180)
+    row = ledger(fleet.dsn, stalling.id)
+    assert status == "dead" and row["error_type"] == "AttemptsLost", (row, fleet.log_text())
+    assert "lost their lock connection without completing a step" in str(row["error"])
+    # Its deaths were stalls, not crashes; its neighbours finished.
+    assert row["crashes"] == 0, row
+    found = wait_terminal(fleet.dsn, neighbours, timeout=60)
+    assert set(found.values()) == {"succeeded"}, found
+    log = (fleet.logs / "w1.log").read_text()
+    assert f"by request {stalling.id}" in log, fleet.log_text()

@@ -337,14 +337,24 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadat
 -- name: precheck_run
 -- The request, the oldest unfinished request of its scope before it, and,
 -- in the same statement, the scope's lock when the request is unfinished and
--- nothing is before it (NULL: not tried).
+-- nothing is before it (NULL: not tried). A request in a `shared` process
+-- (many runs at once) must run alone instead when it died in a shared
+-- process twice in a row, or lost its lock connection twice in a row, without
+-- completing a step (counting its last attempt, which its start counts): it
+-- takes no lock here and says so (`quarantine`).
 SELECT r.status, r.result, r.error, r.epoch AS pinned,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
-       o.not_before, o.options, o.stale,
+       o.not_before, o.options, o.stale, q.quarantine,
        CASE WHEN loomflow_worker_unfinished(r.status) AND o.request_id IS NULL
+                 AND NOT q.quarantine
             THEN CASE WHEN %(may_lock)s THEN pg_try_advisory_lock(%(key)s) ELSE false END
        END AS locked
   FROM runs r
+  CROSS JOIN LATERAL (
+      SELECT coalesce(%(shared)s AND r.status = 'running' AND (
+                 r.suspicion + p.shared::int >= 2
+                 OR r.lost_streak + (p.outcome = 'lost')::int >= 2), false) AS quarantine
+        FROM loomflow_worker_last_attempt(r.request_id, r.attempts) p) q
   LEFT JOIN LATERAL (
       SELECT request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
              CASE WHEN status = 'queued' THEN options END AS options,
@@ -609,11 +619,19 @@ SELECT to_regclass('loomflow_worker_schema') IS NOT NULL;
 -- attempt, pin the epoch on the first attempt and mark it running, in one
 -- statement. A previous attempt that ended "interrupted" (its worker shut
 -- down for a deploy) or "lost" (its worker lost its database connection and
--- lived) does not count as a crash.
+-- lived) does not count as a crash, and neither does one that died with
+-- other runs of its process (shared): that raises the request's suspicion
+-- instead. A lost one lengthens its streak of lost attempts.
 WITH r AS (
     SELECT request_id, seq, scope, status, epoch, kind, attempts, cancel_requested,
            result, error, error_type, heartbeat_at, enqueued_at
       FROM runs WHERE request_id = %(request_id)s FOR UPDATE
+), prev AS (
+    -- The previous attempt, if the request was running: how it ended, and
+    -- whether other runs of its process died with it.
+    SELECT p.outcome, p.shared
+      FROM r, loomflow_worker_last_attempt(r.request_id, r.attempts) p
+     WHERE r.status = 'running'
 ), older AS (
     SELECT o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
            o.not_before, CASE WHEN o.status = 'queued' THEN o.options END AS options,
@@ -633,25 +651,25 @@ WITH r AS (
            epoch = coalesce(u.epoch, CASE WHEN r.kind = 'resume' AND m.last IS NOT NULL
                                           THEN m.last ELSE coalesce(m.current, 0) END),
            attempts = u.attempts + 1,
-           crashes = u.crashes + (r.status = 'running' AND NOT EXISTS (
-               SELECT 1 FROM run_attempts a
-                WHERE a.request_id = r.request_id AND a.attempt = r.attempts
-                  AND a.outcome IN ('interrupted', 'lost')))::int,
+           crashes = u.crashes + (r.status = 'running'
+               AND coalesce(p.outcome IS NULL AND NOT p.shared, true))::int,
+           suspicion = u.suspicion + coalesce(p.shared, false)::int,
+           lost_streak = u.lost_streak + coalesce(p.outcome = 'lost', false)::int,
            holder = %(holder)s,
            holder_pid = pg_backend_pid(),
            started_at = now(),
            heartbeat_at = now()
-      FROM r, marks m
+      FROM r CROSS JOIN marks m LEFT JOIN prev p ON true
      WHERE u.request_id = r.request_id AND loomflow_worker_unfinished(r.status)
        AND NOT EXISTS (SELECT 1 FROM older)
-    RETURNING u.epoch, u.attempts, u.crashes, u.failures
+    RETURNING u.epoch, u.attempts, u.crashes, u.failures, u.suspicion, u.lost_streak
 ), attempt_row AS (
     INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch)
     SELECT %(request_id)s, attempts, %(holder)s, %(pid)s, epoch FROM started
     ON CONFLICT (request_id, attempt) DO NOTHING
 )
 SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
-       s.epoch, s.attempts, s.crashes, s.failures,
+       s.epoch, s.attempts, s.crashes, s.failures, s.suspicion, s.lost_streak,
        CASE WHEN r.status = 'running'
             THEN extract(epoch FROM now() - r.heartbeat_at)::float8 END AS since_heartbeat,
        (SELECT extract(epoch FROM now() - p.finished_at)::float8
@@ -828,9 +846,24 @@ SELECT request_id FROM runs
 
 -- name: mark_attempt_lost
 -- A worker whose attempt lost its lock connection (a Postgres restart, a
--- network blip) and lived: the attempt ended "lost", not crashed.
+-- network blip) and lived: the attempt ended "lost", not crashed. With no
+-- attempt number (lost while it started), this holder's open attempt.
 UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = 'lost'
- WHERE request_id = %(request_id)s AND attempt = %(attempt)s AND ended_at IS NULL;
+ WHERE request_id = %(request_id)s AND ended_at IS NULL
+   AND (attempt = %(attempt)s OR (%(attempt)s::int IS NULL AND worker = %(holder)s));
+
+-- name: mark_frozen_lost
+-- Attempts whose process stopped heartbeating while it held their locks (frozen,
+-- or its loop held past the lease): the sweeper ended its lock connection, so
+-- they end "lost", not crashed, before their next attempt starts.
+UPDATE run_attempts a SET ended_at = clock_timestamp(), outcome = 'lost'
+  FROM runs r
+ WHERE r.request_id = ANY(%(request_ids)s) AND a.request_id = r.request_id
+   AND a.attempt = r.attempts AND a.ended_at IS NULL;
+
+-- name: clear_suspicion
+-- An attempt of a suspected request completed a step: its record is clean again.
+UPDATE runs SET suspicion = 0, lost_streak = 0 WHERE request_id = %(request_id)s;
 
 -- ---- connection checks --------------------------------------------------------------------
 

@@ -1,0 +1,117 @@
+"""One attempt of a request alone, in a process of its own (quarantine).
+
+A worker process carries many runs, so when it dies nobody knows whose fault
+it was: each of its requests is suspected, and none is charged a crash. A
+request whose attempts died that way twice in a row without completing a step
+(or lost their lock twice in a row, stalling their process) runs its next
+attempt here, alone: if this process dies, the death is that request's own
+and counts toward ``MAX_CRASHES``; its shared neighbours are never charged.
+
+The worker's task starts ``python -m loomflow_worker.execution.quarantine``,
+writes the attempt as JSON on its standard input and reads the outcome as
+JSON from the last line of its standard output (:func:`encode_outcome`).
+The process stops its run (recorded ``interrupted``) on SIGTERM or when the
+worker that started it is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from dataclasses import asdict
+from datetime import datetime
+from typing import Any
+
+from ..runtime.errors import DatabaseUnavailable, LockLost
+from ..settings import Settings
+from . import ledger
+from .errors import AttemptLost
+from .execute import Outcome, WorkerContext, execute
+from .ledger import Pending
+from .registry import import_agent_modules
+
+#: How often the process checks that the worker that started it still lives.
+ORPHAN_CHECK = 1.0
+
+
+def encode_outcome(outcome: Outcome) -> dict[str, Any]:
+    """An outcome as JSON (its handoffs' eta as ISO 8601)."""
+    fields = asdict(outcome)
+    for pending in fields["dispatch"]:
+        if pending["not_before"] is not None:
+            pending["not_before"] = pending["not_before"].isoformat()
+    return {"outcome": fields}
+
+
+def decode_outcome(data: dict[str, Any]) -> Outcome:
+    fields = dict(data["outcome"])
+    dispatch = []
+    for pending in fields.pop("dispatch"):
+        if pending["not_before"] is not None:
+            pending["not_before"] = datetime.fromisoformat(pending["not_before"])
+        dispatch.append(Pending(**pending))
+    return Outcome(**fields, dispatch=dispatch)
+
+
+async def attempt(settings: Settings, job: dict[str, Any]) -> dict[str, Any]:
+    """Run the attempt described by ``job``; what became of it, as JSON."""
+    ctx = WorkerContext(settings, slots=1, node=job["node"], alone=True)
+    run = asyncio.current_task()
+    assert run is not None
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, run.cancel)
+    _stop_when_orphaned(loop, os.getppid(), run)
+    options = job.get("options")
+    try:
+        outcome = await execute(
+            ctx, job["request_id"], job["args"], job["kind"], job["node"],
+            time_limit=job.get("time_limit"), options=lambda: options,
+        )
+        return encode_outcome(outcome)
+    except AttemptLost as exc:
+        # Recorded before this process ends: the next attempt may start at once.
+        runtime = await ctx.runtime()
+        async with runtime.pool.connection() as conn:
+            await ledger.mark_lost_now(conn, exc.request_id, exc.attempt, exc.holder)
+        cause = exc.__cause__
+        scope, why = ((cause.scope, cause.cause) if isinstance(cause, LockLost)
+                      else ("", str(exc)))
+        return {"lost": {"attempt": exc.attempt, "holder": exc.holder, "scope": scope,
+                         "cause": why}}
+    except (LockLost, DatabaseUnavailable) as exc:
+        return {"unavailable": f"{type(exc).__name__}: {exc}"}
+    finally:
+        await ctx.aclose()
+
+
+def _stop_when_orphaned(
+    loop: asyncio.AbstractEventLoop, parent: int, run: asyncio.Task[Any]
+) -> None:
+    """Stop the run once the worker that started it is gone (checked each second)."""
+    if os.getppid() != parent:
+        run.cancel()
+    elif not run.done():
+        loop.call_later(ORPHAN_CHECK, _stop_when_orphaned, loop, parent, run)
+
+
+def main() -> int:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    job = json.loads(sys.stdin.read())
+    settings = Settings()
+    import_agent_modules([*settings.agents, *job.get("modules", [])])
+    try:
+        reply = asyncio.run(attempt(settings, job))
+    except asyncio.CancelledError:
+        # Stopped (SIGTERM, or its worker is gone): recorded "interrupted".
+        return 3
+    print(json.dumps(reply), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
