@@ -57,7 +57,7 @@ from ..settings import Settings, validation_message
 from . import pool
 from .broker import AMQP
 from .loop import ChildLoop
-from .pool import REFUSED_POOLS, RunPool, pool_name
+from .pool import REFUSED_POOLS, RunPool, pool_name, refused_threads_option
 from .sweeper import ResultRepair, Sweeper
 
 log = logging.getLogger("loomflow_worker.tasks")
@@ -198,9 +198,10 @@ def _context() -> WorkerContext:
 def _prepare_worker(sender: Any = None, **_: Any) -> None:
     """Check the settings and the pool. The threads pool carries ``-c`` runs
     on the process's event loop (and becomes :class:`~.pool.RunPool`, whose
-    runs can be stopped one by one); prefork and solo run one per process;
-    gevent and eventlet would block their hub with the loop's thread, so the
-    worker refuses them."""
+    runs can be stopped one by one, and refuses the options that only make
+    sense for child processes); prefork and solo run one per process; gevent
+    and eventlet would block their hub with the loop's thread, so the worker
+    refuses them."""
     try:
         settings()
     except InvalidInput as exc:
@@ -220,6 +221,9 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
                 "process) or `celery ... worker -P threads -c 100`."
             )
         if name == "threads":
+            refused = refused_threads_option(sender)
+            if refused is not None:
+                raise SystemExit(refused)
             sender.pool_cls = RunPool
             _state["slots"] = int(sender.concurrency or 1)
     if settings().metrics_port:

@@ -46,12 +46,14 @@ class Fleet:
         pool: str = "prefork",
         gossip: bool = False,
         wait: bool = True,
+        args: tuple[str, ...] = (),
         **extra_env: str,
     ) -> subprocess.Popen[bytes]:
         """Start a worker; ``cli=True`` starts it with ``loomflow-worker worker``
         (soft shutdown on SIGTERM) instead of plain ``celery worker``;
         ``gossip=True`` keeps Celery's gossip and mingle on (its defaults);
-        ``wait=False`` returns at once (:meth:`wait_ready` waits for it)."""
+        ``wait=False`` returns at once (:meth:`wait_ready` waits for it);
+        ``args`` are more options for the worker."""
         log = self.logs / f"{name}.log"
         if log.exists():
             log.unlink()
@@ -66,7 +68,7 @@ class Fleet:
             # control queue per name, and other fleets may run beside this one.
             [*command, "-c", str(concurrency), "-n", f"{name}-{self.queue}@%h", "-P", pool,
              *(() if gossip else ("--without-gossip", "--without-mingle")),
-             "-l", "INFO", "-f", str(log)],
+             "-l", "INFO", "-f", str(log), *args],
             cwd=ROOT, env=env, stdout=(self.logs / f"{name}.out").open("wb"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -88,6 +90,18 @@ class Fleet:
                 raise RuntimeError(f"worker {name} exited at start:\n{out}")
             time.sleep(0.05)
         raise RuntimeError(f"worker {name} not ready: {log.read_text(errors='replace')}")
+
+    def wait_exit(self, name: str, timeout: float = 60) -> tuple[int, str]:
+        """Wait until worker ``name`` exits; its exit code and what it printed."""
+        proc = self.workers.pop(name)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            raise AssertionError(f"worker {name} still running after {timeout:g}s") from None
+        return code, (self.logs / f"{name}.out").read_text(errors="replace")
 
     def kill(self, name: str) -> None:
         """SIGKILL a whole worker: main process and its pool children."""
