@@ -7,6 +7,7 @@ publishes the handoff."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -57,6 +58,10 @@ HANDOFF_LOCK_WAIT = 2.0
 
 #: How long a process that closes waits to mark its ``workers`` row stopped.
 STOP_STAMP_WAIT = 2.0
+
+#: How many results stored by this process wait for its next stamp at most
+#: (more, while Postgres is away, are left to the sweeper's check).
+MAX_STORED_WAITING = 10_000
 
 
 @dataclass
@@ -116,6 +121,15 @@ class WorkerContext:
         self._unseen = False
         # Running requests of this process, by id: how to halt each.
         self._halts: dict[str, Callable[[str], None]] = {}
+        # Finished requests whose result this process stored in the result
+        # backend since its last stamp (appended from Celery's threads).
+        self._stored: collections.deque[str] = collections.deque(maxlen=MAX_STORED_WAITING)
+
+    def result_stored(self, request_id: str) -> None:
+        """This process stored ``request_id``'s result: its next stamp takes
+        the request off ``results_to_check``, so the sweeper neither checks it
+        nor stores it again once its caller forgot it (``AsyncResult.forget``)."""
+        self._stored.append(request_id)
 
     async def runtime(self) -> PostgresRuntime:
         async with self._connect_lock:
@@ -211,10 +225,11 @@ class WorkerContext:
     async def _stamp(self, runtime: PostgresRuntime, *, stopped: bool) -> None:
         """One stamp of the process's row (``stopped``: it closes). A failure
         is only logged: the row is for the console, no run depends on it."""
+        stored = [self._stored.popleft() for _ in range(len(self._stored))]
         beat = ledger.WorkerBeat(
             worker=self.holder, hostname=socket.gethostname(), pid=os.getpid(),
             slots=self.slots, interval=self.settings.heartbeat_interval,
-            runs=len(self._halts),
+            runs=len(self._halts), stored=stored,
         )
         try:
             # Closing waits for it no more than STOP_STAMP_WAIT.
@@ -222,10 +237,11 @@ class WorkerContext:
                                   else 2 * beat.interval):
                 async with runtime.pool.connection() as conn:
                     if stopped:
-                        await ledger.worker_stopped(conn, beat.worker)
+                        await ledger.worker_stopped(conn, beat)
                     else:
                         await ledger.worker_seen(conn, beat)
         except Exception as exc:
+            self._stored.extendleft(reversed(stored))  # for the next stamp
             if not self._unseen:
                 log.warning("could not stamp this worker's row in the workers table: %s",
                             exc, extra={"action": "worker_stamp", "worker": beat.worker})

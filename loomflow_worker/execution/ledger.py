@@ -120,9 +120,10 @@ def _rows(conn: psycopg.Connection[Any], name: str, params: Mapping[str, Any]) -
 
 
 def _row_params(
-    request_id: str, req: RunRequest, start: StartAt | None = None
+    request_id: str, req: RunRequest, start: StartAt | None = None, ignore_result: bool = False
 ) -> dict[str, Any]:
     return {
+        "ignore_result": ignore_result,
         "countdown": start.countdown if start is not None else None,
         "eta": start.eta if start is not None else None,
         "request_id": request_id,
@@ -183,11 +184,12 @@ def _same_as_recorded(conn: psycopg.Connection[Any], request_id: str, req: RunRe
 
 
 def _insert_new(
-    conn: psycopg.Connection[Any], request_id: str, req: RunRequest, start: StartAt | None
+    conn: psycopg.Connection[Any], request_id: str, req: RunRequest, start: StartAt | None,
+    ignore_result: bool,
 ) -> Enqueued:
     """Insert the request's row; a duplicate when the ledger had it already
     (the same request: :func:`_same_as_recorded` checks)."""
-    params = _row_params(request_id, req, start)
+    params = _row_params(request_id, req, start, ignore_result)
     row = conn.execute(query("insert_run"), params).fetchone()
     if row is None:
         if _same_as_recorded(conn, request_id, req):
@@ -256,15 +258,18 @@ class EnqueuePool:
         req: RunRequest,
         on_busy: OnBusy = "enqueue",
         start: StartAt | None = None,
+        ignore_result: bool = False,
     ) -> Enqueued:
-        """Record the request (to start no sooner than ``start`` says).
+        """Record the request (to start no sooner than ``start`` says;
+        ``ignore_result``: its caller wants no result, Celery's
+        ``ignore_result``, so the sweeper never stores one).
         ``request_id`` is an idempotency key: when the ledger has it already,
         with the same arguments, nothing is written and the result says it is
         a duplicate; with other arguments, :class:`InvalidInput` names them."""
         with (translated("record the request in", dsn, then="nothing was enqueued"),
               self.connection(dsn, connect_timeout) as conn):
             if on_busy == "enqueue":
-                return _insert_new(conn, request_id, req, start)
+                return _insert_new(conn, request_id, req, start, ignore_result)
             with conn.transaction():
                 if _same_as_recorded(conn, request_id, req):
                     return Enqueued(duplicate=True)
@@ -278,8 +283,8 @@ class EnqueuePool:
                             detail=f"request {busy[0]['request_id']} is "
                             f"{busy[0]['status']} on it and on_busy=\"reject\" was asked",
                         )
-                    return _insert_new(conn, request_id, req, start)
-                enqueued = _insert_new(conn, request_id, req, start)
+                    return _insert_new(conn, request_id, req, start, ignore_result)
+                enqueued = _insert_new(conn, request_id, req, start, ignore_result)
                 if enqueued.duplicate:
                     return enqueued
                 rows = _rows(
@@ -591,6 +596,8 @@ class WorkerBeat:
     slots: int
     interval: float
     runs: int
+    # The finished requests whose result it stored since its last beat.
+    stored: list[str] = field(default_factory=list)
 
 
 async def worker_seen(conn: Conn, beat: WorkerBeat) -> None:
@@ -598,9 +605,9 @@ async def worker_seen(conn: Conn, beat: WorkerBeat) -> None:
     await conn.execute(query("worker_seen"), asdict(beat))
 
 
-async def worker_stopped(conn: Conn, worker: str) -> None:
+async def worker_stopped(conn: Conn, beat: WorkerBeat) -> None:
     """Mark the process's row stopped: it closes cleanly."""
-    await conn.execute(query("worker_stopped"), {"worker": worker})
+    await conn.execute(query("worker_stopped"), {"worker": beat.worker, "stored": beat.stored})
 
 
 # ---- requests Celery revoked or let expire (sync: the worker's main process) --------------

@@ -461,6 +461,10 @@ class _ResultStore:
                 "results stores it",
                 extra={"action": "result_deferred", "request": task_id},
             )
+            return
+        ctx: WorkerContext | None = _state.get("context")
+        if ctx is not None:
+            ctx.result_stored(task_id)
 
 
 def _backend_errors(backend: Any) -> tuple[type[BaseException], ...]:
@@ -530,7 +534,7 @@ class AgentTask(Task):
         start = _start_at(options.get("countdown"), options.get("eta"))
         enqueued = _enqueue.insert(
             current.database_url.get_secret_value(), current.connect_timeout, task_id, request,
-            on_busy, start,
+            on_busy, start, ignore_result=bool(options.get("ignore_result", self.ignore_result)),
         )
         if enqueued.duplicate:
             # The same request sent again under its id: it is recorded and was

@@ -198,6 +198,34 @@ def wait_status(dsn: str, request_id: str, statuses: tuple[str, ...], timeout: f
     raise AssertionError(f"request {request_id} still {status!r} after {timeout}s")
 
 
+def wait_swept(fleet: Fleet, request_id: str, timeout: float = 60) -> None:
+    """Wait until the sweeper has had its chance to act on finished
+    ``request_id`` (store its result, dispatch it again): its
+    ``results_to_check`` row is gone, and the sweeper's leader completed a
+    sweep that began past the moment it would have looked for the result."""
+    settings = tasks.settings()
+    after = max(settings.handoff_grace, 2 * settings.heartbeat_interval) + 1.0
+    deadline = time.monotonic() + timeout
+    seen = None
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        while True:
+            row = conn.execute(
+                "SELECT (SELECT count(*) FROM results_to_check WHERE request_id = %(r)s),"
+                " (SELECT l.heartbeat_at FROM sweeper_leader l, runs r"
+                "   WHERE r.request_id = %(r)s"
+                "     AND l.heartbeat_at > r.finished_at + make_interval(secs => %(after)s))",
+                {"r": request_id, "after": after},
+            ).fetchone()
+            assert row is not None
+            waiting, claimed = row
+            if seen is None:
+                seen = claimed  # a sweep began past that moment
+            elif waiting == 0 and claimed is not None and claimed > seen:
+                return  # ... and a later one began, so it ended
+            assert time.monotonic() < deadline, f"the sweeper did not settle {request_id}"
+            time.sleep(0.1)
+
+
 @pytest.fixture
 def broker() -> str:
     """The broker a fleet uses; parametrize with ``@pytest.mark.parametrize("broker",
