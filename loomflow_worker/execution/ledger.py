@@ -613,24 +613,44 @@ async def worker_stopped(conn: Conn, beat: WorkerBeat) -> None:
 # ---- requests Celery revoked or let expire (sync: the worker's main process) --------------
 
 
+@dataclass(frozen=True)
+class OutsideEnding:
+    """How a request that Celery ended outside its run ends in the ledger
+    (``name`` says what happened, for the log)."""
+
+    name: str
+    status: Status
+    error: str
+    error_type: str
+
+
+REVOKED = OutsideEnding("revoked", Status.CANCELLED, "revoked (Celery revoke)", "Revoked")
+EXPIRED = OutsideEnding("expired", Status.EXPIRED, "expired before it started (Celery expires)",
+                        "Expired")
+
+
+def killed_at_time_limit(limit: float) -> OutsideEnding:
+    """Celery's hard time limit killed the process running the request."""
+    return OutsideEnding(
+        "timed out", Status.FAILED,
+        f"TimeLimitExceeded: the run took longer than its {limit:g}s hard time limit "
+        "(Celery's time_limit), which killed its process", "TimeLimitExceeded",
+    )
+
+
 def end_revoked(
-    conn: psycopg.Connection[Any], request_id: str, *, expired: bool
+    conn: psycopg.Connection[Any], request_id: str, how: OutsideEnding
 ) -> tuple[bool, Handoff | None]:
-    """End a request Celery revoked (``expired``: let expire) as ``cancelled``
-    (``expired``). ``(True, handoff)`` once it is ended (or was already),
-    ``(False, None)`` while an attempt still holds its scope: it is flagged and
-    stops at its next step; call again once that attempt is gone."""
+    """End a request Celery revoked, let expire or killed at its hard time
+    limit, as ``how`` says. ``(True, handoff)`` once it is ended (or was
+    already), ``(False, None)`` while an attempt still holds its scope: it is
+    flagged and stops at its next step; call again once that attempt is gone."""
     found = _rows(conn, "revoked_request", {"request_id": request_id})
     if not found or found[0]["status"] not in UNFINISHED:
         return True, None
     scope, lock_key = found[0]["scope"], found[0]["lock_key"]
-    ending = {
-        "request_id": request_id,
-        "status": Status.EXPIRED if expired else Status.CANCELLED,
-        "error": "expired before it started (Celery expires)" if expired
-        else "revoked (Celery revoke)",
-        "error_type": "Expired" if expired else "Revoked",
-    }
+    ending = {"request_id": request_id, "status": how.status, "error": how.error,
+              "error_type": how.error_type}
     if found[0]["status"] == Status.QUEUED and found[0]["epoch"] is None:
         # It never started: it journaled nothing, and ends without its lock.
         conn.execute(query("end_revoked"), ending)

@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 from celery import Celery, Task
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.local import Proxy
 from celery.result import AsyncResult, task_join_will_block
 from celery.signals import (
@@ -337,18 +337,18 @@ def _revoked(request: Any = None, expired: bool = False, **_: Any) -> None:
     name = getattr(request, "task", None)
     if getattr(name, "name", name) not in (run_agent.name, resume_agent.name):
         return
-    _end_revoked_soon(str(request.id), bool(expired))
+    _end_revoked_soon(str(request.id), ledger.EXPIRED if expired else ledger.REVOKED)
 
 
-def _end_revoked_soon(request_id: str, expired: bool) -> None:
+def _end_revoked_soon(request_id: str, how: ledger.OutsideEnding) -> None:
     """:func:`_end_revoked` in a thread of its own: it may wait for the lock."""
     threading.Thread(
-        target=_end_revoked, args=(request_id, expired), daemon=True,
+        target=_end_revoked, args=(request_id, how), daemon=True,
         name=f"loomflow-worker revoke {request_id}",
     ).start()
 
 
-def _end_revoked(request_id: str, expired: bool) -> None:
+def _end_revoked(request_id: str, how: ledger.OutsideEnding) -> None:
     current = settings()
     deadline = time.monotonic() + REVOKE_WAIT
     while True:
@@ -356,21 +356,20 @@ def _end_revoked(request_id: str, expired: bool) -> None:
             with _enqueue.pool(
                 current.database_url.get_secret_value(), current.connect_timeout
             ).connection(timeout=current.connect_timeout) as conn:
-                done, handoff = ledger.end_revoked(conn, request_id, expired=expired)
+                done, handoff = ledger.end_revoked(conn, request_id, how)
         except psycopg.Error:
-            log.warning("could not end revoked request %s in the ledger yet", request_id,
+            log.warning("could not end %s request %s in the ledger yet", how.name, request_id,
                         exc_info=True, extra={"action": "revoke", "request": request_id})
             done, handoff = False, None
         if done:
-            log.info("request %s %s", request_id, "expired" if expired else "revoked",
-                     extra={"action": "expired" if expired else "revoked",
-                            "request": request_id})
+            log.info("request %s %s", request_id, how.name,
+                     extra={"action": how.name.replace(" ", "_"), "request": request_id})
             for pending in handoff.dispatch if handoff is not None else []:
                 _dispatch_recorded(pending, "handed the session")
             return
         if time.monotonic() > deadline:
-            log.warning("revoked request %s: its attempt still holds the session after %gs; "
-                        "it stops at its next step", request_id, REVOKE_WAIT,
+            log.warning("%s request %s: its attempt still holds the session after %gs; "
+                        "it stops at its next step", how.name, request_id, REVOKE_WAIT,
                         extra={"action": "revoke", "request": request_id})
             return
         time.sleep(0.2)
@@ -381,7 +380,7 @@ def _end_revoked_requests(request_ids: list[str]) -> None:
     broker (a worker learns of a revoke at once, of the message only when it
     comes) end now."""
     for request_id in request_ids:
-        _end_revoked_soon(request_id, expired=False)
+        _end_revoked_soon(request_id, ledger.REVOKED)
 
 
 def _stop_run(request_id: str) -> bool:
@@ -483,6 +482,17 @@ class AgentTask(Task):
     reject_on_worker_lost = True
     max_retries = None
     typing = False  # arguments are checked by check_request, with clearer errors
+
+    def on_failure(
+        self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
+        """Celery's hard time limit killed the pool child running the request
+        (this runs in the worker's main process): the ledger ends it ``failed``
+        with ``TimeLimitExceeded`` as soon as its lock is free, and hands its
+        session on, rather than the sweeper resuming it as a crash."""
+        if isinstance(exc, TimeLimitExceeded):
+            limit = exc.args[0] if exc.args and isinstance(exc.args[0], int | float) else 0
+            _end_revoked_soon(task_id, ledger.killed_at_time_limit(float(limit)))
 
     @property
     def backend(self) -> Any:
@@ -796,6 +806,23 @@ def _call_time_limit(task: AgentTask) -> float | None:
     return None
 
 
+def _soft_time_limit(request_id: str, exc: BaseException) -> bool:
+    """Celery's soft time limit fired in this pool child (prefork, as a signal
+    raising ``SoftTimeLimitExceeded`` wherever the task is): the run ends as
+    past its own time limit, ``failed`` and handed on, rather than being
+    cancelled mid-attempt (which would leave it for the sweeper to resume
+    without its limits). ``True`` when ``exc`` is that limit."""
+    if not isinstance(exc, SoftTimeLimitExceeded):
+        return False
+    ctx: WorkerContext | None = _state.get("context")
+    if ctx is not None and _loop.running:
+        _loop.loop.call_soon_threadsafe(
+            functools.partial(ctx.halt, request_id, "soft time limit", timed_out=True))
+    log.info("request %s: Celery's soft time limit; the run ends past its time limit",
+             request_id, extra={"action": "time_limit", "request": request_id})
+    return True
+
+
 def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
     if task.request.called_directly:
         raise InvalidInput(
@@ -809,7 +836,7 @@ def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
             execute(_context(), request_id, args, task.kind, task.request.hostname,
                     time_limit=_call_time_limit(task),
                     options=functools.partial(_message_options, task, task.request)),
-            key=request_id,
+            key=request_id, interrupt=functools.partial(_soft_time_limit, request_id),
         )
     except (concurrent.futures.CancelledError, asyncio.CancelledError) as exc:
         # Stopped by the worker (a shutdown): the run was interrupted and its

@@ -6,6 +6,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from loomflow import Agent
@@ -20,9 +21,12 @@ faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
 
 
 async def _on_start(tag: str) -> None:
-    # "poison" kills the pool child on every attempt.
+    # "poison" kills the pool child on every attempt; "block" holds the
+    # process's event loop for 30 s, so no timer of the loop can stop it.
     if tag.startswith("poison"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if tag.startswith("block"):
+        time.sleep(30)
 
 
 class FlakyModel(DeterministicModel):

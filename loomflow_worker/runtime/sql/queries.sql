@@ -789,7 +789,8 @@ SELECT r.ok AS released, EXISTS (
 SELECT scope, status, epoch, lock_key FROM runs WHERE request_id = %(request_id)s;
 
 -- name: end_revoked
--- A request Celery revoked, or let expire, ended in the ledger: the scope's
+-- A request Celery revoked, let expire, or killed at its hard time limit,
+-- ended in the ledger: the scope's
 -- epoch advanced past the one it pinned (when it started), its status and
 -- error recorded, its open attempt closed. Run holding its scope's lock, or
 -- for a request that never started (it journaled nothing).
