@@ -108,8 +108,9 @@ def _ended_past_its_time_limit_once(fleet: Fleet, limited: AsyncResult, tag: str
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
 def test_celerys_soft_time_limit_on_prefork_ends_the_run_failed_not_resumed(
-    fleet: Fleet,
+    fleet: Fleet, broker: str
 ) -> None:
     """Celery's own soft limit fires in the pool child before the run's timer
     on the loop: the run still ends as past its time limit."""
@@ -119,8 +120,9 @@ def test_celerys_soft_time_limit_on_prefork_ends_the_run_failed_not_resumed(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
 def test_celerys_hard_time_limit_on_prefork_ends_the_run_failed_not_resumed(
-    fleet: Fleet,
+    fleet: Fleet, broker: str
 ) -> None:
     """A run that holds its loop, so that neither its own timer nor the soft
     limit can stop it: Celery kills its pool child at the hard limit, and the
