@@ -324,8 +324,9 @@ def _start_sweeper(**_: Any) -> None:
         sweeper.start()
 
 
-#: How long a revoked request whose attempt still holds its scope is waited
-#: for (its worker stops it at its next step, or dies of the terminate).
+#: How long a request Celery ended from outside (revoked, or killed at its hard
+#: time limit) whose attempt still holds its scope is waited for (its worker
+#: stops it at its next step, or dies of the terminate or the kill).
 REVOKE_WAIT = 15.0
 
 
