@@ -7,6 +7,7 @@ publishes the handoff."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -58,6 +59,10 @@ HANDOFF_LOCK_WAIT = 2.0
 
 #: How long a process that closes waits to mark its ``workers`` row stopped.
 STOP_STAMP_WAIT = 2.0
+
+#: How many results stored by this process wait for its next stamp at most
+#: (more, while Postgres is away, are left to the sweeper's check).
+MAX_STORED_WAITING = 10_000
 
 
 @dataclass
@@ -124,13 +129,22 @@ class WorkerContext:
         # The last stamp of the process's row failed: said once per outage.
         self._unseen = False
         # Running requests of this process, by id: how to halt each.
-        self._halts: dict[str, Callable[[str], None]] = {}
+        self._halts: dict[str, Callable[[str, bool], None]] = {}
         # How late the process's loop runs (started with the runtime), and
         # what looks at it on each of its ticks (admission control).
         self.watch: LoopWatch | None = None
         self.watch_observers: list[Callable[[LoopWatch], None]] = []
         # Whether the process takes new requests (admission may pause it).
         self.admitting: Callable[[], bool] = lambda: True
+        # Finished requests whose result this process stored in the result
+        # backend since its last stamp (appended from Celery's threads).
+        self._stored: collections.deque[str] = collections.deque(maxlen=MAX_STORED_WAITING)
+
+    def result_stored(self, request_id: str) -> None:
+        """This process stored ``request_id``'s result: its next stamp takes
+        the request off ``results_to_check``, so the sweeper neither checks it
+        nor stores it again once its caller forgot it (``AsyncResult.forget``)."""
+        self._stored.append(request_id)
 
     async def runtime(self) -> PostgresRuntime:
         async with self._connect_lock:
@@ -198,14 +212,15 @@ class WorkerContext:
             self._agents[name] = agent
         return self._agents[name]
 
-    def halt(self, request_id: str, reason: str) -> bool:
+    def halt(self, request_id: str, reason: str, *, timed_out: bool = False) -> bool:
         """Stop a running request of this process at once, mid-step: it ends
-        ``cancelled`` with ``reason`` (a revoke with terminate). ``False``
-        when it does not run here."""
+        ``cancelled`` with ``reason`` (a revoke with terminate), or, when
+        ``timed_out`` (Celery's soft time limit), ``failed`` as past its time
+        limit. ``False`` when it does not run here."""
         halt = self._halts.get(request_id)
         if halt is None:
             return False
-        halt(reason)
+        halt(reason, timed_out)
         return True
 
     async def _heartbeats(self, runtime: PostgresRuntime) -> None:
@@ -274,10 +289,12 @@ class WorkerContext:
     async def _stamp(self, runtime: PostgresRuntime, *, stopped: bool) -> None:
         """One stamp of the process's row (``stopped``: it closes). A failure
         is only logged: the row is for the console, no run depends on it."""
+        stored = [self._stored.popleft() for _ in range(len(self._stored))]
         beat = ledger.WorkerBeat(
             worker=self.holder, hostname=socket.gethostname(), pid=os.getpid(),
             slots=self.slots, interval=self.settings.heartbeat_interval,
-            runs=len(self._halts), loop_lag=self.watch.lag() if self.watch is not None else 0.0,
+            runs=len(self._halts), stored=stored,
+            loop_lag=self.watch.lag() if self.watch is not None else 0.0,
             lock_queue=self.queue_depth(), admitting=self.admitting(),
         )
         try:
@@ -286,10 +303,11 @@ class WorkerContext:
                                   else 2 * beat.interval):
                 async with runtime.pool.connection() as conn:
                     if stopped:
-                        await ledger.worker_stopped(conn, beat.worker)
+                        await ledger.worker_stopped(conn, beat)
                     else:
                         await ledger.worker_seen(conn, beat)
         except Exception as exc:
+            self._stored.extendleft(reversed(stored))  # for the next stamp
             if not self._unseen:
                 log.warning("could not stamp this worker's row in the workers table: %s",
                             exc, extra={"action": "worker_stamp", "worker": beat.worker})
@@ -566,11 +584,12 @@ def ending_of_error(
     return Retry(exc, failures, backoff(failures))
 
 
-def time_limit_ending(time_limit: float) -> Ending:
-    error = (
-        f"TimeLimitExceeded: the run took longer than its {time_limit:g}s time limit "
-        "(register_agent(time_limit=...) or LOOMFLOW_WORKER_RUN_TIME_LIMIT)"
-    )
+def time_limit_ending(time_limit: float, *, per_call: bool = False) -> Ending:
+    """``per_call``: the limit was the caller's (Celery's ``time_limit`` or
+    ``soft_time_limit``), not the agent's."""
+    source = ("apply_async's time_limit or soft_time_limit" if per_call
+              else "register_agent(time_limit=...) or LOOMFLOW_WORKER_RUN_TIME_LIMIT")
+    error = f"TimeLimitExceeded: the run took longer than its {time_limit:g}s time limit ({source})"
     return Ending("failed", error=error, error_type="TimeLimitExceeded", note=f": {error}")
 
 
@@ -699,6 +718,7 @@ async def _run(
     executed, replayed = runtime.stats.steps_executed, runtime.stats.steps_replayed
     agent = await ctx.agent(req.agent)
     time_limit = agent_time_limit(req.agent) or ctx.settings.run_time_limit
+    per_call = call_limit is not None and call_limit < time_limit
     if call_limit is not None:
         time_limit = min(time_limit, call_limit)
     # The process's heartbeat stamps the request from now on; when the lock
@@ -715,25 +735,29 @@ async def _run(
 
         lease.on_executed = cleared
     lease.on_fenced.append(lambda _: _fenced(fence))
-    # A revoke with terminate stops it at once, mid-step.
+    # A revoke with terminate stops it at once, mid-step; Celery's soft time
+    # limit ends it as its own time limit does.
     halt = anyio.CancelScope()
     halted: list[str] = []
+    deadline = anyio.move_on_after(time_limit)
 
-    def stop_now(reason: str) -> None:
+    def stop_now(reason: str, timed_out: bool) -> None:
+        if timed_out:
+            deadline.cancel()
+            return
         halted.append(reason)
         halt.cancel()
 
     ctx._halts[request_id] = stop_now
     try:
         try:
-            with fence, halt, run_options(lease=lease, epoch=started.epoch):
-                with anyio.move_on_after(time_limit) as deadline:
-                    emit = _emitter(ctx, request_id, started.attempt, lease)
-                    if req.kind == "resume":
-                        with resuming_last_run():
-                            result = await _call_agent(agent, request_id, req, emit)
-                    else:
+            with fence, halt, run_options(lease=lease, epoch=started.epoch), deadline:
+                emit = _emitter(ctx, request_id, started.attempt, lease)
+                if req.kind == "resume":
+                    with resuming_last_run():
                         result = await _call_agent(agent, request_id, req, emit)
+                else:
+                    result = await _call_agent(agent, request_id, req, emit)
             if fence.cancelled_caught:
                 raise lease.fenced or LockLost(req.scope, "the heartbeat failed")
         finally:
@@ -779,7 +803,7 @@ async def _run(
     if deadline.cancelled_caught:
         if lease.fenced is not None:
             raise lease.fenced
-        return time_limit_ending(time_limit)
+        return time_limit_ending(time_limit, per_call=per_call)
     payload = {**result.model_dump(mode="json"), "request_id": request_id}
     return Ending("succeeded", result=payload)
 

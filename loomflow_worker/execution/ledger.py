@@ -120,9 +120,10 @@ def _rows(conn: psycopg.Connection[Any], name: str, params: Mapping[str, Any]) -
 
 
 def _row_params(
-    request_id: str, req: RunRequest, start: StartAt | None = None
+    request_id: str, req: RunRequest, start: StartAt | None = None, ignore_result: bool = False
 ) -> dict[str, Any]:
     return {
+        "ignore_result": ignore_result,
         "countdown": start.countdown if start is not None else None,
         "eta": start.eta if start is not None else None,
         "request_id": request_id,
@@ -183,11 +184,12 @@ def _same_as_recorded(conn: psycopg.Connection[Any], request_id: str, req: RunRe
 
 
 def _insert_new(
-    conn: psycopg.Connection[Any], request_id: str, req: RunRequest, start: StartAt | None
+    conn: psycopg.Connection[Any], request_id: str, req: RunRequest, start: StartAt | None,
+    ignore_result: bool,
 ) -> Enqueued:
     """Insert the request's row; a duplicate when the ledger had it already
     (the same request: :func:`_same_as_recorded` checks)."""
-    params = _row_params(request_id, req, start)
+    params = _row_params(request_id, req, start, ignore_result)
     row = conn.execute(query("insert_run"), params).fetchone()
     if row is None:
         if _same_as_recorded(conn, request_id, req):
@@ -256,15 +258,18 @@ class EnqueuePool:
         req: RunRequest,
         on_busy: OnBusy = "enqueue",
         start: StartAt | None = None,
+        ignore_result: bool = False,
     ) -> Enqueued:
-        """Record the request (to start no sooner than ``start`` says).
+        """Record the request (to start no sooner than ``start`` says;
+        ``ignore_result``: its caller wants no result, Celery's
+        ``ignore_result``, so the sweeper never stores one).
         ``request_id`` is an idempotency key: when the ledger has it already,
         with the same arguments, nothing is written and the result says it is
         a duplicate; with other arguments, :class:`InvalidInput` names them."""
         with (translated("record the request in", dsn, then="nothing was enqueued"),
               self.connection(dsn, connect_timeout) as conn):
             if on_busy == "enqueue":
-                return _insert_new(conn, request_id, req, start)
+                return _insert_new(conn, request_id, req, start, ignore_result)
             with conn.transaction():
                 if _same_as_recorded(conn, request_id, req):
                     return Enqueued(duplicate=True)
@@ -278,8 +283,8 @@ class EnqueuePool:
                             detail=f"request {busy[0]['request_id']} is "
                             f"{busy[0]['status']} on it and on_busy=\"reject\" was asked",
                         )
-                    return _insert_new(conn, request_id, req, start)
-                enqueued = _insert_new(conn, request_id, req, start)
+                    return _insert_new(conn, request_id, req, start, ignore_result)
+                enqueued = _insert_new(conn, request_id, req, start, ignore_result)
                 if enqueued.duplicate:
                     return enqueued
                 rows = _rows(
@@ -612,6 +617,8 @@ class WorkerBeat:
     loop_lag: float = 0.0
     lock_queue: int = 0
     admitting: bool = True
+    # The finished requests whose result it stored since its last beat.
+    stored: list[str] = field(default_factory=list)
 
 
 async def worker_seen(conn: Conn, beat: WorkerBeat) -> None:
@@ -619,32 +626,52 @@ async def worker_seen(conn: Conn, beat: WorkerBeat) -> None:
     await conn.execute(query("worker_seen"), asdict(beat))
 
 
-async def worker_stopped(conn: Conn, worker: str) -> None:
+async def worker_stopped(conn: Conn, beat: WorkerBeat) -> None:
     """Mark the process's row stopped: it closes cleanly."""
-    await conn.execute(query("worker_stopped"), {"worker": worker})
+    await conn.execute(query("worker_stopped"), {"worker": beat.worker, "stored": beat.stored})
 
 
 # ---- requests Celery revoked or let expire (sync: the worker's main process) --------------
 
 
+@dataclass(frozen=True)
+class OutsideEnding:
+    """How a request that Celery ended outside its run ends in the ledger
+    (``name`` says what happened, for the log)."""
+
+    name: str
+    status: Status
+    error: str
+    error_type: str
+
+
+REVOKED = OutsideEnding("revoked", Status.CANCELLED, "revoked (Celery revoke)", "Revoked")
+EXPIRED = OutsideEnding("expired", Status.EXPIRED, "expired before it started (Celery expires)",
+                        "Expired")
+
+
+def killed_at_time_limit(limit: float) -> OutsideEnding:
+    """Celery's hard time limit killed the process running the request."""
+    return OutsideEnding(
+        "timed out", Status.FAILED,
+        f"TimeLimitExceeded: the run took longer than its {limit:g}s hard time limit "
+        "(Celery's time_limit), which killed its process", "TimeLimitExceeded",
+    )
+
+
 def end_revoked(
-    conn: psycopg.Connection[Any], request_id: str, *, expired: bool
+    conn: psycopg.Connection[Any], request_id: str, how: OutsideEnding
 ) -> tuple[bool, Handoff | None]:
-    """End a request Celery revoked (``expired``: let expire) as ``cancelled``
-    (``expired``). ``(True, handoff)`` once it is ended (or was already),
-    ``(False, None)`` while an attempt still holds its scope: it is flagged and
-    stops at its next step; call again once that attempt is gone."""
+    """End a request Celery revoked, let expire or killed at its hard time
+    limit, as ``how`` says. ``(True, handoff)`` once it is ended (or was
+    already), ``(False, None)`` while an attempt still holds its scope: it is
+    flagged and stops at its next step; call again once that attempt is gone."""
     found = _rows(conn, "revoked_request", {"request_id": request_id})
     if not found or found[0]["status"] not in UNFINISHED:
         return True, None
     scope, lock_key = found[0]["scope"], found[0]["lock_key"]
-    ending = {
-        "request_id": request_id,
-        "status": Status.EXPIRED if expired else Status.CANCELLED,
-        "error": "expired before it started (Celery expires)" if expired
-        else "revoked (Celery revoke)",
-        "error_type": "Expired" if expired else "Revoked",
-    }
+    ending = {"request_id": request_id, "status": how.status, "error": how.error,
+              "error_type": how.error_type}
     if found[0]["status"] == Status.QUEUED and found[0]["epoch"] is None:
         # It never started: it journaled nothing, and ends without its lock.
         conn.execute(query("end_revoked"), ending)

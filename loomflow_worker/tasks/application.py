@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 from celery import Celery, Task
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.local import Proxy
 from celery.result import AsyncResult, task_join_will_block
 from celery.signals import (
@@ -59,7 +59,7 @@ from .admission import Admission
 from .alone import run_alone
 from .broker import AMQP
 from .loop import ChildLoop
-from .pool import REFUSED_POOLS, RunPool, pool_name
+from .pool import REFUSED_POOLS, RunPool, pool_name, refused_threads_option
 from .sweeper import ResultRepair, Sweeper
 
 log = logging.getLogger("loomflow_worker.tasks")
@@ -204,9 +204,10 @@ def _context() -> WorkerContext:
 def _prepare_worker(sender: Any = None, **_: Any) -> None:
     """Check the settings and the pool. The threads pool carries ``-c`` runs
     on the process's event loop (and becomes :class:`~.pool.RunPool`, whose
-    runs can be stopped one by one); prefork and solo run one per process;
-    gevent and eventlet would block their hub with the loop's thread, so the
-    worker refuses them."""
+    runs can be stopped one by one, and refuses the options that only make
+    sense for child processes); prefork and solo run one per process; gevent
+    and eventlet would block their hub with the loop's thread, so the worker
+    refuses them."""
     try:
         settings()
     except InvalidInput as exc:
@@ -226,6 +227,9 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
                 "process) or `celery ... worker -P threads -c 100`."
             )
         if name == "threads":
+            refused = refused_threads_option(sender)
+            if refused is not None:
+                raise SystemExit(refused)
             sender.pool_cls = RunPool
             _state["slots"] = int(sender.concurrency or 1)
     if settings().metrics_port:
@@ -346,8 +350,9 @@ def _admit(consumer: Any) -> None:
     _state["admission"] = admission
 
 
-#: How long a revoked request whose attempt still holds its scope is waited
-#: for (its worker stops it at its next step, or dies of the terminate).
+#: How long a request Celery ended from outside (revoked, or killed at its hard
+#: time limit) whose attempt still holds its scope is waited for (its worker
+#: stops it at its next step, or dies of the terminate or the kill).
 REVOKE_WAIT = 15.0
 
 
@@ -359,18 +364,18 @@ def _revoked(request: Any = None, expired: bool = False, **_: Any) -> None:
     name = getattr(request, "task", None)
     if getattr(name, "name", name) not in (run_agent.name, resume_agent.name):
         return
-    _end_revoked_soon(str(request.id), bool(expired))
+    _end_revoked_soon(str(request.id), ledger.EXPIRED if expired else ledger.REVOKED)
 
 
-def _end_revoked_soon(request_id: str, expired: bool) -> None:
+def _end_revoked_soon(request_id: str, how: ledger.OutsideEnding) -> None:
     """:func:`_end_revoked` in a thread of its own: it may wait for the lock."""
     threading.Thread(
-        target=_end_revoked, args=(request_id, expired), daemon=True,
+        target=_end_revoked, args=(request_id, how), daemon=True,
         name=f"loomflow-worker revoke {request_id}",
     ).start()
 
 
-def _end_revoked(request_id: str, expired: bool) -> None:
+def _end_revoked(request_id: str, how: ledger.OutsideEnding) -> None:
     current = settings()
     deadline = time.monotonic() + REVOKE_WAIT
     while True:
@@ -378,21 +383,20 @@ def _end_revoked(request_id: str, expired: bool) -> None:
             with _enqueue.pool(
                 current.database_url.get_secret_value(), current.connect_timeout
             ).connection(timeout=current.connect_timeout) as conn:
-                done, handoff = ledger.end_revoked(conn, request_id, expired=expired)
+                done, handoff = ledger.end_revoked(conn, request_id, how)
         except psycopg.Error:
-            log.warning("could not end revoked request %s in the ledger yet", request_id,
+            log.warning("could not end %s request %s in the ledger yet", how.name, request_id,
                         exc_info=True, extra={"action": "revoke", "request": request_id})
             done, handoff = False, None
         if done:
-            log.info("request %s %s", request_id, "expired" if expired else "revoked",
-                     extra={"action": "expired" if expired else "revoked",
-                            "request": request_id})
+            log.info("request %s %s", request_id, how.name,
+                     extra={"action": how.name.replace(" ", "_"), "request": request_id})
             for pending in handoff.dispatch if handoff is not None else []:
                 _dispatch_recorded(pending, "handed the session")
             return
         if time.monotonic() > deadline:
-            log.warning("revoked request %s: its attempt still holds the session after %gs; "
-                        "it stops at its next step", request_id, REVOKE_WAIT,
+            log.warning("%s request %s: its attempt still holds the session after %gs; "
+                        "it stops at its next step", how.name, request_id, REVOKE_WAIT,
                         extra={"action": "revoke", "request": request_id})
             return
         time.sleep(0.2)
@@ -403,7 +407,7 @@ def _end_revoked_requests(request_ids: list[str]) -> None:
     broker (a worker learns of a revoke at once, of the message only when it
     comes) end now."""
     for request_id in request_ids:
-        _end_revoked_soon(request_id, expired=False)
+        _end_revoked_soon(request_id, ledger.REVOKED)
 
 
 def _stop_run(request_id: str) -> bool:
@@ -483,6 +487,10 @@ class _ResultStore:
                 "results stores it",
                 extra={"action": "result_deferred", "request": task_id},
             )
+            return
+        ctx: WorkerContext | None = _state.get("context")
+        if ctx is not None:
+            ctx.result_stored(task_id)
 
 
 def _backend_errors(backend: Any) -> tuple[type[BaseException], ...]:
@@ -501,6 +509,17 @@ class AgentTask(Task):
     reject_on_worker_lost = True
     max_retries = None
     typing = False  # arguments are checked by check_request, with clearer errors
+
+    def on_failure(
+        self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
+        """Celery's hard time limit killed the pool child running the request
+        (this runs in the worker's main process): the ledger ends it ``failed``
+        with ``TimeLimitExceeded`` as soon as its lock is free, and hands its
+        session on, rather than the sweeper resuming it as a crash."""
+        if isinstance(exc, TimeLimitExceeded):
+            limit = exc.args[0] if exc.args and isinstance(exc.args[0], int | float) else 0
+            _end_revoked_soon(task_id, ledger.killed_at_time_limit(float(limit)))
 
     @property
     def backend(self) -> Any:
@@ -552,7 +571,7 @@ class AgentTask(Task):
         start = _start_at(options.get("countdown"), options.get("eta"))
         enqueued = _enqueue.insert(
             current.database_url.get_secret_value(), current.connect_timeout, task_id, request,
-            on_busy, start,
+            on_busy, start, ignore_result=bool(options.get("ignore_result", self.ignore_result)),
         )
         if enqueued.duplicate:
             # The same request sent again under its id: it is recorded and was
@@ -814,6 +833,23 @@ def _call_time_limit(task: AgentTask) -> float | None:
     return None
 
 
+def _soft_time_limit(request_id: str, exc: BaseException) -> bool:
+    """Celery's soft time limit fired in this pool child (prefork, as a signal
+    raising ``SoftTimeLimitExceeded`` wherever the task is): the run ends as
+    past its own time limit, ``failed`` and handed on, rather than being
+    cancelled mid-attempt (which would leave it for the sweeper to resume
+    without its limits). ``True`` when ``exc`` is that limit."""
+    if not isinstance(exc, SoftTimeLimitExceeded):
+        return False
+    ctx: WorkerContext | None = _state.get("context")
+    if ctx is not None and _loop.running:
+        _loop.loop.call_soon_threadsafe(
+            functools.partial(ctx.halt, request_id, "soft time limit", timed_out=True))
+    log.info("request %s: Celery's soft time limit; the run ends past its time limit",
+             request_id, extra={"action": "time_limit", "request": request_id})
+    return True
+
+
 def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
     if task.request.called_directly:
         raise InvalidInput(
@@ -877,7 +913,7 @@ def _attempt(task: AgentTask, request_id: str, args: dict[str, Any]) -> Outcome:
         execute(_context(), request_id, args, task.kind, task.request.hostname,
                 time_limit=_call_time_limit(task),
                 options=functools.partial(_message_options, task, task.request)),
-        key=request_id,
+        key=request_id, interrupt=functools.partial(_soft_time_limit, request_id),
     )
     return outcome
 

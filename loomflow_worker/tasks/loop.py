@@ -12,7 +12,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -52,7 +52,11 @@ class ChildLoop:
         return future is not None and future.cancel()
 
     def run(
-        self, coro: Coroutine[Any, Any, T], timeout: float | None = None, key: str | None = None
+        self,
+        coro: Coroutine[Any, Any, T],
+        timeout: float | None = None,
+        key: str | None = None,
+        interrupt: Callable[[BaseException], bool] | None = None,
     ) -> T:
         """Run ``coro`` on the loop and wait for its result.
 
@@ -60,7 +64,10 @@ class ChildLoop:
         billiard raises in a pool child told to terminate), ``coro`` is
         cancelled and given :data:`UNWIND_TIMEOUT` to unwind, so a run
         stopped by a shutdown releases its session lock at once instead of
-        going on in the loop's thread while the process exits."""
+        going on in the loop's thread while the process exits. Unless
+        ``interrupt`` takes the exception that ended the wait (it returns
+        ``True`` once it told ``coro`` to end on its own, as for Celery's soft
+        time limit): then the wait goes on, and the next one cancels."""
         started, unwound = threading.Event(), threading.Event()
 
         async def guarded() -> T:
@@ -74,7 +81,13 @@ class ChildLoop:
         if key is not None:
             self._running[key] = future
         try:
-            return future.result(timeout)
+            while True:
+                try:
+                    return future.result(timeout)
+                except BaseException as exc:
+                    if interrupt is None or not interrupt(exc):
+                        raise
+                    interrupt = None
         except BaseException:
             if future.cancel() and started.is_set():
                 unwound.wait(UNWIND_TIMEOUT)

@@ -23,6 +23,27 @@ from celery.concurrency.thread import TaskPool as ThreadTaskPool
 #: Pools that cannot carry the process's event loop: the worker refuses them.
 REFUSED_POOLS = ("gevent", "eventlet")
 
+_NO_CHILDREN = (
+    "it has no child processes to recycle; restart the worker instead (SIGTERM requeues its "
+    "runs) or use -P prefork, whose children are recycled"
+)
+#: What the threads pool cannot do, each with what to do instead: the worker
+#: refuses these options (from the command line or the Celery config) at start
+#: rather than ignoring them or failing at the first load. The autoscaler would
+#: grow and shrink processes the pool does not have; and the slots of a process
+#: (its lock connections, thread limits) are sized once, at start.
+REFUSED_THREADS_OPTIONS = {
+    "autoscale": (
+        "--autoscale",
+        "its --concurrency is a ceiling of runs on one event loop, not a number of "
+        "processes, and a slot no run uses costs nothing; set -c to the most runs a process "
+        "should carry and scale the fleet by processes (KEDA on the queue, see deploy/)",
+    ),
+    "max_tasks_per_child": ("--max-tasks-per-child (worker_max_tasks_per_child)", _NO_CHILDREN),
+    "max_memory_per_child": (
+        "--max-memory-per-child (worker_max_memory_per_child)", _NO_CHILDREN),
+}
+
 #: Stops the run of one request (set by the Celery app).
 stop_run: Callable[[str], bool] | None = None
 
@@ -61,6 +82,16 @@ class RunPool(ThreadTaskPool):  # type: ignore[misc]
     def terminate_job(self, pid: int, signal: Any = None) -> None:
         """Every task shares this process's pid: a task is stopped through its
         own :class:`StoppableResult` instead."""
+
+
+def refused_threads_option(worker: Any) -> str | None:
+    """Why the threads pool refuses an option ``worker`` (Celery's
+    ``WorkController``) was started with, or ``None``."""
+    options = {**(getattr(worker, "options", None) or {}), **vars(worker)}
+    for key, (option, why) in REFUSED_THREADS_OPTIONS.items():
+        if options.get(key):
+            return f"loomflow-worker: {option} is not supported on the threads pool: {why}."
+    return None
 
 
 def pool_name(pool: Any) -> str:

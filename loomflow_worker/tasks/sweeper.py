@@ -233,17 +233,22 @@ class Sweeper:
         """Store, from the ledger, the results of finished requests that are not
         in the result backend: those the backend refused (it was down), and
         those whose worker died between its commit and storing it; returns how
-        many. While the backend is down, they wait for a later sweep."""
+        many. While the backend is down, they wait for a later sweep. Never
+        those whose caller wants no result (``ignore_result``), nor those
+        their worker stored (a caller may have forgotten them since)."""
         if self.results is None:
             return 0
         repaired = 0
         within = 3600
+        # A worker that stored a result says so with its next stamp, within a
+        # heartbeat interval: only a result still unchecked after that is looked for.
+        after = max(self.settings.handoff_grace, 2 * self.settings.heartbeat_interval)
         cur = conn.cursor(row_factory=dict_row)
         for name, params, check, done in (
             ("unstored_results", {"limit": 200}, False, "mark_result_stored"),
             ("unchecked_results",
-             {"after": self.settings.handoff_grace, "alive_after": RESULT_WAIT_ALIVE,
-              "within": within, "limit": 200}, True,
+             {"after": after, "alive_after": max(after, RESULT_WAIT_ALIVE), "within": within,
+              "limit": 200}, True,
              "mark_result_checked"),
         ):
             ids = [row["request_id"] for row in cur.execute(query(name), params).fetchall()]

@@ -21,13 +21,14 @@ faulthandler.register(signal.SIGUSR2, file=sys.__stderr__, all_threads=True)
 
 
 async def _on_start(tag: str) -> None:
-    # "poison" kills the pool child on every attempt.
+    # "poison" kills the pool child on every attempt; "block" holds the
+    # process's event loop for 30 s, so no timer of the loop can stop it.
     if tag.startswith("poison"):
         os.kill(os.getpid(), signal.SIGKILL)
     # "block" holds the event loop (a synchronous wait in an async tool), every
-    # other run of the process with it, for TEST_BLOCK_SECONDS.
+    # other run of the process with it, for TEST_BLOCK_SECONDS (30).
     if tag.startswith("block"):
-        time.sleep(float(os.environ.get("TEST_BLOCK_SECONDS", "6")))
+        time.sleep(float(os.environ.get("TEST_BLOCK_SECONDS", "30")))
 
 
 class FlakyModel(DeterministicModel):

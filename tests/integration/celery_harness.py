@@ -46,12 +46,14 @@ class Fleet:
         pool: str = "prefork",
         gossip: bool = False,
         wait: bool = True,
+        args: tuple[str, ...] = (),
         **extra_env: str,
     ) -> subprocess.Popen[bytes]:
         """Start a worker; ``cli=True`` starts it with ``loomflow-worker worker``
         (soft shutdown on SIGTERM) instead of plain ``celery worker``;
         ``gossip=True`` keeps Celery's gossip and mingle on (its defaults);
-        ``wait=False`` returns at once (:meth:`wait_ready` waits for it)."""
+        ``wait=False`` returns at once (:meth:`wait_ready` waits for it);
+        ``args`` are more options for the worker."""
         log = self.logs / f"{name}.log"
         if log.exists():
             log.unlink()
@@ -66,7 +68,7 @@ class Fleet:
             # control queue per name, and other fleets may run beside this one.
             [*command, "-c", str(concurrency), "-n", f"{name}-{self.queue}@%h", "-P", pool,
              *(() if gossip else ("--without-gossip", "--without-mingle")),
-             "-l", "INFO", "-f", str(log)],
+             "-l", "INFO", "-f", str(log), *args],
             cwd=ROOT, env=env, stdout=(self.logs / f"{name}.out").open("wb"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -88,6 +90,18 @@ class Fleet:
                 raise RuntimeError(f"worker {name} exited at start:\n{out}")
             time.sleep(0.05)
         raise RuntimeError(f"worker {name} not ready: {log.read_text(errors='replace')}")
+
+    def wait_exit(self, name: str, timeout: float = 60) -> tuple[int, str]:
+        """Wait until worker ``name`` exits; its exit code and what it printed."""
+        proc = self.workers.pop(name)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            raise AssertionError(f"worker {name} still running after {timeout:g}s") from None
+        return code, (self.logs / f"{name}.out").read_text(errors="replace")
 
     def kill(self, name: str) -> None:
         """SIGKILL a whole worker: main process and its pool children."""
@@ -182,6 +196,34 @@ def wait_status(dsn: str, request_id: str, statuses: tuple[str, ...], timeout: f
             return status
         time.sleep(0.05)
     raise AssertionError(f"request {request_id} still {status!r} after {timeout}s")
+
+
+def wait_swept(fleet: Fleet, request_id: str, timeout: float = 60) -> None:
+    """Wait until the sweeper has had its chance to act on finished
+    ``request_id`` (store its result, dispatch it again): its
+    ``results_to_check`` row is gone, and the sweeper's leader completed a
+    sweep that began past the moment it would have looked for the result."""
+    settings = tasks.settings()
+    after = max(settings.handoff_grace, 2 * settings.heartbeat_interval) + 1.0
+    deadline = time.monotonic() + timeout
+    seen = None
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        while True:
+            row = conn.execute(
+                "SELECT (SELECT count(*) FROM results_to_check WHERE request_id = %(r)s),"
+                " (SELECT l.heartbeat_at FROM sweeper_leader l, runs r"
+                "   WHERE r.request_id = %(r)s"
+                "     AND l.heartbeat_at > r.finished_at + make_interval(secs => %(after)s))",
+                {"r": request_id, "after": after},
+            ).fetchone()
+            assert row is not None
+            waiting, claimed = row
+            if seen is None:
+                seen = claimed  # a sweep began past that moment
+            elif waiting == 0 and claimed is not None and claimed > seen:
+                return  # ... and a later one began, so it ended
+            assert time.monotonic() < deadline, f"the sweeper did not settle {request_id}"
+            time.sleep(0.1)
 
 
 @pytest.fixture

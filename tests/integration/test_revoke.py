@@ -6,11 +6,13 @@ import time
 
 import pytest
 from celery.exceptions import TaskRevokedError
+from celery.result import AsyncResult
 
 from loomflow_worker.tasks import app, run_agent
 
-from .celery_harness import Fleet, ledger, wait_status
+from .celery_harness import Fleet, ledger, wait_status, wait_swept
 from .helpers import calls
+from .test_celery import _counts
 
 
 def _attempts(fleet: Fleet, request_id: str) -> int:
@@ -83,3 +85,48 @@ def test_a_per_call_time_limit_ends_the_run_failed_not_resumed(fleet: Fleet, poo
     assert ledger(fleet.dsn, limited.id)["status"] == "failed"
     assert _attempts(fleet, limited.id) == 1
     assert run_agent.delay(calls("n1"), "s").get(timeout=30)["output"] == "done: recorded n1"
+
+
+def _ended_past_its_time_limit_once(fleet: Fleet, limited: AsyncResult, tag: str) -> None:
+    """``limited`` ended ``failed`` with ``TimeLimitExceeded`` after one attempt,
+    its tool started once, its session moved on, and so it stays once the
+    sweeper has had its chance to act: never resumed, its result still FAILURE."""
+    ended = ("failed", "succeeded", "cancelled", "dead")
+    assert wait_status(fleet.dsn, limited.id, ended, timeout=40) == "failed"
+    row = ledger(fleet.dsn, limited.id)
+    assert row["error_type"] == "TimeLimitExceeded", row
+    assert row["attempts"] == 1 and row["crashes"] == 0, row
+    with pytest.raises(Exception, match="TimeLimitExceeded"):
+        limited.get(timeout=10)
+    assert run_agent.delay(calls("n1"), "s").get(timeout=30)["output"] == "done: recorded n1"
+    wait_swept(fleet, limited.id)
+    row = ledger(fleet.dsn, limited.id)
+    assert row["status"] == "failed" and row["attempts"] == 1, row
+    assert _counts(fleet.dsn) == {tag: 1, "n1": 1}
+    assert app.AsyncResult(limited.id).state == "FAILURE"
+    assert f"dispatched request {limited.id} again" not in fleet.log_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
+def test_celerys_soft_time_limit_on_prefork_ends_the_run_failed_not_resumed(
+    fleet: Fleet, broker: str
+) -> None:
+    """Celery's own soft limit fires in the pool child before the run's timer
+    on the loop: the run still ends as past its time limit."""
+    fleet.start("w1", concurrency=2, pool="prefork", TEST_TOOL_SLEEP="15")
+    limited = run_agent.apply_async((calls("slow1"), "s"), soft_time_limit=2, time_limit=8)
+    _ended_past_its_time_limit_once(fleet, limited, "slow1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
+def test_celerys_hard_time_limit_on_prefork_ends_the_run_failed_not_resumed(
+    fleet: Fleet, broker: str
+) -> None:
+    """A run that holds its loop, so that neither its own timer nor the soft
+    limit can stop it: Celery kills its pool child at the hard limit, and the
+    request ends as past its time limit instead of resuming as a crash."""
+    fleet.start("w1", concurrency=2, pool="prefork")
+    limited = run_agent.apply_async((calls("block1"), "s"), soft_time_limit=2, time_limit=4)
+    _ended_past_its_time_limit_once(fleet, limited, "block1")

@@ -84,3 +84,27 @@ def test_every_way_a_request_ends_queues_one_result_check(dsn: str) -> None:
         assert sorted((r[0], r[1]) for r in outcomes) == [("a", "succeeded"), ("b", "cancelled")]
         conn.execute(query("mark_result_checked"), {"request_ids": ["a", "c"], "within": 3600})
         assert waiting() == ["b"]
+
+
+def test_a_result_nobody_wants_or_its_worker_stored_is_never_checked(dsn: str) -> None:
+    """A request enqueued with ``ignore_result`` never enters ``results_to_check``
+    (nor ``result_stored = false``); a worker's stamp takes off the results it
+    stored since its last one."""
+    beat = {"worker": "w:1", "hostname": "w", "pid": 1, "slots": 1, "interval": 2.0, "runs": 0,
+            "loop_lag": 0.0, "lock_queue": 0, "admitting": True}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        def waiting() -> list[str]:
+            rows = conn.execute("SELECT request_id FROM results_to_check ORDER BY 1")
+            return [r[0] for r in rows]
+
+        for rid, ignored in (("kept", False), ("ignored", True), ("stored", False)):
+            conn.execute("INSERT INTO runs (request_id, scope, session_id, agent, prompt,"
+                         " ignore_result) VALUES (%s, 's', 's', 'x', 'p', %s)", (rid, ignored))
+        conn.execute("UPDATE runs SET status = 'succeeded', finished_at = now()")
+        assert waiting() == ["kept", "stored"]
+        conn.execute(query("mark_result_unstored"), {"request_id": "ignored"})
+        assert conn.execute(query("unstored_results"), {"limit": 10}).fetchall() == []
+        conn.execute(query("worker_seen"), {**beat, "stored": ["stored", "gone"]})
+        assert waiting() == ["kept"]
+        conn.execute(query("worker_stopped"), {"worker": "w:1", "stored": ["kept"]})
+        assert waiting() == []

@@ -19,7 +19,7 @@ from loomflow_worker.execution.registry import import_agent_modules
 from loomflow_worker.execution.request import check_request
 from loomflow_worker.tasks import RunCancelled, resume_agent, run_agent
 
-from .celery_harness import REDIS_URL, Fleet, ledger, wait_status
+from .celery_harness import REDIS_URL, Fleet, ledger, wait_status, wait_swept
 from .helpers import calls
 from .test_celery import _counts
 from .test_cli import cli, lines
@@ -281,3 +281,41 @@ def test_cancel_needs_a_request_or_queued(fleet: Fleet) -> None:
     for args in ((), ("x", "--queued"), ("x", "--session", "s")):
         done = cli(fleet, "cancel", *args)
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+
+
+# ---- fire and forget ---------------------------------------------------------------------------
+
+
+def _assert_no_result_stored(fleet: Fleet, request_id: str) -> None:
+    from loomflow_worker.tasks import application
+
+    assert application._results_missing([request_id]) == {request_id}
+    assert "which its worker could not store" not in fleet.log_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["apply_async", "task default"])
+def test_a_result_its_caller_ignores_is_never_stored_by_the_sweeper(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    fleet.start("w1", concurrency=2, pool="threads")
+    if how == "apply_async":
+        ignored = run_agent.apply_async((calls("f1"), "s"), ignore_result=True)
+    else:
+        monkeypatch.setattr(tasks_module.app.tasks[run_agent.name], "ignore_result", True)
+        ignored = run_agent.delay(calls("f1"), "s")
+    assert wait_status(fleet.dsn, ignored.id, ("succeeded",), timeout=30) == "succeeded"
+    wait_swept(fleet, ignored.id)
+    _assert_no_result_stored(fleet, ignored.id)
+    assert _counts(fleet.dsn) == {"f1": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_a_forgotten_result_is_not_stored_again(fleet: Fleet, pool: str) -> None:
+    fleet.start("w1", concurrency=2, pool=pool)
+    done = run_agent.delay(calls("g1"), "s")
+    assert done.get(timeout=30)["output"] == "done: recorded g1"
+    done.forget()
+    wait_swept(fleet, done.id)
+    _assert_no_result_stored(fleet, done.id)

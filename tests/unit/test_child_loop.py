@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import pytest
@@ -58,7 +58,11 @@ def test_a_terminate_signal_cancels_the_coroutine_and_waits_for_it_to_unwind(
         signal.signal(signal.SIGALRM, previous)
 
 
-def test_a_timeout_cancels_the_coroutine(loop: ChildLoop) -> None:
+@pytest.mark.parametrize("interrupt", [None, lambda exc: False],
+                         ids=["no interrupt", "an interrupt that declines"])
+def test_a_timeout_cancels_the_coroutine(
+    loop: ChildLoop, interrupt: Callable[[BaseException], bool] | None
+) -> None:
     cancelled = threading.Event()
 
     async def hang() -> None:
@@ -69,5 +73,43 @@ def test_a_timeout_cancels_the_coroutine(loop: ChildLoop) -> None:
             raise
 
     with pytest.raises(TimeoutError):
-        loop.run(hang(), timeout=0.1)
+        loop.run(hang(), timeout=0.1, interrupt=interrupt)
     assert cancelled.is_set()
+
+
+def test_an_exception_the_interrupt_takes_lets_the_coroutine_end_on_its_own(
+    loop: ChildLoop,
+) -> None:
+    # Celery's soft time limit raises SoftTimeLimitExceeded in the child's
+    # main thread from a signal handler: the run is told to end (as past its
+    # time limit) and the wait goes on for what it returns, instead of
+    # cancelling it mid-attempt.
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    told: list[BaseException] = []
+    stop = asyncio.Event()
+
+    async def run_until_told() -> str:
+        await stop.wait()
+        await asyncio.sleep(0.1)  # the finishing commit
+        return "ended past its time limit"
+
+    def interrupt(exc: BaseException) -> bool:
+        if not isinstance(exc, SoftTimeLimitExceeded):
+            return False
+        told.append(exc)
+        loop.loop.call_soon_threadsafe(stop.set)
+        return True
+
+    def soft_limit(signum: int, frame: FrameType | None) -> None:
+        raise SoftTimeLimitExceeded()
+
+    previous = signal.signal(signal.SIGALRM, soft_limit)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        assert loop.run(run_until_told(), interrupt=interrupt) == "ended past its time limit"
+        assert len(told) == 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+

@@ -70,3 +70,6 @@ def test_a_run_past_its_time_limit_fails_with_time_limit_exceeded() -> None:
     ending = time_limit_ending(2.5)
     assert ending.status == "failed" and ending.error_type == "TimeLimitExceeded"
     assert ending.error is not None and "2.5s time limit" in ending.error
+    assert "LOOMFLOW_WORKER_RUN_TIME_LIMIT" in ending.error
+    per_call = time_limit_ending(2.5, per_call=True).error
+    assert per_call is not None and "apply_async's time_limit or soft_time_limit" in per_call

@@ -35,6 +35,35 @@ def test_a_worker_refuses_gevent_and_eventlet_and_says_what_to_use(pool: str) ->
     assert "loomflow-worker worker" in message and "-P threads" in message
 
 
+@pytest.mark.parametrize(
+    ("options", "attributes", "named"),
+    [({"autoscale": "8,2"}, {}, "--autoscale"),
+     ({}, {"max_tasks_per_child": 3}, "--max-tasks-per-child (worker_max_tasks_per_child)"),
+     ({}, {"max_memory_per_child": 200000},
+      "--max-memory-per-child (worker_max_memory_per_child)")],
+)
+def test_the_threads_pool_refuses_what_only_child_processes_can_do(
+    options: dict[str, object], attributes: dict[str, object], named: str
+) -> None:
+    sender = SimpleNamespace(pool_cls=ThreadPool, concurrency=50, options=options,
+                             max_tasks_per_child=None, max_memory_per_child=None)
+    vars(sender).update(attributes)
+    with pytest.raises(SystemExit) as refused:
+        application._prepare_worker(sender=sender)
+    message = str(refused.value)
+    assert message.startswith(f"loomflow-worker: {named} is not supported on the threads pool")
+    assert "\n" not in message
+    assert sender.pool_cls is ThreadPool
+
+
+def test_prefork_keeps_its_recycling_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(application, "_state", dict(application._state))
+    sender = SimpleNamespace(pool_cls=PreforkPool, concurrency=2, options={"autoscale": "4,1"},
+                             max_tasks_per_child=3, max_memory_per_child=200000)
+    application._prepare_worker(sender=sender)
+    assert sender.pool_cls is PreforkPool
+
+
 def test_the_threads_pool_carries_its_concurrency_in_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(application, "_state", dict(application._state))
     sender = SimpleNamespace(pool_cls=ThreadPool, concurrency=150)

@@ -264,12 +264,13 @@ SELECT (SELECT count(*) FROM journal_steps j
 -- name: insert_run
 -- A countdown is measured on the database's clock, an eta is a moment.
 INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
-                  lock_key, not_before)
+                  lock_key, not_before, ignore_result)
 VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind)s,
         %(prompt)s, %(metadata)s, %(lock_key)s,
         CASE WHEN %(countdown)s::float8 IS NOT NULL
              THEN now() + make_interval(secs => %(countdown)s::float8)
-             ELSE %(eta)s::timestamptz END)
+             ELSE %(eta)s::timestamptz END,
+        %(ignore_result)s)
 ON CONFLICT (request_id) DO NOTHING
 RETURNING not_before;
 
@@ -375,7 +376,11 @@ RETURNING request_id, cancel_requested;
 -- name: worker_seen
 -- A worker process's own row, stamped once per heartbeat interval: how many
 -- runs it carries now, of how many slots, and how loaded it is (a restarted
--- pid starts a new row).
+-- pid starts a new row); the results it stored since its last stamp need no
+-- check by the sweeper.
+WITH stored AS (
+    DELETE FROM results_to_check WHERE request_id = ANY(%(stored)s::text[])
+)
 INSERT INTO workers AS w (worker, hostname, pid, slots, heartbeat_interval, runs, loop_lag,
                           lock_queue, admitting)
 VALUES (%(worker)s, %(hostname)s, %(pid)s, %(slots)s, %(interval)s, %(runs)s, %(loop_lag)s,
@@ -389,7 +394,11 @@ ON CONFLICT (worker) DO UPDATE
        stopped_at = NULL;
 
 -- name: worker_stopped
--- A worker process that closes cleanly.
+-- A worker process that closes cleanly (and the results it stored since its
+-- last stamp, as worker_seen).
+WITH stored AS (
+    DELETE FROM results_to_check WHERE request_id = ANY(%(stored)s::text[])
+)
 UPDATE workers SET stopped_at = now(), seen_at = now(), runs = 0 WHERE worker = %(worker)s;
 
 -- ---- the sweeper ---------------------------------------------------------------------------
@@ -749,9 +758,11 @@ DELETE FROM results_to_check
 
 -- name: mark_result_unstored
 -- Its worker could not store the finished request's result in the result
--- backend: the sweeper stores it from here.
+-- backend: the sweeper stores it from here (unless its caller wants no
+-- result: ignore_result).
 UPDATE runs SET result_stored = false
- WHERE request_id = %(request_id)s AND NOT loomflow_worker_unfinished(status);
+ WHERE request_id = %(request_id)s AND NOT loomflow_worker_unfinished(status)
+   AND NOT ignore_result;
 
 -- name: unstored_results
 SELECT request_id FROM runs WHERE NOT result_stored ORDER BY finished_at LIMIT %(limit)s;
@@ -808,7 +819,8 @@ SELECT r.ok AS released, EXISTS (
 SELECT scope, status, epoch, lock_key FROM runs WHERE request_id = %(request_id)s;
 
 -- name: end_revoked
--- A request Celery revoked, or let expire, ended in the ledger: the scope's
+-- A request Celery revoked, let expire, or killed at its hard time limit,
+-- ended in the ledger: the scope's
 -- epoch advanced past the one it pinned (when it started), its status and
 -- error recorded, its open attempt closed. Run holding its scope's lock, or
 -- for a request that never started (it journaled nothing).
