@@ -25,20 +25,33 @@ Run it with::
 
 ``--quick`` runs 200 runs and skips nothing. The admin connection string and Redis are
 taken as in ``bench_celery.py``.
+
+Under pressure: ``--backlog`` enqueues every run before the worker starts (the worker is
+offered the whole backlog at once, as after an outage or a burst) and times the side from
+the worker's "ready" to the last result; ``--cpu-hogs K`` keeps K other processes busy on
+the CPUs while each side runs (a noisy neighbour, a throttled container). Each side also
+prints its CPU per run by component (the worker's processes, its database's Postgres
+backends, Redis), the event loop's lag (the largest of each second, from the worker's
+``workers`` row, sampled: median and 99th percentile), the runs its process fenced and the
+attempts lost. Targets at ``--backlog --concurrency 1000 --runs 3000``: >= 150 runs/s,
+RSS <= 600 MB, 0 fenced, 0 retries; with ``--cpu-hogs 2``: every run finishes, 0 fenced,
+0 retries, >= 30 runs/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +62,7 @@ if str(ROOT) not in sys.path:
 
 import anyio  # noqa: E402
 import psycopg  # noqa: E402
+import redis  # noqa: E402
 from celery.result import AsyncResult  # noqa: E402
 
 from bench import plain_celery_app as plain  # noqa: E402
@@ -81,6 +95,38 @@ class Peaks:
     rss_mb: float = 0.0
     pss_mb: float = 0.0
     connections: int = 0
+    # CPU ticks per process seen (the largest reading of each pid).
+    worker_ticks: dict[int, int] = field(default_factory=dict)
+    worker_start: dict[int, int] = field(default_factory=dict)
+    backend_ticks: dict[int, int] = field(default_factory=dict)
+    backend_start: dict[int, int] = field(default_factory=dict)
+    lags: list[float] = field(default_factory=list)
+
+    def worker_cpu_s(self) -> float:
+        return sum(t - self.worker_start.get(pid, 0)
+                   for pid, t in self.worker_ticks.items()) / CLOCK_TICKS
+
+    def backend_cpu_s(self) -> float:
+        return sum(t - self.backend_start.get(pid, 0)
+                   for pid, t in self.backend_ticks.items()) / CLOCK_TICKS
+
+    def lag_quantiles(self) -> tuple[float, float]:
+        lags = sorted(self.lags)
+        if not lags:
+            return 0.0, 0.0
+        return lags[len(lags) // 2], lags[min(len(lags) - 1, int(len(lags) * 0.99))]
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_ticks(pid: int) -> tuple[int, int] | None:
+    """(process group, utime + stime) of ``pid``, or None when it is gone."""
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[2]), int(fields[11]) + int(fields[12])
 
 
 @dataclass
@@ -94,6 +140,8 @@ class SideResult:
     wrong: int
     peaks: Peaks
     log_counts: dict[str, int] = field(default_factory=dict)
+    redis_cpu_s: float = 0.0
+    backlog: bool = False
 
     @property
     def ratio(self) -> float:
@@ -102,6 +150,9 @@ class SideResult:
     @property
     def runs_per_s(self) -> float:
         return self.runs / self.wall_s
+
+    def ms_per_run(self, seconds: float) -> float:
+        return 1000 * seconds / self.runs
 
 
 def _group_memory(pgid: int) -> tuple[float, float]:
@@ -132,6 +183,7 @@ class Sampler:
         self.admin_dsn = admin_dsn
         self.dbname = dbname
         self.peaks = Peaks()
+        self._bench: psycopg.Connection[Any] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -144,8 +196,13 @@ class Sampler:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn, psycopg.connect(
+            database_uri(self.admin_dsn, self.dbname), autocommit=True
+        ) as bench:
+            self._bench = bench
+            self._sample_cpu(conn, first=True)
             while not self._stop.wait(0.2):
+                self._sample_cpu(conn)
                 rss, pss = _group_memory(self.pgid)
                 # The worker's connections: not this script's own (it enqueues).
                 row = conn.execute(
@@ -156,6 +213,37 @@ class Sampler:
                 self.peaks.rss_mb = max(self.peaks.rss_mb, rss)
                 self.peaks.pss_mb = max(self.peaks.pss_mb, pss)
                 self.peaks.connections = max(self.peaks.connections, int(row[0]) if row else 0)
+            self._sample_cpu(conn)
+
+    def _sample_cpu(self, conn: psycopg.Connection[Any], first: bool = False) -> None:
+        """The CPU of the worker's processes and of its database's backends so far,
+        and its event loop's lag as its row in ``workers`` says."""
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                seen = _cpu_ticks(int(entry.name))
+                if seen is not None and seen[0] == self.pgid:
+                    if first:
+                        self.peaks.worker_start[int(entry.name)] = seen[1]
+                    self.peaks.worker_ticks[int(entry.name)] = seen[1]
+        backends = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s", (self.dbname,)
+        ).fetchall()
+        for (pid,) in backends:
+            seen = _cpu_ticks(int(pid))
+            if seen is None:
+                continue
+            if first or pid not in self.peaks.backend_ticks:
+                # A backend already open counts from now; a new one from its start.
+                self.peaks.backend_start.setdefault(pid, seen[1] if first else 0)
+            self.peaks.backend_ticks[pid] = seen[1]
+        if self._bench is not None:
+            with contextlib.suppress(psycopg.Error):
+                row = self._bench.execute(
+                    "SELECT max(loop_lag) FROM workers WHERE stopped_at IS NULL"
+                    " AND seen_at > now() - interval '5 seconds'"
+                ).fetchone()
+                if row is not None and row[0] is not None and not first:
+                    self.peaks.lags.append(float(row[0]))
 
 
 LOG_PATTERNS = {
@@ -163,11 +251,42 @@ LOG_PATTERNS = {
     "warnings": re.compile(r"\bWARNING\b"),
     "errors": re.compile(r"\bERROR\b|\bCRITICAL\b"),
 }
+FENCED = re.compile(r"fencing its (\d+) runs")
 
 
 def count_log(path: Path) -> dict[str, int]:
     text = path.read_text(errors="replace") if path.exists() else ""
-    return {name: len(p.findall(text)) for name, p in LOG_PATTERNS.items()}
+    counts = {name: len(p.findall(text)) for name, p in LOG_PATTERNS.items()}
+    counts["fenced"] = sum(int(n) for n in FENCED.findall(text))
+    counts["paused"] = text.count("taking no new requests")
+    return counts
+
+
+def redis_cpu(url: str) -> float:
+    """Redis's CPU seconds so far (user and system, every client's)."""
+    info = redis.Redis.from_url(url).info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Iterator[None]:
+    """``count`` processes that each keep a CPU busy (a noisy neighbour)."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
+@dataclass(frozen=True)
+class Pressure:
+    """How a side is loaded: the backlog enqueued before its worker starts,
+    and CPU hogs beside it."""
+
+    backlog: bool = False
+    hogs: int = 0
 
 
 def run_side(
@@ -184,47 +303,73 @@ def run_side(
     runs: int,
     latency: float,
     tag: str,
+    redis_url: str,
+    pressure: Pressure = Pressure(),
 ) -> SideResult:
-    fleet.start(name, app, concurrency, env, pool=pool)
-    fleet.wait_ready([name])
-    worker = fleet.workers[name]
     sent: list[tuple[AsyncResult, str]] = []
-    with Sampler(worker.proc.pid, admin_dsn, dbname) as sampler:
-        started = time.perf_counter()
+
+    def enqueue() -> float:
+        began = time.perf_counter()
         for i in range(runs):
             tags = (f"{tag}-{i}-a", f"{tag}-{i}-b")
             sent.append((submit(calls(*tags), f"{tag}-s{i}"), expected_output(*tags)))
-        enqueued = time.perf_counter() - started
-        wrong = 0
-        for result, expected in sent:
-            value = result.get(timeout=max(600.0, runs * latency), propagate=False)
-            if not isinstance(value, dict) or value.get("output") != expected:
-                wrong += 1
-        wall = time.perf_counter() - started
+        return time.perf_counter() - began
+
+    enqueued = enqueue() if pressure.backlog else 0.0
+    with cpu_hogs(pressure.hogs):
+        fleet.start(name, app, concurrency, env, pool=pool)
+        fleet.wait_ready([name])
+        worker = fleet.workers[name]
+        redis_before = redis_cpu(redis_url)
+        with Sampler(worker.proc.pid, admin_dsn, dbname) as sampler:
+            started = time.perf_counter()
+            if not pressure.backlog:
+                enqueued = enqueue()
+            wrong = 0
+            for result, expected in sent:
+                value = result.get(timeout=max(600.0, runs * latency), propagate=False)
+                if not isinstance(value, dict) or value.get("output") != expected:
+                    wrong += 1
+            wall = time.perf_counter() - started
+        redis_used = redis_cpu(redis_url) - redis_before
     counts = count_log(worker.log)
     fleet.stop([name])
     ideal = runs * MODEL_CALLS * latency / concurrency
     return SideResult(label, concurrency, runs, wall, enqueued, ideal, wrong, sampler.peaks,
-                      counts)
+                      counts, redis_used, pressure.backlog)
 
 
 def report(results: Sequence[SideResult]) -> list[str]:
     lines = [
         f"{'side':<16} {'conc':>5} {'wall':>8} {'ideal':>7} {'x ideal':>8} {'runs/s':>7} "
-        f"{'RSS MB':>7} {'PSS MB':>7} {'PG conns':>8} {'retries':>7} {'warn':>5} {'err':>4} "
-        f"{'wrong':>5}"
+        f"{'RSS MB':>7} {'PSS MB':>7} {'PG conns':>8} {'retries':>7} {'fenced':>6} "
+        f"{'paused':>6} {'warn':>5} {'err':>4} {'wrong':>5}"
     ]
     for r in results:
         lines.append(
             f"{r.label:<16} {r.concurrency:>5} {r.wall_s:>7.1f}s {r.ideal_s:>6.1f}s "
             f"{r.ratio:>7.2f}x {r.runs_per_s:>7.1f} {r.peaks.rss_mb:>7.0f} "
             f"{r.peaks.pss_mb:>7.0f} {r.peaks.connections:>8} {r.log_counts['retries']:>7} "
+            f"{r.log_counts['fenced']:>6} {r.log_counts['paused']:>6} "
             f"{r.log_counts['warnings']:>5} {r.log_counts['errors']:>4} {r.wrong:>5}"
+        )
+    lines.append("")
+    lines.append(f"{'CPU per run (ms)':<16} {'worker':>7} {'PG':>6} {'Redis':>6} {'all':>6}   "
+                 f"loop lag p50 / p99 (largest each second)")
+    for r in results:
+        worker, pg = r.peaks.worker_cpu_s(), r.peaks.backend_cpu_s()
+        p50, p99 = r.peaks.lag_quantiles()
+        lines.append(
+            f"{r.label:<16} {r.ms_per_run(worker):>7.2f} {r.ms_per_run(pg):>6.2f} "
+            f"{r.ms_per_run(r.redis_cpu_s):>6.2f} "
+            f"{r.ms_per_run(worker + pg + r.redis_cpu_s):>6.2f}   "
+            + (f"{p50:.3f}s / {p99:.3f}s" if r.peaks.lags else "-")
         )
     ours = results[0]
     lines.append("")
     lines.append(
-        f"enqueue of {ours.runs} runs took {ours.enqueue_s:.1f}s (inside the wall time)"
+        f"enqueue of {ours.runs} runs took {ours.enqueue_s:.1f}s"
+        + (" (before the worker started)" if ours.backlog else " (inside the wall time)")
     )
     for other in results[1:]:
         lines.append(
@@ -240,6 +385,7 @@ def report(results: Sequence[SideResult]) -> list[str]:
         (f"<= {TARGET_CONNECTIONS} Postgres connections",
          ours.peaks.connections <= TARGET_CONNECTIONS),
         ("0 retries", ours.log_counts["retries"] == 0),
+        ("0 fenced", ours.log_counts["fenced"] == 0),
         ("every result right", ours.wrong == 0),
     ]
     lines.append("targets (ours threads): " + "; ".join(
@@ -262,12 +408,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "LOOMFLOW_WORKER_EVENTS=false")
     parser.add_argument("--only-threads", action="store_true",
                         help="skip the two prefork sides (they take runs*3*latency/20 s each)")
+    parser.add_argument("--backlog", action="store_true",
+                        help="enqueue every run before the worker starts; time from its ready")
+    parser.add_argument("--cpu-hogs", type=int, default=0, metavar="K",
+                        help="K processes keeping a CPU busy each while a side runs")
     parser.add_argument("--quick", action="store_true", help="200 runs")
     args = parser.parse_args(argv)
     if args.quick:
         args.runs = 200
-    if args.runs < 1 or args.concurrency < 1 or args.latency <= 0:
-        parser.error("--runs and --concurrency must be at least 1, --latency above 0")
+    if args.runs < 1 or args.concurrency < 1 or args.latency <= 0 or args.cpu_hogs < 0:
+        parser.error("--runs and --concurrency must be at least 1, --latency above 0, "
+                     "--cpu-hogs 0 or more")
     return args
 
 
@@ -304,7 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             create_database(admin_dsn, name)
         anyio.run(migrate, dsns["ours"], dsns["plain"])
         print(f"{args.runs} runs on {args.runs} sessions, 3 model calls (each waiting "
-              f"{args.latency:g}s) and 2 tool calls per run; {os.cpu_count()} CPUs; "
+              f"{args.latency:g}s) and 2 tool calls per run; "
+              f"{'a backlog enqueued before each worker starts; ' if args.backlog else ''}"
+              f"{f'{args.cpu_hogs} CPU hogs; ' if args.cpu_hogs else ''}{os.cpu_count()} CPUs; "
               f"{git_state()}; load average {os.getloadavg()[0]:.2f}; logs in {logs}",
               flush=True)
         tasks.configure(ours_settings)
@@ -329,7 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = []
         for i, (label, name, app, pool, conc, env, submit, db) in enumerate(sides):
             result = run_side(label, fleet, name, app, pool, conc, env, submit, admin_dsn,
-                              dbnames[db], args.runs, args.latency, f"{tag}{i}")
+                              dbnames[db], args.runs, args.latency, f"{tag}{i}", redis_url,
+                              Pressure(args.backlog, args.cpu_hogs))
             print(f"  {label}: {result.wall_s:.1f}s", flush=True)
             results.append(result)
         print("\n".join(report(results)))
