@@ -181,6 +181,8 @@ def test_a_frozen_process_is_fenced_as_a_whole(fleet: Fleet) -> None:
         v = verdict(fleet.dsn, sent)
         assert_sound(v, v.summary())
         assert len(_resumed(fleet.dsn, sent, cut)) == 30, v.summary()
+        # Frozen, not crashed: the sweeper recorded their attempts lost.
+        assert v.crashes == 0, v.summary()
         written = _journal_writes(fleet.dsn)
     finally:
         os.killpg(frozen.pid, signal.SIGCONT)
