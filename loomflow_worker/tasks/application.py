@@ -56,6 +56,7 @@ from ..runtime.validate import check_id
 from ..settings import Settings, validation_message
 from . import pool
 from .broker import AMQP
+from .connections import bound_worker_connections
 from .loop import ChildLoop
 from .pool import REFUSED_POOLS, RunPool, pool_name
 from .sweeper import ResultRepair, Sweeper
@@ -224,6 +225,8 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
             _state["slots"] = int(sender.concurrency or 1)
     if settings().metrics_port:
         metrics.prepare_multiprocess_dir()
+    # A few connections to Redis and the broker, whatever the concurrency.
+    bound_worker_connections(current_app())
     _refuse_session_pooler(settings())
 
 

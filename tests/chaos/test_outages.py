@@ -206,16 +206,18 @@ def test_workers_outlive_a_rabbitmq_restart(
     assert grep_logs(fleet, "Unrecoverable") == ""
 
 
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_results_stored_after_a_backend_outage(
-    fleet: Fleet, private_redis: PrivateRedis
+    fleet: Fleet, private_redis: PrivateRedis, pool: str
 ) -> None:
     """Redis (broker and result backend) down for longer than a worker tries to
     store a result: runs finish meanwhile, their results wait in the ledger
     (``result_stored`` false) and the sweeper stores them once Redis is back;
-    every caller's ``get()`` returns the output, none gets a ConnectionError."""
+    every caller's ``get()`` returns the output, none gets a ConnectionError.
+    The threads pool's threads share one result backend on a few connections."""
     use_services(fleet, broker=private_redis.url, backend=private_redis.url)
     install_journal_audit(fleet.dsn)
-    worker = fleet.start("w1", 4, cli=True, **ENV)
+    worker = fleet.start("w1", 4, cli=True, pool=pool, **ENV)
     # Two requests per session: the second is handed the session (a publish)
     # when the first finishes, inside the outage for some.
     sent = [send(i, f"s{i % 4}", "u", "ab") for i in range(8)]
