@@ -18,7 +18,7 @@ connections to its database, its TCP connections to Redis (port 6379, from /proc
 the peak / once every result is in), and the retries, warnings and errors in its log.
 
 Targets for ``ours threads`` at ``--concurrency 200``: wall <= 1.3x ideal, >= 50 runs/s,
-peak RSS <= 400 MB, <= 6 Postgres connections, <= 10 Redis connections, 0 retries.
+peak RSS <= 400 MB, <= 6 Postgres connections, <= 13 Redis connections, 0 retries.
 
 Run it with::
 
@@ -74,7 +74,7 @@ TARGET_IDEAL_RATIO = 1.3
 TARGET_RUNS_PER_S = 50.0
 TARGET_RSS_MB = 400.0
 TARGET_CONNECTIONS = 6
-TARGET_REDIS_CONNECTIONS = 10
+TARGET_REDIS_CONNECTIONS = 13
 REDIS_PORT = 6379
 PREFORK_CONCURRENCY = 20
 

@@ -28,7 +28,8 @@ PEERS = {6379: "redis", 5432: "postgres"}
 
 #: Celery's own (the task consumer's channel, the control channel, the worker
 #: heartbeat: 6), the run events (1), the result backend (2) and the
-#: producers the threads publish with (2 broker connections, 2 sockets each).
+#: producers the threads publish with (2 broker connections, 2 sockets each):
+#: 13, and one for a connection being replaced.
 REDIS_MOST = 14
 #: The lock connections and the pool, the sweeper's, and a few for the
 #: ledger's rare writes outside a run.
