@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -44,8 +43,9 @@ def _socket_inodes(pid: int) -> set[str]:
     return inodes
 
 
-def _peer_ports(pid: int, inodes: set[str]) -> Iterable[int]:
-    """The peer port of each connection in ``inodes`` (one per TCP socket)."""
+def _peer_ports(pid: int, inodes: set[str]) -> dict[str, int]:
+    """The peer port of each TCP connection among ``inodes``, by inode."""
+    found = {}
     for table in ("tcp", "tcp6"):
         try:
             lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
@@ -56,14 +56,23 @@ def _peer_ports(pid: int, inodes: set[str]) -> Iterable[int]:
             # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
             if len(fields) < 10 or fields[9] not in inodes or fields[3] in _NOT_CONNECTED:
                 continue
-            yield int(fields[2].rsplit(":", 1)[1], 16)
+            found[fields[9]] = int(fields[2].rsplit(":", 1)[1], 16)
+    return found
 
 
 def connections(pid: int | None = None) -> Counter[int]:
     """How many TCP connections process ``pid`` (default: this one) holds, by
-    the port of their peer (6379: Redis, 5432: Postgres, 5672: RabbitMQ)."""
+    the port of their peer (6379: Redis, 5432: Postgres, 5672: RabbitMQ).
+
+    The kernel lists its TCP table in pieces, so a socket opened or closed
+    elsewhere meanwhile can make one listing skip a line: a second listing
+    looks for what the first did not find, and a socket counts once."""
     pid = os.getpid() if pid is None else pid
-    return Counter(_peer_ports(pid, _socket_inodes(pid)))
+    inodes = _socket_inodes(pid)
+    found = _peer_ports(pid, inodes)
+    if len(found) < len(inodes):  # some are not TCP, or a line was skipped
+        found |= _peer_ports(pid, inodes - set(found))
+    return Counter(found.values())
 
 
 #: The port of each kind of peer when its URL names none.

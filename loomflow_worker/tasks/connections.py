@@ -6,8 +6,8 @@ whose threads pool runs ``-c 200`` held about 200 connections to Redis, one
 per thread that had stored a result. A worker process shares one
 :class:`WorkerRedisBackend` instead: redis-py's client is thread safe, and
 its pool is bounded (RESULT_CONNECTIONS); a thread that finds every
-connection in use waits for one (a store takes well under a millisecond)
-rather than opening another. Callers (processes that enqueue and wait on
+connection in use waits for one (a store takes about a millisecond) rather
+than opening another. Callers (processes that enqueue and wait on
 results) keep Celery's backend per thread: their result subscriptions are
 not thread safe.
 
@@ -32,14 +32,17 @@ from celery.backends.redis import RedisBackend
 RESULT_CONNECTIONS = 2
 
 #: How long a thread waits for one of them before the store counts as
-#: refused (retried as Celery retries a store, then left to the sweeper).
-RESULT_WAIT = 2.0
+#: refused (retried as Celery retries a store, then left to the sweeper). A
+#: store holds one for a round trip or two, but a process whose CPU is
+#: starved (hundreds of threads retrying at once) makes that seconds: the
+#: wait is for a Redis that hangs, not for the others' turns.
+RESULT_WAIT = 30.0
 
 #: The broker connections a worker process's threads publish with.
 PUBLISH_CONNECTIONS = 2
 
 #: How long a thread waits for one of them before the publish counts as refused.
-PUBLISH_WAIT = 5.0
+PUBLISH_WAIT = 30.0
 
 
 class WorkerRedisBackend(RedisBackend):  # type: ignore[misc]
