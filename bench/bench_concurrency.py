@@ -14,10 +14,11 @@ side by side in one run of this script:
 For each: wall time from the first enqueue to the last result, against the ideal
 (runs x 3 x latency / concurrency), runs per second, the worker's peak RSS and PSS (main
 process and children, sampled every 0.2 s from /proc), the peak number of Postgres
-connections to its database, and the retries, warnings and errors in its log.
+connections to its database, its TCP connections to Redis (port 6379, from /proc: at
+the peak / once every result is in), and the retries, warnings and errors in its log.
 
 Targets for ``ours threads`` at ``--concurrency 200``: wall <= 1.3x ideal, >= 50 runs/s,
-peak RSS <= 400 MB, <= 6 Postgres connections, 0 retries.
+peak RSS <= 400 MB, <= 6 Postgres connections, <= 13 Redis connections, 0 retries.
 
 Run it with::
 
@@ -80,13 +81,15 @@ from bench.bench_celery import (  # noqa: E402
     teardown,
 )
 from bench.bench_runtime import create_database, database_uri  # noqa: E402
-from loomflow_worker import tasks  # noqa: E402
+from loomflow_worker import sockets, tasks  # noqa: E402
 
 MODEL_CALLS = 3
 TARGET_IDEAL_RATIO = 1.3
 TARGET_RUNS_PER_S = 50.0
 TARGET_RSS_MB = 400.0
 TARGET_CONNECTIONS = 6
+TARGET_REDIS_CONNECTIONS = 13
+REDIS_PORT = 6379
 PREFORK_CONCURRENCY = 20
 
 
@@ -95,6 +98,8 @@ class Peaks:
     rss_mb: float = 0.0
     pss_mb: float = 0.0
     connections: int = 0
+    redis: int = 0
+    redis_end: int = 0
     # CPU ticks per process seen (the largest reading of each pid).
     worker_ticks: dict[int, int] = field(default_factory=dict)
     worker_start: dict[int, int] = field(default_factory=dict)
@@ -155,16 +160,30 @@ class SideResult:
         return 1000 * seconds / self.runs
 
 
-def _group_memory(pgid: int) -> tuple[float, float]:
-    """(RSS, PSS) in MB of every process in the process group ``pgid``."""
-    rss = pss = 0
+def _group(pgid: int) -> list[Path]:
+    """The /proc folders of the processes in the process group ``pgid``."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
-                continue
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                found.append(entry)
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _group_redis(pgid: int) -> int:
+    """The connections to Redis (port 6379) of every process in the process group ``pgid``."""
+    return sum(sockets.connections(int(entry.name))[REDIS_PORT] for entry in _group(pgid))
+
+
+def _group_memory(pgid: int) -> tuple[float, float]:
+    """(RSS, PSS) in MB of every process in the process group ``pgid``."""
+    rss = pss = 0
+    for entry in _group(pgid):
+        try:
             for line in (entry / "smaps_rollup").read_text().splitlines():
                 if line.startswith("Rss:"):
                     rss += int(line.split()[1])
@@ -176,7 +195,7 @@ def _group_memory(pgid: int) -> tuple[float, float]:
 
 
 class Sampler:
-    """Samples the worker's memory and its database's connections until stopped."""
+    """Samples the worker's memory and its connections to Postgres and Redis until stopped."""
 
     def __init__(self, pgid: int, admin_dsn: str, dbname: str) -> None:
         self.pgid = pgid
@@ -194,6 +213,7 @@ class Sampler:
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        self.peaks.redis_end = _group_redis(self.pgid)
 
     def _run(self) -> None:
         with psycopg.connect(self.admin_dsn, autocommit=True) as conn, psycopg.connect(
@@ -213,6 +233,7 @@ class Sampler:
                 self.peaks.rss_mb = max(self.peaks.rss_mb, rss)
                 self.peaks.pss_mb = max(self.peaks.pss_mb, pss)
                 self.peaks.connections = max(self.peaks.connections, int(row[0]) if row else 0)
+                self.peaks.redis = max(self.peaks.redis, _group_redis(self.pgid))
             self._sample_cpu(conn)
 
     def _sample_cpu(self, conn: psycopg.Connection[Any], first: bool = False) -> None:
@@ -342,14 +363,15 @@ def run_side(
 def report(results: Sequence[SideResult]) -> list[str]:
     lines = [
         f"{'side':<16} {'conc':>5} {'wall':>8} {'ideal':>7} {'x ideal':>8} {'runs/s':>7} "
-        f"{'RSS MB':>7} {'PSS MB':>7} {'PG conns':>8} {'retries':>7} {'fenced':>6} "
+        f"{'RSS MB':>7} {'PSS MB':>7} {'PG conns':>8} {'Redis':>9} {'retries':>7} {'fenced':>6} "
         f"{'paused':>6} {'warn':>5} {'err':>4} {'wrong':>5}"
     ]
     for r in results:
         lines.append(
             f"{r.label:<16} {r.concurrency:>5} {r.wall_s:>7.1f}s {r.ideal_s:>6.1f}s "
             f"{r.ratio:>7.2f}x {r.runs_per_s:>7.1f} {r.peaks.rss_mb:>7.0f} "
-            f"{r.peaks.pss_mb:>7.0f} {r.peaks.connections:>8} {r.log_counts['retries']:>7} "
+            f"{r.peaks.pss_mb:>7.0f} {r.peaks.connections:>8} "
+            f"{f'{r.peaks.redis}/{r.peaks.redis_end}':>9} {r.log_counts['retries']:>7} "
             f"{r.log_counts['fenced']:>6} {r.log_counts['paused']:>6} "
             f"{r.log_counts['warnings']:>5} {r.log_counts['errors']:>4} {r.wrong:>5}"
         )
@@ -384,6 +406,8 @@ def report(results: Sequence[SideResult]) -> list[str]:
         (f"peak RSS <= {TARGET_RSS_MB:g} MB", ours.peaks.rss_mb <= TARGET_RSS_MB),
         (f"<= {TARGET_CONNECTIONS} Postgres connections",
          ours.peaks.connections <= TARGET_CONNECTIONS),
+        (f"<= {TARGET_REDIS_CONNECTIONS} Redis connections",
+         ours.peaks.redis <= TARGET_REDIS_CONNECTIONS),
         ("0 retries", ours.log_counts["retries"] == 0),
         ("0 fenced", ours.log_counts["fenced"] == 0),
         ("every result right", ours.wrong == 0),

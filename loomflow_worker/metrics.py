@@ -15,6 +15,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from . import sockets
+
 log = logging.getLogger("loomflow_worker.metrics")
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -35,6 +37,7 @@ class Metrics:
     admitting: Any
     lock_queue: Any
     fenced: Any
+    connections: Any
 
 
 _metrics: Metrics | None = None
@@ -103,8 +106,22 @@ def setup() -> Metrics:
             fenced=Counter(
                 "loomflow_worker_fenced_runs", "Runs fenced because their lock connection was lost"
             ),
+            connections=Gauge(
+                "loomflow_worker_connections",
+                "TCP connections a worker process holds, by peer (postgres, redis, broker)",
+                ["peer"], multiprocess_mode="liveall",
+            ),
         )
     return _metrics
+
+
+def observe_connections(ports: dict[int, str]) -> None:
+    """Count this process's connections to each peer of ``ports`` (from
+    :func:`~loomflow_worker.sockets.peer_ports`) into its gauge, when metrics are on."""
+    if _metrics is None:
+        return
+    for peer, count in sockets.connections_by_peer(ports).items():
+        _metrics.connections.labels(peer=peer).set(count)
 
 
 def get() -> Metrics | None:

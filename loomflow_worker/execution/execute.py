@@ -23,7 +23,7 @@ from loomflow.core.types import Event
 from loomflow.memory.inmemory import InMemoryMemory
 from loomflow.runtime.journaled import resuming_last_run
 
-from .. import metrics
+from .. import metrics, sockets
 from ..events import EventPublisher, events_url
 from ..runtime import (
     InvalidInput,
@@ -280,10 +280,13 @@ class WorkerContext:
         """Stamp the process's own row in ``workers`` at once, then on every
         heartbeat interval, idle or not: one statement per interval, on a
         pooled connection (never a lock connection), on a loop of its own so
-        a slow pool never delays the runs' heartbeats."""
+        a slow pool never delays the runs' heartbeats. Its connections are
+        counted for the metrics on the same beat."""
         interval = self.settings.heartbeat_interval
+        peers = sockets.peer_ports(self.settings)
         while True:
             await self._stamp(runtime, stopped=False)
+            metrics.observe_connections(peers)
             await anyio.sleep(interval)
 
     async def _stamp(self, runtime: PostgresRuntime, *, stopped: bool) -> None:

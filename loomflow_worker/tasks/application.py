@@ -58,6 +58,7 @@ from . import pool
 from .admission import Admission
 from .alone import run_alone
 from .broker import AMQP
+from .connections import bound_worker_connections
 from .loop import ChildLoop
 from .pool import REFUSED_POOLS, RunPool, pool_name, refused_threads_option
 from .sweeper import ResultRepair, Sweeper
@@ -234,6 +235,8 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
             _state["slots"] = int(sender.concurrency or 1)
     if settings().metrics_port:
         metrics.prepare_multiprocess_dir()
+    # A few connections to Redis and the broker, whatever the concurrency.
+    bound_worker_connections(current_app())
     _refuse_session_pooler(settings())
 
 
@@ -458,7 +461,10 @@ class _ResultStore:
     """The result backend as a worker's task stores its outcome: a result the
     backend refuses (it is down) is recorded in the ledger as not stored, for
     the sweeper to store once the backend is back, instead of the task failing
-    and Celery storing the ``ConnectionError`` in the result's place."""
+    and Celery storing the ``ConnectionError`` in the result's place. A retry
+    whose RETRY state it refuses goes on without it: the state only informs
+    (the ledger holds the retry), and Celery would report the retry's
+    ``ConnectionError`` as an error of the request."""
 
     def __init__(self, backend: Any) -> None:
         self._backend = backend
@@ -471,6 +477,14 @@ class _ResultStore:
 
     def mark_as_failure(self, task_id: str, *args: Any, **kwargs: Any) -> None:
         self._store(self._backend.mark_as_failure, task_id, *args, **kwargs)
+
+    def mark_as_retry(self, task_id: str, *args: Any, **kwargs: Any) -> None:
+        try:
+            self._backend.mark_as_retry(task_id, *args, **kwargs)
+        except _backend_errors(self._backend) as exc:
+            log.warning("request %s: the result backend refused its RETRY state (%s); "
+                        "the retry goes on", task_id, exc,
+                        extra={"action": "retry_state_unstored", "request": task_id})
 
     def _store(self, store: Any, task_id: str, *args: Any, **kwargs: Any) -> None:
         try:

@@ -23,6 +23,7 @@ from celery.result import AsyncResult
 from pydantic import SecretStr
 
 from loomflow_worker import tasks
+from loomflow_worker.tasks import run_agent
 from tests.chaos.checks import (
     Sent,
     assert_sound,
@@ -35,7 +36,8 @@ from tests.chaos.checks import (
     verdict,
     wait_terminal,
 )
-from tests.integration.celery_harness import Fleet
+from tests.integration.celery_harness import Fleet, wait_status
+from tests.integration.helpers import calls
 from tests.integration.services import PrivateRabbitMQ, PrivateRedis
 
 ENV = {
@@ -206,16 +208,18 @@ def test_workers_outlive_a_rabbitmq_restart(
     assert grep_logs(fleet, "Unrecoverable") == ""
 
 
+@pytest.mark.parametrize("pool", ["prefork", "threads"])
 def test_results_stored_after_a_backend_outage(
-    fleet: Fleet, private_redis: PrivateRedis
+    fleet: Fleet, private_redis: PrivateRedis, pool: str
 ) -> None:
     """Redis (broker and result backend) down for longer than a worker tries to
     store a result: runs finish meanwhile, their results wait in the ledger
     (``result_stored`` false) and the sweeper stores them once Redis is back;
-    every caller's ``get()`` returns the output, none gets a ConnectionError."""
+    every caller's ``get()`` returns the output, none gets a ConnectionError.
+    The threads pool's threads share one result backend on a few connections."""
     use_services(fleet, broker=private_redis.url, backend=private_redis.url)
     install_journal_audit(fleet.dsn)
-    worker = fleet.start("w1", 4, cli=True, **ENV)
+    worker = fleet.start("w1", 4, cli=True, pool=pool, **ENV)
     # Two requests per session: the second is handed the session (a publish)
     # when the first finishes, inside the outage for some.
     sent = [send(i, f"s{i % 4}", "u", "ab") for i in range(8)]
@@ -232,3 +236,36 @@ def test_results_stored_after_a_backend_outage(
     with psycopg.connect(fleet.dsn) as conn:
         row = conn.execute("SELECT count(*) FROM runs WHERE NOT result_stored").fetchone()
     assert row == (0,)
+
+
+def test_a_retry_goes_on_without_a_failure_when_the_backend_refuses_its_state(
+    fleet: Fleet, private_redis: PrivateRedis
+) -> None:
+    """The run fails once (its model) while the worker's result backend is down:
+    Celery retries it and cannot store the RETRY state. That state is only
+    informative (the ledger has the schedule), so the retry goes on as if
+    stored: Celery reports no failure of the request (no ``raised unexpected``,
+    no FAILURE put in its result's place), the request succeeds, and its result
+    is stored once the backend is back."""
+    # The worker's result backend only: this process enqueues with the shared one.
+    fleet.env["LOOMFLOW_WORKER_RESULT_BACKEND"] = private_redis.url
+    private_redis.stop()
+    fleet.start("w1", 4, cli=True, pool="threads", **ENV)
+    request_id = run_agent.delay(calls("flaky-a"), "s1", agent="flaky").id
+    wait_status(fleet.dsn, request_id, ("succeeded",))
+    assert grep_logs(fleet, f"[{request_id}] retry"), problem_lines(fleet)
+    assert grep_logs(fleet, "raised unexpected", "outside body") == "", problem_lines(fleet)
+    private_redis.start()
+    deadline = time.monotonic() + 30
+    while not _result_stored(fleet.dsn, request_id):
+        assert time.monotonic() < deadline, problem_lines(fleet)
+        time.sleep(0.1)
+    assert AsyncResult(request_id, backend=by_url(private_redis.url)[0](
+        app=tasks.app, url=private_redis.url)).get(timeout=10)["output"]
+
+
+def _result_stored(dsn: str, request_id: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT result_stored FROM runs WHERE request_id = %s",
+                           (request_id,)).fetchone()
+    return bool(row and row[0])

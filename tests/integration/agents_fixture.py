@@ -117,6 +117,18 @@ def build_quick(runtime: Any) -> Agent:
     )
 
 
+@register_agent("slow-model")
+def build_slow_model(runtime: Any) -> Agent:
+    """An agent that only waits on its model (TEST_MODEL_LATENCY seconds a call)
+    and opens no connection of its own."""
+    return Agent(
+        "an agent that waits on its model",
+        model=DeterministicModel(latency=float(os.environ.get("TEST_MODEL_LATENCY", "0"))),
+        runtime=runtime,
+        auto_extract=False,
+    )
+
+
 @register_agent("claude")
 def build_claude(runtime: Any) -> Agent:
     """loomflow's real AnthropicModel, pointed by ANTHROPIC_BASE_URL at the

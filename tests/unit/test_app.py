@@ -4,15 +4,24 @@ connects)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
+import redis
 from celery import Celery
 from celery.app.utils import find_app
 from pydantic import SecretStr
 
 from loomflow_worker import tasks
 from loomflow_worker.tasks import application
+from loomflow_worker.tasks.connections import (
+    PUBLISH_CONNECTIONS,
+    PUBLISH_WAIT,
+    RESULT_CONNECTIONS,
+    WorkerRedisBackend,
+    bound_worker_connections,
+)
 
 
 @pytest.fixture
@@ -48,3 +57,39 @@ def test_the_worker_finds_the_app_and_it_retries_storing_results_briefly() -> No
     assert found.tasks[application.RUN_AGENT].name == tasks.run_agent.name
     options = found.conf.result_backend_transport_options
     assert options["retry_policy"] == application.STORE_RETRY
+
+
+def test_a_worker_process_shares_one_result_backend_on_a_few_connections() -> None:
+    """What a worker sets at start: every thread gets the same backend, on a
+    bounded pool that makes a thread wait, with the app's store retries;
+    publishing goes through a bounded pool of producers."""
+    worker_app = application.make_app(tasks.settings())
+    per_thread: list[object] = []
+    thread = threading.Thread(target=lambda: per_thread.append(worker_app.backend))
+    thread.start()
+    thread.join()
+    assert per_thread[0] is not worker_app.backend  # Celery's own: one per thread
+
+    bound_worker_connections(worker_app)
+    seen: list[object] = []
+    threads = [threading.Thread(target=lambda: seen.append(worker_app.backend))
+               for _ in range(3)]
+    for started in threads:
+        started.start()
+    for started in threads:
+        started.join()
+    backend = worker_app.backend
+    assert isinstance(backend, WorkerRedisBackend)
+    assert all(other is backend for other in seen)
+    pool = backend.client.connection_pool  # made now, connected on first use
+    assert isinstance(pool, redis.BlockingConnectionPool)
+    assert pool.max_connections == RESULT_CONNECTIONS
+    assert backend.retry_policy["max_retries"] == application.STORE_RETRY["max_retries"]
+    assert worker_app.conf.broker_pool_limit == PUBLISH_CONNECTIONS
+    assert worker_app.conf.broker_pool_acquire_timeout == PUBLISH_WAIT
+
+
+def test_a_worker_leaves_a_result_backend_other_than_redis_as_celery_makes_it() -> None:
+    plain = application.make_app(None)  # Celery's defaults: results disabled
+    bound_worker_connections(plain)
+    assert type(plain.backend).__name__ == "DisabledBackend"
