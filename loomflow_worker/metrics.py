@@ -30,6 +30,7 @@ class Metrics:
     handoff: Any
     recovery: Any
     sweeper: Any
+    refused: Any
 
 
 _metrics: Metrics | None = None
@@ -77,12 +78,24 @@ def setup() -> Metrics:
                 buckets=_SECONDS,
             ),
             sweeper=Counter("loomflow_worker_sweeper_actions", "Sweeper actions", ["action"]),
+            refused=Counter(
+                "loomflow_worker_messages_refused",
+                "Task messages dropped unrun: a body of the wrong shape (malformed), or "
+                "arguments that differ from their request's ledger row (mismatch)",
+                ["reason"],
+            ),
         )
     return _metrics
 
 
 def get() -> Metrics | None:
     return _metrics
+
+
+def count_refused(reason: str) -> None:
+    """Count a task message dropped unrun (``reason``: malformed, mismatch)."""
+    if _metrics is not None:
+        _metrics.refused.labels(reason).inc()
 
 
 def serve(port: int) -> None:

@@ -475,6 +475,8 @@ class AgentTask(Task):
     reject_on_worker_lost = True
     max_retries = None
     typing = False  # arguments are checked by check_request, with clearer errors
+    # A message whose body Celery can't unpack is dropped, not left to stop the worker.
+    Strategy = "loomflow_worker.tasks.wire:strategy"
 
     @property
     def backend(self) -> Any:
