@@ -824,7 +824,9 @@ def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
         _dispatch_recorded(pending, "handed the session")
     if outcome.kind == "succeeded":
         return outcome.result
-    if outcome.kind == "parked":
+    if outcome.kind in ("parked", "refused"):
+        # Acked, and nothing stored under the id: a refused message's id may
+        # be another request's, whose caller waits for its own result.
         raise Ignore()
     if outcome.kind == "retry":
         raise task.retry(exc=RunFailed(outcome.error or "retry"), countdown=outcome.countdown)

@@ -17,7 +17,7 @@ from typing import Any
 
 from celery.worker.strategy import default
 
-from .. import metrics
+from ..execution.request import refuse_message
 from ..runtime.errors import InvalidInput
 from ..runtime.validate import check_id
 
@@ -97,13 +97,3 @@ def shown_id(message: Any, body: Any) -> str:
         found = body.get("id")
     text = found if isinstance(found, str) else repr(found)
     return text if len(text) <= SHOWN_ID_CHARS else f"{text[:SHOWN_ID_CHARS]}..."
-
-
-def refuse_message(request_id: str, problem: str, reason: str) -> None:
-    """Log and count a message refused unrun (``reason``: the counter's label)."""
-    log.error(
-        "message %s refused and dropped: %s; nothing ran and the ledger is unchanged",
-        request_id, problem,
-        extra={"action": "message_refused", "request": request_id, "reason": reason},
-    )
-    metrics.count_refused(reason)

@@ -4,16 +4,19 @@ Postgres can't index. Real Postgres, Redis and workers."""
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from typing import Any
 
+import psycopg
 import pytest
 import redis
+from psycopg.rows import dict_row
 
-from loomflow_worker.tasks import app, run_agent
+from loomflow_worker.tasks import RunFailed, app, run_agent
 
-from .celery_harness import REDIS_URL, Fleet
+from .celery_harness import REDIS_URL, Fleet, ledger
 from .helpers import calls
 from .test_celery import _counts
 from .test_metrics import _free_port, _scrape
@@ -81,3 +84,99 @@ def test_a_body_of_the_wrong_shape_is_dropped_and_the_worker_lives(
     assert "its id must be a string, not NoneType" in log
     assert "Unrecoverable error" not in log
     assert _scrape(port)['loomflow_worker_messages_refused_total{reason="malformed"}'] == 7
+
+
+def _row(dsn: str, request_id: str) -> dict[str, Any]:
+    """Every column of the request's ledger row."""
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        found = conn.execute("SELECT * FROM runs WHERE request_id = %s", (request_id,)).fetchone()
+    assert found is not None
+    return dict(found)
+
+
+def _wait_logged(fleet: Fleet, name: str, text: str, timeout: float = 30) -> None:
+    log = fleet.logs / f"{name}.log"
+    deadline = time.monotonic() + timeout
+    while not (log.exists() and text in log.read_text(errors="replace")):
+        assert time.monotonic() < deadline, f"{text!r} never logged:\n{fleet.log_text()}"
+        time.sleep(0.05)
+
+
+def _release(dsn: str, request_id: str) -> None:
+    """Let a request that waits for its countdown start now: the ledger says
+    it may, and that its message is gone, so the sweeper publishes it again."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE runs SET not_before = now() - interval '1 minute', "
+                     "dispatched_at = '-infinity' WHERE request_id = %s", (request_id,))
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "differ"),
+    [
+        ([calls("bob"), "s-bob"], {"user_id": "bob", "metadata": {"who": "bob"}},
+         "its session_id, user_id, prompt, metadata differ"),
+        (["", "s-alice"], {"user_id": "alice"}, "its prompt differs"),
+    ],
+    ids=["other-arguments", "invalid-prompt"],
+)
+def test_a_message_reusing_a_request_id_never_runs_and_never_changes_its_row(
+    fleet: Fleet, args: list[Any], kwargs: dict[str, Any], differ: str
+) -> None:
+    port = _free_port()
+    fleet.start("w1", concurrency=1, LOOMFLOW_WORKER_METRICS_PORT=str(port),
+                LOOMFLOW_WORKER_HANDOFF_GRACE="0.5", LOOMFLOW_WORKER_SWEEP_INTERVAL="0.3")
+    alice = run_agent.apply_async((calls("alice"), "s-alice"), {"user_id": "alice"},
+                                  countdown=3600)
+    before = _row(fleet.dsn, alice.id)
+    app.send_task(RUN_AGENT, args=args, kwargs=kwargs, task_id=alice.id)
+    _wait_logged(fleet, "w1", f"message {alice.id} refused and dropped: {differ} from the "
+                              "request the runs ledger holds under that id")
+    assert _row(fleet.dsn, alice.id) == before
+    assert _counts(fleet.dsn) == {}
+    assert _scrape(port)['loomflow_worker_messages_refused_total{reason="mismatch"}'] == 1
+
+    _release(fleet.dsn, alice.id)
+    assert alice.get(timeout=60)["output"] == "done: recorded alice"
+    assert _counts(fleet.dsn) == {"alice": 1}
+    assert ledger(fleet.dsn, alice.id)["status"] == "succeeded"
+
+
+def test_a_message_reusing_a_finished_request_id_gets_nothing_and_changes_nothing(
+    fleet: Fleet,
+) -> None:
+    fleet.start("w1", concurrency=1)
+    alice = run_agent.delay(calls("alice"), "s-alice", user_id="alice")
+    assert alice.get(timeout=60)["output"] == "done: recorded alice"
+    before = _row(fleet.dsn, alice.id)
+    app.send_task(RUN_AGENT, args=[calls("bob"), "s-bob"], task_id=alice.id)
+    _wait_logged(fleet, "w1", f"message {alice.id} refused and dropped: its session_id, "
+                              "user_id, prompt differ")
+    _wait_broker_empty(fleet)
+    assert _row(fleet.dsn, alice.id) == before
+    assert run_agent.AsyncResult(alice.id).get(timeout=10)["output"] == "done: recorded alice"
+    assert _counts(fleet.dsn) == {"alice": 1}
+
+
+def _incompressible(length: int) -> str:
+    """Random text Postgres can't compress into an index entry."""
+    return secrets.token_urlsafe(length)[:length]
+
+
+def test_an_id_too_long_to_index_ends_the_request_failed_once(fleet: Fleet) -> None:
+    fleet.start("w1", concurrency=1)
+    session = _incompressible(200_000)
+    huge = app.send_task(RUN_AGENT, args=[calls("x"), session],
+                         kwargs={"user_id": _incompressible(100_000),
+                                 "agent": _incompressible(100_000)})
+    with pytest.raises(RunFailed, match="session_id is 200000 characters long; the limit is 512"):
+        huge.get(timeout=60)
+    fleet.wait_tasks_ended("w1", [huge.id])
+    row = _row(fleet.dsn, huge.id)
+    assert (row["status"], row["attempts"], row["failures"]) == ("failed", 0, 0)
+    assert len(row["session_id"]) == len(row["user_id"]) == len(row["agent"]) == 512
+    assert row["session_id"] == session[:509] + "..."
+    log = (fleet.logs / "w1.log").read_text()
+    assert log.count(f"[{huge.id}] received") == 1
+    assert f"[{huge.id}] retry" not in log
+    # The worker goes on.
+    assert run_agent.delay(calls("after"), "s1").get(timeout=60)["output"] == "done: recorded after"
