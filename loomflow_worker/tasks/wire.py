@@ -12,6 +12,7 @@ worker goes on with the next message."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,9 @@ log = logging.getLogger("loomflow_worker.tasks")
 SHOWN_ID_CHARS = 100
 
 Handler = Callable[..., Any]
+
+# The parts of a message's embed that hold lists of signatures (objects).
+_SIGNATURE_LISTS = ("callbacks", "errbacks", "chain")
 
 
 def strategy(task: Any, app: Any, consumer: Any, **options: Any) -> Handler:
@@ -65,7 +69,29 @@ def message_problem(message: Any, body: Any) -> str | None:
     if not isinstance(payload, list | tuple) or len(payload) != 3:
         return f"its body is {_kind(payload)}, not [args, kwargs, embed]"
     args, kwargs, embed = payload
-    return _arguments_problem(args, kwargs, embed, headers.get("id"))
+    return (_arguments_problem(args, kwargs, embed, headers.get("id"))
+            or _headers_problem(headers))
+
+
+def _headers_problem(headers: dict[str, Any]) -> str | None:
+    """What is wrong with the headers Celery's consumer itself uses (the rest it
+    checks, or only the task reads)."""
+    limits = headers.get("timelimit")
+    if limits is not None and not (
+        isinstance(limits, list | tuple) and len(limits) == 2
+        and all(limit is None or _seconds(limit) for limit in limits)
+    ):
+        return (f"its timelimit header is {_kind(limits)}, not [soft, hard] "
+                "(each a number of seconds or null)")
+    retries = headers.get("retries", 0)
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        return f"its retries header is {_kind(retries)}, not a count"
+    return None
+
+
+def _seconds(value: Any) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, int | float)
+            and math.isfinite(value) and value >= 0)
 
 
 def _arguments_problem(args: Any, kwargs: Any, embed: Any, task_id: Any) -> str | None:
@@ -75,6 +101,13 @@ def _arguments_problem(args: Any, kwargs: Any, embed: Any, task_id: Any) -> str 
         return f"its kwargs are {_kind(kwargs)}, not an object with string keys"
     if embed is not None and not isinstance(embed, dict):
         return f"its embed is {_kind(embed)}, not an object"
+    for name, value in (embed or {}).items():
+        if name in _SIGNATURE_LISTS and value is not None and not (
+            isinstance(value, list) and all(isinstance(item, dict) for item in value)
+        ):
+            return f"its embed's {name} is {_kind(value)}, not a list of signatures"
+        if name == "chord" and value is not None and not isinstance(value, dict):
+            return f"its embed's chord is {_kind(value)}, not a signature"
     try:
         check_id("its id", task_id)
     except InvalidInput as exc:
@@ -86,6 +119,8 @@ def _kind(value: Any) -> str:
     """How a refusal names a JSON value it did not expect."""
     if isinstance(value, list | tuple):
         return f"a list of {len(value)}"
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return repr(value)
     return "null" if value is None else f"a {type(value).__name__}"
 
 

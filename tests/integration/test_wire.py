@@ -26,13 +26,14 @@ pytestmark = pytest.mark.slow
 RUN_AGENT = "loomflow_worker.run_agent"
 
 
-def publish_raw(fleet: Fleet, body: Any, task_id: Any, task: str = RUN_AGENT) -> None:
-    """Publish ``body`` as a task message of protocol 2, as anyone with access
-    to the broker can, past every check ``apply_async`` makes."""
+def publish_raw(fleet: Fleet, body: Any, task_id: Any, **headers: Any) -> None:
+    """Publish ``body`` as a ``run_agent`` message of protocol 2 (with
+    ``headers``), as anyone with access to the broker can, past every check
+    ``apply_async`` makes."""
     with app.producer_or_acquire() as producer:
         producer.publish(
             body, routing_key=fleet.queue, serializer="json",
-            headers={"lang": "py", "task": task, "id": task_id},
+            headers={"lang": "py", "task": RUN_AGENT, "id": task_id, **headers},
         )
 
 
@@ -55,22 +56,39 @@ def _wait_broker_empty(fleet: Fleet, timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
-BAD_BODIES = ["a string", [1], [[], {}], None, {}]
+GOOD_BODY = [["p", "s"], {}, None]
+# Each a message Celery's consumer can't take apart (in its main process): the
+# body, headers besides the task's name and id, and what the worker says of it.
+BAD_MESSAGES: list[tuple[Any, dict[str, Any], str]] = [
+    ("a string", {}, "its body is a str, not [args, kwargs, embed]"),
+    ([1], {}, "its body is a list of 1, not [args, kwargs, embed]"),
+    ([[], {}], {}, "its body is a list of 2, not [args, kwargs, embed]"),
+    (None, {}, "its body is null, not [args, kwargs, embed]"),
+    ({}, {}, "its body is a dict, not [args, kwargs, embed]"),
+    (["p", {}, None], {}, "its args are a str, not a list"),
+    ([[], [], None], {}, "its kwargs are a list of 0, not an object with string keys"),
+    ([[], {}, "x"], {}, "its embed is a str, not an object"),
+    ([[], {}, {"callbacks": "x"}], {}, "its embed's callbacks is a str, not a list of sig"),
+    ([[], {}, {"chord": 5}], {}, "its embed's chord is 5, not a signature"),
+    (GOOD_BODY, {"timelimit": "abc"}, "its timelimit header is a str, not [soft, hard]"),
+    (GOOD_BODY, {"timelimit": [1]}, "its timelimit header is a list of 1, not [soft, hard]"),
+    (GOOD_BODY, {"retries": "x"}, "its retries header is a str, not a count"),
+]
 
 
 @pytest.mark.parametrize("cli", [True, False], ids=["loomflow-worker", "celery-prefork"])
-def test_a_body_of_the_wrong_shape_is_dropped_and_the_worker_lives(
+def test_a_message_of_the_wrong_shape_is_dropped_and_the_worker_lives(
     fleet: Fleet, cli: bool
 ) -> None:
     port = _free_port()
     worker = fleet.start("w1", concurrency=1, cli=cli, pool="prefork",
                          LOOMFLOW_WORKER_METRICS_PORT=str(port))
-    bad_ids = [str(uuid.uuid4()) for _ in BAD_BODIES]
-    for body, task_id in zip(BAD_BODIES, bad_ids, strict=True):
-        publish_raw(fleet, body, task_id)
+    bad_ids = [str(uuid.uuid4()) for _ in BAD_MESSAGES]
+    for (body, headers, _), task_id in zip(BAD_MESSAGES, bad_ids, strict=True):
+        publish_raw(fleet, body, task_id, **headers)
     # A well-shaped body with an id the ledger can't hold (or none at all).
-    publish_raw(fleet, [["p", "s"], {}, None], "x" * 100_000)
-    publish_raw(fleet, [["p", "s"], {}, None], None)
+    publish_raw(fleet, GOOD_BODY, "x" * 100_000)
+    publish_raw(fleet, GOOD_BODY, None)
 
     valid = run_agent.delay(calls("after"), "s1")
     assert valid.get(timeout=60)["output"] == "done: recorded after"
@@ -78,12 +96,16 @@ def test_a_body_of_the_wrong_shape_is_dropped_and_the_worker_lives(
     _wait_broker_empty(fleet)
     assert _counts(fleet.dsn) == {"after": 1}
     log = (fleet.logs / "w1.log").read_text()
-    for task_id in bad_ids:
-        assert f"message {task_id} refused and dropped: its body is" in log
+    for (_, _, problem), task_id in zip(BAD_MESSAGES, bad_ids, strict=True):
+        assert f"message {task_id} refused and dropped: {problem}" in log
     assert "its id is 100000 characters long" in log
     assert "its id must be a string, not NoneType" in log
     assert "Unrecoverable error" not in log
-    assert _scrape(port)['loomflow_worker_messages_refused_total{reason="malformed"}'] == 7
+    refused = _scrape(port)['loomflow_worker_messages_refused_total{reason="malformed"}']
+    assert refused == len(BAD_MESSAGES) + 2
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        found = conn.execute("SELECT count(*) FROM runs").fetchone()
+    assert found == (1,)  # the valid request's row only
 
 
 def _row(dsn: str, request_id: str) -> dict[str, Any]:
