@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections.abc import Mapping
@@ -453,8 +454,9 @@ async def precheck(
     params = _row_params(request_id, req)
     row = await _fetchone(
         conn, "precheck_run",
-        {**{name: params[name] for name in _IDENTITY}, "request_id": request_id,
-         "stale": stale_after, "key": lock_key, "may_lock": may_lock},
+        {**{name: params[name] for name in _IDENTITY if name != "prompt"},
+         "prompt_sha256": hashlib.sha256(req.prompt.encode()).digest(),
+         "request_id": request_id, "stale": stale_after, "key": lock_key, "may_lock": may_lock},
     )
     if row is None:
         return None

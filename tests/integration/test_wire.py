@@ -147,7 +147,8 @@ def test_a_message_reusing_a_request_id_never_runs_and_never_changes_its_row(
     port = _free_port()
     fleet.start("w1", concurrency=1, LOOMFLOW_WORKER_METRICS_PORT=str(port),
                 LOOMFLOW_WORKER_HANDOFF_GRACE="0.5", LOOMFLOW_WORKER_SWEEP_INTERVAL="0.3")
-    alice = run_agent.apply_async((calls("alice"), "s-alice"), {"user_id": "alice"},
+    # Not ASCII: the prompt is compared by its hash, on both sides as UTF-8.
+    alice = run_agent.apply_async((calls("alicé ✓"), "s-alice"), {"user_id": "alice"},
                                   countdown=3600)
     before = _row(fleet.dsn, alice.id)
     app.send_task(RUN_AGENT, args=args, kwargs=kwargs, task_id=alice.id)
@@ -158,8 +159,8 @@ def test_a_message_reusing_a_request_id_never_runs_and_never_changes_its_row(
     assert _scrape(port)['loomflow_worker_messages_refused_total{reason="mismatch"}'] == 1
 
     _release(fleet.dsn, alice.id)
-    assert alice.get(timeout=60)["output"] == "done: recorded alice"
-    assert _counts(fleet.dsn) == {"alice": 1}
+    assert alice.get(timeout=60)["output"] == "done: recorded alicé ✓"
+    assert _counts(fleet.dsn) == {"alicé ✓": 1}
     assert ledger(fleet.dsn, alice.id)["status"] == "succeeded"
 
 

@@ -343,7 +343,8 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadat
 
 -- name: precheck_run
 -- The request, which of the message's arguments differ from its row (the
--- message runs only what the ledger accepted), the oldest unfinished request
+-- message runs only what the ledger accepted; its prompt, which may be long,
+-- is compared by its SHA-256), the oldest unfinished request
 -- of its scope before it, and, in the same statement, the scope's lock when
 -- the request is unfinished, its message is its own and nothing is before it
 -- (NULL: not tried).
@@ -361,7 +362,8 @@ SELECT r.status, r.result, r.error, r.epoch AS pinned, m.differ,
           CASE WHEN r.session_id IS DISTINCT FROM %(session_id)s::text THEN 'session_id' END,
           CASE WHEN r.user_id IS DISTINCT FROM %(user_id)s::text THEN 'user_id' END,
           CASE WHEN r.agent IS DISTINCT FROM %(agent)s::text THEN 'agent' END,
-          CASE WHEN r.prompt IS DISTINCT FROM %(prompt)s::text THEN 'prompt' END,
+          CASE WHEN sha256(convert_to(r.prompt, 'UTF8')) IS DISTINCT FROM %(prompt_sha256)s::bytea
+               THEN 'prompt' END,
           CASE WHEN r.metadata IS DISTINCT FROM %(metadata)s::jsonb THEN 'metadata' END
       ], NULL) AS differ) m
   LEFT JOIN LATERAL (
