@@ -21,7 +21,7 @@ from psycopg_pool import ConnectionPool
 from ..runtime.errors import InvalidInput, SessionBusy, translated
 from ..runtime.sql import query
 from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice, scope_lock_key
-from ..runtime.validate import MAX_ID_LENGTH
+from ..runtime.validate import MAX_ID_BYTES, MAX_ID_LENGTH
 from .request import RunRequest, task_args
 
 
@@ -390,11 +390,11 @@ REFUSED_PROMPT_CHARS = 10_000
 
 def _refused_row(request_id: str, args: dict[str, Any]) -> dict[str, Any]:
     """The columns of a refused request's row: its arguments as far as they
-    are text Postgres can store, and an id no longer than an id may be
+    are text Postgres can store, and ids no longer than an id may be
     (:func:`_stored_id`)."""
 
     def text(value: Any, default: str) -> str:
-        return (value if isinstance(value, str) else default).replace("\x00", "?")
+        return _storable(value if isinstance(value, str) else default)
 
     user_id = args.get("user_id")
     return {
@@ -408,15 +408,22 @@ def _refused_row(request_id: str, args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _storable(value: str) -> str:
+    """``value`` with what Postgres can't store as text (a NUL, a lone
+    surrogate) replaced by "?"."""
+    return value.encode("utf-8", "replace").decode().replace("\x00", "?")
+
+
 def _stored_id(value: str) -> str:
     """A refused request's session id, user id or agent name as its row keeps
-    it: cut to MAX_ID_LENGTH characters (marked with "..."), so the row fits
-    the ledger's indexes on those columns (a B-tree entry holds about 2.7 kB;
-    a 200,000-character id would fail the insert). The row's error says how
-    long the id really was."""
-    if len(value) <= MAX_ID_LENGTH:
+    it: cut to MAX_ID_LENGTH characters and MAX_ID_BYTES bytes (marked with
+    "..."), so the row fits the ledger's indexes on those columns (a B-tree
+    entry holds about 2.7 kB; a 200,000-character id would fail the insert).
+    The row's error says how long the id really was."""
+    if len(value) <= MAX_ID_LENGTH and len(value.encode()) <= MAX_ID_BYTES:
         return value
-    return value[: MAX_ID_LENGTH - 3] + "..."
+    cut = value[: MAX_ID_LENGTH - 3].encode()[: MAX_ID_BYTES - 3]
+    return cut.decode(errors="ignore") + "..."
 
 
 @dataclass(frozen=True)

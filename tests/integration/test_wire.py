@@ -14,6 +14,7 @@ import pytest
 import redis
 from psycopg.rows import dict_row
 
+from loomflow_worker.runtime import InvalidInput
 from loomflow_worker.tasks import RunFailed, app, run_agent
 
 from .celery_harness import REDIS_URL, Fleet, ledger
@@ -201,5 +202,16 @@ def test_an_id_too_long_to_index_ends_the_request_failed_once(fleet: Fleet) -> N
     log = (fleet.logs / "w1.log").read_text()
     assert log.count(f"[{huge.id}] received") == 1
     assert f"[{huge.id}] retry" not in log
+    # Ids within 512 characters but too many bytes for the ledger's indexes
+    # together (a scope of two of them): refused at enqueue, failed on the wire.
+    emoji = "".join(chr(0x1F300 + i) for i in range(512))
+    with pytest.raises(InvalidInput, match="session_id is 2048 bytes as UTF-8"):
+        run_agent.delay(calls("x"), emoji, user_id=emoji[::-1])
+    wide = app.send_task(RUN_AGENT, args=[calls("x"), emoji], kwargs={"user_id": emoji[::-1]})
+    with pytest.raises(RunFailed, match="session_id is 2048 bytes as UTF-8; the limit is 1024"):
+        wide.get(timeout=60)
+    row = _row(fleet.dsn, wide.id)
+    assert (row["status"], row["attempts"], row["session_id"]) == (
+        "failed", 0, emoji[:255] + "...")
     # The worker goes on.
     assert run_agent.delay(calls("after"), "s1").get(timeout=60)["output"] == "done: recorded after"
