@@ -62,10 +62,12 @@ def message_problem(message: Any, body: Any) -> str | None:
     payload = body if body is not None else message.payload
     headers = message.headers if isinstance(message.headers, dict) else {}
     if isinstance(payload, dict) and (body is not None or "args" in payload):
-        # Protocol 1, or a hybrid: the arguments and the id in the body.
-        task_id = headers.get("id", payload.get("id")) if body is None else payload.get("id")
-        return _arguments_problem(payload.get("args", ()), payload.get("kwargs", {}), None,
-                                  task_id)
+        # Protocol 1 (its headers in the body), or a hybrid (the message's
+        # headers over the body's, as Celery reads them).
+        fields = payload if body is not None else {**payload, **headers}
+        return (_arguments_problem(payload.get("args", ()), payload.get("kwargs", {}), None,
+                                   fields.get("id"))
+                or _headers_problem(fields))
     if not isinstance(payload, list | tuple) or len(payload) != 3:
         return f"its body is {_kind(payload)}, not [args, kwargs, embed]"
     args, kwargs, embed = payload

@@ -74,6 +74,9 @@ BAD_MESSAGES: list[tuple[Any, dict[str, Any], str]] = [
     (GOOD_BODY, {"timelimit": "abc"}, "its timelimit header is a str, not [soft, hard]"),
     (GOOD_BODY, {"timelimit": [1]}, "its timelimit header is a list of 1, not [soft, hard]"),
     (GOOD_BODY, {"retries": "x"}, "its retries header is a str, not a count"),
+    # Protocol 1's body (an object) under protocol 2's headers: Celery reads both.
+    ({"args": "p", "kwargs": {}}, {}, "its args are a str, not a list"),
+    ({"args": [], "kwargs": {}, "timelimit": "abc"}, {}, "its timelimit header is a str"),
 ]
 
 
