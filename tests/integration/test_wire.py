@@ -156,10 +156,13 @@ def test_a_message_reusing_a_request_id_never_runs_and_never_changes_its_row(
                                   countdown=3600)
     before = _row(fleet.dsn, alice.id)
     app.send_task(RUN_AGENT, args=args, kwargs=kwargs, task_id=alice.id)
-    _wait_logged(fleet, "w1", f"message {alice.id} refused and dropped: {differ} from the "
-                              "request the runs ledger holds under that id")
+    # Alice's own message waits for its countdown: a task under her id that
+    # ended is the other message.
+    fleet.wait_tasks_ended("w1", [alice.id])
     assert _row(fleet.dsn, alice.id) == before
     assert _counts(fleet.dsn) == {}
+    _wait_logged(fleet, "w1", f"message {alice.id} refused and dropped: {differ} from the "
+                              "request the runs ledger holds under that id")
     assert _scrape(port)['loomflow_worker_messages_refused_total{reason="mismatch"}'] == 1
 
     _release(fleet.dsn, alice.id)
