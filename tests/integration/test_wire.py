@@ -57,7 +57,7 @@ def _wait_broker_empty(fleet: Fleet, timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
-GOOD_BODY = [["p", "s"], {}, None]
+GOOD_BODY: list[Any] = [["p", "s"], {}, None]
 # Each a message Celery's consumer can't take apart (in its main process): the
 # body, headers besides the task's name and id, and what the worker says of it.
 BAD_MESSAGES: list[tuple[Any, dict[str, Any], str]] = [
