@@ -38,6 +38,7 @@ class Metrics:
     lock_queue: Any
     fenced: Any
     connections: Any
+    refused: Any
 
 
 _metrics: Metrics | None = None
@@ -111,6 +112,12 @@ def setup() -> Metrics:
                 "TCP connections a worker process holds, by peer (postgres, redis, broker)",
                 ["peer"], multiprocess_mode="liveall",
             ),
+            refused=Counter(
+                "loomflow_worker_messages_refused",
+                "Task messages dropped unrun: a body of the wrong shape (malformed), or "
+                "arguments that differ from their request's ledger row (mismatch)",
+                ["reason"],
+            ),
         )
     return _metrics
 
@@ -126,6 +133,12 @@ def observe_connections(ports: dict[int, str]) -> None:
 
 def get() -> Metrics | None:
     return _metrics
+
+
+def count_refused(reason: str) -> None:
+    """Count a task message dropped unrun (``reason``: malformed, mismatch)."""
+    if _metrics is not None:
+        _metrics.refused.labels(reason).inc()
 
 
 def serve(port: int) -> None:

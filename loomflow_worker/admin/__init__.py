@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from ..durations import MAX_DURATION, format_duration, parse_duration
 from ..settings import validation_message
-from .connect import Conn, connect, redact, secrets_of
-from .doctor import Check, check_settings, doctor, sanitize_url
+from .connect import Conn, connect, redact, sanitize_url, secrets_of
+from .doctor import Check, check_settings, doctor
 from .errors import RequestNotFound
 from .runs import (
     MAX_LIST,

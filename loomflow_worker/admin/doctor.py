@@ -4,7 +4,6 @@ each with what to do when it fails."""
 from __future__ import annotations
 
 import asyncio
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +12,7 @@ from ..runtime.migrate import latest_version
 from ..runtime.sql import query
 from ..runtime.store import probe
 from ..settings import Settings, first_line
-from .connect import connect
+from .connect import connect, sanitize_url
 
 
 @dataclass(frozen=True)
@@ -26,17 +25,6 @@ class Check:
     def line(self) -> str:
         text = f"{'OK  ' if self.ok else 'FAIL'} {self.name}: {self.detail}"
         return f"{text}; {self.hint}" if self.hint and not self.ok else text
-
-
-# Up to the last "@" of each URL: a password may hold an unescaped "@".
-_URL_PASSWORD = re.compile(r"(//[^:/@;?#]*:)[^;]*@")
-
-
-def sanitize_url(url: str) -> str:
-    """A broker or backend URL (or several, ``;``-separated) for display, each
-    password masked (and, when it held an unescaped "@", all up to the URL's
-    last "@")."""
-    return _URL_PASSWORD.sub(r"\1***@", url)
 
 
 def check_settings(settings: Settings, grace_period: float) -> list[Check]:

@@ -13,7 +13,7 @@ import logging
 import os
 import random
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -46,7 +46,7 @@ from .errors import RunCancelled as RunCancelled
 from .errors import RunDead as RunDead
 from .errors import RunFailed as RunFailed
 from .registry import agent_factory, agent_time_limit
-from .request import Kind, RunRequest, check_request
+from .request import Kind, RunRequest, check_request, refuse_message
 
 log = logging.getLogger("loomflow_worker.tasks")
 
@@ -69,8 +69,9 @@ MAX_STORED_WAITING = 10_000
 class Outcome:
     # "quarantine": the request must run alone, in a process of its own.
     # "handed_back": it ran alone until it completed a step; run it again here.
+    # "refused": the message is not its request's own; nothing ran, nothing changed.
     kind: Literal["succeeded", "failed", "dead", "cancelled", "parked", "retry", "quarantine",
-                  "handed_back"]
+                  "handed_back", "refused"]
     result: dict[str, Any] | None = None
     error: str | None = None
     countdown: float = 0.0
@@ -371,7 +372,9 @@ async def execute(
         req = check_request(ctx.settings, kind=kind, **args)
     except (InvalidInput, TypeError) as exc:
         async with runtime.pool.connection() as conn:
-            await ledger.record_invalid(conn, request_id, {**args, "kind": kind}, exc)
+            differ = await ledger.record_invalid(conn, request_id, {**args, "kind": kind}, exc)
+        if differ:
+            return _not_its_own(request_id, differ)
         if ctx.events is not None:
             ctx.events.end(request_id, 0, "failed", str(exc))
             await ctx.events.flush()
@@ -386,7 +389,7 @@ async def execute(
     async def precheck_and_lock(conn: Conn, key: int, may_lock: bool) -> bool | None:
         nonlocal pre
         pre = await ledger.precheck(
-            conn, request_id, ctx.settings.redispatch_after, key, may_lock,
+            conn, request_id, req, ctx.settings.redispatch_after, key, may_lock,
             shared=ctx.slots > 1,
         )
         return None if pre is None else pre.locked
@@ -405,6 +408,8 @@ async def execute(
             )
     except SessionBusy:
         return await _park_busy(runtime, request_id, req, options)
+    if pre is not None and pre.differ:
+        return _not_its_own(request_id, pre.differ)
     if lease is None:
         assert pre is not None
         pooled = _pooled(runtime)
@@ -467,6 +472,18 @@ def _pooled(runtime: PostgresRuntime) -> Io:
             return await fn(conn)
 
     return run
+
+
+def _not_its_own(request_id: str, differ: Sequence[str]) -> Outcome:
+    """A message under ``request_id`` whose arguments (``differ``) are not
+    those the ledger accepted for it: refused, unrun, its request untouched
+    (its own message, or the sweeper, runs it)."""
+    problem = (
+        f"its {', '.join(differ)} {'differs' if len(differ) == 1 else 'differ'} from the "
+        "request the runs ledger holds under that id"
+    )
+    refuse_message(request_id, problem, "mismatch")
+    return Outcome("refused", error=problem)
 
 
 async def _duplicate(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from psycopg_pool import ConnectionPool
 from ..runtime.errors import InvalidInput, SessionBusy, translated
 from ..runtime.sql import query
 from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice, scope_lock_key
+from ..runtime.validate import MAX_ID_BYTES, MAX_ID_LENGTH
 from .request import RunRequest, task_args
 
 
@@ -172,7 +174,7 @@ def _same_as_recorded(conn: psycopg.Connection[Any], request_id: str, req: RunRe
     found = _rows(conn, "recorded_request", {"request_id": request_id})
     if not found:
         return False
-    differ = [name for name in _IDENTITY if found[0][name] != getattr(req, name)]
+    differ = differing(found[0], {name: getattr(req, name) for name in _IDENTITY})
     if differ:
         raise InvalidInput(
             f"task_id {request_id!r} is already the id of another request (its "
@@ -181,6 +183,13 @@ def _same_as_recorded(conn: psycopg.Connection[Any], request_id: str, req: RunRe
             "use a new task_id for a new request"
         )
     return True
+
+
+def differing(row: Mapping[str, Any], values: Mapping[str, Any]) -> list[str]:
+    """The arguments of a request (``kind``, ``session_id``, ``user_id``,
+    ``agent``, ``prompt``, ``metadata``) whose ``values`` differ from those
+    its ledger ``row`` recorded."""
+    return [name for name in _IDENTITY if row[name] != values.get(name)]
 
 
 def _insert_new(
@@ -358,28 +367,68 @@ async def ensure_row(conn: Conn, request_id: str, req: RunRequest) -> None:
 
 
 async def record_invalid(
-    conn: Conn, request_id: str, req: dict[str, Any], error: Exception
-) -> None:
-    def text(value: Any, default: str) -> str:
-        return value if isinstance(value, str) else default
+    conn: Conn, request_id: str, args: dict[str, Any], error: Exception
+) -> list[str]:
+    """Record that a worker refused the input of ``request_id``'s message
+    (``args``, with its ``kind``): a request the ledger did not have is
+    recorded failed; one it accepted with these arguments ends failed (a
+    worker without its agent, say). The names of the arguments that differ
+    from a row the ledger has under that id (then nothing is written: the
+    message is not that request's, and that row is never changed)."""
+    row = await _fetchone(conn, "recorded_request", {"request_id": request_id})
+    ending = {"request_id": request_id, "error": str(error),
+              "error_type": type(error).__name__}
+    if row is None:
+        await conn.execute(query("insert_failed_run"), {**_refused_row(request_id, args),
+                                                        **ending})
+        return []
+    metadata = args.get("metadata")
+    differ = differing(row, {**args, "metadata": {} if metadata is None else metadata})
+    if not differ:
+        await conn.execute(query("fail_invalid_run"), ending)
+    return differ
 
-    session_id = text(req.get("session_id"), "")
-    user_id = req.get("user_id") if isinstance(req.get("user_id"), str) else None
-    await conn.execute(
-        query("insert_failed_run"),
-        {
-            "request_id": request_id,
-            "scope": f"invalid:{request_id}",
-            "session_id": session_id.replace("\x00", "?"),
-            "user_id": user_id.replace("\x00", "?") if user_id else None,
-            "agent": text(req.get("agent"), "?").replace("\x00", "?"),
-            "kind": req.get("kind") if req.get("kind") in ("run", "resume") else "run",
-            "prompt": text(req.get("prompt"), "").replace("\x00", "?")[:10_000],
-            "metadata": Jsonb({}),
-            "error": str(error),
-            "error_type": type(error).__name__,
-        },
-    )
+
+#: How much of a refused request's prompt its row keeps.
+REFUSED_PROMPT_CHARS = 10_000
+
+
+def _refused_row(request_id: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The columns of a refused request's row: its arguments as far as they
+    are text Postgres can store, and ids no longer than an id may be
+    (:func:`_stored_id`)."""
+
+    def text(value: Any, default: str) -> str:
+        return _storable(value if isinstance(value, str) else default)
+
+    user_id = args.get("user_id")
+    return {
+        "scope": f"invalid:{request_id}",
+        "session_id": _stored_id(text(args.get("session_id"), "")),
+        "user_id": _stored_id(text(user_id, "?")) if user_id is not None else None,
+        "agent": _stored_id(text(args.get("agent"), "?")),
+        "kind": args.get("kind") if args.get("kind") in ("run", "resume") else "run",
+        "prompt": text(args.get("prompt"), "")[:REFUSED_PROMPT_CHARS],
+        "metadata": Jsonb({}),
+    }
+
+
+def _storable(value: str) -> str:
+    """``value`` with what Postgres can't store as text (a NUL, a lone
+    surrogate) replaced by "?"."""
+    return value.encode("utf-8", "replace").decode().replace("\x00", "?")
+
+
+def _stored_id(value: str) -> str:
+    """A refused request's session id, user id or agent name as its row keeps
+    it: cut to MAX_ID_LENGTH characters and MAX_ID_BYTES bytes (marked with
+    "..."), so the row fits the ledger's indexes on those columns (a B-tree
+    entry holds about 2.7 kB; a 200,000-character id would fail the insert).
+    The row's error says how long the id really was."""
+    if len(value) <= MAX_ID_LENGTH and len(value.encode()) <= MAX_ID_BYTES:
+        return value
+    cut = value[: MAX_ID_LENGTH - 3].encode()[: MAX_ID_BYTES - 3]
+    return cut.decode(errors="ignore") + "..."
 
 
 @dataclass(frozen=True)
@@ -400,32 +449,39 @@ class Precheck:
     pinned: int | None = None
     # It must run alone, not in this shared process (see precheck_run).
     quarantine: bool = False
+    # The message's arguments that differ from the row (then nothing is tried).
+    differ: tuple[str, ...] = ()
 
 
 async def precheck(
     conn: Conn,
     request_id: str,
+    req: RunRequest,
     stale_after: float,
     lock_key: int,
     may_lock: bool = True,
     *,
     shared: bool = False,
 ) -> Precheck | None:
-    """The ledger's view of ``request_id`` (``None``: it has no row), and its
-    scope's lock (``lock_key``) tried in the same statement when it may run
-    (and ``may_lock``: this process does not hold it already). In a
-    ``shared`` process, a request that must run alone takes no lock and
-    comes back with ``quarantine`` set."""
+    """The ledger's view of ``request_id`` (``None``: it has no row), which of
+    ``req``'s arguments (its message's) differ from the row, and the scope's
+    lock (``lock_key``) tried in the same statement when it may run (and
+    ``may_lock``: this process does not hold it already). In a ``shared``
+    process, a request that must run alone takes no lock and comes back with
+    ``quarantine`` set."""
+    params = _row_params(request_id, req)
     row = await _fetchone(
         conn, "precheck_run",
-        {"request_id": request_id, "stale": stale_after, "key": lock_key, "may_lock": may_lock,
+        {**{name: params[name] for name in _IDENTITY if name != "prompt"},
+         "prompt_sha256": hashlib.sha256(req.prompt.encode()).digest(),
+         "request_id": request_id, "stale": stale_after, "key": lock_key, "may_lock": may_lock,
          "shared": shared},
     )
     if row is None:
         return None
     return Precheck(row["status"], row["result"], row["error"], _pending(row),
                     bool(row["stale"]), None if row["locked"] is None else bool(row["locked"]),
-                    row["pinned"], bool(row["quarantine"]))
+                    row["pinned"], bool(row["quarantine"]), tuple(row["differ"]))
 
 
 @dataclass(frozen=True)

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from loomflow.runtime import journal_scope
 
+from .. import metrics
 from ..runtime.errors import InvalidInput
 from ..runtime.validate import check_id, check_json_text, check_text
 from ..settings import Settings
 from .registry import agent_factory
 
 Kind = Literal["run", "resume"]
+
+log = logging.getLogger("loomflow_worker.tasks")
 
 
 @dataclass(frozen=True)
@@ -96,3 +100,14 @@ def check_request(
     if "request_id" in metadata:
         raise InvalidInput("metadata key 'request_id' is reserved: the worker sets it")
     return RunRequest(prompt, session_id, user_id, agent, json.loads(encoded), kind)
+
+
+def refuse_message(request_id: str, problem: str, reason: str) -> None:
+    """Log and count a task message dropped unrun: ``problem`` says why,
+    ``reason`` is the counter's label (malformed, mismatch)."""
+    log.error(
+        "message %s refused and dropped: %s; nothing ran and the ledger is unchanged",
+        request_id, problem,
+        extra={"action": "message_refused", "request": request_id, "reason": reason},
+    )
+    metrics.count_refused(reason)

@@ -8,6 +8,10 @@ import unicodedata
 from .errors import InvalidInput
 
 MAX_ID_LENGTH = 512
+#: The most bytes an id takes as UTF-8: the ledger and the journal index a
+#: scope (a session id and a user id together), and a B-tree entry holds
+#: about 2.7 kB; 512 characters of emoji would not fit.
+MAX_ID_BYTES = 1024
 MAX_SIGNAL_NAME_LENGTH = 200
 
 
@@ -20,6 +24,12 @@ def check_id(what: str, value: object, *, max_length: int = MAX_ID_LENGTH) -> st
     if len(value) > max_length:
         raise InvalidInput(
             f"{what} is {len(value)} characters long; the limit is {max_length}"
+        )
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > MAX_ID_BYTES:
+        raise InvalidInput(
+            f"{what} is {size} bytes as UTF-8; the limit is {MAX_ID_BYTES} "
+            "(fewer characters outside ASCII)"
         )
     for position, char in enumerate(value):
         if unicodedata.category(char) in ("Cc", "Cs"):

@@ -523,6 +523,8 @@ class AgentTask(Task):
     reject_on_worker_lost = True
     max_retries = None
     typing = False  # arguments are checked by check_request, with clearer errors
+    # A message whose body Celery can't unpack is dropped, not left to stop the worker.
+    Strategy = "loomflow_worker.tasks.wire:strategy"
 
     def on_failure(
         self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any
@@ -910,7 +912,9 @@ def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
         _dispatch_recorded(pending, "handed the session")
     if outcome.kind == "succeeded":
         return outcome.result
-    if outcome.kind == "parked":
+    if outcome.kind in ("parked", "refused"):
+        # Acked, and nothing stored under the id: a refused message's id may
+        # be another request's, whose caller waits for its own result.
         raise Ignore()
     if outcome.kind == "retry":
         raise task.retry(exc=RunFailed(outcome.error or "retry"), countdown=outcome.countdown)

@@ -62,6 +62,21 @@ def test_no_password_in_any_output_whatever_the_connection_string(
     assert PASSWORD not in doctor.stdout + doctor.stderr
 
 
+def test_doctor_shows_no_password_given_in_a_query_string_or_quoted(fleet: Fleet) -> None:
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    redis_url = "redis://127.0.0.1:6379/0?db=0&password=" + PASSWORD + "Qs"
+    parts = {k: str(v) for k, v in conninfo_to_dict(fleet.dsn).items() if k != "password"}
+    keyword_dsn = make_conninfo("", **parts, password=f"a b '{PASSWORD}'")
+    assert f"'{PASSWORD}'" not in keyword_dsn and " " in keyword_dsn  # quoted, escaped
+    for variable in ("LOOMFLOW_WORKER_RESULT_BACKEND", "LOOMFLOW_WORKER_EVENTS_URL"):
+        env = {variable: redis_url, "LOOMFLOW_WORKER_DATABASE_URL": keyword_dsn}
+        done = cli(fleet, "doctor", "--json", **env)
+        text = done.stdout + done.stderr
+        assert "redis://127.0.0.1:6379/0?db=0&password=***" in text, text
+        assert PASSWORD not in text, text
+
+
 def test_a_worker_refuses_a_connection_string_it_cannot_use_and_shows_no_password(
     fleet: Fleet,
 ) -> None:

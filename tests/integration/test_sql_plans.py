@@ -17,6 +17,9 @@ PARAMS: dict[str, Any] = {
     "holder": "h", "pid": 1, "attempt": 1, "new_epoch": 2, "epoch_value": b"LJ12",
     "status": "succeeded", "result": None, "error": None, "error_type": None,
     "before": 0.0, "cutoff": None, "batch": 1000, "shared": True,
+    "kind": "run", "session_id": "scope-7", "user_id": None, "agent": "a",
+    "prompt_sha256": b"",
+    "metadata": "{}",
 }
 
 HOT = ["scope_busy", "hand_off", "precheck_run", "start_request", "finish_request",

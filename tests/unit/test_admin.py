@@ -62,6 +62,42 @@ def test_urls_are_shown_without_passwords() -> None:
             == "sentinel://:***@h1:26379;sentinel://:***@h2:26379")
 
 
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://127.0.0.1:6379/0?password=Qs3cret", "redis://127.0.0.1:6379/0?password=***"),
+        ("rediss://h/1?ssl_cert_reqs=none&PASSWORD=Qs3cret&db=2",
+         "rediss://h/1?ssl_cert_reqs=none&PASSWORD=***&db=2"),
+        ("redis://h/0?pass=Qs3cret", "redis://h/0?pass=***"),
+        ("sqs://h/?secret_key=Qs3cret&region=eu", "sqs://h/?secret_key=***&region=eu"),
+        ("redis://h/0?auth_token=Qs3cret#frag", "redis://h/0?auth_token=***#frag"),
+        ("amqp://h//?api_key=Qs3cret;amqp://h2//?access_token=Qs3cret",
+         "amqp://h//?api_key=***;amqp://h2//?access_token=***"),
+        ("redis://:pw@h/0?pass%77ord=Qs3cret&ssl_keyfile=/k.pem",
+         "redis://:***@h/0?pass%77ord=***&ssl_keyfile=/k.pem"),
+    ],
+)
+def test_credentials_in_a_query_string_are_masked(url: str, shown: str) -> None:
+    assert admin.sanitize_url(url) == shown
+    assert "Qs3cret" not in admin.sanitize_url(url)
+
+
+def test_query_string_and_quoted_keyword_passwords_are_found_and_scrubbed() -> None:
+    settings = Settings(
+        database_url=SecretStr(r"host=db password='it\'s a b' dbname=x"),
+        broker_url=SecretStr("redis://r:6379/0"),
+        result_backend=SecretStr("redis://r:6379/1?password=q%20pw&db=1"),
+        events_url=SecretStr("host=db password = 'x y z' dbname=x"),
+    )
+    found = admin.secrets_of(settings)
+    assert found == ["it's a b", "q pw", "x y z"]
+    text = (r"dsn host=db password='it\'s a b' dbname=x; url redis://r/1?password=q%20pw; "
+            "kv password = 'x y z'")
+    assert admin.redact(text, found) == (
+        "dsn host=db password='***' dbname=x; url redis://r/1?password=***; "
+        "kv password = '***'")
+
+
 def test_a_settings_error_never_repeats_the_values_given() -> None:
     with pytest.raises(ValidationError) as info:
         Settings(database_url=SecretStr("postgresql://u:pw@h/x"), lease=1.0)

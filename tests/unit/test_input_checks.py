@@ -11,7 +11,7 @@ from pydantic import SecretStr, ValidationError
 from loomflow_worker.admin import MAX_DURATION, parse_duration, validation_message
 from loomflow_worker.runtime import InvalidInput
 from loomflow_worker.runtime.errors import describe_dsn
-from loomflow_worker.runtime.validate import check_json_text, check_text
+from loomflow_worker.runtime.validate import check_id, check_json_text, check_text
 from loomflow_worker.settings import (
     Settings,
     broker_problem,
@@ -89,6 +89,16 @@ def test_text_postgres_cannot_store_is_refused_with_where_it_is() -> None:
         check_text("prompt", "ab\x00")
     with pytest.raises(InvalidInput, match=r"unpaired surrogate \('\\udc80'\) at position 1"):
         check_text("prompt", "a\udc80")
+
+
+def test_an_id_is_bounded_in_characters_and_in_bytes() -> None:
+    assert check_id("session_id", "s" * 512) == "s" * 512
+    assert check_id("session_id", "é" * 512) == "é" * 512  # 1,024 bytes
+    with pytest.raises(InvalidInput, match="session_id is 513 characters long; the limit is 512"):
+        check_id("session_id", "s" * 513)
+    # 512 emoji: 2,048 bytes, more than a B-tree entry of two of them can hold.
+    with pytest.raises(InvalidInput, match="user_id is 2048 bytes as UTF-8; the limit is 1024"):
+        check_id("user_id", "\U0001f600" * 512)
 
 
 def test_json_text_is_walked_without_recursion() -> None:

@@ -280,14 +280,21 @@ SELECT kind, session_id, user_id, agent, prompt, metadata FROM runs
  WHERE request_id = %(request_id)s;
 
 -- name: insert_failed_run
+-- A request whose message arrived with input a worker refuses, and which the
+-- ledger did not have: recorded failed. A row under its id is never touched
+-- here (see fail_invalid_run).
 INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
                   status, error, error_type, finished_at)
 VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind)s,
         %(prompt)s, %(metadata)s, 'failed', %(error)s, %(error_type)s, now())
-ON CONFLICT (request_id) DO UPDATE
-   SET status = 'failed', error = EXCLUDED.error, error_type = EXCLUDED.error_type,
+ON CONFLICT (request_id) DO NOTHING;
+
+-- name: fail_invalid_run
+-- A request the ledger accepted whose own arguments a worker refuses (an agent
+-- it does not have, a lower limit): it ends failed, unless it ended already.
+UPDATE runs SET status = 'failed', error = %(error)s, error_type = %(error_type)s,
        finished_at = now()
- WHERE loomflow_worker_unfinished(runs.status);
+ WHERE request_id = %(request_id)s AND loomflow_worker_unfinished(status);
 
 -- name: end_attempt
 UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(outcome)s
@@ -336,18 +343,21 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadat
   FROM runs WHERE request_id = %(request_id)s;
 
 -- name: precheck_run
--- The request, the oldest unfinished request of its scope before it, and,
--- in the same statement, the scope's lock when the request is unfinished and
--- nothing is before it (NULL: not tried). A request in a `shared` process
--- (many runs at once) must run alone instead when it died in a shared
--- process twice in a row, or lost its lock connection twice in a row, without
--- completing a step (counting its last attempt, which its start counts): it
--- takes no lock here and says so (`quarantine`).
-SELECT r.status, r.result, r.error, r.epoch AS pinned,
+-- The request, which of the message's arguments differ from its row (the
+-- message runs only what the ledger accepted; its prompt, which may be long,
+-- is compared by its SHA-256), the oldest unfinished request of its scope
+-- before it, and, in the same statement, the scope's lock when the request is
+-- unfinished, its message is its own and nothing is before it (NULL: not
+-- tried). A request in a `shared` process (many runs at once) must run alone
+-- instead when it died in a shared process twice in a row, or lost its lock
+-- connection twice in a row, without completing a step (counting its last
+-- attempt, which its start counts): it takes no lock here and says so
+-- (`quarantine`).
+SELECT r.status, r.result, r.error, r.epoch AS pinned, m.differ,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
        o.not_before, o.options, o.stale, q.quarantine,
        CASE WHEN loomflow_worker_unfinished(r.status) AND o.request_id IS NULL
-                 AND NOT q.quarantine
+                 AND cardinality(m.differ) = 0 AND NOT q.quarantine
             THEN CASE WHEN %(may_lock)s THEN pg_try_advisory_lock(%(key)s) ELSE false END
        END AS locked
   FROM runs r
@@ -356,6 +366,16 @@ SELECT r.status, r.result, r.error, r.epoch AS pinned,
                  r.suspicion + p.shared::int >= 2
                  OR r.lost_streak + (p.outcome = 'lost')::int >= 2), false) AS quarantine
         FROM loomflow_worker_last_attempt(r.request_id, r.attempts) p) q
+ CROSS JOIN LATERAL (
+      SELECT array_remove(ARRAY[
+          CASE WHEN r.kind IS DISTINCT FROM %(kind)s::text THEN 'kind' END,
+          CASE WHEN r.session_id IS DISTINCT FROM %(session_id)s::text THEN 'session_id' END,
+          CASE WHEN r.user_id IS DISTINCT FROM %(user_id)s::text THEN 'user_id' END,
+          CASE WHEN r.agent IS DISTINCT FROM %(agent)s::text THEN 'agent' END,
+          CASE WHEN sha256(convert_to(r.prompt, 'UTF8')) IS DISTINCT FROM %(prompt_sha256)s::bytea
+               THEN 'prompt' END,
+          CASE WHEN r.metadata IS DISTINCT FROM %(metadata)s::jsonb THEN 'metadata' END
+      ], NULL) AS differ) m
   LEFT JOIN LATERAL (
       SELECT request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
              CASE WHEN status = 'queued' THEN options END AS options,
