@@ -18,7 +18,7 @@ from typing import Any
 from loomflow import Agent, tool
 from loomflow.tools import Tool
 
-from loomflow_worker import register_agent
+from loomflow_worker import NoMemory, register_agent
 from loomflow_worker.testing import DeterministicModel
 
 
@@ -46,10 +46,14 @@ def bench_model() -> DeterministicModel:
 
 @register_agent()
 def build_agent(runtime: Any) -> Agent:
+    # NoMemory: loomflow's default memory keeps every episode of the process and
+    # each recall scans them all, so its cost per run would grow with the runs a
+    # benchmark has made (and a fleet needs a memory its workers share anyway).
     return Agent(
         "bench agent",
         model=bench_model(),
         tools=[record_tool()],
         runtime=runtime,
+        memory=NoMemory(),
         auto_extract=False,
     )
