@@ -26,7 +26,7 @@ from ..runtime.errors import DatabaseUnavailable, LockLost
 log = logging.getLogger("loomflow_worker.tasks")
 
 #: Requests of one worker process that run alone at once (each in a process).
-AT_ONCE = 2
+AT_ONCE = 4
 
 _slots = threading.BoundedSemaphore(AT_ONCE)
 
