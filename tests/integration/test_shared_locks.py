@@ -213,3 +213,32 @@ async def test_an_open_that_fails_after_the_lock_leaves_the_scope_free(dsn: str)
             await other.aclose()
     finally:
         await runtime.aclose()
+
+
+async def test_a_late_loop_is_not_a_silent_server(dsn: str) -> None:
+    """A statement whose answer came while the loop was held (longer than the
+    I/O timeout) is read once the loop runs again: the connection is not fenced.
+    A statement the server really does not answer in time still is."""
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1, lock_io_timeout=1.0)
+    try:
+        lease = await runtime.journal.acquire("late-loop", wait=0)
+
+        async def answered_at_once(conn: Any) -> Any:
+            cur = await conn.execute("SELECT pg_sleep(0.1)")
+            return await cur.fetchone()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lease.io, answered_at_once)
+            await anyio.sleep(0.02)  # the statement is on its way
+            time.sleep(2.5)  # the loop held, past the 1 s I/O timeout
+        assert lease.fenced is None and lease.line.fenced is None
+
+        async def silent(conn: Any) -> Any:
+            cur = await conn.execute("SELECT pg_sleep(3)")
+            return await cur.fetchone()
+
+        with pytest.raises(LockLost, match="no answer within 1s"):
+            await lease.io(silent)
+        assert lease.fenced is not None
+    finally:
+        await runtime.aclose()
