@@ -200,8 +200,9 @@ class Gate:
         return self.trust_proxy and forwarded.strip().lower() == "https"
 
     def set_login(self, response: Response, request: Request) -> None:
-        response.set_cookie(COOKIE, self.new_login(), max_age=int(self.lifetime), path="/",
-                            httponly=True, samesite="strict", secure=self.over_tls(request))
+        response.set_cookie(COOKIE, self.new_login(), max_age=max(1, int(self.lifetime)),
+                            path="/", httponly=True, samesite="strict",
+                            secure=self.over_tls(request))
 
     def clear_login(self, response: Response, request: Request) -> None:
         response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict",
