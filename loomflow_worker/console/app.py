@@ -53,6 +53,13 @@ MAX_FORM_BYTES = 4096
 _STREAM_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
 
 
+def _stream_id(text: str) -> bool:
+    """Whether ``text`` is a Redis stream id (two 64-bit numbers), as a
+    Last-Event-ID header gives one back."""
+    return _STREAM_ID.fullmatch(text) is not None and all(
+        int(part) < 2**64 for part in text.split("-"))
+
+
 # ---- pages ------------------------------------------------------------------------------------
 
 
@@ -254,7 +261,7 @@ def create_app(
         if not has_events:
             return PlainTextResponse("live events are off (LOOMFLOW_WORKER_EVENTS)", 404)
         after = request.headers.get("last-event-id", "0-0")
-        if not _STREAM_ID.fullmatch(after):
+        if not _stream_id(after):
             after = "0-0"
         run = await data.run_status(db.pool, request_id)
 

@@ -333,6 +333,19 @@ def test_odd_parameters_get_a_400_that_says_why(client: TestClient) -> None:
     assert client.get(f"/requests?before={2**63 - 1}").status_code == 200
 
 
+def test_a_last_event_id_beyond_a_stream_id_replays_from_the_start(
+    fleet: Fleet, queued: str, client: TestClient
+) -> None:
+    done = client.post(f"/runs/{queued}/cancel", data={"token": TOKEN}, follow_redirects=False)
+    assert done.status_code == 303 and ledger(fleet.dsn, queued)["status"] == "cancelled"
+    # Beyond 64 bits, or not ASCII digits (Redis refused the first two mid-stream).
+    for after in ("99999999999999999999-0", "1-18446744073709551616",
+                  "\u00b2-1".encode("latin-1")):
+        events = client.get(f"/runs/{queued}/events", headers={"Last-Event-ID": after})
+        assert events.status_code == 200, after
+        assert "event: end" in events.text and "cancelled" in events.text, after
+
+
 def test_a_request_id_with_a_slash_is_linked_and_shown(fleet: Fleet, client: TestClient) -> None:
     """Ids with a slash and other reserved characters: listed, linked and shown
     (an id ending in /events or /cancel is the one exception: see RunId)."""
