@@ -121,12 +121,12 @@ class HostAllowed:
             return
         log.warning("console: refused a request for the host %s", shown(header),
                     extra={"action": "console_host_refused"})
-        response = self.pages.error(
-            400, f"This console does not answer to the host {shown(header)} (the request's "
+        response = self.pages.refusal(400, message=(
+            f"This console does not answer to the host {shown(header)} (the request's "
             "Host header). It answers to localhost, its loopback addresses, the --host it "
             "listens on and the names in LOOMFLOW_WORKER_CONSOLE_HOSTS (comma-separated): "
             "add the name you reach it by there. A page of another site whose name points "
-            "at this address is refused this way.")
+            "at this address is refused this way."))
         await response(scope, receive, send)
 
 
@@ -227,16 +227,16 @@ class TokenRequired:
             await self.app(scope, receive, send)
             return
         if self.gate.token is None:
-            response: Response = self.pages.error(
-                403, "This console answers loopback clients only: it has no token "
+            response: Response = self.pages.refusal(
+                403, message="This console answers loopback clients only: it has no token "
                 "(LOOMFLOW_WORKER_CONSOLE_TOKEN) for others to present.")
         else:
             path = scope.get("raw_path") or scope["path"].encode()
             query = scope.get("query_string", b"")
             target = (path + (b"?" + query if query else b"")).decode("latin-1")
             stale = COOKIE in Request(scope).cookies
-            response = self.pages.render(
-                "login.html", status_code=401, next=target,
+            response = self.pages.refusal(
+                401, "login.html", next=target,
                 message="Your login has expired (or the token changed): log in again."
                 if stale else None)
         await response(scope, receive, send)

@@ -144,6 +144,11 @@ class Pages:
     def error(self, status_code: int, message: str) -> HTMLResponse:
         return self.render("error.html", status_code=status_code, message=message)
 
+    def refusal(self, status_code: int, template: str = "error.html",
+                **context: Any) -> HTMLResponse:
+        """A page for a client not let in: it names no database."""
+        return self.render(template, status_code=status_code, database=None, **context)
+
 
 # Scripts and styles from the console itself only; no inline script.
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -306,13 +311,12 @@ def create_app(
 
     async def login_page(request: Request) -> Response:
         if request.method == "GET":
-            return pages.render("login.html", next=_safe_next(
+            return pages.refusal(200, "login.html", next=_safe_next(
                 request.query_params.get("next", "/requests")))
         form = await _form(request)
         target = _safe_next(form.get("next", "/requests"))
         if not gate.accepts(form.get("token")):
-            return pages.render("login.html", status_code=401, next=target,
-                                message="Wrong token.")
+            return pages.refusal(401, "login.html", next=target, message="Wrong token.")
         response = RedirectResponse(target, status_code=303)
         gate.set_login(response, request)
         log.info("console: login from %s", request.client.host if request.client else "?",
@@ -323,8 +327,9 @@ def create_app(
         login = request.cookies.get(COOKIE, "")
         valid = gate.login_valid(login)
         if request.method == "GET":
-            return pages.render("logout.html", key=gate.logout_key(login) if valid else None,
-                                stale=bool(login) and not valid)
+            return pages.refusal(200, "logout.html",
+                                 key=gate.logout_key(login) if valid else None,
+                                 stale=bool(login) and not valid)
         form = await _form(request)
         # As for a cancel: a value a page of another site cannot know, here the
         # login's own logout key (or the token itself). A login no longer valid

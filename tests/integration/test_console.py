@@ -16,6 +16,7 @@ from urllib.parse import unquote
 import httpx
 import psycopg
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 from pydantic import SecretStr, ValidationError
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
@@ -70,6 +71,7 @@ def test_the_token_is_required_off_loopback_and_not_on_it(fleet: Fleet, queued: 
             denied = outside.get(path)
             assert denied.status_code == 401, path
             assert "Mind the weather" not in denied.text and "queued" not in denied.text
+            assert str(conninfo_to_dict(fleet.dsn)["dbname"]) not in denied.text
         assert outside.get("/requests", headers={"Authorization": "Bearer wrong"}
                            ).status_code == 401
         bearer = outside.get("/requests", headers={"Authorization": f"Bearer {TOKEN}"})
@@ -173,6 +175,7 @@ def test_the_console_answers_only_the_hosts_it_serves(fleet: Fleet, queued: str)
     """A page of another site whose name resolves to the console's address (DNS
     rebinding) names its own host: refused, over a real socket, with no data."""
     full = f"/runs/{queued}?prompt=full"
+    dbname = str(conninfo_to_dict(fleet.dsn)["dbname"])
     with BackgroundConsole(_settings(fleet)) as console:
         port = console.url.rsplit(":", 1)[1]
         for host in ("rebind.attacker.example", f"rebind.attacker.example:{port}",
@@ -181,6 +184,7 @@ def test_the_console_answers_only_the_hosts_it_serves(fleet: Fleet, queued: str)
             assert refused.status_code == 400, host
             assert "LOOMFLOW_WORKER_CONSOLE_HOSTS" in refused.text
             assert END not in refused.text and queued not in refused.text
+            assert dbname not in refused.text  # not even the database's name
         assert httpx.get(console.url + "/login",
                          headers={"Host": "rebind.attacker.example"}).status_code == 400
         for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST.", f"[::1]:{port}",
