@@ -10,7 +10,18 @@ from .runtime.errors import InvalidInput
 #: The longest duration accepted (Postgres timestamps end 4713 BC).
 MAX_DURATION = timedelta(days=365_000)
 
-_DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
+# ASCII digits only (a bare \d takes other scripts' digits too).
+_DURATION = re.compile(r"(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", re.ASCII)
+#: More digits than this in one part is longer than MAX_DURATION whatever the unit
+#: (and ``int`` refuses strings of over 4,300 digits).
+_MAX_DIGITS = 15
+
+
+def shown(text: str, width: int = 40) -> str:
+    """``text`` quoted for an error message, cut to ``width`` characters."""
+    if len(text) <= width:
+        return repr(text)
+    return f"{text[:width]!r}... ({len(text)} characters)"
 
 
 def parse_duration(text: str) -> timedelta:
@@ -20,17 +31,20 @@ def parse_duration(text: str) -> timedelta:
     match = _DURATION.fullmatch(compact)
     if not compact or match is None or not any(match.groups()):
         raise InvalidInput(
-            f"{text!r} is not a duration: use a number and a unit, d (days), h (hours), "
+            f"{shown(text)} is not a duration: use a number and a unit, d (days), h (hours), "
             "m (minutes) or s (seconds), largest first, e.g. 30d, 12h, 90m, 45s, 1d12h"
         )
-    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
-    try:
-        duration = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
-    except OverflowError:
+    if any(len((part or "").lstrip("0")) > _MAX_DIGITS for part in match.groups()):
         duration = MAX_DURATION + timedelta(days=1)
+    else:
+        days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+        try:
+            duration = timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+        except OverflowError:
+            duration = MAX_DURATION + timedelta(days=1)
     if duration > MAX_DURATION:
         raise InvalidInput(
-            f"{text!r} is longer than {MAX_DURATION.days}d (about a thousand years), the "
+            f"{shown(text)} is longer than {MAX_DURATION.days}d (about a thousand years), the "
             "longest duration accepted; nothing in the ledger is that old"
         )
     return duration

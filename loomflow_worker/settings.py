@@ -21,6 +21,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, Settin
 MIN_TOKEN_LENGTH = 16
 #: Where `loomflow-worker console` listens unless told otherwise.
 CONSOLE_PORT = 8040
+#: A host as the Host header names it, without its port: a DNS name or an IPv4
+#: address, or an IPv6 address in brackets.
+HOST_NAME = re.compile(r"[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?\.?|\[[0-9a-f:.]+\]", re.I)
 
 
 class Settings(BaseSettings):
@@ -126,12 +129,40 @@ class Settings(BaseSettings):
     # The run console (`loomflow-worker console`): the token a request from
     # anywhere but loopback must present, and any cancel from its pages.
     console_token: SecretStr | None = None
+    # Host names (the Host header) the console answers besides loopback's and
+    # its --host: a public name it is reached by. Any other gets 400, so a
+    # page of another site rebound to the console's address reads nothing.
+    console_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Want the token from loopback clients too: a TCP forwarder on this host
+    # (socat, ssh -L, stunnel) makes every client it forwards look local.
+    console_require_token: bool = False
+    # How long a login (the console's cookie) lasts, in seconds.
+    console_login_lifetime: float = Field(default=43_200.0, gt=0, le=366 * 86_400)
+    # The console is behind a proxy that terminates TLS: believe its
+    # X-Forwarded-Proto, to mark the login cookie Secure.
+    console_trust_proxy: bool = False
 
     @field_validator("agents", mode="before")
     @classmethod
     def _split_agents(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("console_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, list):
+            for host in value:
+                if not isinstance(host, str) or HOST_NAME.fullmatch(host) is None:
+                    raise ValueError(
+                        "each entry is a host name or address as browsers send it in the "
+                        "Host header, without scheme, port or path (console.example.com, "
+                        "10.0.0.5, [2001:db8::5])"
+                    )
+            return [host.lower().rstrip(".") for host in value]
         return value
 
     @field_validator("console_token")
@@ -170,6 +201,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"retry_backoff_max ({self.retry_backoff_max}) is below retry_backoff "
                 f"({self.retry_backoff})"
+            )
+        if self.console_require_token and self.console_token is None:
+            raise ValueError(
+                "console_require_token is on but console_token is not set: set "
+                "LOOMFLOW_WORKER_CONSOLE_TOKEN, or nobody could open the console"
             )
         if self.lease <= self.heartbeat_interval:
             raise ValueError(

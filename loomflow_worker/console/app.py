@@ -3,30 +3,29 @@
 Read only, but for one action: cancelling a request from its page, which
 calls :func:`loomflow_worker.cancel_run` and always needs the console token,
 sent in the form (a cross-site page cannot know it; a cookie would not do).
-Anything but a loopback client needs the token too (a bearer header, or the
-login form, which sets a cookie holding a digest of it, never the token).
-Every text a page shows passes through the template environment's finalizer,
-which masks the configured passwords and the token wherever they turn up.
+Who may look at all (the hosts it answers, loopback, the token, the login
+cookie and its logout) is :mod:`.access`. Every text a page shows passes
+through the template environment's finalizer, which masks the configured
+passwords and the token wherever they turn up.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, quote, urlencode
 
 import psycopg
 from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.requests import Request
 from starlette.responses import (
     HTMLResponse,
@@ -37,7 +36,6 @@ from starlette.responses import (
 )
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .. import admin
 from ..events import aiter_events, describe_event, events_url
@@ -45,94 +43,21 @@ from ..runtime.errors import InvalidInput, describe_dsn, driver_error
 from ..runtime.validate import check_id
 from ..settings import Settings
 from . import data
+from .access import COOKIE, Gate, HostAllowed, TokenRequired
 from .timeline import layout
 
 log = logging.getLogger("loomflow_worker.console")
 
-COOKIE = "lfw_console"
 #: The most a form may hold (a token, a redirect target).
 MAX_FORM_BYTES = 4096
-_STREAM_ID = re.compile(r"\d{1,20}-\d{1,20}")
+_STREAM_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
 
 
-# ---- who may look -----------------------------------------------------------------------------
-
-
-def is_loopback(scope: Scope) -> bool:
-    """Whether the request came from this host, and not through a proxy (a
-    proxy on this host would make every client look local)."""
-    client = scope.get("client")
-    if not client:
-        return False
-    try:
-        address = ipaddress.ip_address(client[0])
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    if not address.is_loopback:
-        return False
-    headers = {name for name, _ in scope.get("headers", ())}
-    return not headers & {b"forwarded", b"x-forwarded-for", b"x-real-ip"}
-
-
-class Gate:
-    """The console token and what it lets in."""
-
-    def __init__(self, token: str | None) -> None:
-        self.token = token
-
-    @property
-    def cookie_value(self) -> str:
-        """What the login cookie holds: a digest of the token, not the token."""
-        assert self.token is not None
-        return hmac.new(self.token.encode(), b"loomflow-worker console login",
-                        hashlib.sha256).hexdigest()
-
-    def accepts(self, presented: str | None) -> bool:
-        if self.token is None or not presented:
-            return False
-        return hmac.compare_digest(presented.encode(), self.token.encode())
-
-    def lets_in(self, scope: Scope) -> bool:
-        if is_loopback(scope):
-            return True
-        if self.token is None:
-            return False
-        request = Request(scope)
-        bearer = request.headers.get("authorization", "")
-        if bearer.lower().startswith("bearer ") and self.accepts(bearer[7:].strip()):
-            return True
-        cookie = request.cookies.get(COOKIE, "")
-        return hmac.compare_digest(cookie.encode(), self.cookie_value.encode())
-
-
-class TokenRequired:
-    """ASGI middleware: a client the gate does not let in gets 401 and the login
-    form (403 when no token is set: then only loopback may look)."""
-
-    OPEN = ("/login", "/static/")
-
-    def __init__(self, app: ASGIApp, gate: Gate, pages: Pages) -> None:
-        self.app = app
-        self.gate = gate
-        self.pages = pages
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.gate.lets_in(scope) or (
-            self.gate.token is not None and scope["path"].startswith(self.OPEN)
-        ):
-            await self.app(scope, receive, send)
-            return
-        if self.gate.token is None:
-            response: Response = self.pages.error(
-                403, "This console answers loopback clients only: it has no token "
-                "(LOOMFLOW_WORKER_CONSOLE_TOKEN) for others to present.")
-        else:
-            target = scope["path"] + (f"?{scope['query_string'].decode()}"
-                                      if scope.get("query_string") else "")
-            response = self.pages.render("login.html", status_code=401, next=target)
-        await response(scope, receive, send)
+def _stream_id(text: str) -> bool:
+    """Whether ``text`` is a Redis stream id (two 64-bit numbers), as a
+    Last-Event-ID header gives one back."""
+    return _STREAM_ID.fullmatch(text) is not None and all(
+        int(part) < 2**64 for part in text.split("-"))
 
 
 # ---- pages ------------------------------------------------------------------------------------
@@ -158,6 +83,29 @@ def _ago(value: datetime | None, now: datetime | None = None) -> str:
     return admin.format_duration(max(seconds, 0.0)) + " ago"
 
 
+def _id_path(value: str) -> str:
+    """A request id as a path segment of a link: every reserved character
+    escaped, "/" too (the route takes it back, see :class:`RunId`)."""
+    return quote(value, safe="")
+
+
+class RunId(Convertor[str]):
+    """A request id in a path: any characters, "/" included, but not ending in
+    "/events" or "/cancel", which are a run's own routes (an id that does is
+    listed, and its page is out of reach)."""
+
+    regex = r"(?:(?!/(?:events|cancel)$).)+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return _id_path(value)
+
+
+register_url_convertor("run_id", RunId())
+
+
 def _json(value: Any, width: int = 400) -> str:
     return admin.shorten(json.dumps(value, sort_keys=True, default=str), width)
 
@@ -173,8 +121,8 @@ class Pages:
             finalize=self.mask,
         )
         self.env.filters.update(
-            when=_when, clock=_clock, ago=_ago, shorten=admin.shorten, as_json=_json,
-            duration=admin.format_duration,
+            id_path=_id_path, when=_when, clock=_clock, ago=_ago, shorten=admin.shorten,
+            as_json=_json, duration=admin.format_duration,
         )
         self.env.globals.update(
             database=describe_dsn(settings.database_url.get_secret_value()),
@@ -195,6 +143,11 @@ class Pages:
 
     def error(self, status_code: int, message: str) -> HTMLResponse:
         return self.render("error.html", status_code=status_code, message=message)
+
+    def refusal(self, status_code: int, template: str = "error.html",
+                **context: Any) -> HTMLResponse:
+        """A page for a client not let in: it names no database."""
+        return self.render(template, status_code=status_code, database=None, **context)
 
 
 # Scripts and styles from the console itself only; no inline script.
@@ -226,14 +179,17 @@ def _safe_next(target: str) -> str:
 def create_app(
     settings: Settings,
     *,
+    host: str = "127.0.0.1",
     cancel: Callable[[str], str] | None = None,
     broker_depth: Callable[[], int] | None = None,
 ) -> Starlette:
-    """The console over ``settings``' database and events. ``cancel`` (default
+    """The console over ``settings``' database and events, answering to
+    loopback names, ``host`` (the address it listens on) and
+    ``settings.console_hosts``. ``cancel`` (default
     :func:`loomflow_worker.cancel_run`) and ``broker_depth`` (default: the
     Celery app's count of the queue's messages) run in a thread."""
     token = settings.console_token.get_secret_value() if settings.console_token else None
-    gate = Gate(token)
+    gate = Gate(token, settings)
     pages = Pages(settings, admin.secrets_of(settings) + ([token] if token else []))
     db = _Database(settings)
     has_events = events_url(settings) is not None
@@ -302,15 +258,15 @@ def create_app(
         status = await run_in_threadpool(cancel, request_id)
         log.info("console: cancel of request %s: %s", request_id, status,
                  extra={"action": "console_cancel", "request": request_id})
-        return RedirectResponse(f"/runs/{request_id}?{urlencode({'cancel': status})}",
-                                status_code=303)
+        return RedirectResponse(
+            f"/runs/{_id_path(request_id)}?{urlencode({'cancel': status})}", status_code=303)
 
     async def events_stream(request: Request) -> Response:
         request_id = check_id("request", request.path_params["request_id"])
         if not has_events:
             return PlainTextResponse("live events are off (LOOMFLOW_WORKER_EVENTS)", 404)
         after = request.headers.get("last-event-id", "0-0")
-        if not _STREAM_ID.fullmatch(after):
+        if not _stream_id(after):
             after = "0-0"
         run = await data.run_status(db.pool, request_id)
 
@@ -355,16 +311,37 @@ def create_app(
 
     async def login_page(request: Request) -> Response:
         if request.method == "GET":
-            return pages.render("login.html", next=_safe_next(
+            return pages.refusal(200, "login.html", next=_safe_next(
                 request.query_params.get("next", "/requests")))
         form = await _form(request)
         target = _safe_next(form.get("next", "/requests"))
         if not gate.accepts(form.get("token")):
-            return pages.render("login.html", status_code=401, next=target,
-                                message="Wrong token.")
+            return pages.refusal(401, "login.html", next=target, message="Wrong token.")
         response = RedirectResponse(target, status_code=303)
-        response.set_cookie(COOKIE, gate.cookie_value, httponly=True, samesite="strict",
-                            secure=request.url.scheme == "https")
+        gate.set_login(response, request)
+        log.info("console: login from %s", request.client.host if request.client else "?",
+                 extra={"action": "console_login"})
+        return response
+
+    async def logout_page(request: Request) -> Response:
+        login = request.cookies.get(COOKIE, "")
+        valid = gate.login_valid(login)
+        if request.method == "GET":
+            return pages.refusal(200, "logout.html",
+                                 key=gate.logout_key(login) if valid else None,
+                                 stale=bool(login) and not valid)
+        form = await _form(request)
+        # As for a cancel: a value a page of another site cannot know, here the
+        # login's own logout key (or the token itself). A login no longer valid
+        # opens nothing: it goes without one.
+        presented = request.headers.get("x-console-token") or form.get("token")
+        if valid and not (hmac.compare_digest(form.get("key", "").encode(),
+                                              gate.logout_key(login).encode())
+                          or gate.accepts(presented)):
+            return pages.error(403, "The logout form's key is missing or wrong: still "
+                               "logged in. Log out from the console's own page, /logout.")
+        response = RedirectResponse("/login", status_code=303)
+        gate.clear_login(response, request)
         return response
 
     async def not_found(_request: Request, exc: Exception) -> Response:
@@ -383,11 +360,12 @@ def create_app(
         Route("/", home),
         Route("/requests", requests_page),
         Route("/sessions/{session_id:path}", session_page),
-        Route("/runs/{request_id}", run_page),
-        Route("/runs/{request_id}/events", events_stream),
-        Route("/runs/{request_id}/cancel", cancel_page, methods=["POST"]),
+        Route("/runs/{request_id:path}/events", events_stream),
+        Route("/runs/{request_id:path}/cancel", cancel_page, methods=["POST"]),
+        Route("/runs/{request_id:run_id}", run_page),
         Route("/fleet", fleet_page),
         Route("/login", login_page, methods=["GET", "POST"]),
+        Route("/logout", logout_page, methods=["GET", "POST"]),
         Mount("/static", StaticFiles(packages=[("loomflow_worker.console", "static")]),
               name="static"),
     ]
@@ -401,6 +379,8 @@ def create_app(
         },
     )
     app.add_middleware(TokenRequired, gate=gate, pages=pages)
+    # Outermost: a request for another host gets nothing, not even the login form.
+    app.add_middleware(HostAllowed, listen=host, settings=settings, pages=pages)
     return app
 
 

@@ -19,6 +19,7 @@ from psycopg.rows import class_row
 from psycopg_pool import AsyncConnectionPool
 
 from .. import admin
+from ..durations import shown
 from ..runtime.errors import InvalidInput
 from ..runtime.sql import query
 from ..runtime.validate import check_id
@@ -105,7 +106,7 @@ def parse_when(what: str, text: str, now: datetime) -> datetime:
     """A time filter: a duration ago (``2h``) or an ISO date and time (UTC
     unless it names its offset); :class:`InvalidInput` naming the filter."""
     text = text.strip()
-    if re.fullmatch(r"[\d\sdhms]+", text.lower()):
+    if re.fullmatch(r"[\d\sdhms]+", text.lower(), re.ASCII):
         try:
             return now - admin.parse_duration(text)
         except InvalidInput as exc:
@@ -113,8 +114,23 @@ def parse_when(what: str, text: str, now: datetime) -> datetime:
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
-        raise InvalidInput(f"{what}: {text!r} is neither {_ISO_HINT}") from None
+        raise InvalidInput(f"{what}: {shown(text)} is neither {_ISO_HINT}") from None
     return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+
+
+#: The largest sequence number (the ledger's ``seq`` is a Postgres BIGINT).
+MAX_SEQ = 2**63 - 1
+
+
+def parse_seq(text: str) -> int:
+    """The ``before`` filter: a request's sequence number, ASCII digits within
+    BIGINT's range; :class:`InvalidInput` otherwise."""
+    if re.fullmatch(r"[0-9]{1,19}", text) is None or int(text) > MAX_SEQ:
+        raise InvalidInput(
+            f"before must be a request's sequence number (ASCII digits, at most {MAX_SEQ}), "
+            f"not {shown(text)}; use the page's 'older' link"
+        )
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -148,14 +164,7 @@ class Filters:
         for key, what in (("session", "session"), ("user", "user"), ("agent", "agent")):
             if key in given:
                 check_id(what, given[key])
-        before = None
-        if "before" in given:
-            if not given["before"].isdigit():
-                raise InvalidInput(
-                    f"before must be a request's sequence number (digits), not "
-                    f"{given['before']!r}; use the page's 'older' link"
-                )
-            before = int(given["before"])
+        before = None if "before" not in given else parse_seq(given["before"])
         return cls(status, given.get("session"), given.get("user"), given.get("agent"),
                    given.get("since"), given.get("until"), before)
 

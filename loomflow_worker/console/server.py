@@ -64,9 +64,9 @@ def _url(sock: socket.socket) -> str:
     return f"http://{shown}:{port}"
 
 
-def _server(settings: Settings, log_level: str, **app_kwargs: Any) -> uvicorn.Server:
+def _server(settings: Settings, host: str, log_level: str, **app_kwargs: Any) -> uvicorn.Server:
     config = uvicorn.Config(
-        create_app(settings, **app_kwargs),
+        create_app(settings, host=host, **app_kwargs),
         log_level=log_level,
         # The console decides who is local itself; forwarded headers are never trusted.
         proxy_headers=False,
@@ -86,7 +86,7 @@ def serve(
     """Serve the console until interrupted (Ctrl-C, SIGTERM)."""
     check_bind(host, settings.console_token)
     sock = _bind(host, port)
-    server = _server(settings, "info")
+    server = _server(settings, host, "info")
     announce(f"loomflow-worker console on {_url(sock)} (Ctrl-C to stop)")
     server.run(sockets=[sock])
 
@@ -101,7 +101,7 @@ class BackgroundConsole:
         check_bind(host, settings.console_token)
         self._sock = _bind(host, port)
         self.url = _url(self._sock)
-        self._server = _server(settings, "warning", **app_kwargs)
+        self._server = _server(settings, host, "warning", **app_kwargs)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]},
             name="loomflow-worker console", daemon=True,

@@ -548,3 +548,14 @@ def test_bad_input_and_unknown_requests_exit_with_their_codes(
     unmigrated = cli(fleet, "runs", LOOMFLOW_WORKER_DATABASE_URL=empty_dsn)
     assert unmigrated.returncode == 3 and "loomflow-worker migrate" in unmigrated.stderr
     assert "Traceback" not in unmigrated.stderr
+
+
+def test_a_duration_of_thousands_of_digits_is_one_line_of_error(fleet: Fleet) -> None:
+    for bad, said in (("1" * 5000 + "d", "is longer than 365000d"),
+                      ("9" * 20 + "s", "is longer than 365000d"),
+                      ("\u00b2d", "is not a duration")):
+        done = cli(fleet, "runs", "--older-than", bad)
+        assert done.returncode == 2, done.stderr[-300:]
+        assert "Traceback" not in done.stderr
+        (error,) = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+        assert said in error and len(error) < 400

@@ -10,11 +10,15 @@ import re
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
+from urllib.parse import unquote
 
 import httpx
 import psycopg
 import pytest
-from pydantic import SecretStr
+from psycopg.conninfo import conninfo_to_dict
+from pydantic import SecretStr, ValidationError
+from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from loomflow_worker.console import BackgroundConsole, create_app
@@ -31,6 +35,13 @@ from .test_cli import cli
 TOKEN = "console-token-" + "x" * 20
 END = "zebra-at-the-end"
 OUTSIDE = ("203.0.113.5", 50000)
+LOCAL = ("127.0.0.1", 40000)
+
+
+def _browser(app: Starlette, address: tuple[str, int] = LOCAL, *,
+             base_url: str = "http://localhost:8040", **kwargs: Any) -> TestClient:
+    """A client of ``app`` at ``address``, naming the console by a host it serves."""
+    return TestClient(app, client=address, base_url=base_url, **kwargs)
 
 
 def _settings(fleet: Fleet, token: str | None = TOKEN) -> Settings:
@@ -48,18 +59,19 @@ def queued(fleet: Fleet) -> str:
 
 @pytest.fixture
 def client(fleet: Fleet) -> Iterator[TestClient]:
-    with TestClient(create_app(_settings(fleet)), client=("127.0.0.1", 40000)) as local:
+    with _browser(create_app(_settings(fleet))) as local:
         yield local
 
 
 def test_the_token_is_required_off_loopback_and_not_on_it(fleet: Fleet, queued: str) -> None:
     app = create_app(_settings(fleet))
-    with TestClient(app, client=OUTSIDE, follow_redirects=False) as outside:
+    with _browser(app, OUTSIDE, follow_redirects=False) as outside:
         for path in ("/requests", f"/runs/{queued}", "/fleet", "/sessions/console-s",
                      f"/runs/{queued}/events"):
             denied = outside.get(path)
             assert denied.status_code == 401, path
             assert "Mind the weather" not in denied.text and "queued" not in denied.text
+            assert str(conninfo_to_dict(fleet.dsn)["dbname"]) not in denied.text
         assert outside.get("/requests", headers={"Authorization": "Bearer wrong"}
                            ).status_code == 401
         bearer = outside.get("/requests", headers={"Authorization": f"Bearer {TOKEN}"})
@@ -76,13 +88,13 @@ def test_the_token_is_required_off_loopback_and_not_on_it(fleet: Fleet, queued: 
         outside.cookies.set("lfw_console", cookie[:-1] + ("1" if cookie[-1] == "0" else "0"))
         assert outside.get("/fleet").status_code == 401
         outside.cookies.clear()
-    with TestClient(app, client=("127.0.0.1", 40000)) as local:
+    with _browser(app) as local:
         assert local.get("/requests").status_code == 200
         # Through a proxy on this host, a client is not local.
         assert local.get("/requests", headers={"X-Forwarded-For": "198.51.100.7"}
                          ).status_code == 401
     # Without a token, only loopback may look.
-    with TestClient(create_app(_settings(fleet, None)), client=OUTSIDE) as outside:
+    with _browser(create_app(_settings(fleet, None)), OUTSIDE) as outside:
         closed = outside.get("/requests", headers={"Authorization": f"Bearer {TOKEN}"})
         assert closed.status_code == 403 and "loopback" in closed.text
 
@@ -126,7 +138,7 @@ def test_cancel_takes_the_token_always_and_only_by_post(
     page = client.get(done.headers["location"])
     assert "Cancel sent: the request is cancelled now" in page.text
     # Without a token configured, cancelling is off, loopback or not.
-    with TestClient(create_app(_settings(fleet, None)), client=("127.0.0.1", 1)) as no_token:
+    with _browser(create_app(_settings(fleet, None))) as no_token:
         off = no_token.post(path, data={"token": TOKEN})
         assert off.status_code == 403 and "LOOMFLOW_WORKER_CONSOLE_TOKEN" in off.text
 
@@ -157,6 +169,208 @@ def test_bad_filters_and_unknown_requests_say_what_is_wrong(client: TestClient) 
     assert "before must be a request's sequence number" in said("/requests?before=abc")
     assert "no request 'no-such-request' in the runs ledger" in said(
         "/runs/no-such-request", 404)
+
+
+def test_the_console_answers_only_the_hosts_it_serves(fleet: Fleet, queued: str) -> None:
+    """A page of another site whose name resolves to the console's address (DNS
+    rebinding) names its own host: refused, over a real socket, with no data."""
+    full = f"/runs/{queued}?prompt=full"
+    dbname = str(conninfo_to_dict(fleet.dsn)["dbname"])
+    with BackgroundConsole(_settings(fleet)) as console:
+        port = console.url.rsplit(":", 1)[1]
+        for host in ("rebind.attacker.example", f"rebind.attacker.example:{port}",
+                     "localhost.attacker.example", "127.0.0.1.nip.io", "", "a b"):
+            refused = httpx.get(console.url + full, headers={"Host": host})
+            assert refused.status_code == 400, host
+            assert "LOOMFLOW_WORKER_CONSOLE_HOSTS" in refused.text
+            assert END not in refused.text and queued not in refused.text
+            assert dbname not in refused.text  # not even the database's name
+        assert httpx.get(console.url + "/login",
+                         headers={"Host": "rebind.attacker.example"}).status_code == 400
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST.", f"[::1]:{port}",
+                     "127.0.0.2"):
+            shown = httpx.get(console.url + full, headers={"Host": host})
+            assert shown.status_code == 200 and END in shown.text, host
+    # A public name the console is reached by, in the setting.
+    named = _settings(fleet).model_copy(update={"console_hosts": ["console.example.com"]})
+    with BackgroundConsole(named) as console:
+        for host, status in (("console.example.com", 200), ("console.example.com:443", 200),
+                             ("other.example.com", 400)):
+            assert httpx.get(console.url + full, headers={"Host": host}).status_code == status
+    # The --host it listens on, by its address.
+    address = _outside_address()
+    with BackgroundConsole(_settings(fleet), host=address) as console:
+        bearer = {"Authorization": f"Bearer {TOKEN}"}
+        assert httpx.get(console.url + "/requests", headers=bearer).status_code == 200
+        assert httpx.get(console.url + "/requests", headers={
+            **bearer, "Host": "rebind.attacker.example"}).status_code == 400
+    # Bound to every address: any address names it, a name only from the setting.
+    with BackgroundConsole(_settings(fleet), host="0.0.0.0") as console:
+        port = console.url.rsplit(":", 1)[1]
+        local = f"http://127.0.0.1:{port}"
+        assert httpx.get(local + full, headers={"Host": f"{address}:{port}"}).status_code == 200
+        assert httpx.get(local + full, headers={"Host": "rebind.attacker.example"}
+                         ).status_code == 400
+
+
+def test_the_hosts_setting_takes_names_not_urls(monkeypatch: pytest.MonkeyPatch) -> None:
+    variable = "LOOMFLOW_WORKER_CONSOLE_HOSTS"
+    monkeypatch.setenv(variable, "Console.Example.com., 10.0.0.5,[2001:db8::5]")
+    assert Settings().console_hosts == ["console.example.com", "10.0.0.5", "[2001:db8::5]"]
+    for bad in ("https://console.example.com", "console.example.com:443", "a b", "x/y"):
+        monkeypatch.setenv(variable, bad)
+        with pytest.raises(ValidationError, match="without scheme, port or path"):
+            Settings()
+
+
+def test_the_token_can_be_required_on_loopback_too(fleet: Fleet, queued: str) -> None:
+    """A forwarder on this host (socat, ssh -L) makes its clients look local:
+    console_require_token makes loopback present the token as well."""
+    strict = _settings(fleet).model_copy(update={"console_require_token": True})
+    with _browser(create_app(strict), follow_redirects=False) as local:
+        for path in ("/requests", f"/runs/{queued}?prompt=full", "/fleet"):
+            denied = local.get(path)
+            assert denied.status_code == 401 and END not in denied.text, path
+        assert local.get("/requests", headers={"Authorization": f"Bearer {TOKEN}"}
+                         ).status_code == 200
+        assert local.post("/login", data={"token": TOKEN}).status_code == 303
+        assert local.get(f"/runs/{queued}?prompt=full").status_code == 200
+    with pytest.raises(ValidationError, match="console_require_token is on but console_token"):
+        Settings(console_require_token=True)
+    done = cli(fleet, "console", LOOMFLOW_WORKER_CONSOLE_REQUIRE_TOKEN="true",
+               LOOMFLOW_WORKER_CONSOLE_TOKEN="", timeout=30)
+    assert done.returncode == 2 and "console_require_token is on" in done.stderr
+
+
+def _login_cookie(response: Any) -> dict[str, str]:
+    """The login cookie's Set-Cookie header (of a TestClient's response), as
+    attribute: value (lower case)."""
+    (header,) = [h for h in response.headers.get_list("set-cookie")
+                 if h.startswith("lfw_console=")]
+    parts = [p.strip() for p in header.split(";")]
+    attributes = {p.partition("=")[0].lower(): p.partition("=")[2] for p in parts[1:]}
+    return {"value": parts[0].partition("=")[2], **attributes}
+
+
+def test_a_login_is_its_own_cookie_that_expires_and_logs_out(
+    fleet: Fleet, queued: str
+) -> None:
+    app = create_app(_settings(fleet))
+    with _browser(app, OUTSIDE, follow_redirects=False) as outside:
+        first = _login_cookie(outside.post("/login", data={"token": TOKEN}))
+        second = _login_cookie(outside.post("/login", data={"token": TOKEN}))
+        # A value per login, neither the token nor a fixed digest of it.
+        assert first["value"] != second["value"] and TOKEN not in first["value"]
+        assert first["max-age"] == "43200" and first["path"] == "/"
+        assert "httponly" in first and first["samesite"].lower() == "strict"
+        assert "secure" not in first  # plain http, no proxy believed
+        # Both logins open the pages, until each one's lifetime ends.
+        for login in (first, second):
+            outside.cookies.clear()
+            outside.cookies.set("lfw_console", login["value"])
+            assert outside.get(f"/runs/{queued}").status_code == 200
+        # A proxy's X-Forwarded-Proto is not believed unless the setting says so.
+        assert "secure" not in _login_cookie(outside.post(
+            "/login", data={"token": TOKEN}, headers={"X-Forwarded-Proto": "https"}))
+    with _browser(app, OUTSIDE, base_url="https://localhost", follow_redirects=False) as tls:
+        assert "secure" in _login_cookie(tls.post("/login", data={"token": TOKEN}))
+    proxied = _settings(fleet).model_copy(update={"console_trust_proxy": True,
+                                                  "console_login_lifetime": 2.0})
+    with _browser(create_app(proxied), OUTSIDE, follow_redirects=False) as behind:
+        login = _login_cookie(behind.post("/login", data={"token": TOKEN},
+                                          headers={"X-Forwarded-Proto": "https"}))
+        assert "secure" in login and login["max-age"] == "2"
+        behind.cookies.set("lfw_console", login["value"])
+        assert behind.get("/requests").status_code == 200
+        # Past its lifetime, the same cookie opens nothing, and the form says why.
+        deadline = time.monotonic() + 10
+        while behind.get("/requests").status_code == 200:
+            assert time.monotonic() < deadline, "the login never expired"
+            time.sleep(0.2)
+        expired = behind.get("/requests")
+        assert expired.status_code == 401 and "Your login has expired" in expired.text
+
+
+def test_logout_clears_the_login_and_takes_the_logout_key(fleet: Fleet, queued: str) -> None:
+    with _browser(create_app(_settings(fleet)), OUTSIDE, follow_redirects=False) as outside:
+        outside.post("/login", data={"token": TOKEN})
+        login = outside.cookies["lfw_console"]
+        # A cross-site form posts the cookie, never the logout key: refused, still logged in.
+        for form in ({}, {"key": "0" * 64}):
+            refused = outside.post("/logout", data=form)
+            assert refused.status_code == 403 and "still logged in" in refused.text
+        assert outside.cookies["lfw_console"] == login
+        assert outside.get(f"/runs/{queued}").status_code == 200
+        page = outside.get("/logout")
+        found = re.search(r'name="key" value="([0-9a-f]{64})"', page.text)
+        assert page.status_code == 200 and found is not None
+        done = outside.post("/logout", data={"key": found[1]})
+        assert done.status_code == 303 and done.headers["location"] == "/login"
+        cleared = _login_cookie(done)
+        assert cleared["value"] in ("", '""') and cleared["max-age"] == "0"
+        assert "lfw_console" not in outside.cookies
+        assert outside.get(f"/runs/{queued}").status_code == 401
+        # The cookie kept elsewhere still works until it expires (no session store):
+        # a new token ends every login at once.
+        outside.cookies.set("lfw_console", login)
+        assert outside.get("/requests").status_code == 200
+    rotated = _settings(fleet, TOKEN + "-new")
+    with _browser(create_app(rotated), OUTSIDE) as outside:
+        outside.cookies.set("lfw_console", login)
+        assert outside.get("/requests").status_code == 401
+
+
+def test_odd_parameters_get_a_400_that_says_why(client: TestClient) -> None:
+    for params, said in (
+        ("before=\u00b2", "before must be a request's sequence number (ASCII digits"),
+        ("before=99999999999999999999", "at most 9223372036854775807"),
+        ("before=9223372036854775808", "at most 9223372036854775807"),
+        ("since=" + "1" * 5000, "is not a duration"),
+        ("since=" + "1" * 5000 + "d", "is longer than 365000d"),
+        ("until=" + "9" * 4400 + "s", "is longer than 365000d"),
+        ("since=\u0663d", "since: '\u0663d' is neither a duration ago"),
+    ):
+        page = client.get("/requests?" + params)
+        assert page.status_code == 400, params[:40]
+        assert said in html.unescape(page.text), (params[:40], page.text[-600:])
+        assert len(page.text) < 20_000  # the value is quoted cut short
+    assert client.get(f"/requests?before={2**63 - 1}").status_code == 200
+
+
+def test_a_last_event_id_beyond_a_stream_id_replays_from_the_start(
+    fleet: Fleet, queued: str, client: TestClient
+) -> None:
+    done = client.post(f"/runs/{queued}/cancel", data={"token": TOKEN}, follow_redirects=False)
+    assert done.status_code == 303 and ledger(fleet.dsn, queued)["status"] == "cancelled"
+    # Beyond 64 bits, or not ASCII digits (Redis refused the first two mid-stream).
+    for after in ("99999999999999999999-0", "1-18446744073709551616",
+                  "\u00b2-1".encode("latin-1")):
+        events = client.get(f"/runs/{queued}/events", headers={"Last-Event-ID": after})
+        assert events.status_code == 200, after
+        assert "event: end" in events.text and "cancelled" in events.text, after
+
+
+def test_a_request_id_with_a_slash_is_linked_and_shown(fleet: Fleet, client: TestClient) -> None:
+    """Ids with a slash and other reserved characters: listed, linked and shown
+    (an id ending in /events or /cancel is the one exception: see RunId)."""
+    ids = {"team/a-1", "team/b/../c?x=1#y", "100% sure", "team/events/1"}
+    for request_id in ids:
+        run_agent.apply_async((calls("q1"), "slash-s"), task_id=request_id)
+    listed = client.get("/requests?session=slash-s").text
+    links = re.findall(r'<td class="id"><a href="/runs/([^"]+)">', listed)
+    assert {unquote(html.unescape(link)) for link in links} == ids
+    for link in links:
+        page = client.get("/runs/" + html.unescape(link))
+        assert page.status_code == 200, link
+        assert unquote(html.unescape(link)) in html.unescape(page.text)
+    # Typed by hand, with the slash as it is.
+    page = client.get("/runs/team/a-1")
+    assert page.status_code == 200 and "slash-s" in page.text
+    cancelled = client.post("/runs/team/a-1/cancel", data={"token": TOKEN},
+                            follow_redirects=False)
+    assert cancelled.status_code == 303
+    assert cancelled.headers["location"] == "/runs/team%2Fa-1?cancel=cancelled"
+    assert ledger(fleet.dsn, "team/a-1")["status"] == "cancelled"
 
 
 def test_the_command_refuses_to_listen_off_loopback_without_a_token(fleet: Fleet) -> None:

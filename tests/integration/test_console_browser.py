@@ -232,3 +232,29 @@ def test_no_secret_on_any_page(
     assert "127.0.0.1:" in pages["/fleet"] and "***" in pages[f"/runs/{done.id}"]
     assert "connect with postgresql://" in pages[f"/runs/{done.id}?prompt=full"]
     assert "p1" in pages["events"] and "end" in pages["events"]
+
+
+def test_a_rebound_name_reads_nothing(fleet: Fleet, chromium: Browser) -> None:
+    """DNS rebinding: a page of rebind.attacker.example, whose name now resolves
+    to the console's address, loads the console's pages as its own origin. The
+    console answers that host with 400 and no data."""
+    prompt = calls("r1") + "\nthe secret plan is in the prompt"
+    queued = run_agent.delay(prompt, "rebind-s", user_id="ana")
+    rebound = chromium.browser_type.launch(executable_path=CHROMIUM, args=[
+        *CHROMIUM_ARGS, "--host-resolver-rules=MAP rebind.attacker.example 127.0.0.1"])
+    try:
+        with BackgroundConsole(_console_settings()) as console:
+            port = console.url.rsplit(":", 1)[1]
+            page = rebound.new_page()
+            answer = page.goto(f"http://rebind.attacker.example:{port}/runs/{queued.id}"
+                               "?prompt=full")
+            assert answer is not None and answer.status == 400
+            text = page.content()
+            assert "the secret plan" not in text and queued.id not in text
+            assert "LOOMFLOW_WORKER_CONSOLE_HOSTS" in text
+            # The same page by a name the console serves.
+            answer = page.goto(f"http://localhost:{port}/runs/{queued.id}?prompt=full")
+            assert answer is not None and answer.status == 200
+            assert "the secret plan" in page.content()
+    finally:
+        rebound.close()
