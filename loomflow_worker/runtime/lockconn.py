@@ -39,6 +39,7 @@ import psycopg
 from psycopg import AsyncConnection
 from psycopg.rows import TupleRow
 
+from . import fastpath
 from .errors import LockLost
 from .sql import query
 
@@ -289,11 +290,7 @@ async def _upsert(conn: Conn, rows: list[JournalRow]) -> None:
     """Upsert journal rows: one plain statement for one row, else one
     statement for the whole batch (the last value of a key wins)."""
     if len(rows) == 1:
-        row = rows[0]
-        await conn.execute(
-            query("put_step" if row.table == "steps" else "put_stream"),
-            {"scope": row.scope, "key": row.key, "value": row.value},
-        )
+        await fastpath.put_journal_row(conn, rows[0])
         return
     latest: dict[tuple[Table, str, str], bytes] = {}
     for row in rows:

@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -35,6 +35,7 @@ from psycopg import AsyncConnection
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
+from . import fastpath
 from .codec import CodecStats, Serializer, check_serializer, decode, encode
 from .errors import (
     CONNECT,
@@ -123,6 +124,8 @@ class LockSettings:
             "tcp_user_timeout": self.tcp_user_timeout_ms,
             "connect_timeout": self.connect_timeout,
             "application_name": "loomflow-worker lock",
+            # The fast path (fastpath.py) sends and reads text as UTF-8.
+            "client_encoding": "UTF8",
             "autocommit": True,
         }
 
@@ -619,7 +622,11 @@ class PostgresJournalStore:
             freed.set()
 
     async def release(
-        self, lease: Lease, then: Followup | None = None
+        self,
+        lease: Lease,
+        then: Followup | None = None,
+        *,
+        before: Sequence[fastpath.Call] = (),
     ) -> list[DictRow] | None:
         """Unlock the lease's scope, checking that this process holds it no
         more; a connection where it would still be held is closed.
@@ -629,29 +636,28 @@ class PostgresJournalStore:
         trip, in one pipeline, and Postgres runs it after the unlock, on a
         snapshot of its own. Its rows are returned; ``None`` when it did not
         run (the connection was lost, or the lock was not held): run it
-        elsewhere."""
+        elsewhere.
+
+        ``before`` are statements that must be committed before the scope is
+        free (the run's last journal writes): they go in the same round trip,
+        committed before the unlock runs, and the first error among them is
+        raised once the scope is released."""
         if lease.released:
             return None
         lease.released = True
         line = lease.line
-        key = {"key": lease.lock_key}
-
-        async def unlock(conn: Conn) -> tuple[DictRow | None, list[DictRow] | None]:
-            cur = conn.cursor(row_factory=dict_row)
-            if then is None:
-                await cur.execute(query("unlock_scope"), key)
-                return await cur.fetchone(), None
-            async with conn.pipeline():
-                await cur.execute(query("unlock_scope"), key)
-                followed = await then(conn)
-            return await cur.fetchone(), await followed.fetchall()
-
+        if then is not None and before:
+            raise InvalidInput("release(): `then` and `before` do not go together")
+        failed: list[BaseException] = []
         followed: list[DictRow] | None = None
         try:
             if lease.fenced is None and line.fenced is None:
                 with anyio.CancelScope(shield=True):
                     try:
-                        row, followed = await line.run(unlock)
+                        if then is None:
+                            row = await line.run(_unlock_after(before, lease.lock_key, failed))
+                        else:
+                            row, followed = await line.run(_unlock_then(then, lease.lock_key))
                     except LockLost:
                         # The connection is gone, and its locks with it.
                         row = {"released": True, "still_held": False}
@@ -663,11 +669,37 @@ class PostgresJournalStore:
                         )
                         line.fence(f"the lock of scope {lease.scope!r} was not released")
                         followed = None
+            elif lease.fenced is not None and before:
+                failed.append(lease.fenced)
         finally:
             line.leases.discard(lease)
             if self._held.get(lease.lock_key) is lease:
                 self._forget(lease.lock_key)
+        if failed:
+            raise failed[0]
         return followed
+
+    async def finish_and_release(self, lease: Lease, epoch: int, *, advance: bool) -> None:
+        """:meth:`Lease.finish` (no ``on_finish``) and :meth:`release` in one
+        round trip: the epoch advance (and a pending last-run mark) committed,
+        then the unlock."""
+        writes: list[fastpath.Call] = []
+        last_run = lease.pending_last_run if advance else None
+        if last_run is not None:
+            mark = self._encode(last_run, LAST_RUN_KEY)
+            assert mark is not None
+            writes.append(_journal_call(lease.scope, LAST_RUN_KEY, mark))
+        resumed = lease.current_epoch is not None and lease.current_epoch > epoch
+        if advance and not resumed:
+            value = self._encode(epoch + 1, EPOCH_KEY)
+            assert value is not None
+            writes.append((fastpath.ADVANCE_EPOCH, (
+                fastpath.text(lease.scope), fastpath.int4(epoch + 1), value,
+            )))
+        await self.release(lease, before=writes)
+        if last_run is not None:
+            lease.pending_last_run = None
+            lease.last_run = last_run
 
     # ---- values -------------------------------------------------------------------
 
@@ -895,3 +927,45 @@ def _try_lock(
             raise
 
     return try_lock
+
+
+def _journal_call(scope: str, key: str, blob: bytes) -> fastpath.Call:
+    return (fastpath.PUT_STEP, (fastpath.text(scope), fastpath.text(key), blob))
+
+
+def _unlock_after(
+    before: Sequence[fastpath.Call], key: int, failed: list[BaseException]
+) -> Callable[[Conn], Awaitable[dict[str, Any] | None]]:
+    """The unlock, after ``before`` committed (their first error into ``failed``)."""
+
+    async def unlock(conn: Conn) -> dict[str, Any] | None:
+        unlock_call = (fastpath.UNLOCK_SCOPE, (fastpath.int8(key),))
+        if not before:
+            return _first(await fastpath.execute(conn, *unlock_call))
+        *done, unlocked = await fastpath.pipeline(conn, [*before, fastpath.SYNC, unlock_call])
+        failed.extend(r for r in done if isinstance(r, psycopg.Error))
+        if isinstance(unlocked, psycopg.Error):
+            raise unlocked
+        return _first(unlocked)
+
+    return unlock
+
+
+def _first(res: Any) -> dict[str, Any] | None:
+    found = fastpath.rows(res)
+    return found[0] if found else None
+
+
+def _unlock_then(
+    then: Followup, key: int
+) -> Callable[[Conn], Awaitable[tuple[DictRow | None, list[DictRow] | None]]]:
+    """The unlock, and ``then``'s statement after it in one pipeline."""
+
+    async def unlock(conn: Conn) -> tuple[DictRow | None, list[DictRow] | None]:
+        cur = conn.cursor(row_factory=dict_row)
+        async with conn.pipeline():
+            await cur.execute(query("unlock_scope"), {"key": key})
+            followed = await then(conn)
+        return await cur.fetchone(), await followed.fetchall()
+
+    return unlock

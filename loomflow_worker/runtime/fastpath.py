@@ -1,0 +1,284 @@
+"""The hot statements of a lock connection, sent straight through libpq.
+
+A run sends a handful of statements, most of them one journal upsert each:
+a few bytes out, a command tag back. Through psycopg's cursor each costs
+about 120 us of CPU in this process: a cursor, its transformer, the query's
+conversion and prepare bookkeeping, a wait generator; the round trip itself
+(a prepared statement sent, its result read) costs a fraction of that. So
+these statements go through psycopg's libpq wrapper (``conn.pgconn``)
+directly: prepared once per connection under a name of this module's, their
+parameters sent as bytes in binary format, their results read as
+``PGresult``. Everything else on the connection still goes through psycopg.
+
+The caller owns the connection for the statement (a lock connection's turn:
+nothing else uses it meanwhile), and errors are psycopg's own: a statement
+that fails raises the error psycopg would have raised, a connection that
+fails raises :class:`psycopg.OperationalError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import AsyncConnection, errors
+from psycopg.pq import ConnStatus, ExecStatus, Format
+from psycopg.pq.abc import PGresult
+
+from .sql import query
+
+if TYPE_CHECKING:
+    from .lockconn import JournalRow
+
+TEXT_OID = 25
+BYTEA_OID = 17
+INT4_OID = 23
+INT8_OID = 20
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+_OK = (ExecStatus.COMMAND_OK, ExecStatus.TUPLES_OK)
+
+
+@dataclass(frozen=True)
+class Statement:
+    """A named query of ``queries.sql``, its ``%(name)s`` placeholders numbered
+    in the order ``params`` gives, each parameter of the type in ``types``."""
+
+    name: bytes
+    sql: bytes
+    types: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, params: Sequence[str], types: Sequence[int]) -> Statement:
+        if len(params) != len(types):
+            raise ValueError(f"{name}: {len(params)} parameters but {len(types)} types")
+        numbers = {param: f"${i}" for i, param in enumerate(params, 1)}
+        text = query(name)
+        used = set(_PLACEHOLDER.findall(text))
+        if used != set(params):
+            raise ValueError(f"{name}: the query takes {sorted(used)}, not {sorted(params)}")
+        sql = _PLACEHOLDER.sub(lambda m: numbers[m[1]], text)
+        return cls(f"loomflow_worker_{name}".encode(), sql.encode(), tuple(types))
+
+
+# The statements prepared on each connection, by name.
+_prepared: weakref.WeakKeyDictionary[AsyncConnection[Any], set[bytes]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def execute(
+    conn: AsyncConnection[Any], stmt: Statement, values: Sequence[bytes | None]
+) -> PGresult:
+    """Run ``stmt`` with ``values`` (each in the binary format of its type) on
+    ``conn``, preparing it first on a connection that has not seen it;
+    returns its result (rows in binary format)."""
+    pg = conn.pgconn
+    await _prepare(conn, (stmt,))
+    pg.send_query_prepared(stmt.name, values, (Format.BINARY,) * len(values), Format.BINARY)
+    return await _result(conn)
+
+
+#: In :func:`pipeline`, a commit point between two statements.
+SYNC = None
+
+Call = tuple[Statement, Sequence[bytes | None]]
+
+
+async def pipeline(
+    conn: AsyncConnection[Any], calls: Sequence[Call | None]
+) -> list[PGresult | psycopg.Error]:
+    """Send ``calls`` in one round trip (libpq's pipeline mode) and return each
+    statement's result, or the error it raised, in order.
+
+    Statements up to a :data:`SYNC` (and the end) run as one implicit
+    transaction, committed there: a statement that must see the previous
+    one committed, or must not run before it is (an unlock after a write),
+    goes after a ``SYNC``. After an error, the statements up to the next
+    ``SYNC`` are skipped (:class:`psycopg.errors.PipelineAborted`) and the
+    rest run."""
+    pg = conn.pgconn
+    await _prepare(conn, [call[0] for call in calls if call is not None])
+    if calls and calls[-1] is not SYNC:
+        calls = [*calls, SYNC]
+    pg.enter_pipeline_mode()
+    try:
+        for call in calls:
+            if call is SYNC:
+                pg.pipeline_sync()
+            else:
+                stmt, values = call
+                pg.send_query_prepared(
+                    stmt.name, values, (Format.BINARY,) * len(values), Format.BINARY
+                )
+        return await _pipeline_results(conn, sum(call is SYNC for call in calls))
+    finally:
+        if pg.status == ConnStatus.OK:
+            pg.exit_pipeline_mode()
+
+
+async def _pipeline_results(
+    conn: AsyncConnection[Any], syncs: int
+) -> list[PGresult | psycopg.Error]:
+    pg = conn.pgconn
+    while pg.flush():
+        await _ready(conn, write=True)
+    out: list[PGresult | psycopg.Error] = []
+    found: PGresult | None = None
+    while syncs:
+        pg.consume_input()
+        while syncs and not pg.is_busy():
+            res = pg.get_result()
+            if res is None:  # the end of one statement's results
+                if found is not None:
+                    out.append(_checked(found, conn))
+                found = None
+            elif res.status == ExecStatus.PIPELINE_SYNC:
+                syncs -= 1
+            elif found is None or found.status in _OK:
+                found = res  # the first error of a statement wins
+        if syncs:
+            await _ready(conn, write=False)
+    return out
+
+
+def _checked(res: PGresult, conn: AsyncConnection[Any]) -> PGresult | psycopg.Error:
+    if res.status in _OK:
+        return res
+    if res.status == ExecStatus.PIPELINE_ABORTED:
+        return errors.PipelineAborted("skipped: an earlier statement failed")
+    return errors.error_from_result(res, encoding=conn.info.encoding)
+
+
+async def _prepare(conn: AsyncConnection[Any], stmts: Sequence[Statement]) -> None:
+    """Prepare on ``conn`` the statements of ``stmts`` it has not seen."""
+    done = _prepared.setdefault(conn, set())
+    for stmt in stmts:
+        if stmt.name not in done:
+            conn.pgconn.send_prepare(stmt.name, stmt.sql, stmt.types)
+            await _result(conn)
+            done.add(stmt.name)
+
+
+async def _result(conn: AsyncConnection[Any]) -> PGresult:
+    """Flush what was sent and read the command's result, raising its error."""
+    pg = conn.pgconn
+    while pg.flush():
+        await _ready(conn, write=True)
+    found: PGresult | None = None
+    while True:
+        pg.consume_input()
+        while not pg.is_busy():
+            res = pg.get_result()
+            if res is None:
+                if found is None:
+                    raise psycopg.OperationalError("the server sent no result")
+                checked = _checked(found, conn)
+                if isinstance(checked, psycopg.Error):
+                    raise checked
+                return checked
+            if found is None or found.status in _OK:
+                found = res  # the first error of a command wins
+        await _ready(conn, write=False)
+
+
+async def _ready(conn: AsyncConnection[Any], *, write: bool) -> None:
+    """Wait until the connection's socket can be read (or written)."""
+    loop = asyncio.get_running_loop()
+    fd = conn.pgconn.socket
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    if write:
+        loop.add_writer(fd, wake)
+    else:
+        loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        if write:
+            loop.remove_writer(fd)
+        else:
+            loop.remove_reader(fd)
+
+
+# ---- values -----------------------------------------------------------------------------
+
+
+def rows(res: PGresult) -> list[dict[str, Any]]:
+    """The rows of a binary-format result, as dicts by column name."""
+    names = [(res.fname(i) or b"").decode() for i in range(res.nfields)]
+    loads = [_LOADERS.get(res.ftype(i)) for i in range(res.nfields)]
+    for i, load in enumerate(loads):
+        if load is None:
+            raise psycopg.NotSupportedError(
+                f"column {names[i]!r} has type oid {res.ftype(i)}, which fastpath can't read"
+            )
+    out = []
+    for r in range(res.ntuples):
+        row: dict[str, Any] = {}
+        for c, name in enumerate(names):
+            raw = res.get_value(r, c)
+            row[name] = None if raw is None else loads[c](raw)  # type: ignore[misc]
+        out.append(row)
+    return out
+
+
+def _int(raw: bytes) -> int:
+    return int.from_bytes(raw, "big", signed=True)
+
+
+_LOADERS: dict[int, Callable[[bytes], Any]] = {
+    16: lambda raw: raw != b"\x00",  # bool
+    20: _int,  # int8
+    21: _int,  # int2
+    23: _int,  # int4
+    25: lambda raw: bytes(raw).decode(),  # text
+    17: bytes,  # bytea
+}
+
+
+def text(value: str) -> bytes:
+    """A ``text`` parameter in binary format: UTF-8, the client encoding of
+    every connection of this package (psycopg's default)."""
+    return value.encode()
+
+
+def int4(value: int) -> bytes:
+    return value.to_bytes(4, "big", signed=True)
+
+
+def int8(value: int) -> bytes:
+    return value.to_bytes(8, "big", signed=True)
+
+
+def boolean(value: bool) -> bytes:
+    return b"\x01" if value else b"\x00"
+
+
+_JOURNAL_PARAMS = ("scope", "key", "value")
+_JOURNAL_TYPES = (TEXT_OID, TEXT_OID, BYTEA_OID)
+PUT_STEP = Statement.of("put_step", _JOURNAL_PARAMS, _JOURNAL_TYPES)
+PUT_STREAM = Statement.of("put_stream", _JOURNAL_PARAMS, _JOURNAL_TYPES)
+
+
+async def put_journal_row(conn: AsyncConnection[Any], row: JournalRow) -> None:
+    """Upsert one journal entry (a step's value or a stream's chunks)."""
+    await execute(
+        conn,
+        PUT_STEP if row.table == "steps" else PUT_STREAM,
+        (text(row.scope), text(row.key), row.value),
+    )
+
+ADVANCE_EPOCH = Statement.of(
+    "advance_epoch", ("scope", "new", "value"), (TEXT_OID, INT4_OID, BYTEA_OID)
+)
+UNLOCK_SCOPE = Statement.of("unlock_scope", ("key",), (INT8_OID,))
