@@ -75,6 +75,7 @@ class Result:
     runs: int
     orders: list[tuple[str, ...]] = field(default_factory=list)
     cpu_ms: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SIDES})
+    sys_ms: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SIDES})
     wall_ms: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SIDES})
 
     def ratios(self) -> list[float]:
@@ -91,17 +92,19 @@ def build(runtime: JournaledRuntime) -> Agent:
                  runtime=runtime, memory=NoMemory(), auto_extract=False)
 
 
-async def run_batch(agent: Agent, tag: str, runs: int) -> tuple[float, float]:
-    """``runs`` runs one after another, each on a fresh session: (CPU ms, wall ms) per run."""
+async def run_batch(agent: Agent, tag: str, runs: int) -> tuple[float, float, float]:
+    """``runs`` runs one after another, each on a fresh session: process CPU, the
+    part of it spent in the kernel, and wall time, in ms per run."""
     prompt, expected = calls(*TAGS), expected_output(*TAGS)
     gc.collect()
-    cpu0, wall0 = time.process_time(), time.perf_counter()
+    cpu0, sys0, wall0 = time.process_time(), os.times().system, time.perf_counter()
     for i in range(runs):
         result = await agent.run(prompt, session_id=f"{tag}-{i}", emit=_noop_emit)
         if result.output != expected:
             raise AssertionError(f"{tag}-{i}: the run answered {result.output!r}")
-    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    return 1000 * cpu / runs, 1000 * wall / runs
+    cpu, kernel = time.process_time() - cpu0, os.times().system - sys0
+    wall = time.perf_counter() - wall0
+    return 1000 * cpu / runs, 1000 * kernel / runs, 1000 * wall / runs
 
 
 async def bench(dsn: str, runs: int, rounds: int, profile: str | None) -> Result:
@@ -117,8 +120,9 @@ async def bench(dsn: str, runs: int, rounds: int, profile: str | None) -> Result
             order = SIDES if r % 2 == 0 else SIDES[::-1]
             result.orders.append(order)
             for side in order:
-                cpu, wall = await run_batch(agents[side], f"{tag}-r{r}-{side}", runs)
+                cpu, kernel, wall = await run_batch(agents[side], f"{tag}-r{r}-{side}", runs)
                 result.cpu_ms[side].append(cpu)
+                result.sys_ms[side].append(kernel)
                 result.wall_ms[side].append(wall)
         if profile:
             profiler = cProfile.Profile(time.process_time)
@@ -137,16 +141,20 @@ async def bench(dsn: str, runs: int, rounds: int, profile: str | None) -> Result
 def report(result: Result) -> list[str]:
     out: list[str] = []
     p = out.append
-    p(f"process CPU per run, {result.runs} runs per side and round (ms; wall ms in brackets)")
-    p(f"   {'round':<6}{'order':<20}{'in-memory':>18}{'ours':>18}{'ours/mem':>10}")
+    p(f"process CPU per run, {result.runs} runs per side and round: ms of CPU (of which in "
+      "the kernel) and wall ms")
+    p(f"   {'round':<6}{'order':<20}{'in-memory':>24}{'ours':>24}{'ours/mem':>10}")
     for r, order in enumerate(result.orders):
         p(f"   {r + 1:<6}{','.join(order):<20}"
-          + "".join(f"{result.cpu_ms[s][r]:>9.3f} ({result.wall_ms[s][r]:>5.2f})"
+          + "".join(f"{result.cpu_ms[s][r]:>7.3f} ({result.sys_ms[s][r]:.2f})"
+                    f" {result.wall_ms[s][r]:>6.2f}"
                     for s in SIDES)
           + f"{result.ratios()[r]:>9.2f}x")
     med = {s: statistics.median(result.cpu_ms[s]) for s in SIDES}
     ratio = statistics.median(result.ratios())
-    p(f"   {'median':<26}" + "".join(f"{med[s]:>9.3f}{'':>9}" for s in SIDES)
+    p(f"   {'median':<26}"
+      + "".join(f"{med[s]:>7.3f} ({statistics.median(result.sys_ms[s]):.2f}){'':>7}"
+                for s in SIDES)
       + f"{ratio:>9.2f}x")
     p("")
     p(f"summary: ours {med['ours']:.2f} ms, loomflow's JournaledRuntime() (in memory) "

@@ -21,9 +21,9 @@ from __future__ import annotations
 import asyncio
 import re
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection, errors
@@ -32,13 +32,11 @@ from psycopg.pq.abc import PGresult
 
 from .sql import query
 
-if TYPE_CHECKING:
-    from .lockconn import JournalRow
-
 TEXT_OID = 25
 BYTEA_OID = 17
 INT4_OID = 23
 INT8_OID = 20
+BOOL_OID = 16
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 _OK = (ExecStatus.COMMAND_OK, ExecStatus.TUPLES_OK)
@@ -130,9 +128,10 @@ async def _pipeline_results(
         await _ready(conn, write=True)
     out: list[PGresult | psycopg.Error] = []
     found: PGresult | None = None
-    while syncs:
-        pg.consume_input()
-        while syncs and not pg.is_busy():
+    while True:
+        # Read what libpq holds before waiting on the socket (no read that
+        # would only say "not yet" right after sending).
+        while not pg.is_busy():
             res = pg.get_result()
             if res is None:  # the end of one statement's results
                 if found is not None:
@@ -140,11 +139,12 @@ async def _pipeline_results(
                 found = None
             elif res.status == ExecStatus.PIPELINE_SYNC:
                 syncs -= 1
+                if not syncs:
+                    return out
             elif found is None or found.status in _OK:
                 found = res  # the first error of a statement wins
-        if syncs:
-            await _ready(conn, write=False)
-    return out
+        await _ready(conn, write=False)
+        pg.consume_input()
 
 
 def _checked(res: PGresult, conn: AsyncConnection[Any]) -> PGresult | psycopg.Error:
@@ -172,7 +172,6 @@ async def _result(conn: AsyncConnection[Any]) -> PGresult:
         await _ready(conn, write=True)
     found: PGresult | None = None
     while True:
-        pg.consume_input()
         while not pg.is_busy():
             res = pg.get_result()
             if res is None:
@@ -185,6 +184,7 @@ async def _result(conn: AsyncConnection[Any]) -> PGresult:
             if found is None or found.status in _OK:
                 found = res  # the first error of a command wins
         await _ready(conn, write=False)
+        pg.consume_input()
 
 
 async def _ready(conn: AsyncConnection[Any], *, write: bool) -> None:
@@ -270,15 +270,32 @@ PUT_STEP = Statement.of("put_step", _JOURNAL_PARAMS, _JOURNAL_TYPES)
 PUT_STREAM = Statement.of("put_stream", _JOURNAL_PARAMS, _JOURNAL_TYPES)
 
 
-async def put_journal_row(conn: AsyncConnection[Any], row: JournalRow) -> None:
-    """Upsert one journal entry (a step's value or a stream's chunks)."""
-    await execute(
-        conn,
-        PUT_STEP if row.table == "steps" else PUT_STREAM,
-        (text(row.scope), text(row.key), row.value),
-    )
+#: Up to this many journal rows are sent as a pipeline of plain upserts; more
+#: as one statement of arrays (``put_journal_batch``), which costs Postgres less.
+MAX_PIPELINED_ROWS = 8
+
+
+async def put_journal_rows(
+    conn: AsyncConnection[Any], rows: Iterable[tuple[tuple[str, str, str], bytes]]
+) -> None:
+    """Upsert journal entries, ``((table, scope, key), value)`` with table
+    ``steps`` or ``streams``, in one transaction: all are written or none,
+    and the first error is raised."""
+    calls = [
+        (PUT_STEP if table == "steps" else PUT_STREAM, (text(scope), text(key), value))
+        for (table, scope, key), value in rows
+    ]
+    if len(calls) == 1:
+        await execute(conn, *calls[0])
+        return
+    for result in await pipeline(conn, calls):
+        if isinstance(result, psycopg.Error):
+            raise result
+
 
 ADVANCE_EPOCH = Statement.of(
     "advance_epoch", ("scope", "new", "value"), (TEXT_OID, INT4_OID, BYTEA_OID)
 )
 UNLOCK_SCOPE = Statement.of("unlock_scope", ("key",), (INT8_OID,))
+TRY_LOCK = Statement.of("try_lock", ("key",), (INT8_OID,))
+OPEN_RUN = Statement.of("open_run", ("scope", "pinned", "resume"), (TEXT_OID, INT4_OID, BOOL_OID))

@@ -164,6 +164,12 @@ class OpenChoice:
 
         return run
 
+    def call(self, scope: str) -> fastpath.Call:
+        """The open query, for :func:`fastpath.pipeline`."""
+        pinned = None if self.pinned is None else fastpath.int4(self.pinned)
+        resume = fastpath.boolean(self.resume_last)
+        return (fastpath.OPEN_RUN, (fastpath.text(scope), pinned, resume))
+
     async def send(self, conn: Conn, scope: str) -> psycopg.AsyncCursor[DictRow]:
         cur = conn.cursor(row_factory=dict_row)
         await cur.execute(
@@ -907,17 +913,18 @@ def _try_lock(
             return await gate(conn, key, may_lock), None
         if not may_lock:
             return False, None
+        lock = (fastpath.TRY_LOCK, (fastpath.int8(key),))
         if opening is None:
-            cur = await conn.execute(query("try_lock"), {"key": key})
-            row = await cur.fetchone()
-            return bool(row and row[0]), None
+            return bool(_first_value(await fastpath.execute(conn, *lock))), None
         try:
-            async with conn.pipeline():
-                cur = await conn.execute(query("try_lock"), {"key": key})
-                opened = await opening.send(conn, scope)
-            row = await cur.fetchone()
-            locked = bool(row and row[0])
-            return locked, (await opened.fetchall() if locked else None)
+            tried, opened = await fastpath.pipeline(conn, [lock, opening.call(scope)])
+            if isinstance(tried, psycopg.Error):
+                raise tried
+            if not _first_value(tried):
+                return False, None
+            if isinstance(opened, psycopg.Error):
+                raise opened
+            return True, fastpath.rows(opened)
         except psycopg.DatabaseError as exc:
             if isinstance(exc, psycopg.OperationalError):
                 raise  # the connection is gone, and its locks with it
@@ -954,6 +961,12 @@ def _unlock_after(
 def _first(res: Any) -> dict[str, Any] | None:
     found = fastpath.rows(res)
     return found[0] if found else None
+
+
+def _first_value(res: Any) -> Any:
+    """The first column of the first row of a fast-path result (``None``: no row)."""
+    found = fastpath.rows(res)
+    return next(iter(found[0].values())) if found else None
 
 
 def _unlock_then(

@@ -113,20 +113,35 @@ async def test_a_failed_epoch_advance_raises_and_still_frees_the_scope(dsn: str)
         await runtime.aclose()
 
 
+async def _journal(conn: psycopg.AsyncConnection[Any]) -> list[tuple[Any, ...]]:
+    cur = await conn.execute(
+        "SELECT 'steps', step_name, value FROM journal_steps WHERE session_id = 's'"
+        " UNION ALL SELECT 'streams', step_name, chunks FROM journal_streams"
+        " WHERE session_id = 's' ORDER BY 1, 2"
+    )
+    return await cur.fetchall()
+
+
 async def test_statement_errors_are_psycopgs_and_leave_the_connection_usable(
     dsn: str,
 ) -> None:
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         # Text with a NUL is refused by the server, not cut short.
         with pytest.raises(psycopg.DataError):
-            await fastpath.put_journal_row(conn, JournalRow("steps", "s", "k\x00ey", b"v"))
-        await fastpath.put_journal_row(conn, JournalRow("steps", "s", "key", b"v1"))
-        await fastpath.put_journal_row(conn, JournalRow("streams", "s", "key", b"v2"))
-        cur = await conn.execute(
-            "SELECT (SELECT value FROM journal_steps WHERE session_id = 's' AND step_name = 'key'),"
-            " (SELECT chunks FROM journal_streams WHERE session_id = 's' AND step_name = 'key')"
-        )
-        assert await cur.fetchone() == (b"v1", b"v2")
+            await fastpath.put_journal_rows(conn, [(("steps", "s", "k\x00ey"), b"v")])
+        await fastpath.put_journal_rows(conn, [(("steps", "s", "key"), b"v1")])
+        await fastpath.put_journal_rows(conn, [(("streams", "s", "key"), b"v2")])
+        assert await _journal(conn) == [("steps", "key", b"v1"), ("streams", "key", b"v2")]
+
+
+async def test_a_few_journal_rows_are_written_all_or_none(dsn: str) -> None:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        rows = [(("steps", "s", "a"), b"1"), (("streams", "s", "b"), b"2")]
+        with pytest.raises(psycopg.DataError):
+            await fastpath.put_journal_rows(conn, [*rows, (("steps", "s", "c\x00"), b"3")])
+        assert await _journal(conn) == []
+        await fastpath.put_journal_rows(conn, rows)
+        assert await _journal(conn) == [("steps", "a", b"1"), ("streams", "b", b"2")]
 
 
 async def test_a_pipeline_skips_to_the_next_sync_after_an_error(dsn: str) -> None:
