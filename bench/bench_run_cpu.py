@@ -10,10 +10,12 @@ on each side:
   and drops (its lock, epoch and journal writes are real round trips to Postgres).
 
 A side's figure for a round is the process CPU (``time.process_time()``: every thread of
-this process, user and system) spent on its runs, divided by the runs. Postgres' own CPU
-is not in it. Rounds alternate the order of the sides after a warm-up round; the figures
-are medians over rounds and the ratio is the median of the per-round ratios. Target:
-ours <= 2.0x the in-memory runtime.
+this process, user and system) spent on its runs, divided by the runs; the kernel's part
+of it is shown too. Postgres' own CPU is not in it. Within a round the sides take turns
+every ``--chunk`` (30) runs, so that both see the same moments of a machine whose load
+changes; rounds alternate the order of the sides, after a warm-up round. The figures are
+medians over rounds and the ratio is the median of the per-round ratios. Target: ours
+<= 2.0x the in-memory runtime.
 
 ``--profile FILE`` also runs one more round of ours under cProfile (timed in process CPU,
 not wall time) and writes its stats
@@ -21,7 +23,7 @@ to FILE (read them with ``python -m pstats FILE``).
 
 Run it with::
 
-    python bench/bench_run_cpu.py [--runs 300] [--rounds 7] [--profile FILE]
+    python bench/bench_run_cpu.py [--runs 300] [--rounds 7] [--chunk 30] [--profile FILE]
 
 The admin connection string defaults to postgresql://postgres@127.0.0.1:5432/postgres
 and is overridden by LOOMFLOW_WORKER_BENCH_ADMIN_DSN.
@@ -107,7 +109,9 @@ async def run_batch(agent: Agent, tag: str, runs: int) -> tuple[float, float, fl
     return 1000 * cpu / runs, 1000 * kernel / runs, 1000 * wall / runs
 
 
-async def bench(dsn: str, runs: int, rounds: int, profile: str | None) -> Result:
+async def bench(
+    dsn: str, runs: int, rounds: int, chunk: int, profile: str | None
+) -> Result:
     ours = await PostgresRuntime.connect(dsn)
     try:
         await ours.init_schema()
@@ -119,11 +123,18 @@ async def bench(dsn: str, runs: int, rounds: int, profile: str | None) -> Result
         for r in range(rounds):
             order = SIDES if r % 2 == 0 else SIDES[::-1]
             result.orders.append(order)
-            for side in order:
-                cpu, kernel, wall = await run_batch(agents[side], f"{tag}-r{r}-{side}", runs)
-                result.cpu_ms[side].append(cpu)
-                result.sys_ms[side].append(kernel)
-                result.wall_ms[side].append(wall)
+            totals = {side: [0.0, 0.0, 0.0] for side in SIDES}
+            # The sides take turns every `chunk` runs, so that both see the same
+            # moments of a machine whose load changes.
+            for c, start in enumerate(range(0, runs, chunk)):
+                size = min(chunk, runs - start)
+                for side in order if c % 2 == 0 else order[::-1]:
+                    got = await run_batch(agents[side], f"{tag}-r{r}-{side}-{c}", size)
+                    totals[side] = [t + g * size for t, g in zip(totals[side], got, strict=True)]
+            for side, (cpu, kernel, wall) in totals.items():
+                result.cpu_ms[side].append(cpu / runs)
+                result.sys_ms[side].append(kernel / runs)
+                result.wall_ms[side].append(wall / runs)
         if profile:
             profiler = cProfile.Profile(time.process_time)
             profiler.enable()
@@ -170,11 +181,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="runs per side and round, one after another (default 300)")
     parser.add_argument("--rounds", type=int, default=7,
                         help="measured rounds after the warm-up (default 7)")
+    parser.add_argument("--chunk", type=int, default=30,
+                        help="runs a side makes before the other side's turn within a round "
+                             "(default 30)")
     parser.add_argument("--profile", metavar="FILE",
                         help="profile one more round of ours with cProfile into FILE")
     args = parser.parse_args(argv)
-    if args.runs < 1 or args.rounds < 1:
-        parser.error("--runs and --rounds must be at least 1")
+    if args.runs < 1 or args.rounds < 1 or args.chunk < 1:
+        parser.error("--runs, --rounds and --chunk must be at least 1")
     return args
 
 
@@ -187,8 +201,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         print(f"scratch database {describe(dsn)}; python {platform.python_version()}, "
               f"psycopg {version('psycopg')}, loomflow {version('loomflow')}, "
-              f"{os.cpu_count()} CPUs; --runs {args.runs} --rounds {args.rounds}", flush=True)
-        result = anyio.run(bench, dsn, args.runs, args.rounds, args.profile)
+              f"{os.cpu_count()} CPUs; --runs {args.runs} --rounds {args.rounds} "
+              f"--chunk {args.chunk}", flush=True)
+        result = anyio.run(bench, dsn, args.runs, args.rounds, args.chunk, args.profile)
         print("\n".join(report(result)))
     finally:
         drop_database(admin_dsn, dbname)

@@ -40,6 +40,7 @@ BOOL_OID = 16
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 _OK = (ExecStatus.COMMAND_OK, ExecStatus.TUPLES_OK)
+_BINARY = int(Format.BINARY)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Statement:
     name: bytes
     sql: bytes
     types: tuple[int, ...]
+    formats: tuple[int, ...]  # every parameter in binary format
 
     @classmethod
     def of(cls, name: str, params: Sequence[str], types: Sequence[int]) -> Statement:
@@ -61,7 +63,8 @@ class Statement:
         if used != set(params):
             raise ValueError(f"{name}: the query takes {sorted(used)}, not {sorted(params)}")
         sql = _PLACEHOLDER.sub(lambda m: numbers[m[1]], text)
-        return cls(f"loomflow_worker_{name}".encode(), sql.encode(), tuple(types))
+        return cls(f"loomflow_worker_{name}".encode(), sql.encode(), tuple(types),
+                   (_BINARY,) * len(types))
 
 
 # The statements prepared on each connection, by name.
@@ -70,15 +73,22 @@ _prepared: weakref.WeakKeyDictionary[AsyncConnection[Any], set[bytes]] = (
 )
 
 
+def _prepared_on(conn: AsyncConnection[Any]) -> set[bytes]:
+    found = _prepared.get(conn)
+    if found is None:
+        found = _prepared[conn] = set()
+    return found
+
+
 async def execute(
     conn: AsyncConnection[Any], stmt: Statement, values: Sequence[bytes | None]
 ) -> PGresult:
     """Run ``stmt`` with ``values`` (each in the binary format of its type) on
     ``conn``, preparing it first on a connection that has not seen it;
     returns its result (rows in binary format)."""
-    pg = conn.pgconn
-    await _prepare(conn, (stmt,))
-    pg.send_query_prepared(stmt.name, values, (Format.BINARY,) * len(values), Format.BINARY)
+    if stmt.name not in _prepared_on(conn):
+        await _prepare(conn, (stmt,))
+    conn.pgconn.send_query_prepared(stmt.name, values, stmt.formats, _BINARY)
     return await _result(conn)
 
 
@@ -106,15 +116,15 @@ async def pipeline(
         calls = [*calls, SYNC]
     pg.enter_pipeline_mode()
     try:
+        syncs = 0
         for call in calls:
             if call is SYNC:
                 pg.pipeline_sync()
+                syncs += 1
             else:
                 stmt, values = call
-                pg.send_query_prepared(
-                    stmt.name, values, (Format.BINARY,) * len(values), Format.BINARY
-                )
-        return await _pipeline_results(conn, sum(call is SYNC for call in calls))
+                pg.send_query_prepared(stmt.name, values, stmt.formats, _BINARY)
+        return await _pipeline_results(conn, syncs)
     finally:
         if pg.status == ConnStatus.OK:
             pg.exit_pipeline_mode()
@@ -125,7 +135,7 @@ async def _pipeline_results(
 ) -> list[PGresult | psycopg.Error]:
     pg = conn.pgconn
     while pg.flush():
-        await _ready(conn, write=True)
+        await _writable(conn)
     out: list[PGresult | psycopg.Error] = []
     found: PGresult | None = None
     while True:
@@ -143,7 +153,7 @@ async def _pipeline_results(
                     return out
             elif found is None or found.status in _OK:
                 found = res  # the first error of a statement wins
-        await _ready(conn, write=False)
+        await _readable(conn)
         pg.consume_input()
 
 
@@ -157,7 +167,7 @@ def _checked(res: PGresult, conn: AsyncConnection[Any]) -> PGresult | psycopg.Er
 
 async def _prepare(conn: AsyncConnection[Any], stmts: Sequence[Statement]) -> None:
     """Prepare on ``conn`` the statements of ``stmts`` it has not seen."""
-    done = _prepared.setdefault(conn, set())
+    done = _prepared_on(conn)
     for stmt in stmts:
         if stmt.name not in done:
             conn.pgconn.send_prepare(stmt.name, stmt.sql, stmt.types)
@@ -169,7 +179,7 @@ async def _result(conn: AsyncConnection[Any]) -> PGresult:
     """Flush what was sent and read the command's result, raising its error."""
     pg = conn.pgconn
     while pg.flush():
-        await _ready(conn, write=True)
+        await _writable(conn)
     found: PGresult | None = None
     while True:
         while not pg.is_busy():
@@ -183,12 +193,21 @@ async def _result(conn: AsyncConnection[Any]) -> PGresult:
                 return checked
             if found is None or found.status in _OK:
                 found = res  # the first error of a command wins
-        await _ready(conn, write=False)
+        await _readable(conn)
         pg.consume_input()
 
 
-async def _ready(conn: AsyncConnection[Any], *, write: bool) -> None:
-    """Wait until the connection's socket can be read (or written)."""
+async def _readable(conn: AsyncConnection[Any]) -> None:
+    """Wait until the connection's socket can be read."""
+    await _wait(conn, write=False)
+
+
+async def _writable(conn: AsyncConnection[Any]) -> None:
+    """Wait until the connection's socket can be written (its buffer was full)."""
+    await _wait(conn, write=True)
+
+
+async def _wait(conn: AsyncConnection[Any], *, write: bool) -> None:
     loop = asyncio.get_running_loop()
     fd = conn.pgconn.socket
     ready: asyncio.Future[None] = loop.create_future()
