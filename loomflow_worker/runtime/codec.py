@@ -69,7 +69,9 @@ def encode(value: Any, serializer: Serializer, stats: CodecStats, *, key: str) -
 
 # ---- encoding: loomflow's ``_codec.dumps``, byte for byte, with less work per value --------
 
-_JSON = json.JSONEncoder(separators=(",", ":"))
+# No check for cycles: _encode builds every list and dict anew, so what it
+# hands over has none (a value with a cycle fails in _encode already).
+_JSON = json.JSONEncoder(separators=(",", ":"), check_circular=False)
 
 
 def dumps(value: Any) -> bytes:
@@ -109,12 +111,13 @@ def _model_encoder(cls: type[BaseModel]) -> Callable[[Any], Any]:
     path = f"{cls.__module__}:{cls.__qualname__}"
 
     def encode_model(value: BaseModel) -> Any:
+        extra = value.__pydantic_extra__
         return {
             _TAG: "model",
             "cls": path,
             "v": {k: _encode(v) for k, v in value.__dict__.items()},
-            "x": _encode(value.__pydantic_extra__ or {}),
-            "set": sorted(value.model_fields_set),
+            "x": _encode(extra) if extra else {},
+            "set": sorted(value.__pydantic_fields_set__),
         }
 
     return encode_model
