@@ -19,6 +19,7 @@ fails raises :class:`psycopg.OperationalError`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -27,7 +28,7 @@ from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection, errors
-from psycopg.pq import ConnStatus, ExecStatus, Format
+from psycopg.pq import ExecStatus, Format
 from psycopg.pq.abc import PGresult
 
 from .sql import query
@@ -36,6 +37,7 @@ TEXT_OID = 25
 BYTEA_OID = 17
 INT4_OID = 23
 INT8_OID = 20
+INT2_OID = 21
 BOOL_OID = 16
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
@@ -124,10 +126,15 @@ async def pipeline(
             else:
                 stmt, values = call
                 pg.send_query_prepared(stmt.name, values, stmt.formats, _BINARY)
-        return await _pipeline_results(conn, syncs)
-    finally:
-        if pg.status == ConnStatus.OK:
+        results = await _pipeline_results(conn, syncs)
+    except BaseException:
+        # Results may be left unread (a lost connection, a cancelled wait): the
+        # error going up is the one to see, and the owner closes the connection.
+        with contextlib.suppress(psycopg.Error):
             pg.exit_pipeline_mode()
+        raise
+    pg.exit_pipeline_mode()
+    return results
 
 
 async def _pipeline_results(
@@ -234,19 +241,21 @@ async def _wait(conn: AsyncConnection[Any], *, write: bool) -> None:
 
 def rows(res: PGresult) -> list[dict[str, Any]]:
     """The rows of a binary-format result, as dicts by column name."""
-    names = [(res.fname(i) or b"").decode() for i in range(res.nfields)]
-    loads = [_LOADERS.get(res.ftype(i)) for i in range(res.nfields)]
-    for i, load in enumerate(loads):
+    columns: list[tuple[str, Callable[[bytes], Any]]] = []
+    for i in range(res.nfields):
+        name = (res.fname(i) or b"").decode()
+        load = _LOADERS.get(res.ftype(i))
         if load is None:
             raise psycopg.NotSupportedError(
-                f"column {names[i]!r} has type oid {res.ftype(i)}, which fastpath can't read"
+                f"column {name!r} has type oid {res.ftype(i)}, which the fast path can't read"
             )
+        columns.append((name, load))
     out = []
     for r in range(res.ntuples):
         row: dict[str, Any] = {}
-        for c, name in enumerate(names):
+        for c, (name, load) in enumerate(columns):
             raw = res.get_value(r, c)
-            row[name] = None if raw is None else loads[c](raw)  # type: ignore[misc]
+            row[name] = None if raw is None else load(raw)
         out.append(row)
     return out
 
@@ -256,18 +265,18 @@ def _int(raw: bytes) -> int:
 
 
 _LOADERS: dict[int, Callable[[bytes], Any]] = {
-    16: lambda raw: raw != b"\x00",  # bool
-    20: _int,  # int8
-    21: _int,  # int2
-    23: _int,  # int4
-    25: lambda raw: bytes(raw).decode(),  # text
-    17: bytes,  # bytea
+    BOOL_OID: lambda raw: raw != b"\x00",
+    INT2_OID: _int,
+    INT4_OID: _int,
+    INT8_OID: _int,
+    TEXT_OID: lambda raw: bytes(raw).decode(),
+    BYTEA_OID: bytes,
 }
 
 
 def text(value: str) -> bytes:
-    """A ``text`` parameter in binary format: UTF-8, the client encoding of
-    every connection of this package (psycopg's default)."""
+    """A ``text`` parameter in binary format: UTF-8, the client encoding lock
+    connections are opened with (``LockSettings.client_kwargs``)."""
     return value.encode()
 
 

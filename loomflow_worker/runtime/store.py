@@ -664,9 +664,12 @@ class PostgresJournalStore:
                             row = await line.run(_unlock_after(before, lease.lock_key, failed))
                         else:
                             row, followed = await line.run(_unlock_then(then, lease.lock_key))
-                    except LockLost:
-                        # The connection is gone, and its locks with it.
+                    except LockLost as exc:
+                        # The connection is gone, and its locks with it; what
+                        # was to be committed first may not have been.
                         row = {"released": True, "still_held": False}
+                        if before:
+                            failed.append(exc)
                     if row is None or not row["released"] or row["still_held"]:
                         log.error(
                             "scope %s: lock not held at release, or held still; closing "
@@ -675,8 +678,8 @@ class PostgresJournalStore:
                         )
                         line.fence(f"the lock of scope {lease.scope!r} was not released")
                         followed = None
-            elif lease.fenced is not None and before:
-                failed.append(lease.fenced)
+            elif before:
+                failed.append(lease.fenced or line.fenced or LockLost(lease.scope, "fenced"))
         finally:
             line.leases.discard(lease)
             if self._held.get(lease.lock_key) is lease:

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from loomflow.runtime.journal import journal_scope
 
-from loomflow_worker.runtime import PostgresRuntime, SessionBusy, fastpath
+from loomflow_worker.runtime import LockLost, PostgresRuntime, SessionBusy, fastpath
 from loomflow_worker.runtime.lockconn import JournalRow, LockConnection
 from loomflow_worker.testing import EffectsLog
 
@@ -175,3 +175,25 @@ def test_a_statement_numbers_its_placeholders_in_the_order_given() -> None:
     assert sql.count("$3") == 3
     with pytest.raises(ValueError, match="takes"):
         fastpath.Statement.of("advance_epoch", ("scope",), (fastpath.TEXT_OID,))
+
+
+async def test_a_finish_whose_connection_is_lost_raises_and_frees_the_scope(dsn: str) -> None:
+    """The epoch advance and the unlock go out together; when the connection
+    dies under them the run hears LockLost (its advance may not have been
+    committed), and Postgres has freed the scope."""
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
+    other = await PostgresRuntime.connect(dsn, lock_connections=1)
+    try:
+        lease = await runtime.journal.acquire("finish-lost", 0)
+        await lease.open(pinned=None, resume_last=False)
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as admin:
+            await admin.execute("SELECT pg_terminate_backend(%s)", (lease.backend_pid,))
+        with pytest.raises(LockLost):
+            await runtime.journal.finish_and_release(lease, 0, advance=True)
+        assert lease.released
+        with anyio.fail_after(5):
+            taken = await other.journal.acquire("finish-lost", 5)
+        await other.journal.release(taken)
+    finally:
+        await other.aclose()
+        await runtime.aclose()
