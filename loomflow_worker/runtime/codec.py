@@ -53,7 +53,7 @@ def encode(value: Any, serializer: Serializer, stats: CodecStats, *, key: str) -
     if serializer == "pickle":
         return pickle.dumps(value)
     try:
-        return _codec.dumps(value)
+        return dumps(value)
     except TypeError as exc:
         stats.unencodable += 1
         log.warning(
@@ -65,6 +65,85 @@ def encode(value: Any, serializer: Serializer, stats: CodecStats, *, key: str) -
             extra={"action": "journal_unencodable", "step": key},
         )
         return None
+
+
+# ---- encoding: loomflow's ``_codec.dumps``, byte for byte, with less work per value --------
+
+# No check for cycles: _encode builds every list and dict anew, so what it
+# hands over has none (a value with a cycle fails in _encode already).
+_JSON = json.JSONEncoder(separators=(",", ":"), check_circular=False)
+
+
+def dumps(value: Any) -> bytes:
+    """``_codec.dumps(value)``: the same bytes, built with a branch chosen once
+    per type instead of a chain of ``isinstance`` checks per value."""
+    return _codec.MAGIC + _JSON.encode(_encode(value)).encode("utf-8")
+
+
+def _encode(value: Any) -> Any:
+    kind = type(value)
+    if kind is str or kind is int or kind is float or kind is bool or value is None:
+        return value
+    encoder = _ENCODERS.get(kind)
+    if encoder is None:
+        encoder = _ENCODERS[kind] = _encoder_of(kind)
+    return encoder(value)
+
+
+def _list(value: list[Any]) -> list[Any]:
+    return [_encode(v) for v in value]
+
+
+def _dict(value: dict[Any, Any]) -> Any:
+    for k in value:
+        if type(k) is not str:
+            return _codec._encode(value)  # tagged "map", or a key of a str subclass
+    if _TAG in value:
+        return _codec._encode(value)
+    return {k: _encode(v) for k, v in value.items()}
+
+
+def _tuple(value: tuple[Any, ...]) -> Any:
+    return {_TAG: "tuple", "v": [_encode(v) for v in value]}
+
+
+def _model_encoder(cls: type[BaseModel]) -> Callable[[Any], Any]:
+    path = f"{cls.__module__}:{cls.__qualname__}"
+
+    def encode_model(value: BaseModel) -> Any:
+        extra = value.__pydantic_extra__
+        return {
+            _TAG: "model",
+            "cls": path,
+            "v": {k: _encode(v) for k, v in value.__dict__.items()},
+            "x": _encode(extra) if extra else {},
+            "set": sorted(value.__pydantic_fields_set__),
+        }
+
+    return encode_model
+
+
+def _encoder_of(kind: type) -> Callable[[Any], Any]:
+    """How loomflow's ``_codec._encode`` encodes a value of type ``kind``: the
+    first of its ``isinstance`` checks that ``kind`` passes decides. Lists,
+    dicts, tuples and models (nearly every journal value) get their own
+    function here; anything else is loomflow's own function."""
+    if issubclass(kind, bool | int | float | str):
+        return lambda value: value
+    if kind is list:
+        return _list
+    if kind is dict:
+        return _dict
+    if kind is tuple:
+        return _tuple
+    if issubclass(kind, list | dict | tuple | frozenset | set | bytes | Enum):
+        return _codec._encode
+    if issubclass(kind, BaseModel):
+        return _model_encoder(kind)
+    return _codec._encode
+
+
+_ENCODERS: dict[type, Callable[[Any], Any]] = {}
 
 
 def _dataclass(cls: type, values: dict[str, Any]) -> Any:

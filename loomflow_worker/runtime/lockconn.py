@@ -44,6 +44,7 @@ import psycopg
 from psycopg import AsyncConnection
 from psycopg.rows import TupleRow
 
+from . import fastpath
 from .errors import LockLost
 from .sql import query
 
@@ -333,18 +334,14 @@ def _succeed(done: asyncio.Future[None]) -> None:
 
 
 async def _upsert(conn: Conn, rows: list[JournalRow]) -> None:
-    """Upsert journal rows: one plain statement for one row, else one
-    statement for the whole batch (the last value of a key wins)."""
-    if len(rows) == 1:
-        row = rows[0]
-        await conn.execute(
-            query("put_step" if row.table == "steps" else "put_stream"),
-            {"scope": row.scope, "key": row.key, "value": row.value},
-        )
-        return
+    """Upsert journal rows (the last value of a key wins), in one transaction:
+    a few as a pipeline of plain statements, more as one statement."""
     latest: dict[tuple[Table, str, str], bytes] = {}
     for row in rows:
         latest[(row.table, row.scope, row.key)] = row.value
+    if len(latest) <= fastpath.MAX_PIPELINED_ROWS:
+        await fastpath.put_journal_rows(conn, latest.items())
+        return
     params: dict[str, list[Any]] = {
         "step_scopes": [], "step_keys": [], "step_values": [],
         "stream_scopes": [], "stream_keys": [], "stream_values": [],

@@ -355,7 +355,10 @@ class PostgresRuntime(JournaledRuntime):
                 _open_run_var.reset(run_token)
             if given is None:
                 with anyio.CancelScope(shield=True):
-                    await lease.finish(epoch, advance=run.touched, on_finish=opts.on_finish)
+                    if opts.on_finish is None:
+                        await self._pg.finish_and_release(lease, epoch, advance=run.touched)
+                    else:
+                        await lease.finish(epoch, advance=run.touched, on_finish=opts.on_finish)
         finally:
             if given is None:
                 await self._pg.release(lease)

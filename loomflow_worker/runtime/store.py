@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -35,6 +35,7 @@ from psycopg import AsyncConnection
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
+from . import fastpath
 from .codec import CodecStats, Serializer, check_serializer, decode, encode
 from .errors import (
     CONNECT,
@@ -123,6 +124,8 @@ class LockSettings:
             "tcp_user_timeout": self.tcp_user_timeout_ms,
             "connect_timeout": self.connect_timeout,
             "application_name": "loomflow-worker lock",
+            # The fast path (fastpath.py) sends and reads text as UTF-8.
+            "client_encoding": "UTF8",
             "autocommit": True,
         }
 
@@ -160,6 +163,12 @@ class OpenChoice:
             return await cur.fetchall()
 
         return run
+
+    def call(self, scope: str) -> fastpath.Call:
+        """The open query, for :func:`fastpath.pipeline`."""
+        pinned = None if self.pinned is None else fastpath.int4(self.pinned)
+        resume = fastpath.boolean(self.resume_last)
+        return (fastpath.OPEN_RUN, (fastpath.text(scope), pinned, resume))
 
     async def send(self, conn: Conn, scope: str) -> psycopg.AsyncCursor[DictRow]:
         cur = conn.cursor(row_factory=dict_row)
@@ -627,7 +636,11 @@ class PostgresJournalStore:
             freed.set()
 
     async def release(
-        self, lease: Lease, then: Followup | None = None
+        self,
+        lease: Lease,
+        then: Followup | None = None,
+        *,
+        before: Sequence[fastpath.Call] = (),
     ) -> list[DictRow] | None:
         """Unlock the lease's scope, checking that this process holds it no
         more; a connection where it would still be held is closed.
@@ -637,32 +650,34 @@ class PostgresJournalStore:
         trip, in one pipeline, and Postgres runs it after the unlock, on a
         snapshot of its own. Its rows are returned; ``None`` when it did not
         run (the connection was lost, or the lock was not held): run it
-        elsewhere."""
+        elsewhere.
+
+        ``before`` are statements that must be committed before the scope is
+        free (the run's last journal writes): they go in the same round trip,
+        committed before the unlock runs, and the first error among them is
+        raised once the scope is released."""
         if lease.released:
             return None
         lease.released = True
         line = lease.line
-        key = {"key": lease.lock_key}
-
-        async def unlock(conn: Conn) -> tuple[DictRow | None, list[DictRow] | None]:
-            cur = conn.cursor(row_factory=dict_row)
-            if then is None:
-                await cur.execute(query("unlock_scope"), key)
-                return await cur.fetchone(), None
-            async with conn.pipeline():
-                await cur.execute(query("unlock_scope"), key)
-                followed = await then(conn)
-            return await cur.fetchone(), await followed.fetchall()
-
+        if then is not None and before:
+            raise InvalidInput("release(): `then` and `before` do not go together")
+        failed: list[BaseException] = []
         followed: list[DictRow] | None = None
         try:
             if lease.fenced is None and line.fenced is None:
                 with anyio.CancelScope(shield=True):
                     try:
-                        row, followed = await line.run(unlock)
-                    except LockLost:
-                        # The connection is gone, and its locks with it.
+                        if then is None:
+                            row = await line.run(_unlock_after(before, lease.lock_key, failed))
+                        else:
+                            row, followed = await line.run(_unlock_then(then, lease.lock_key))
+                    except LockLost as exc:
+                        # The connection is gone, and its locks with it; what
+                        # was to be committed first may not have been.
                         row = {"released": True, "still_held": False}
+                        if before:
+                            failed.append(exc)
                     if row is None or not row["released"] or row["still_held"]:
                         log.error(
                             "scope %s: lock not held at release, or held still; closing "
@@ -671,11 +686,37 @@ class PostgresJournalStore:
                         )
                         line.fence(f"the lock of scope {lease.scope!r} was not released")
                         followed = None
+            elif before:
+                failed.append(lease.fenced or line.fenced or LockLost(lease.scope, "fenced"))
         finally:
             line.leases.discard(lease)
             if self._held.get(lease.lock_key) is lease:
                 self._forget(lease.lock_key)
+        if failed:
+            raise failed[0]
         return followed
+
+    async def finish_and_release(self, lease: Lease, epoch: int, *, advance: bool) -> None:
+        """:meth:`Lease.finish` (no ``on_finish``) and :meth:`release` in one
+        round trip: the epoch advance (and a pending last-run mark) committed,
+        then the unlock."""
+        writes: list[fastpath.Call] = []
+        last_run = lease.pending_last_run if advance else None
+        if last_run is not None:
+            mark = self._encode(last_run, LAST_RUN_KEY)
+            assert mark is not None
+            writes.append(_journal_call(lease.scope, LAST_RUN_KEY, mark))
+        resumed = lease.current_epoch is not None and lease.current_epoch > epoch
+        if advance and not resumed:
+            value = self._encode(epoch + 1, EPOCH_KEY)
+            assert value is not None
+            writes.append((fastpath.ADVANCE_EPOCH, (
+                fastpath.text(lease.scope), fastpath.int4(epoch + 1), value,
+            )))
+        await self.release(lease, before=writes)
+        if last_run is not None:
+            lease.pending_last_run = None
+            lease.last_run = last_run
 
     # ---- values -------------------------------------------------------------------
 
@@ -883,17 +924,18 @@ def _try_lock(
             return await gate(conn, key, may_lock), None
         if not may_lock:
             return False, None
+        lock = (fastpath.TRY_LOCK, (fastpath.int8(key),))
         if opening is None:
-            cur = await conn.execute(query("try_lock"), {"key": key})
-            row = await cur.fetchone()
-            return bool(row and row[0]), None
+            return bool(_first_value(await fastpath.execute(conn, *lock))), None
         try:
-            async with conn.pipeline():
-                cur = await conn.execute(query("try_lock"), {"key": key})
-                opened = await opening.send(conn, scope)
-            row = await cur.fetchone()
-            locked = bool(row and row[0])
-            return locked, (await opened.fetchall() if locked else None)
+            tried, opened = await fastpath.pipeline(conn, [lock, opening.call(scope)])
+            if isinstance(tried, psycopg.Error):
+                raise tried
+            if not _first_value(tried):
+                return False, None
+            if isinstance(opened, psycopg.Error):
+                raise opened
+            return True, fastpath.rows(opened)
         except psycopg.DatabaseError as exc:
             if isinstance(exc, psycopg.OperationalError):
                 raise  # the connection is gone, and its locks with it
@@ -903,3 +945,51 @@ def _try_lock(
             raise
 
     return try_lock
+
+
+def _journal_call(scope: str, key: str, blob: bytes) -> fastpath.Call:
+    return (fastpath.PUT_STEP, (fastpath.text(scope), fastpath.text(key), blob))
+
+
+def _unlock_after(
+    before: Sequence[fastpath.Call], key: int, failed: list[BaseException]
+) -> Callable[[Conn], Awaitable[dict[str, Any] | None]]:
+    """The unlock, after ``before`` committed (their first error into ``failed``)."""
+
+    async def unlock(conn: Conn) -> dict[str, Any] | None:
+        unlock_call = (fastpath.UNLOCK_SCOPE, (fastpath.int8(key),))
+        if not before:
+            return _first(await fastpath.execute(conn, *unlock_call))
+        *done, unlocked = await fastpath.pipeline(conn, [*before, fastpath.SYNC, unlock_call])
+        failed.extend(r for r in done if isinstance(r, psycopg.Error))
+        if isinstance(unlocked, psycopg.Error):
+            raise unlocked
+        return _first(unlocked)
+
+    return unlock
+
+
+def _first(res: Any) -> dict[str, Any] | None:
+    found = fastpath.rows(res)
+    return found[0] if found else None
+
+
+def _first_value(res: Any) -> Any:
+    """The first column of the first row of a fast-path result (``None``: no row)."""
+    found = fastpath.rows(res)
+    return next(iter(found[0].values())) if found else None
+
+
+def _unlock_then(
+    then: Followup, key: int
+) -> Callable[[Conn], Awaitable[tuple[DictRow | None, list[DictRow] | None]]]:
+    """The unlock, and ``then``'s statement after it in one pipeline."""
+
+    async def unlock(conn: Conn) -> tuple[DictRow | None, list[DictRow] | None]:
+        cur = conn.cursor(row_factory=dict_row)
+        async with conn.pipeline():
+            await cur.execute(query("unlock_scope"), {"key": key})
+            followed = await then(conn)
+        return await cur.fetchone(), await followed.fetchall()
+
+    return unlock

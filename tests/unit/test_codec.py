@@ -14,7 +14,7 @@ import pytest
 from loomflow.core.types import Episode, Message, ModelChunk, Role, ToolCall, ToolResult, Usage
 from loomflow.runtime import _codec
 
-from loomflow_worker.runtime.codec import CodecStats, decode
+from loomflow_worker.runtime.codec import CodecStats, decode, encode
 
 
 class Colour(enum.Enum):
@@ -75,3 +75,34 @@ def test_a_model_stored_before_its_class_gained_a_field_gets_the_default() -> No
     assert b"duration_ms" not in blob
     ok, got = decode(blob, "json", CodecStats(), key="k")
     assert ok and got == _codec.loads(blob) == stored
+
+
+class Shade(enum.IntEnum):
+    DARK = 1
+
+
+class Tag(str):
+    pass
+
+
+class Loose(ToolResult, extra="allow"):
+    pass
+
+
+ENCODED: list[Any] = [
+    *VALUES, Shade.DARK, [Shade.DARK, {"k": Shade.DARK}], Tag("sub"), {Tag("k"): 1},
+    [True, 1, 1.5, None], (ToolResult(call_id="t", ok=True, output=[1, (2,)]),),
+    Loose(call_id="l", ok=True, extra_field={"deep": (1, b"x")}),
+    {"a": {1: "int key inside"}}, [[], {}, ()], float("nan"), "ünïcødé \u2603",
+]
+
+
+@pytest.mark.parametrize("value", ENCODED, ids=lambda v: type(v).__name__)
+def test_encode_writes_loomflows_bytes(value: Any) -> None:
+    assert encode(value, "json", CodecStats(), key="k") == _codec.dumps(value)
+
+
+def test_a_value_the_codec_cannot_store_is_refused_and_counted() -> None:
+    stats = CodecStats()
+    assert encode([1, object()], "json", stats, key="k") is None
+    assert stats.unencodable == 1

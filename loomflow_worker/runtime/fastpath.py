@@ -1,0 +1,329 @@
+"""The hot statements of a lock connection, sent straight through libpq.
+
+A run sends a handful of statements, most of them one journal upsert each:
+a few bytes out, a command tag back. Through psycopg's cursor each costs
+about 120 us of CPU in this process: a cursor, its transformer, the query's
+conversion and prepare bookkeeping, a wait generator; the round trip itself
+(a prepared statement sent, its result read) costs a fraction of that. So
+these statements go through psycopg's libpq wrapper (``conn.pgconn``)
+directly: prepared once per connection under a name of this module's, their
+parameters sent as bytes in binary format, their results read as
+``PGresult``. Everything else on the connection still goes through psycopg.
+
+The caller owns the connection for the statement (a lock connection's turn:
+nothing else uses it meanwhile), and errors are psycopg's own: a statement
+that fails raises the error psycopg would have raised, a connection that
+fails raises :class:`psycopg.OperationalError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import AsyncConnection, errors
+from psycopg.pq import ExecStatus, Format
+from psycopg.pq.abc import PGresult
+
+from .sql import query
+
+TEXT_OID = 25
+BYTEA_OID = 17
+INT4_OID = 23
+INT8_OID = 20
+INT2_OID = 21
+BOOL_OID = 16
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+_OK = (ExecStatus.COMMAND_OK, ExecStatus.TUPLES_OK)
+_BINARY = int(Format.BINARY)
+
+
+@dataclass(frozen=True)
+class Statement:
+    """A named query of ``queries.sql``, its ``%(name)s`` placeholders numbered
+    in the order ``params`` gives, each parameter of the type in ``types``."""
+
+    name: bytes
+    sql: bytes
+    types: tuple[int, ...]
+    formats: tuple[int, ...]  # every parameter in binary format
+
+    @classmethod
+    def of(cls, name: str, params: Sequence[str], types: Sequence[int]) -> Statement:
+        if len(params) != len(types):
+            raise ValueError(f"{name}: {len(params)} parameters but {len(types)} types")
+        numbers = {param: f"${i}" for i, param in enumerate(params, 1)}
+        text = query(name)
+        used = set(_PLACEHOLDER.findall(text))
+        if used != set(params):
+            raise ValueError(f"{name}: the query takes {sorted(used)}, not {sorted(params)}")
+        sql = _PLACEHOLDER.sub(lambda m: numbers[m[1]], text)
+        return cls(f"loomflow_worker_{name}".encode(), sql.encode(), tuple(types),
+                   (_BINARY,) * len(types))
+
+
+# The statements prepared on each connection, by name.
+_prepared: weakref.WeakKeyDictionary[AsyncConnection[Any], set[bytes]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _prepared_on(conn: AsyncConnection[Any]) -> set[bytes]:
+    found = _prepared.get(conn)
+    if found is None:
+        found = _prepared[conn] = set()
+    return found
+
+
+async def execute(
+    conn: AsyncConnection[Any], stmt: Statement, values: Sequence[bytes | None]
+) -> PGresult:
+    """Run ``stmt`` with ``values`` (each in the binary format of its type) on
+    ``conn``, preparing it first on a connection that has not seen it;
+    returns its result (rows in binary format)."""
+    if stmt.name not in _prepared_on(conn):
+        await _prepare(conn, (stmt,))
+    conn.pgconn.send_query_prepared(stmt.name, values, stmt.formats, _BINARY)
+    return await _result(conn)
+
+
+#: In :func:`pipeline`, a commit point between two statements.
+SYNC = None
+
+Call = tuple[Statement, Sequence[bytes | None]]
+
+
+async def pipeline(
+    conn: AsyncConnection[Any], calls: Sequence[Call | None]
+) -> list[PGresult | psycopg.Error]:
+    """Send ``calls`` in one round trip (libpq's pipeline mode) and return each
+    statement's result, or the error it raised, in order.
+
+    Statements up to a :data:`SYNC` (and the end) run as one implicit
+    transaction, committed there: a statement that must see the previous
+    one committed, or must not run before it is (an unlock after a write),
+    goes after a ``SYNC``. After an error, the statements up to the next
+    ``SYNC`` are skipped (:class:`psycopg.errors.PipelineAborted`) and the
+    rest run."""
+    pg = conn.pgconn
+    await _prepare(conn, [call[0] for call in calls if call is not None])
+    if calls and calls[-1] is not SYNC:
+        calls = [*calls, SYNC]
+    pg.enter_pipeline_mode()
+    try:
+        syncs = 0
+        for call in calls:
+            if call is SYNC:
+                pg.pipeline_sync()
+                syncs += 1
+            else:
+                stmt, values = call
+                pg.send_query_prepared(stmt.name, values, stmt.formats, _BINARY)
+        results = await _pipeline_results(conn, syncs)
+    except BaseException:
+        # Results may be left unread (a lost connection, a cancelled wait): the
+        # error going up is the one to see, and the owner closes the connection.
+        with contextlib.suppress(psycopg.Error):
+            pg.exit_pipeline_mode()
+        raise
+    pg.exit_pipeline_mode()
+    return results
+
+
+async def _pipeline_results(
+    conn: AsyncConnection[Any], syncs: int
+) -> list[PGresult | psycopg.Error]:
+    pg = conn.pgconn
+    while pg.flush():
+        await _writable(conn)
+    out: list[PGresult | psycopg.Error] = []
+    found: PGresult | None = None
+    while True:
+        # Read what libpq holds before waiting on the socket (no read that
+        # would only say "not yet" right after sending).
+        while not pg.is_busy():
+            res = pg.get_result()
+            if res is None:  # the end of one statement's results
+                if found is not None:
+                    out.append(_checked(found, conn))
+                found = None
+            elif res.status == ExecStatus.PIPELINE_SYNC:
+                syncs -= 1
+                if not syncs:
+                    return out
+            elif found is None or found.status in _OK:
+                found = res  # the first error of a statement wins
+        await _readable(conn)
+        pg.consume_input()
+
+
+def _checked(res: PGresult, conn: AsyncConnection[Any]) -> PGresult | psycopg.Error:
+    if res.status in _OK:
+        return res
+    if res.status == ExecStatus.PIPELINE_ABORTED:
+        return errors.PipelineAborted("skipped: an earlier statement failed")
+    return errors.error_from_result(res, encoding=conn.info.encoding)
+
+
+async def _prepare(conn: AsyncConnection[Any], stmts: Sequence[Statement]) -> None:
+    """Prepare on ``conn`` the statements of ``stmts`` it has not seen."""
+    done = _prepared_on(conn)
+    for stmt in stmts:
+        if stmt.name not in done:
+            conn.pgconn.send_prepare(stmt.name, stmt.sql, stmt.types)
+            await _result(conn)
+            done.add(stmt.name)
+
+
+async def _result(conn: AsyncConnection[Any]) -> PGresult:
+    """Flush what was sent and read the command's result, raising its error."""
+    pg = conn.pgconn
+    while pg.flush():
+        await _writable(conn)
+    found: PGresult | None = None
+    while True:
+        while not pg.is_busy():
+            res = pg.get_result()
+            if res is None:
+                if found is None:
+                    raise psycopg.OperationalError("the server sent no result")
+                checked = _checked(found, conn)
+                if isinstance(checked, psycopg.Error):
+                    raise checked
+                return checked
+            if found is None or found.status in _OK:
+                found = res  # the first error of a command wins
+        await _readable(conn)
+        pg.consume_input()
+
+
+async def _readable(conn: AsyncConnection[Any]) -> None:
+    """Wait until the connection's socket can be read."""
+    await _wait(conn, write=False)
+
+
+async def _writable(conn: AsyncConnection[Any]) -> None:
+    """Wait until the connection's socket can be written (its buffer was full)."""
+    await _wait(conn, write=True)
+
+
+async def _wait(conn: AsyncConnection[Any], *, write: bool) -> None:
+    loop = asyncio.get_running_loop()
+    fd = conn.pgconn.socket
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    if write:
+        loop.add_writer(fd, wake)
+    else:
+        loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        if write:
+            loop.remove_writer(fd)
+        else:
+            loop.remove_reader(fd)
+
+
+# ---- values -----------------------------------------------------------------------------
+
+
+def rows(res: PGresult) -> list[dict[str, Any]]:
+    """The rows of a binary-format result, as dicts by column name."""
+    columns: list[tuple[str, Callable[[bytes], Any]]] = []
+    for i in range(res.nfields):
+        name = (res.fname(i) or b"").decode()
+        load = _LOADERS.get(res.ftype(i))
+        if load is None:
+            raise psycopg.NotSupportedError(
+                f"column {name!r} has type oid {res.ftype(i)}, which the fast path can't read"
+            )
+        columns.append((name, load))
+    out = []
+    for r in range(res.ntuples):
+        row: dict[str, Any] = {}
+        for c, (name, load) in enumerate(columns):
+            raw = res.get_value(r, c)
+            row[name] = None if raw is None else load(raw)
+        out.append(row)
+    return out
+
+
+def _int(raw: bytes) -> int:
+    return int.from_bytes(raw, "big", signed=True)
+
+
+_LOADERS: dict[int, Callable[[bytes], Any]] = {
+    BOOL_OID: lambda raw: raw != b"\x00",
+    INT2_OID: _int,
+    INT4_OID: _int,
+    INT8_OID: _int,
+    TEXT_OID: lambda raw: bytes(raw).decode(),
+    BYTEA_OID: bytes,
+}
+
+
+def text(value: str) -> bytes:
+    """A ``text`` parameter in binary format: UTF-8, the client encoding lock
+    connections are opened with (``LockSettings.client_kwargs``)."""
+    return value.encode()
+
+
+def int4(value: int) -> bytes:
+    return value.to_bytes(4, "big", signed=True)
+
+
+def int8(value: int) -> bytes:
+    return value.to_bytes(8, "big", signed=True)
+
+
+def boolean(value: bool) -> bytes:
+    return b"\x01" if value else b"\x00"
+
+
+_JOURNAL_PARAMS = ("scope", "key", "value")
+_JOURNAL_TYPES = (TEXT_OID, TEXT_OID, BYTEA_OID)
+PUT_STEP = Statement.of("put_step", _JOURNAL_PARAMS, _JOURNAL_TYPES)
+PUT_STREAM = Statement.of("put_stream", _JOURNAL_PARAMS, _JOURNAL_TYPES)
+
+
+#: Up to this many journal rows are sent as a pipeline of plain upserts; more
+#: as one statement of arrays (``put_journal_batch``), which costs Postgres less.
+MAX_PIPELINED_ROWS = 8
+
+
+async def put_journal_rows(
+    conn: AsyncConnection[Any], rows: Iterable[tuple[tuple[str, str, str], bytes]]
+) -> None:
+    """Upsert journal entries, ``((table, scope, key), value)`` with table
+    ``steps`` or ``streams``, in one transaction: all are written or none,
+    and the first error is raised."""
+    calls = [
+        (PUT_STEP if table == "steps" else PUT_STREAM, (text(scope), text(key), value))
+        for (table, scope, key), value in rows
+    ]
+    if len(calls) == 1:
+        await execute(conn, *calls[0])
+        return
+    for result in await pipeline(conn, calls):
+        if isinstance(result, psycopg.Error):
+            raise result
+
+
+ADVANCE_EPOCH = Statement.of(
+    "advance_epoch", ("scope", "new", "value"), (TEXT_OID, INT4_OID, BYTEA_OID)
+)
+UNLOCK_SCOPE = Statement.of("unlock_scope", ("key",), (INT8_OID,))
+TRY_LOCK = Statement.of("try_lock", ("key",), (INT8_OID,))
+OPEN_RUN = Statement.of("open_run", ("scope", "pinned", "resume"), (TEXT_OID, INT4_OID, BOOL_OID))

@@ -1,0 +1,199 @@
+"""The lock connections' hot statements sent straight through libpq (runtime/fastpath.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import psycopg
+import pytest
+from loomflow.runtime.journal import journal_scope
+
+from loomflow_worker.runtime import LockLost, PostgresRuntime, SessionBusy, fastpath
+from loomflow_worker.runtime.lockconn import JournalRow, LockConnection
+from loomflow_worker.testing import EffectsLog
+
+from .helpers import calls, make_agent
+
+pytestmark = pytest.mark.anyio
+
+
+def _count_turns(line: LockConnection) -> dict[str, int]:
+    """Count the exclusive turns and the journal writes sent to ``line`` from now on."""
+    counts = {"turns": 0, "writes": 0}
+    run, write = line.run, line.write
+
+    async def counted_run(fn: Callable[[Any], Awaitable[Any]]) -> Any:
+        counts["turns"] += 1
+        return await run(fn)
+
+    async def counted_write(rows: list[JournalRow]) -> None:
+        counts["writes"] += 1
+        await write(rows)
+
+    line.run = counted_run  # type: ignore[method-assign]
+    line.write = counted_write  # type: ignore[method-assign]
+    return counts
+
+
+async def test_a_run_finishes_and_unlocks_in_one_round_trip(dsn: str) -> None:
+    """Lock and open, then the steps' writes, then the epoch advance and the
+    unlock together: two turns on the lock connection besides the writes."""
+    effects = EffectsLog(dsn)
+    await effects.setup()
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
+    try:
+        agent = make_agent(runtime, effects)
+        await agent.run(calls("warm"), session_id="warm", user_id="u")
+        counts = _count_turns(runtime.journal.lines[0])
+        result = await agent.run(calls("a", "b"), session_id="s", user_id="u")
+        assert result.output == "done: recorded a, recorded b"
+        assert counts == {"turns": 2, "writes": 6}
+        # The epoch advanced and the scope is free: the next run opens epoch 2 at once.
+        with anyio.fail_after(5):
+            again = await make_agent(runtime, effects).run(
+                calls("c"), session_id="s", user_id="u"
+            )
+        assert again.output == "done: recorded c"
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            cur = await conn.execute(
+                "SELECT loomflow_worker_epoch(value) FROM journal_steps"
+                " WHERE session_id = %s AND step_name = '__run_epoch__'",
+                (journal_scope("s", "u"),),
+            )
+            row = await cur.fetchone()
+        assert row is not None and row[0] == 2
+    finally:
+        await runtime.aclose()
+
+
+async def test_a_failed_epoch_advance_raises_and_still_frees_the_scope(dsn: str) -> None:
+    """The advance and the unlock share a round trip, with a commit between them:
+    when Postgres refuses the advance, the run gets the error and the scope's lock
+    is released all the same."""
+    effects = EffectsLog(dsn)
+    await effects.setup()
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
+    refuse = """
+        CREATE FUNCTION refuse_epoch() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF NEW.step_name = '__run_epoch__' THEN
+                RAISE EXCEPTION 'no epoch today' USING ERRCODE = 'check_violation';
+            END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER refuse_epoch BEFORE INSERT OR UPDATE ON journal_steps
+            FOR EACH ROW EXECUTE FUNCTION refuse_epoch();
+    """
+    try:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as admin:
+            await admin.execute(refuse)
+            try:
+                with pytest.raises(psycopg.errors.CheckViolation, match="no epoch today"):
+                    await make_agent(runtime, effects).run(
+                        calls("a"), session_id="s", user_id="u"
+                    )
+            finally:
+                await admin.execute("DROP TRIGGER refuse_epoch ON journal_steps")
+        # Free at once, in this process and in another.
+        for rt in (runtime, await PostgresRuntime.connect(dsn, lock_wait_timeout=0)):
+            try:
+                with anyio.fail_after(5):
+                    result = await make_agent(rt, effects).run(
+                        calls("b"), session_id="s", user_id="u"
+                    )
+                assert result.output.startswith("done:")
+            except SessionBusy:
+                pytest.fail("the scope stayed locked after the advance failed")
+            finally:
+                if rt is not runtime:
+                    await rt.aclose()
+    finally:
+        await runtime.aclose()
+
+
+async def _journal(conn: psycopg.AsyncConnection[Any]) -> list[tuple[Any, ...]]:
+    cur = await conn.execute(
+        "SELECT 'steps', step_name, value FROM journal_steps WHERE session_id = 's'"
+        " UNION ALL SELECT 'streams', step_name, chunks FROM journal_streams"
+        " WHERE session_id = 's' ORDER BY 1, 2"
+    )
+    return await cur.fetchall()
+
+
+async def test_statement_errors_are_psycopgs_and_leave_the_connection_usable(
+    dsn: str,
+) -> None:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        # Text with a NUL is refused by the server, not cut short.
+        with pytest.raises(psycopg.DataError):
+            await fastpath.put_journal_rows(conn, [(("steps", "s", "k\x00ey"), b"v")])
+        await fastpath.put_journal_rows(conn, [(("steps", "s", "key"), b"v1")])
+        await fastpath.put_journal_rows(conn, [(("streams", "s", "key"), b"v2")])
+        assert await _journal(conn) == [("steps", "key", b"v1"), ("streams", "key", b"v2")]
+
+
+async def test_a_few_journal_rows_are_written_all_or_none(dsn: str) -> None:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        rows = [(("steps", "s", "a"), b"1"), (("streams", "s", "b"), b"2")]
+        with pytest.raises(psycopg.DataError):
+            await fastpath.put_journal_rows(conn, [*rows, (("steps", "s", "c\x00"), b"3")])
+        assert await _journal(conn) == []
+        await fastpath.put_journal_rows(conn, rows)
+        assert await _journal(conn) == [("steps", "a", b"1"), ("streams", "b", b"2")]
+
+
+async def test_a_pipeline_skips_to_the_next_sync_after_an_error(dsn: str) -> None:
+    bad = fastpath.Statement.of("put_step", ("scope", "key", "value"),
+                                (fastpath.TEXT_OID, fastpath.TEXT_OID, fastpath.BYTEA_OID))
+    unlock = (fastpath.UNLOCK_SCOPE, (fastpath.int8(42),))
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute("SELECT pg_advisory_lock(42)")
+        results = await fastpath.pipeline(conn, [
+            (bad, (fastpath.text("s"), fastpath.text("k\x00"), b"v")),
+            (fastpath.PUT_STEP, (fastpath.text("s"), fastpath.text("skipped"), b"v")),
+            fastpath.SYNC,
+            unlock,
+        ])
+        assert isinstance(results[0], psycopg.DataError)
+        assert isinstance(results[1], psycopg.errors.PipelineAborted)
+        assert fastpath.rows(results[2]) == [{"released": True, "still_held": False}]
+        # Not in pipeline mode any more: psycopg uses the connection as before.
+        cur = await conn.execute(
+            "SELECT count(*) FROM journal_steps WHERE step_name = 'skipped'"
+        )
+        assert await cur.fetchone() == (0,)
+
+
+def test_a_statement_numbers_its_placeholders_in_the_order_given() -> None:
+    stmt = fastpath.Statement.of("advance_epoch", ("value", "scope", "new"),
+                                 (fastpath.BYTEA_OID, fastpath.TEXT_OID, fastpath.INT4_OID))
+    sql = stmt.sql.decode()
+    assert "%(" not in sql
+    assert "$2, '__run_epoch__', $1" in sql
+    assert sql.count("$3") == 3
+    with pytest.raises(ValueError, match="takes"):
+        fastpath.Statement.of("advance_epoch", ("scope",), (fastpath.TEXT_OID,))
+
+
+async def test_a_finish_whose_connection_is_lost_raises_and_frees_the_scope(dsn: str) -> None:
+    """The epoch advance and the unlock go out together; when the connection
+    dies under them the run hears LockLost (its advance may not have been
+    committed), and Postgres has freed the scope."""
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
+    other = await PostgresRuntime.connect(dsn, lock_connections=1)
+    try:
+        lease = await runtime.journal.acquire("finish-lost", 0)
+        await lease.open(pinned=None, resume_last=False)
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as admin:
+            await admin.execute("SELECT pg_terminate_backend(%s)", (lease.backend_pid,))
+        with pytest.raises(LockLost):
+            await runtime.journal.finish_and_release(lease, 0, advance=True)
+        assert lease.released
+        with anyio.fail_after(5):
+            taken = await other.journal.acquire("finish-lost", 5)
+        await other.journal.release(taken)
+    finally:
+        await other.aclose()
+        await runtime.aclose()
