@@ -1088,3 +1088,13 @@ SELECT worker, hostname, pid, slots, runs, heartbeat_interval, started_at, seen_
 SELECT id, at, worker, action, request_id, detail
   FROM sweeper_actions
  ORDER BY id DESC LIMIT %(limit)s;
+
+-- ---- the demo's own database (`loomflow-worker demo` on a server it did not start) ---------
+
+-- name: create_database
+-- A database for one demo; its name is an identifier psycopg composes in.
+CREATE DATABASE {}
+
+-- name: drop_database
+-- The demo's database at its end, whoever is still connected.
+DROP DATABASE IF EXISTS {} WITH (FORCE)
