@@ -258,11 +258,14 @@ def run_demo(
                     _say(f"- {note}")
                 redis_at = sanitize_url(found.redis_url)
                 _say(f"- Postgres {describe_dsn(found.database_url)}, Redis {redis_at}")
-                code = _story(found, start, console_port if console else None)
+                code, killed_run = _story(found, start, console_port if console else None)
         except KeyboardInterrupt:
             _say("- stopped")
             return 128 + (stopped[0] if stopped else signal.SIGINT)
-    _say("- done")
+    if killed_run is not None and not console:
+        # Last, once everything stopped: the demo's services and database are gone.
+        _say("  console              `loomflow-worker demo --console` ends serving the killed "
+             "run's page in the run console")
     return code
 
 
@@ -291,7 +294,10 @@ def _signals_stop() -> Iterator[list[int]]:
             signal.signal(each, handler)
 
 
-def _story(found: Services, start: float, console_port: int | None) -> int:
+def _story(
+    found: Services, start: float, console_port: int | None
+) -> tuple[int, str | None]:
+    """The demo proper: its exit code, and the request whose worker it killed."""
     run_tag = uuid.uuid4().hex[:6]
     settings = Settings(
         database_url=found.database_url,  # type: ignore[arg-type]
@@ -349,9 +355,9 @@ def _story(found: Services, start: float, console_port: int | None) -> int:
                 ok = False
                 _say(f"  run {result.id[:8]} failed: {exc}")
         code = _summary(found, settings, requests, killed, ok, start)
-        if killed_run is not None:
+        if killed_run is not None and console_port is not None:
             _console(settings, killed_run, console_port)
-        return code
+        return code, killed_run
     finally:
         fleet.stop()
         shutil.rmtree(folder, ignore_errors=True)
@@ -421,18 +427,13 @@ def _watch(
     return killed, killed_run
 
 
-def _console(settings: Settings, request_id: str, port: int | None) -> None:
-    """Where the console shows the run whose worker was killed; with a port,
-    serve it there until Ctrl-C."""
-    path = f"/runs/{request_id}"
-    if port is None:
-        _say(f"  console              http://127.0.0.1:{CONSOLE_PORT}{path} (`loomflow-worker "
-             "console` serves it; `demo --console` keeps the demo's services up for it)")
-        return
+def _console(settings: Settings, request_id: str, port: int) -> None:
+    """Serve the run console on ``port`` with the page of the run whose worker
+    was killed, until Ctrl-C (or SIGTERM)."""
     from .console import BackgroundConsole
 
     with BackgroundConsole(settings, port=port) as console:
-        _say(f"  console              {console.url}{path} (serving; Ctrl-C to stop)")
+        _say(f"  console              {console.url}/runs/{request_id} (serving; Ctrl-C to stop)")
         with contextlib.suppress(KeyboardInterrupt):
             while True:
                 time.sleep(3600)

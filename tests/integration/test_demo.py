@@ -49,6 +49,11 @@ def test_the_demo_on_its_own_private_postgres_and_redis() -> None:
     assert "started a private Postgres" in done.stdout
     assert "started a private Redis" in done.stdout
     _check_story(done.stdout)
+    # Its services stop, saying so, before its last line: where to see the run.
+    assert "- stopping the private Postgres" in done.stdout
+    assert done.stdout.rstrip().splitlines()[-1] == (
+        "  console              `loomflow-worker demo --console` ends serving the killed "
+        "run's page in the run console")
 
 
 def _children(pid: int) -> set[int]:
