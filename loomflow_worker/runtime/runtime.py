@@ -48,7 +48,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from .codec import Serializer
 from .errors import InvalidInput
-from .signals import DEFAULT_SIGNALS_PER_SCOPE, SignalListener
+from .signals import DEFAULT_SIGNALS_PER_SCOPE, SignalListener, check_keep
 from .store import (
     LAST_RUN_KEY,
     Conn,
@@ -245,6 +245,7 @@ class PostgresRuntime(JournaledRuntime):
 
         Raises :class:`DatabaseUnavailable`, naming the server, when
         Postgres can't be reached within ``connect_timeout`` seconds."""
+        check_keep(signals_per_scope)  # before a pool is opened
         store = await PostgresJournalStore.connect(
             dsn,
             min_size=min_size,

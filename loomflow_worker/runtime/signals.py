@@ -38,12 +38,18 @@ CHANNEL = "loomflow_worker_signals"
 DEFAULT_SIGNALS_PER_SCOPE = 1000
 
 
+def check_keep(keep: int) -> int:
+    """``keep``, the undelivered signals kept per scope, if it is one (0: no bound)."""
+    if keep < 0:
+        raise InvalidInput(f"the signals kept per scope must be 0 (no bound) or more, not {keep}")
+    return keep
+
+
 def send_params(
     session_id: str, user_id: str | None, name: str, blob: bytes, keep: int
 ) -> dict[str, Any]:
     """The parameters of the ``send_signal`` query."""
-    if keep < 0:
-        raise InvalidInput(f"the signals kept per scope must be 0 (no bound) or more, not {keep}")
+    check_keep(keep)
     return {"session_id": session_id, "user_id": user_id, "name": name, "payload": blob,
             "keep": keep}
 
@@ -83,8 +89,7 @@ class SignalListener:
         keep: int = DEFAULT_SIGNALS_PER_SCOPE,
         on_dropped: Callable[[int], None] | None = None,
     ) -> None:
-        send_params("", None, "", b"", keep)  # a bad bound is refused now, not at a send
-        self._keep = keep
+        self._keep = check_keep(keep)  # a bad bound is refused now, not at a send
         self._on_dropped = on_dropped
         self._pool = pool
         self._conninfo = conninfo

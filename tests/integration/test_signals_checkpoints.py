@@ -396,3 +396,8 @@ async def test_a_signal_is_stored_under_its_journal_scope(
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         cur = await conn.execute("SELECT scope FROM signals")
         assert [r[0] for r in await cur.fetchall()] == [journal_scope(session_id, user_id)]
+
+
+async def test_a_negative_signal_bound_is_refused(dsn: str) -> None:
+    with pytest.raises(InvalidInput, match="signals kept per scope must be 0"):
+        await PostgresRuntime.connect(dsn, signals_per_scope=-1)
