@@ -401,3 +401,8 @@ async def test_a_signal_is_stored_under_its_journal_scope(
 async def test_a_negative_signal_bound_is_refused(dsn: str) -> None:
     with pytest.raises(InvalidInput, match="signals kept per scope must be 0"):
         await PostgresRuntime.connect(dsn, signals_per_scope=-1)
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid()")
+        assert await cur.fetchone() == (0,)
