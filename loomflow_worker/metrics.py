@@ -39,6 +39,7 @@ class Metrics:
     fenced: Any
     connections: Any
     refused: Any
+    signals_dropped: Any
 
 
 _metrics: Metrics | None = None
@@ -118,6 +119,10 @@ def setup() -> Metrics:
                 "arguments that differ from their request's ledger row (mismatch)",
                 ["reason"],
             ),
+            signals_dropped=Counter(
+                "loomflow_worker_signals_dropped",
+                "Undelivered signals dropped at a send, past SIGNALS_PER_SCOPE of their scope",
+            ),
         )
     return _metrics
 
@@ -139,6 +144,12 @@ def count_refused(reason: str) -> None:
     """Count a task message dropped unrun (``reason``: malformed, mismatch)."""
     if _metrics is not None:
         _metrics.refused.labels(reason).inc()
+
+
+def count_signals_dropped(dropped: int) -> None:
+    """Count undelivered signals dropped past their scope's bound."""
+    if _metrics is not None:
+        _metrics.signals_dropped.inc(dropped)
 
 
 def serve(port: int) -> None:

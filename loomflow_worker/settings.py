@@ -103,6 +103,9 @@ class Settings(BaseSettings):
     # Finished requests, their journals and checkpoints older than this many
     # seconds are pruned by the sweeper's leader (0: never).
     retention: float = Field(default=0.0, ge=0)
+    # Undelivered signals kept per scope (session, user): a send drops the
+    # oldest past this many, with a warning and a metric (0: no bound).
+    signals_per_scope: int = Field(default=1000, ge=0)
 
     # Runs one worker process carries at once on its event loop
     # (`loomflow-worker worker`, Celery's threads pool), and the lock

@@ -1,17 +1,20 @@
-"""Fixtures: a fresh database per test, cloned from a migrated template."""
+"""Fixtures: a fresh database per test, cloned from a migrated template; and
+under ``CI=true`` a skipped test fails (see ``tests/needs.py``)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 
+import pluggy
 import psycopg
 import pytest
 from psycopg import sql
 
 from loomflow_worker.runtime import PostgresRuntime, migrate
+from tests.needs import skip_as_failure, skip_reason, skips_fail
 
 ADMIN_DSN = os.environ.get(
     "LOOMFLOW_WORKER_TEST_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -45,6 +48,26 @@ def dsn_for(dbname: str) -> str:
 def _admin(statement: sql.Composable) -> None:
     with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
         conn.execute(statement)
+
+
+def _skip_fails(report: pytest.CollectReport | pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail") and skips_fail(os.environ):
+        report.outcome = "failed"
+        report.longrepr = skip_as_failure(skip_reason(report.longrepr))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[
+        None, pluggy.Result[pytest.TestReport], None]:
+    outcome = yield
+    _skip_fails(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[
+        None, pluggy.Result[pytest.CollectReport], None]:
+    outcome = yield
+    _skip_fails(outcome.get_result())
 
 
 @pytest.fixture(scope="session")

@@ -158,6 +158,8 @@ class WorkerContext:
                     lock_io_timeout=self.settings.lock_io_timeout,
                     lock_connections=min(self.settings.lock_connections, self.slots),
                     connect_timeout=self.settings.connect_timeout,
+                    signals_per_scope=self.settings.signals_per_scope,
+                    on_signals_dropped=metrics.count_signals_dropped,
                 )
                 try:
                     await runtime.init_schema()

@@ -1,11 +1,12 @@
 """Pruning, with one set of rules for ``runtime.prune()``, ``loomflow-worker
 prune`` and the sweeper's retention.
 
-What matches every filter given goes (``before``: written, or finished,
-before that moment; ``scope``: of that scope only): journal entries, streams
-and checkpoints, then finished requests (their attempts cascade). The scopes
-of unfinished requests keep their journal: a run parked on a signal for
-longer than the cutoff still needs it to resume. Unless one scope is named,
+What matches every filter given goes (``before``: written, sent, or
+finished, before that moment; ``scope``: of that scope only): journal entries,
+streams and checkpoints, undelivered signals, then finished requests (their
+attempts cascade). The scopes of unfinished requests keep their journal: a
+run parked on a signal for longer than the cutoff still needs it to resume;
+and the signals their runs may take. Unless one scope is named,
 each scope keeps its epoch bookkeeping, so a later run never reuses an old
 epoch. An age is turned into a cutoff on the database's clock
 (:func:`cutoff`), the one that stamped what is pruned.
@@ -33,6 +34,7 @@ _ORDER: tuple[tuple[str, str], ...] = (
     ("journal_steps", "prune_steps"),
     ("journal_streams", "prune_streams"),
     ("checkpoints", "prune_checkpoints"),
+    ("signals", "prune_signals"),
     ("runs", "prune_runs"),
 )
 PRUNED_TABLES = tuple(table for table, _ in _ORDER)

@@ -48,7 +48,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from .codec import Serializer
 from .errors import InvalidInput
-from .signals import SignalListener
+from .signals import DEFAULT_SIGNALS_PER_SCOPE, SignalListener, check_keep
 from .store import (
     LAST_RUN_KEY,
     Conn,
@@ -183,7 +183,9 @@ class PostgresSession:
 class PostgresRuntime(JournaledRuntime):
     """A loomflow runtime whose journal lives in Postgres, safe across processes.
 
-    ``Agent(..., runtime=await PostgresRuntime.connect(dsn))``."""
+    ``Agent(..., runtime=await PostgresRuntime.connect(dsn))``. A scope keeps
+    its newest ``signals_per_scope`` undelivered signals (0: no bound); a send
+    drops the oldest past that, logs it and calls ``on_signals_dropped(n)``."""
 
     name = "postgres"
 
@@ -197,6 +199,8 @@ class PostgresRuntime(JournaledRuntime):
         lock_io_timeout: float = 30.0,
         lock_connections: int = 2,
         signal_poll_interval: float = 2.0,
+        signals_per_scope: int = DEFAULT_SIGNALS_PER_SCOPE,
+        on_signals_dropped: Callable[[int], None] | None = None,
         _owns_pool: bool = False,
     ) -> None:
         if lock_wait_timeout is not None and lock_wait_timeout < 0:
@@ -216,7 +220,8 @@ class PostgresRuntime(JournaledRuntime):
         super().__init__(store=store)
         self._pg = store
         self._signals = SignalListener(
-            pool, store.conninfo, store.conn_kwargs, poll_interval=signal_poll_interval
+            pool, store.conninfo, store.conn_kwargs, poll_interval=signal_poll_interval,
+            keep=signals_per_scope, on_dropped=on_signals_dropped,
         )
 
     @classmethod
@@ -232,12 +237,15 @@ class PostgresRuntime(JournaledRuntime):
         lock_io_timeout: float = 30.0,
         lock_connections: int = 2,
         signal_poll_interval: float = 2.0,
+        signals_per_scope: int = DEFAULT_SIGNALS_PER_SCOPE,
+        on_signals_dropped: Callable[[int], None] | None = None,
         connect_timeout: int = 10,
     ) -> PostgresRuntime:
         """Open a connection pool on ``dsn`` and return the runtime rooted at it.
 
         Raises :class:`DatabaseUnavailable`, naming the server, when
         Postgres can't be reached within ``connect_timeout`` seconds."""
+        check_keep(signals_per_scope)  # before a pool is opened
         store = await PostgresJournalStore.connect(
             dsn,
             min_size=min_size,
@@ -252,6 +260,8 @@ class PostgresRuntime(JournaledRuntime):
             lock_io_timeout=lock_io_timeout,
             lock_connections=lock_connections,
             signal_poll_interval=signal_poll_interval,
+            signals_per_scope=signals_per_scope,
+            on_signals_dropped=on_signals_dropped,
             _owns_pool=True,
         )
 
@@ -285,8 +295,9 @@ class PostgresRuntime(JournaledRuntime):
     ) -> int:
         """Delete what matches every filter, in batches (returns how many rows):
         journal entries, streams and checkpoints written before ``before``,
-        and requests finished before it, of the scope ``session_id``. A scope
-        with an unfinished request keeps its journal; unless one scope is
+        undelivered signals sent before it, and requests finished before it,
+        of the scope ``session_id``. A scope with an unfinished request keeps
+        its journal and the signals its runs may take; unless one scope is
         named, each keeps its epoch bookkeeping. The rules of
         ``loomflow-worker prune`` and of the sweeper's retention."""
         return await self._pg.prune_rows(

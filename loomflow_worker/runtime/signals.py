@@ -1,9 +1,13 @@
 """Cross-process signals: rows in ``signals``, woken by LISTEN/NOTIFY.
 
 A signal is a row until a waiter takes it (``DELETE ... RETURNING``, so
-each is taken once). NOTIFY only wakes waiters early: a waiter also looks
-again every ``poll_interval`` seconds, so a notification lost while the
-listener reconnects (a Postgres restart) delays a signal, never loses it.
+each is taken once), until a prune or the retention deletes it (see
+:mod:`.prune`), or until its scope holds ``keep`` newer undelivered signals:
+each send drops the oldest past that bound (logged and counted), so signals
+to sessions that never run can't grow the table without limit. NOTIFY only
+wakes waiters early: a waiter also looks again every ``poll_interval``
+seconds, so a notification lost while the listener reconnects (a Postgres
+restart) delays a signal, never loses it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -19,6 +24,7 @@ import psycopg
 from psycopg import AsyncConnection
 from psycopg_pool import AsyncConnectionPool
 
+from .errors import InvalidInput
 from .sql import query
 
 if TYPE_CHECKING:
@@ -27,6 +33,43 @@ if TYPE_CHECKING:
 log = logging.getLogger("loomflow_worker.runtime")
 
 CHANNEL = "loomflow_worker_signals"
+
+#: Undelivered signals kept per scope (``LOOMFLOW_WORKER_SIGNALS_PER_SCOPE``).
+DEFAULT_SIGNALS_PER_SCOPE = 1000
+
+
+def check_keep(keep: int) -> int:
+    """``keep``, the undelivered signals kept per scope, if it is one (0: no bound)."""
+    if keep < 0:
+        raise InvalidInput(f"the signals kept per scope must be 0 (no bound) or more, not {keep}")
+    return keep
+
+
+def send_params(
+    session_id: str, user_id: str | None, name: str, blob: bytes, keep: int
+) -> dict[str, Any]:
+    """The parameters of the ``send_signal`` query."""
+    check_keep(keep)
+    return {"session_id": session_id, "user_id": user_id, "name": name, "payload": blob,
+            "keep": keep}
+
+
+def report_dropped(
+    dropped: int, session_id: str, user_id: str | None, keep: int,
+    count: Callable[[int], None] | None = None,
+) -> None:
+    """Log the undelivered signals a send dropped past its scope's bound, and
+    ``count`` them (a worker's metric)."""
+    if not dropped:
+        return
+    log.warning(
+        "dropped the %d oldest undelivered signal(s) of session %r, user %r: "
+        "a scope keeps at most %d (LOOMFLOW_WORKER_SIGNALS_PER_SCOPE)",
+        dropped, session_id, user_id, keep,
+        extra={"action": "signals_dropped", "dropped": dropped, "keep": keep},
+    )
+    if count is not None:
+        count(dropped)
 
 
 def _mailbox(session_id: str) -> str:
@@ -43,7 +86,11 @@ class SignalListener:
         conn_kwargs: dict[str, Any],
         *,
         poll_interval: float = 2.0,
+        keep: int = DEFAULT_SIGNALS_PER_SCOPE,
+        on_dropped: Callable[[int], None] | None = None,
     ) -> None:
+        self._keep = check_keep(keep)  # a bad bound is refused now, not at a send
+        self._on_dropped = on_dropped
         self._pool = pool
         self._conninfo = conninfo
         self._conn_kwargs = conn_kwargs
@@ -55,10 +102,12 @@ class SignalListener:
 
     async def send(self, session_id: str, user_id: str | None, name: str, blob: bytes) -> None:
         async with self._pool.connection() as conn:
-            await conn.execute(
-                query("send_signal"),
-                {"session_id": session_id, "user_id": user_id, "name": name, "payload": blob},
+            cur = await conn.execute(
+                query("send_signal"), send_params(session_id, user_id, name, blob, self._keep)
             )
+            row = await cur.fetchone()
+        assert row is not None
+        report_dropped(int(row[2]), session_id, user_id, self._keep, self._on_dropped)
 
     async def try_take(self, session_id: str, user_id: str | None, name: str) -> bytes | None:
         async with self._pool.connection() as conn:

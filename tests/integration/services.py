@@ -14,6 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.needs import PGBOUNCER
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -157,7 +159,6 @@ class PrivateRabbitMQ(_Service):
         self.start()
 
 
-PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
 
 
 class PrivatePgBouncer(_Service):
@@ -186,11 +187,12 @@ class PrivatePgBouncer(_Service):
             "ignore_startup_parameters = extra_float_digits,options\n"
         )
         (self.workdir / "userlist.txt").write_text('"postgres" ""\n')
-        command = [PGBOUNCER, str(ini)]
+        pgbouncer = PGBOUNCER.require()
+        command = [pgbouncer, str(ini)]
         if os.geteuid() == 0:
             # pgbouncer refuses to run as root: it reads its files, then
             # drops to this user (it logs to stderr, which goes to ``log``).
-            command = [PGBOUNCER, "-u", _unprivileged_user().pw_name, str(ini)]
+            command = [pgbouncer, "-u", _unprivileged_user().pw_name, str(ini)]
         self.proc = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT)
         _wait_port(self.port, self.proc, log)
 

@@ -293,6 +293,13 @@ def test_signal_wakes_a_run_waiting_for_it(fleet: Fleet) -> None:
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         rows = conn.execute("SELECT session_id, name, payload FROM signals").fetchall()
     assert [(r[0], r[1], _codec.loads(bytes(r[2]))) for r in rows] == [("later", "ping", None)]
+    # A scope keeps its newest SIGNALS_PER_SCOPE undelivered signals.
+    for n in (1, 2):
+        sent = cli(fleet, "signal", "later", "ping", str(n), LOOMFLOW_WORKER_SIGNALS_PER_SCOPE="2")
+        assert sent.returncode == 0, sent.stderr
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT payload FROM signals ORDER BY id").fetchall()
+    assert [_codec.loads(bytes(r[0])) for r in rows] == [1, 2]
 
     bad = cli(fleet, "signal", "sig", "go", "{not json")
     assert bad.returncode == 2 and "not JSON" in bad.stderr
@@ -357,6 +364,11 @@ def _seed_old_and_new(dsn: str) -> dict[str, object]:
                 "INSERT INTO checkpoints VALUES ('idle', %s, 1, %s, %s)",
                 (f"cp{i}", ts, Jsonb({})),
             )
+        # Undelivered signals: old ones go, unless a queued request may take them.
+        for name, session_id, ts in (("old0", "idle", old_ts), ("old1", "nobody", old_ts),
+                                     ("new", "idle", new_ts), ("awaited", "busy", old_ts)):
+            conn.execute("INSERT INTO signals (session_id, name, payload, created_at)"
+                         " VALUES (%s, %s, %s, %s)", (session_id, name, blob, ts))
         runs = [("old-ok", "succeeded", old_ts), ("old-failed", "failed", old_ts),
                 ("old-dead", "dead", old_ts), ("old-cancelled", "cancelled", old_ts),
                 ("new-ok", "succeeded", new_ts), ("old-queued", "queued", None)]
@@ -385,6 +397,7 @@ def _left(dsn: str) -> dict[str, list[str]]:
             "steps": names("SELECT session_id || ':' || step_name FROM journal_steps"),
             "streams": names("SELECT step_name FROM journal_streams"),
             "checkpoints": names("SELECT checkpoint_id FROM checkpoints"),
+            "signals": names("SELECT name FROM signals"),
             "runs": names("SELECT request_id FROM runs"),
             "attempts": names("SELECT request_id FROM run_attempts"),
         }
@@ -394,6 +407,7 @@ KEPT = {
     "steps": ["busy:old", "idle:__run_epoch__", "idle:new"],
     "streams": ["new"],
     "checkpoints": ["cp2"],
+    "signals": ["awaited", "new"],
     "runs": ["new-ok", "old-queued"],
     "attempts": ["new-ok", "old-queued"],
 }
@@ -405,14 +419,16 @@ def test_prune_deletes_old_rows_in_batches(fleet: Fleet) -> None:
 
     declined = cli(fleet, "prune", "--older-than", "30d", input="n\n")
     assert declined.returncode == 1
-    assert ("Delete 5 journal steps, 3 journal streams, 2 checkpoints, 4 finished requests "
+    assert ("Delete 5 journal steps, 3 journal streams, 2 checkpoints, 2 signals, "
+            "4 finished requests "
             "(older than 30d)?") in declined.stdout
     assert _left(fleet.dsn) == everything
 
     done = cli(fleet, "prune", "--older-than", "30d", "--batch-size", "2", "--yes")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(
-        "deleted 5 journal steps, 3 journal streams, 2 checkpoints, 4 finished requests in "
+        "deleted 5 journal steps, 3 journal streams, 2 checkpoints, 2 signals, "
+        "4 finished requests in "
     )
     assert "pruning" in done.stderr  # the progress bar
     assert _left(fleet.dsn) == KEPT

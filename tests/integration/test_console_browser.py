@@ -1,5 +1,5 @@
-"""The run console in a real browser (Debian's headless Chromium, driven by
-Playwright) against real workers: a run whose worker was SIGKILLed mid-run
+"""The run console in a real browser (Debian's headless Chromium, found on
+PATH, driven by Playwright) against real workers: a run whose worker was SIGKILLed mid-run
 shows two attempt lanes and its replayed steps; a run followed live; and no
 secret on any page. Screenshots of each page go to tests/artifacts/console/."""
 
@@ -20,12 +20,12 @@ from loomflow_worker import admin
 from loomflow_worker.console import BackgroundConsole
 from loomflow_worker.settings import Settings
 from loomflow_worker.tasks import run_agent, settings
+from tests.needs import CHROMIUM
 
 from .celery_harness import ROOT, Fleet
 from .helpers import calls
 from .test_celery import _wait_for_execution
 
-CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
@@ -43,7 +43,8 @@ ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 @pytest.fixture(scope="module")
 def chromium() -> Iterator[Browser]:
     with sync_playwright() as playwright:
-        found = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        found = playwright.chromium.launch(executable_path=CHROMIUM.require(),
+                                           args=CHROMIUM_ARGS)
         try:
             yield found
         finally:

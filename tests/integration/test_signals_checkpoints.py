@@ -12,7 +12,7 @@ import anyio
 import psycopg
 import pytest
 from loomflow import Agent, tool
-from loomflow.runtime import Checkpoint
+from loomflow.runtime import Checkpoint, journal_scope
 
 from loomflow_worker.runtime import InvalidInput, PostgresRuntime
 from loomflow_worker.testing import DeterministicModel
@@ -311,3 +311,98 @@ async def test_one_prune_spares_unfinished_scopes_and_deletes_finished_requests(
     assert requests == ["waiting"]
     assert deleted == 2  # done's step and its finished request
     assert await epoch_of(dsn, "done") == 1
+
+
+async def _signal_rows(dsn: str) -> list[tuple[str, str | None, str]]:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT session_id, user_id, convert_from(payload, 'UTF8') FROM signals ORDER BY id"
+        )
+        return [(r[0], r[1], r[2]) for r in await cur.fetchall()]
+
+
+async def test_signals_to_sessions_that_never_run_are_bounded(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What loomflow 0.20's own test of that name asks of a runtime: signals
+    to sessions no run ever opens can't pile up. A scope keeps its newest
+    `signals_per_scope` undelivered signals (the oldest go at a send, logged),
+    other scopes of the session keep theirs, and a prune takes the rest."""
+    runtime = await PostgresRuntime.connect(dsn, signals_per_scope=3)
+    try:
+        for n in range(5):
+            await runtime.signal("never-opened", "go", n, user_id="alice")
+        await runtime.signal("never-opened", "go", "bob's", user_id="bob")
+        await runtime.signal("never-opened", "go", "anyone's")
+        left = await _signal_rows(dsn)
+        assert [(u, p) for _, u, p in left] == [
+            ("alice", "LJ12"), ("alice", "LJ13"), ("alice", "LJ14"),
+            ("bob", 'LJ1"bob\'s"'), (None, 'LJ1"anyone\'s"'),
+        ]
+        assert "dropped the 1 oldest undelivered signal(s) of session 'never-opened'" in (
+            caplog.text)
+        assert await runtime.try_signal("never-opened", "go", user_id="alice") == 2
+
+        for i in range(1000):
+            await runtime.signal(f"nobody-{i}", "ping", i)
+        assert len(await _signal_rows(dsn)) == 1004
+        assert await runtime.prune(before=datetime.now(UTC) + timedelta(seconds=1)) == 1004
+        assert await _signal_rows(dsn) == []
+    finally:
+        await runtime.aclose()
+
+
+async def test_prune_takes_old_signals_and_spares_those_a_queued_request_awaits(
+    runtime: PostgresRuntime, dsn: str
+) -> None:
+    """`prune(before=now)` deletes a 400-day-old signal; signals newer than the
+    cutoff stay, and so do those sent to a session whose request is still
+    unfinished (to its user, or to no user), whatever their age."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO signals (session_id, user_id, name, payload, created_at) VALUES"
+            " ('old', NULL, 'go', 'x', now() - interval '400 days'),"
+            " ('waiting', 'alice', 'go', 'for alice', now() - interval '400 days'),"
+            " ('waiting', NULL, 'go', 'for anyone', now() - interval '400 days'),"
+            " ('waiting', 'bob', 'go', 'for bob', now() - interval '400 days')"
+        )
+        await conn.execute(
+            "INSERT INTO runs (request_id, scope, session_id, user_id, agent, prompt, status)"
+            " VALUES ('queued', %s, 'waiting', 'alice', 'a', 'p', 'queued')",
+            (journal_scope("waiting", "alice"),),
+        )
+    await runtime.signal("recent", "go", "y")
+    assert await runtime.prune(before=datetime.now(UTC) - timedelta(hours=1)) == 2
+    assert [(s, u) for s, u, _ in await _signal_rows(dsn)] == [
+        ("waiting", "alice"), ("waiting", None), ("recent", None)]
+    assert await runtime.prune(before=datetime.now(UTC) + timedelta(seconds=1),
+                               session_id="recent") == 1
+    assert [(s, u) for s, u, _ in await _signal_rows(dsn)] == [
+        ("waiting", "alice"), ("waiting", None)]
+
+
+@pytest.mark.parametrize("session_id, user_id", [
+    ("chat-42", None), ("chat-42", "alice"), ("user:3:bob:x", None), ("anon:x", None),
+    ("s", "ünïcödé 🙂"), ("a:b", "c:d"),
+])
+async def test_a_signal_is_stored_under_its_journal_scope(
+    dsn: str, session_id: str, user_id: str | None
+) -> None:
+    runtime = await PostgresRuntime.connect(dsn)
+    try:
+        await runtime.signal(session_id, "go", 1, user_id=user_id)
+    finally:
+        await runtime.aclose()
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute("SELECT scope FROM signals")
+        assert [r[0] for r in await cur.fetchall()] == [journal_scope(session_id, user_id)]
+
+
+async def test_a_negative_signal_bound_is_refused(dsn: str) -> None:
+    with pytest.raises(InvalidInput, match="signals kept per scope must be 0"):
+        await PostgresRuntime.connect(dsn, signals_per_scope=-1)
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid()")
+        assert await cur.fetchone() == (0,)

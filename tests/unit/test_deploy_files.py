@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -47,6 +46,7 @@ from pydantic import SecretStr
 
 from loomflow_worker.settings import Settings
 from loomflow_worker.testing import DeterministicModel
+from tests.needs import KUBECTL
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -774,9 +774,7 @@ def test_kubernetes_manifests_validate(version: str) -> None:
 
 def test_kustomize_builds_the_manifests() -> None:
     """Runs only where kubectl is installed (its built-in kustomize)."""
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed")
+    kubectl = KUBECTL.require()
     built = subprocess.run(
         [kubectl, "kustomize", str(K8S)], check=True, capture_output=True, text=True, timeout=120
     ).stdout

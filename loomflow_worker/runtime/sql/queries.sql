@@ -146,12 +146,23 @@ SELECT checkpoint_id, turn, created_at FROM checkpoints
  ORDER BY created_at DESC, checkpoint_id DESC LIMIT %(limit)s;
 
 -- name: send_signal
+-- Store a signal and wake its session's waiters. Past "keep" undelivered
+-- signals of its scope (0: no bound) the oldest go; "dropped" says how many.
 WITH sent AS (
     INSERT INTO signals (session_id, user_id, name, payload)
     VALUES (%(session_id)s, %(user_id)s, %(name)s, %(payload)s)
     RETURNING id
+), dropped AS (
+    DELETE FROM signals WHERE id = ANY(ARRAY(
+        SELECT id FROM signals
+         WHERE %(keep)s::int > 0
+           AND scope = loomflow_worker_scope(%(session_id)s, %(user_id)s)
+         ORDER BY id DESC OFFSET greatest(%(keep)s::int - 1, 0)
+           FOR UPDATE SKIP LOCKED))
+    RETURNING id
 )
-SELECT pg_notify('loomflow_worker_signals', md5(%(session_id)s)), (SELECT id FROM sent) AS id;
+SELECT pg_notify('loomflow_worker_signals', md5(%(session_id)s)), (SELECT id FROM sent) AS id,
+       (SELECT count(*) FROM dropped) AS dropped;
 
 -- name: take_signal
 -- A waiter of (session, user) takes the oldest signal sent to that user or to
@@ -180,7 +191,8 @@ SELECT payload FROM taken;
 
 -- ---- pruning (runtime.prune, `loomflow-worker prune`, the sweeper's retention) ------------
 -- One set of rules. What matches every filter given goes: journal entries,
--- streams and checkpoints written before "before" (epoch seconds), of the
+-- streams and checkpoints written before "before" (epoch seconds), and
+-- undelivered signals sent before "cutoff", of the
 -- scope "scope"; then requests finished before "cutoff" (the same moment;
 -- their attempts cascade), of that scope. The scopes of unfinished requests keep their
 -- journal (a run parked on a signal for longer than the cutoff still needs it
@@ -222,6 +234,17 @@ DELETE FROM checkpoints WHERE ctid = ANY(ARRAY(
                           AND loomflow_worker_unfinished(r.status))
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
+-- name: prune_signals
+-- Undelivered signals sent before the cutoff, of the scope. A session with an
+-- unfinished request keeps those sent to its request's user, and those sent
+-- to no user (any user's run may take them).
+DELETE FROM signals WHERE id = ANY(ARRAY(
+    SELECT id FROM signals s
+     WHERE (%(cutoff)s::timestamptz IS NULL OR s.created_at < %(cutoff)s::timestamptz)
+       AND (%(scope)s::text IS NULL OR s.scope = %(scope)s::text)
+       AND NOT loomflow_worker_signal_awaited(s.scope, s.session_id, s.user_id)
+     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
+
 -- name: prune_runs
 -- enqueued_at bounds the scan of runs_status: a request finished before the
 -- cutoff was enqueued before it.
@@ -252,6 +275,11 @@ SELECT (SELECT count(*) FROM journal_steps j
            AND (%(scope)s::text IS NULL OR c.session_id = %(scope)s::text)
            AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
                               AND loomflow_worker_unfinished(r.status))) AS checkpoints,
+       (SELECT count(*) FROM signals s
+         WHERE (%(cutoff)s::timestamptz IS NULL OR s.created_at < %(cutoff)s::timestamptz)
+           AND (%(scope)s::text IS NULL OR s.scope = %(scope)s::text)
+           AND NOT loomflow_worker_signal_awaited(s.scope, s.session_id, s.user_id))
+       AS signals,
        (SELECT count(*) FROM runs
          WHERE loomflow_worker_finished(status)
            AND (%(cutoff)s::timestamptz IS NULL
@@ -1060,3 +1088,13 @@ SELECT worker, hostname, pid, slots, runs, heartbeat_interval, started_at, seen_
 SELECT id, at, worker, action, request_id, detail
   FROM sweeper_actions
  ORDER BY id DESC LIMIT %(limit)s;
+
+-- ---- the demo's own database (`loomflow-worker demo` on a server it did not start) ---------
+
+-- name: create_database
+-- A database for one demo; its name is an identifier psycopg composes in.
+CREATE DATABASE {}
+
+-- name: drop_database
+-- The demo's database at its end, whoever is still connected.
+DROP DATABASE IF EXISTS {} WITH (FORCE)
