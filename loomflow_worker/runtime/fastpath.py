@@ -28,7 +28,7 @@ from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection, errors
-from psycopg.pq import ExecStatus, Format
+from psycopg.pq import DiagnosticField, ExecStatus, Format
 from psycopg.pq.abc import PGresult
 
 from .sql import query
@@ -43,6 +43,7 @@ BOOL_OID = 16
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 _OK = (ExecStatus.COMMAND_OK, ExecStatus.TUPLES_OK)
 _BINARY = int(Format.BINARY)
+DIAG_SQLSTATE = DiagnosticField.SQLSTATE
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ async def _pipeline_results(
             elif found is None or found.status in _OK:
                 found = res  # the first error of a statement wins
         await _readable(conn)
-        pg.consume_input()
+        _consume(conn, found)
 
 
 def _checked(res: PGresult, conn: AsyncConnection[Any]) -> PGresult | psycopg.Error:
@@ -201,7 +202,22 @@ async def _result(conn: AsyncConnection[Any]) -> PGresult:
             if found is None or found.status in _OK:
                 found = res  # the first error of a command wins
         await _readable(conn)
+        _consume(conn, found)
+
+
+def _consume(conn: AsyncConnection[Any], found: PGresult | None) -> None:
+    """Read what the server sent. A server that ended the connection (a
+    terminated backend, a shutdown) said why before it closed: that error
+    (``found``, or one still in libpq's buffer), as psycopg would raise it
+    (``AdminShutdown``...), rather than a bare failure to read."""
+    pg = conn.pgconn
+    try:
         pg.consume_input()
+    except psycopg.OperationalError as exc:
+        said = found if found is not None and found.status not in _OK else pg.get_result()
+        if said is not None and said.error_field(DIAG_SQLSTATE):
+            raise errors.error_from_result(said, encoding=conn.info.encoding) from exc
+        raise
 
 
 async def _readable(conn: AsyncConnection[Any]) -> None:
