@@ -1,0 +1,206 @@
+"""Where a request's messages go, and what the sweeper counts as present:
+per-call queues, messages a worker holds for a rate limit, messages known only
+by their body (``send_task``, ``celery call``), and the backlog autoscalers see."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+
+import psycopg
+import pytest
+
+from loomflow_worker.tasks import app, run_agent
+from loomflow_worker.tasks.application import RUN_AGENT
+
+from . import vip_agents  # noqa: F401  (the enqueuing side knows the vip agent)
+from .celery_harness import ROOT, Fleet, ledger, wait_status
+from .helpers import calls
+from .test_metrics import _free_port, _scrape
+
+#: A sweeper that acts fast: a message counted nowhere for over a second looks lost.
+QUICK_SWEEPER = {"LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5", "LOOMFLOW_WORKER_HANDOFF_GRACE": "1",
+                 "LOOMFLOW_WORKER_REDISPATCH_AFTER": "2"}
+
+
+def wait_sweeps_for(fleet: Fleet, seconds: float, timeout: float = 60) -> None:
+    """Wait until the sweeper's leader began a sweep ``seconds`` after now (on
+    the database's clock): whatever it would do by then, it has done."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT now()").fetchone()
+        assert row is not None
+        since: datetime = row[0]
+        while True:
+            claimed = conn.execute(
+                "SELECT heartbeat_at > %s + make_interval(secs => %s) FROM sweeper_leader",
+                (since, seconds)).fetchone()
+            if claimed is not None and claimed[0]:
+                return
+            assert time.monotonic() < deadline, "the sweeper did not sweep"
+            time.sleep(0.1)
+
+
+def _redispatches(fleet: Fleet) -> list[str]:
+    return re.findall(r"sweeper: dispatched request (\S+) again", fleet.log_text())
+
+
+@pytest.fixture
+def vip_queue(fleet: Fleet, broker: str) -> Iterator[str]:
+    """A second queue of the fleet's broker, deleted after the test."""
+    name = f"{fleet.queue}-vip"
+    yield name
+    if broker == "rabbitmq":
+        from .celery_harness import _delete_amqp_queue
+
+        _delete_amqp_queue(name)
+
+
+def _start_vip_worker(fleet: Fleet, vip_queue: str, concurrency: int) -> None:
+    """A worker of the vip queue alone, the only one with the vip agent."""
+    fleet.start("vip", concurrency=concurrency, args=("-Q", vip_queue), TEST_TOOL_SLEEP="1",
+                LOOMFLOW_WORKER_AGENTS="tests.integration.vip_agents", **QUICK_SWEEPER)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
+def test_a_request_sent_to_its_own_queue_waits_there_and_runs_on_its_workers(
+    fleet: Fleet, vip_queue: str
+) -> None:
+    # No worker reads the vip queue yet: its request waits there, well past
+    # the sweeper's grace, and is never sent to the default queue, whose
+    # worker does not have its agent.
+    fleet.start("default", concurrency=2, **QUICK_SWEEPER)
+    first = run_agent.apply_async((calls("v0"), "vip-0"), {"agent": "vip"}, queue=vip_queue)
+    wait_sweeps_for(fleet, 5)
+    assert ledger(fleet.dsn, first.id)["status"] == "queued"
+    assert _redispatches(fleet) == []
+    # Its worker comes, one run at a time: the others wait in the queue.
+    _start_vip_worker(fleet, vip_queue, concurrency=1)
+    more = [run_agent.apply_async((calls(f"v{i}"), f"vip-{i}"), {"agent": "vip"},
+                                  queue=vip_queue) for i in range(1, 5)]
+    for i, result in enumerate([first, *more]):
+        assert result.get(timeout=120)["output"] == f"done: recorded v{i}"
+    assert _redispatches(fleet) == []
+    default_log = (fleet.logs / "default.log").read_text(errors="replace")
+    assert "unknown agent" not in default_log
+    assert not re.search(r"request \S+ succeeded", default_log)
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        routed = conn.execute("SELECT DISTINCT routing->>'queue' FROM runs").fetchall()
+    assert routed == [(vip_queue,)]
+
+
+@pytest.mark.slow
+def test_a_request_handed_on_goes_back_to_its_own_queue(fleet: Fleet, vip_queue: str) -> None:
+    # The second request of a session parks behind the first; the handoff
+    # publishes it again to the vip queue, not to the default one.
+    fleet.start("default", concurrency=2, **QUICK_SWEEPER)
+    _start_vip_worker(fleet, vip_queue, concurrency=2)
+    first = run_agent.apply_async((calls("h1"), "vip-s"), {"agent": "vip"}, queue=vip_queue)
+    second = run_agent.apply_async((calls("h2"), "vip-s"), {"agent": "vip"}, queue=vip_queue)
+    assert first.get(timeout=60)["output"] == "done: recorded h1"
+    assert second.get(timeout=60)["output"] == "done: recorded h2"
+    assert "unknown agent" not in (fleet.logs / "default.log").read_text(errors="replace")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
+def test_messages_a_worker_holds_for_a_rate_limit_are_not_sent_again(
+    fleet: Fleet, broker: str
+) -> None:
+    # 30/m: one run every 2 s. The worker holds the messages it took, waiting
+    # for their slot, far longer than the sweeper's grace: they are in no
+    # queue the broker counts, and the worker says it holds them.
+    fleet.start("w1", concurrency=2, **QUICK_SWEEPER)
+    replies = app.control.rate_limit(RUN_AGENT, "30/m", reply=True, timeout=5,
+                                     destination=[f"w1-{fleet.queue}@{os.uname().nodename}"])
+    assert replies and all("ok" in next(iter(r.values())) for r in replies), replies
+    results = [run_agent.delay(calls(f"r{i}"), f"rate-{i}") for i in range(4)]
+    for i, result in enumerate(results):
+        assert result.get(timeout=120)["output"] == f"done: recorded r{i}"
+    assert _redispatches(fleet) == []
+    log = (fleet.logs / "w1.log").read_text(errors="replace")
+    assert len(re.findall(r"request \S+ succeeded", log)) == 4
+    assert "already succeeded" not in log
+
+
+def _celery_call(fleet: Fleet, *args: str) -> str:
+    """``celery call`` from a process with the fleet's settings; the task id."""
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "loomflow_worker.tasks", "call", RUN_AGENT,
+         *args], cwd=ROOT, env=fleet.env, capture_output=True, text=True, timeout=60, check=True)
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_celery_call_with_a_countdown_records_when_the_request_may_start(fleet: Fleet) -> None:
+    fleet.start("w1", concurrency=1, **QUICK_SWEEPER)
+    request_id = _celery_call(
+        fleet, "--args", json.dumps([calls("c1"), "countdown"]), "--countdown", "4",
+        "--queue", fleet.queue)
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        deadline = time.monotonic() + 30
+        while (row := conn.execute(
+                "SELECT not_before, enqueued_at, routing->>'queue' FROM runs "
+                "WHERE request_id = %s", (request_id,)).fetchone()) is None:
+            assert time.monotonic() < deadline, "no ledger row for the message"
+            time.sleep(0.05)
+    not_before, enqueued_at, queue = row
+    assert not_before is not None and 2 < (not_before - enqueued_at).total_seconds() <= 4.5
+    assert queue == fleet.queue
+    assert wait_status(fleet.dsn, request_id, ("succeeded",)) == "succeeded"
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        started = conn.execute("SELECT min(started_at) FROM run_attempts WHERE request_id = %s",
+                               (request_id,)).fetchone()
+    assert started is not None and started[0] >= not_before
+    assert _redispatches(fleet) == []
+
+
+def test_the_readme_names_the_queue_wherever_it_shows_send_task() -> None:
+    readme = (ROOT / "README.md").read_text()
+    shown = re.findall(r"send_task\((.*?)\)\s*$", readme, flags=re.M)
+    assert shown, "the README shows no send_task call"
+    assert all("queue=" in call for call in shown), shown
+    assert "`celery` queue" in readme
+
+
+@pytest.mark.slow
+def test_the_leader_reports_every_waiting_request_parked_or_not(
+    fleet: Fleet, vip_queue: str
+) -> None:
+    # Three requests on one session (one runs, two park: acked, in no broker
+    # queue) and one in a queue no worker reads: the gauge counts the three
+    # waiting, per queue.
+    port = _free_port()
+    fleet.start("w1", concurrency=2, TEST_TOOL_SLEEP="3", LOOMFLOW_WORKER_METRICS_PORT=str(port),
+                **QUICK_SWEEPER)
+    session = f"gauge-{uuid.uuid4().hex[:6]}"
+    running = run_agent.delay(calls("g0"), session)
+    parked = [run_agent.delay(calls(f"g{i}"), session) for i in (1, 2)]
+    run_agent.apply_async((calls("gv"), "gauge-vip"), queue=vip_queue)
+    wait_status(fleet.dsn, running.id, ("running",))
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        deadline = time.monotonic() + 30
+        while conn.execute("SELECT count(*) FROM runs WHERE status = 'queued' "
+                           "AND received_at IS NOT NULL").fetchone() != (2,):
+            assert time.monotonic() < deadline, "the two requests did not park"
+            time.sleep(0.1)
+    gauge = "loomflow_worker_queued_requests"
+    deadline = time.monotonic() + 30
+    while True:
+        samples = {k: v for k, v in _scrape(port).items() if k.startswith(gauge)}
+        default = sum(v for k, v in samples.items() if f'queue="{fleet.queue}"' in k)
+        vip = sum(v for k, v in samples.items() if f'queue="{vip_queue}"' in k)
+        if (default, vip) == (2, 1):
+            break
+        assert time.monotonic() < deadline, samples
+        time.sleep(0.2)
+    for result in (running, *parked):
+        result.get(timeout=60)
