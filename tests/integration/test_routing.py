@@ -23,6 +23,7 @@ from loomflow_worker.tasks.application import RUN_AGENT
 from . import vip_agents  # noqa: F401  (the enqueuing side knows the vip agent)
 from .celery_harness import ROOT, Fleet, ledger, wait_status
 from .helpers import calls
+from .test_celery import _wait_for_execution
 from .test_metrics import _free_port, _scrape
 
 #: A sweeper that acts fast: a message counted nowhere for over a second looks lost.
@@ -98,16 +99,31 @@ def test_a_request_sent_to_its_own_queue_waits_there_and_runs_on_its_workers(
 
 
 @pytest.mark.slow
-def test_a_request_handed_on_goes_back_to_its_own_queue(fleet: Fleet, vip_queue: str) -> None:
-    # The second request of a session parks behind the first; the handoff
-    # publishes it again to the vip queue, not to the default one.
+def test_a_running_request_whose_worker_died_is_sent_back_to_its_own_queue(
+    fleet: Fleet, vip_queue: str
+) -> None:
+    # The vip worker dies mid-run: the default worker's sweeper dispatches
+    # the request again, to the vip queue, where it waits for a vip worker.
     fleet.start("default", concurrency=2, **QUICK_SWEEPER)
-    _start_vip_worker(fleet, vip_queue, concurrency=2)
-    first = run_agent.apply_async((calls("h1"), "vip-s"), {"agent": "vip"}, queue=vip_queue)
-    second = run_agent.apply_async((calls("h2"), "vip-s"), {"agent": "vip"}, queue=vip_queue)
-    assert first.get(timeout=60)["output"] == "done: recorded h1"
-    assert second.get(timeout=60)["output"] == "done: recorded h2"
+    _start_vip_worker(fleet, vip_queue, concurrency=1)
+    result = run_agent.apply_async((calls("k1", "k2"), "vip-k"), {"agent": "vip"},
+                                   queue=vip_queue)
+    _wait_for_execution(fleet.dsn, "k1")
+    fleet.kill("vip")
+    wait_swept_again(fleet, result.id)
+    wait_sweeps_for(fleet, 3)
+    assert ledger(fleet.dsn, result.id)["status"] in ("running", "queued")
     assert "unknown agent" not in (fleet.logs / "default.log").read_text(errors="replace")
+    _start_vip_worker(fleet, vip_queue, concurrency=1)
+    assert result.get(timeout=60)["output"] == "done: recorded k1, recorded k2"
+
+
+def wait_swept_again(fleet: Fleet, request_id: str, timeout: float = 60) -> None:
+    """Wait until the sweeper dispatched ``request_id`` again."""
+    deadline = time.monotonic() + timeout
+    while request_id not in _redispatches(fleet):
+        assert time.monotonic() < deadline, f"the sweeper did not dispatch {request_id}"
+        time.sleep(0.1)
 
 
 @pytest.mark.slow
@@ -148,13 +164,15 @@ def test_celery_call_with_a_countdown_records_when_the_request_may_start(fleet: 
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         deadline = time.monotonic() + 30
         while (row := conn.execute(
-                "SELECT not_before, enqueued_at, routing->>'queue' FROM runs "
-                "WHERE request_id = %s", (request_id,)).fetchone()) is None:
+                "SELECT not_before, enqueued_at FROM runs WHERE request_id = %s",
+                (request_id,)).fetchone()) is None:
             assert time.monotonic() < deadline, "no ledger row for the message"
             time.sleep(0.05)
-    not_before, enqueued_at, queue = row
-    assert not_before is not None and 2 < (not_before - enqueued_at).total_seconds() <= 4.5
-    assert queue == fleet.queue
+        not_before, enqueued_at = row
+        # Recorded on receipt, seconds before its eta, with that eta.
+        assert not_before is not None and 2 < (not_before - enqueued_at).total_seconds() <= 4.5
+        assert conn.execute("SELECT routing->>'queue' FROM runs WHERE request_id = %s",
+                            (request_id,)).fetchone() == (fleet.queue,)
     assert wait_status(fleet.dsn, request_id, ("succeeded",)) == "succeeded"
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         started = conn.execute("SELECT min(started_at) FROM run_attempts WHERE request_id = %s",
