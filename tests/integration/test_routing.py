@@ -31,6 +31,12 @@ QUICK_SWEEPER = {"LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5", "LOOMFLOW_WORKER_HANDO
                  "LOOMFLOW_WORKER_REDISPATCH_AFTER": "2"}
 
 
+@pytest.fixture(autouse=True)
+def quick_sweeper(fleet: Fleet) -> None:
+    """Every worker of these tests sweeps fast."""
+    fleet.env.update(QUICK_SWEEPER)
+
+
 def wait_sweeps_for(fleet: Fleet, seconds: float, timeout: float = 60) -> None:
     """Wait until the sweeper's leader began a sweep ``seconds`` after now (on
     the database's clock): whatever it would do by then, it has done."""
@@ -67,7 +73,7 @@ def vip_queue(fleet: Fleet, broker: str) -> Iterator[str]:
 def _start_vip_worker(fleet: Fleet, vip_queue: str, concurrency: int) -> None:
     """A worker of the vip queue alone, the only one with the vip agent."""
     fleet.start("vip", concurrency=concurrency, args=("-Q", vip_queue), TEST_TOOL_SLEEP="1",
-                LOOMFLOW_WORKER_AGENTS="tests.integration.vip_agents", **QUICK_SWEEPER)
+                LOOMFLOW_WORKER_AGENTS="tests.integration.vip_agents")
 
 
 @pytest.mark.slow
@@ -78,7 +84,7 @@ def test_a_request_sent_to_its_own_queue_waits_there_and_runs_on_its_workers(
     # No worker reads the vip queue yet: its request waits there, well past
     # the sweeper's grace, and is never sent to the default queue, whose
     # worker does not have its agent.
-    fleet.start("default", concurrency=2, **QUICK_SWEEPER)
+    fleet.start("default", concurrency=2)
     first = run_agent.apply_async((calls("v0"), "vip-0"), {"agent": "vip"}, queue=vip_queue)
     wait_sweeps_for(fleet, 5)
     assert ledger(fleet.dsn, first.id)["status"] == "queued"
@@ -104,7 +110,7 @@ def test_a_running_request_whose_worker_died_is_sent_back_to_its_own_queue(
 ) -> None:
     # The vip worker dies mid-run: the default worker's sweeper dispatches
     # the request again, to the vip queue, where it waits for a vip worker.
-    fleet.start("default", concurrency=2, **QUICK_SWEEPER)
+    fleet.start("default", concurrency=2)
     _start_vip_worker(fleet, vip_queue, concurrency=1)
     result = run_agent.apply_async((calls("k1", "k2"), "vip-k"), {"agent": "vip"},
                                    queue=vip_queue)
@@ -134,7 +140,7 @@ def test_messages_a_worker_holds_for_a_rate_limit_are_not_sent_again(
     # 30/m: one run every 2 s. The worker holds the messages it took, waiting
     # for their slot, far longer than the sweeper's grace: they are in no
     # queue the broker counts, and the worker says it holds them.
-    fleet.start("w1", concurrency=2, **QUICK_SWEEPER)
+    fleet.start("w1", concurrency=2)
     replies = app.control.rate_limit(RUN_AGENT, "30/m", reply=True, timeout=5,
                                      destination=[f"w1-{fleet.queue}@{os.uname().nodename}"])
     assert replies and all("ok" in next(iter(r.values())) for r in replies), replies
@@ -157,7 +163,7 @@ def _celery_call(fleet: Fleet, *args: str) -> str:
 
 @pytest.mark.slow
 def test_celery_call_with_a_countdown_records_when_the_request_may_start(fleet: Fleet) -> None:
-    fleet.start("w1", concurrency=1, **QUICK_SWEEPER)
+    fleet.start("w1", concurrency=1)
     request_id = _celery_call(
         fleet, "--args", json.dumps([calls("c1"), "countdown"]), "--countdown", "4",
         "--queue", fleet.queue)
@@ -181,14 +187,6 @@ def test_celery_call_with_a_countdown_records_when_the_request_may_start(fleet: 
     assert _redispatches(fleet) == []
 
 
-def test_the_readme_names_the_queue_wherever_it_shows_send_task() -> None:
-    readme = (ROOT / "README.md").read_text()
-    shown = re.findall(r"send_task\((.*?)\)\s*$", readme, flags=re.M)
-    assert shown, "the README shows no send_task call"
-    assert all("queue=" in call for call in shown), shown
-    assert "`celery` queue" in readme
-
-
 @pytest.mark.slow
 def test_the_leader_reports_every_waiting_request_parked_or_not(
     fleet: Fleet, vip_queue: str
@@ -197,8 +195,7 @@ def test_the_leader_reports_every_waiting_request_parked_or_not(
     # queue) and one in a queue no worker reads: the gauge counts the three
     # waiting, per queue.
     port = _free_port()
-    fleet.start("w1", concurrency=2, TEST_TOOL_SLEEP="3", LOOMFLOW_WORKER_METRICS_PORT=str(port),
-                **QUICK_SWEEPER)
+    fleet.start("w1", concurrency=2, TEST_TOOL_SLEEP="3", LOOMFLOW_WORKER_METRICS_PORT=str(port))
     session = f"gauge-{uuid.uuid4().hex[:6]}"
     running = run_agent.delay(calls("g0"), session)
     parked = [run_agent.delay(calls(f"g{i}"), session) for i in (1, 2)]
@@ -220,5 +217,21 @@ def test_the_leader_reports_every_waiting_request_parked_or_not(
             break
         assert time.monotonic() < deadline, samples
         time.sleep(0.2)
+    # KEDA's trigger on the ledger (deploy/k8s/scaledobject.yaml) counts the same.
+    assert _keda_count(fleet) == 2
     for result in (running, *parked):
         result.get(timeout=60)
+
+
+def _keda_count(fleet: Fleet) -> int:
+    """What the deploy files' KEDA PostgreSQL trigger reads, for the fleet's queue."""
+    import yaml  # type: ignore[import-untyped]
+
+    docs = yaml.safe_load_all((ROOT / "deploy/k8s/scaledobject.yaml").read_text())
+    (trigger,) = [t for d in docs if d["kind"] == "ScaledObject"
+                  for t in d["spec"]["triggers"] if t["type"] == "postgresql"]
+    sql = trigger["metadata"]["query"].replace("'loomflow'", f"'{fleet.queue}'")
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute(sql).fetchone()
+    assert row is not None
+    return int(row[0])
