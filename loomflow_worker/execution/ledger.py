@@ -667,10 +667,12 @@ async def park(conn: Conn, request_id: str, options: dict[str, Any] | None = Non
     return not (row and row[0])
 
 
-def mark_held(conn: psycopg.Connection[Any], request_ids: list[str]) -> None:
+def mark_held(conn: psycopg.Connection[Any], request_ids: list[str]) -> set[str]:
     """Say that this worker holds these requests' messages, received but not
-    started: the sweeper does not take them for lost meanwhile."""
-    conn.execute(query("mark_held"), {"request_ids": request_ids})
+    started: the sweeper does not take them for lost meanwhile. Returns those
+    stamped (queued in the ledger)."""
+    rows = conn.execute(query("mark_held"), {"request_ids": request_ids}).fetchall()
+    return {row[0] for row in rows}
 
 
 def unknown(conn: psycopg.Connection[Any], request_ids: list[str]) -> list[str]:

@@ -330,11 +330,15 @@ def _stamp_held(conn: psycopg.Connection[Any]) -> int:
     request_ids = list(_held)
     if not request_ids:
         return 0
-    for request_id in ledger.unknown(conn, request_ids):
-        request = _held.get(request_id)
-        if request is not None:
-            _record_arrived(conn, request)
-    ledger.mark_held(conn, request_ids)
+    stamped = ledger.mark_held(conn, request_ids)
+    if len(stamped) < len(request_ids):
+        # Some are not queued in the ledger: started since, or sent by name.
+        arrived = [request_id for request_id in ledger.unknown(
+            conn, [i for i in request_ids if i not in stamped]) if request_id in _held]
+        for request_id in arrived:
+            _record_arrived(conn, _held[request_id])
+        if arrived:
+            ledger.mark_held(conn, arrived)
     return len(request_ids)
 
 
