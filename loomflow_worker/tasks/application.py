@@ -314,7 +314,7 @@ _held: dict[str, Any] = {}
 @task_received.connect
 def _note_received(request: Any = None, **_: Any) -> None:
     """A request's message reached this worker: until it starts, the sweeper
-    hears from this worker that it holds it (see :func:`_held_requests`)."""
+    hears from this worker that it holds it (see :func:`_stamp_held`)."""
     if request is not None and getattr(request, "name", None) in (RUN_AGENT, RESUME_AGENT):
         _held[request.id] = request
 
@@ -1018,8 +1018,8 @@ def _arrival(request: Any) -> ledger.Arrival:
     consumes whose exchange and routing key it came by."""
     info = request.delivery_info or {}
     exchange, key = info.get("exchange"), info.get("routing_key")
-    queue = next((q.name for q in app.amqp.queues.values()
-                  if q.routing_key == key and (not exchange or q.exchange.name == exchange)), key)
+    queue = next((q.name for q in app.amqp.queues.values() if q.routing_key == key
+                  and (not exchange or getattr(q.exchange, "name", None) == exchange)), key)
     try:
         start = _start_at(None, request.eta)
     except InvalidInput:

@@ -229,8 +229,18 @@ class Sweeper:
         """Say, in one statement, which requests this worker holds received and
         not started (a rate limit, an eta, a prefetch): their messages are in
         no queue the broker counts, and the sweeper must not take them for
-        lost. Nothing when it holds none; returns how many."""
-        return self.held(conn) if self.held is not None else 0
+        lost. Nothing when it holds none; returns how many. A failure other
+        than the database's is logged, and the sweep goes on."""
+        if self.held is None:
+            return 0
+        try:
+            return self.held(conn)
+        except psycopg.Error:
+            raise
+        except Exception:
+            log.exception("sweeper: could not say which messages this worker holds",
+                          extra={"action": "sweeper_held"})
+            return 0
 
     def _waiting(self, queues: list[str]) -> dict[str, int | None]:
         """How many messages the broker holds for each of ``queues`` (``None``:
