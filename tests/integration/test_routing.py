@@ -235,3 +235,27 @@ def _keda_count(fleet: Fleet) -> int:
         row = conn.execute(sql).fetchone()
     assert row is not None
     return int(row[0])
+
+
+@pytest.mark.slow
+def test_a_fleet_that_reads_the_celery_queue_runs_a_bare_send_task(fleet: Fleet) -> None:
+    # The README's remedy for a client that cannot name the queue: the
+    # workers add Celery's default `celery` queue. A plain Celery app (no
+    # loomflow_worker config) sends by name; the request gets its ledger row,
+    # routed to that queue, and runs.
+    from celery import Celery
+
+    from .celery_harness import REDIS_URL
+
+    fleet.start("w1", concurrency=2, args=("-Q", f"{fleet.queue},celery"))
+    bare = Celery("client", broker=REDIS_URL, backend=REDIS_URL)
+    bare.conf.broker_transport_options = {"global_keyprefix": fleet.prefix}
+    bare.conf.result_backend_transport_options = {"global_keyprefix": fleet.prefix}
+    try:
+        sent = bare.send_task(RUN_AGENT, args=[calls("bare"), "bare-session"])
+        assert sent.get(timeout=60)["output"] == "done: recorded bare"
+    finally:
+        bare.close()
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT routing->>'queue' FROM runs WHERE request_id = %s",
+                            (sent.id,)).fetchone() == ("celery",)
