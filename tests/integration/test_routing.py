@@ -259,3 +259,20 @@ def test_a_fleet_that_reads_the_celery_queue_runs_a_bare_send_task(fleet: Fleet)
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         assert conn.execute("SELECT routing->>'queue' FROM runs WHERE request_id = %s",
                             (sent.id,)).fetchone() == ("celery",)
+
+
+@pytest.mark.slow
+def test_celery_control_shutdown_waits_for_the_runs_to_finish(fleet: Fleet) -> None:
+    # Celery's remote shutdown is its warm shutdown: unlike SIGTERM's soft
+    # shutdown (SOFT_SHUTDOWN_TIMEOUT, then the runs are requeued), the run in
+    # flight finishes on this worker, in one attempt, before it exits.
+    fleet.start("w1", concurrency=2, cli=True, TEST_TOOL_SLEEP="4",
+                LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT="1")
+    result = run_agent.delay(calls("d1"), "drain")
+    _wait_for_execution(fleet.dsn, "d1")
+    app.control.shutdown(destination=[f"w1-{fleet.queue}@{os.uname().nodename}"])
+    code, _ = fleet.wait_exit("w1", timeout=60)
+    assert code == 0
+    row = ledger(fleet.dsn, result.id)
+    assert (row["status"], row["attempts"]) == ("succeeded", 1)
+    assert result.get(timeout=10)["output"] == "done: recorded d1"
