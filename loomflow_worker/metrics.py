@@ -40,6 +40,7 @@ class Metrics:
     connections: Any
     refused: Any
     signals_dropped: Any
+    backlog: Any
 
 
 _metrics: Metrics | None = None
@@ -123,8 +124,32 @@ def setup() -> Metrics:
                 "loomflow_worker_signals_dropped",
                 "Undelivered signals dropped at a send, past SIGNALS_PER_SCOPE of their scope",
             ),
+            backlog=Gauge(
+                "loomflow_worker_queued_requests",
+                "Requests waiting to run, by queue, parked or not, from the runs ledger: "
+                "set by the sweeper's leader each sweep, 0 on every other worker "
+                "(sum or max it across workers)",
+                ["queue"], multiprocess_mode="liveall",
+            ),
         )
     return _metrics
+
+
+#: The queues this process reported a backlog for (zeroed once it stops leading).
+_backlog_queues: set[str] = set()
+
+
+def report_backlog(queued: dict[str, int]) -> None:
+    """Set the backlog gauge to ``queued`` (queue name -> queued requests),
+    and to 0 for a queue reported before and absent now (emptied, or this
+    process no longer leads the sweep), when metrics are on."""
+    if _metrics is None:
+        return
+    for queue in _backlog_queues - set(queued):
+        _metrics.backlog.labels(queue=queue).set(0)
+    for queue, count in queued.items():
+        _metrics.backlog.labels(queue=queue).set(count)
+    _backlog_queues.update(queued)
 
 
 def observe_connections(ports: dict[int, str]) -> None:

@@ -363,12 +363,14 @@ async def execute(
     *,
     time_limit: float | None = None,
     options: MessageOptions | None = None,
+    arrival: ledger.Arrival | None = None,
 ) -> Outcome:
     """One attempt of ``request_id``; ``node`` is the Celery node running it;
     ``time_limit`` (seconds), the caller's, when shorter than the agent's;
     ``options()``, what its message carried besides its arguments (JSON),
     read only when the request parks: the ledger keeps them, and the message
-    published for it at its turn carries them."""
+    published for it at its turn carries them; ``arrival``, the message's eta
+    and routing, recorded when the ledger has no row for it."""
     runtime = await ctx.runtime()
     try:
         req = check_request(ctx.settings, kind=kind, **args)
@@ -404,7 +406,7 @@ async def execute(
         if lease is None and pre is None:
             # Published by name, from a process with no database access.
             async with runtime.pool.connection() as conn:
-                await ledger.ensure_row(conn, request_id, req)
+                await ledger.ensure_row(conn, request_id, req, arrival)
             lease = await runtime.journal.acquire_if(
                 req.scope, HANDOFF_LOCK_WAIT, precheck_and_lock
             )

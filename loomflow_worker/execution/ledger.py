@@ -67,6 +67,10 @@ class Pending:
     # group membership, headers, priority, time limits), recorded when a worker
     # parked it; None for a running request, whose own message carries them.
     options: dict[str, Any] | None = None
+    # Where its messages go (queue, exchange, routing_key, priority), recorded
+    # at enqueue; None: the fleet's default queue. Every message published for
+    # it, running or queued, goes there.
+    routing: dict[str, Any] | None = None
 
     def task_args(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return task_args(self.kind, self.prompt, self.session_id, self.user_id, self.agent,
@@ -122,10 +126,12 @@ def _rows(conn: psycopg.Connection[Any], name: str, params: Mapping[str, Any]) -
 
 
 def _row_params(
-    request_id: str, req: RunRequest, start: StartAt | None = None, ignore_result: bool = False
+    request_id: str, req: RunRequest, start: StartAt | None = None, ignore_result: bool = False,
+    routing: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "ignore_result": ignore_result,
+        "routing": _jsonb(routing),
         "countdown": start.countdown if start is not None else None,
         "eta": start.eta if start is not None else None,
         "request_id": request_id,
@@ -194,11 +200,11 @@ def differing(row: Mapping[str, Any], values: Mapping[str, Any]) -> list[str]:
 
 def _insert_new(
     conn: psycopg.Connection[Any], request_id: str, req: RunRequest, start: StartAt | None,
-    ignore_result: bool,
+    ignore_result: bool, routing: dict[str, Any] | None,
 ) -> Enqueued:
     """Insert the request's row; a duplicate when the ledger had it already
     (the same request: :func:`_same_as_recorded` checks)."""
-    params = _row_params(request_id, req, start, ignore_result)
+    params = _row_params(request_id, req, start, ignore_result, routing)
     row = conn.execute(query("insert_run"), params).fetchone()
     if row is None:
         if _same_as_recorded(conn, request_id, req):
@@ -268,17 +274,19 @@ class EnqueuePool:
         on_busy: OnBusy = "enqueue",
         start: StartAt | None = None,
         ignore_result: bool = False,
+        routing: dict[str, Any] | None = None,
     ) -> Enqueued:
         """Record the request (to start no sooner than ``start`` says;
         ``ignore_result``: its caller wants no result, Celery's
-        ``ignore_result``, so the sweeper never stores one).
+        ``ignore_result``, so the sweeper never stores one; ``routing``: where
+        its messages go, see :attr:`Pending.routing`).
         ``request_id`` is an idempotency key: when the ledger has it already,
         with the same arguments, nothing is written and the result says it is
         a duplicate; with other arguments, :class:`InvalidInput` names them."""
         with (translated("record the request in", dsn, then="nothing was enqueued"),
               self.connection(dsn, connect_timeout) as conn):
             if on_busy == "enqueue":
-                return _insert_new(conn, request_id, req, start, ignore_result)
+                return _insert_new(conn, request_id, req, start, ignore_result, routing)
             with conn.transaction():
                 if _same_as_recorded(conn, request_id, req):
                     return Enqueued(duplicate=True)
@@ -292,8 +300,8 @@ class EnqueuePool:
                             detail=f"request {busy[0]['request_id']} is "
                             f"{busy[0]['status']} on it and on_busy=\"reject\" was asked",
                         )
-                    return _insert_new(conn, request_id, req, start, ignore_result)
-                enqueued = _insert_new(conn, request_id, req, start, ignore_result)
+                    return _insert_new(conn, request_id, req, start, ignore_result, routing)
+                enqueued = _insert_new(conn, request_id, req, start, ignore_result, routing)
                 if enqueued.duplicate:
                     return enqueued
                 rows = _rows(
@@ -360,10 +368,24 @@ class EnqueuePool:
 # ---- the worker side (async, on the attempt's lock connection) ---------------------------
 
 
-async def ensure_row(conn: Conn, request_id: str, req: RunRequest) -> None:
+@dataclass(frozen=True)
+class Arrival:
+    """What a message says of its request beyond its arguments, for a row made
+    on receipt: when it may start (its eta) and where it came (its queue)."""
+
+    start: StartAt | None = None
+    routing: dict[str, Any] | None = None
+
+
+async def ensure_row(
+    conn: Conn, request_id: str, req: RunRequest, arrival: Arrival | None = None
+) -> None:
     """A message published by name, from a process with no database access,
-    gets its ledger row on receipt."""
-    await conn.execute(query("insert_run"), _row_params(request_id, req))
+    gets its ledger row on receipt: not to start before its eta, routed as it
+    came (``arrival``)."""
+    came = arrival or Arrival()
+    await conn.execute(query("insert_run"), _row_params(request_id, req, came.start,
+                                                        routing=came.routing))
 
 
 async def record_invalid(
@@ -643,6 +665,31 @@ async def park(conn: Conn, request_id: str, options: dict[str, Any] | None = Non
     )
     row = await cur.fetchone()
     return not (row and row[0])
+
+
+def mark_held(conn: psycopg.Connection[Any], request_ids: list[str]) -> set[str]:
+    """Say that this worker holds these requests' messages, received but not
+    started: the sweeper does not take them for lost meanwhile. Returns those
+    stamped (queued in the ledger)."""
+    rows = conn.execute(query("mark_held"), {"request_ids": request_ids}).fetchall()
+    return {row[0] for row in rows}
+
+
+def unknown(conn: psycopg.Connection[Any], request_ids: list[str]) -> list[str]:
+    """Those of ``request_ids`` the ledger has no row for."""
+    rows = conn.execute(query("known_requests"), {"request_ids": request_ids}).fetchall()
+    known = {row[0] for row in rows}
+    return [request_id for request_id in request_ids if request_id not in known]
+
+
+def record_arrived(
+    conn: psycopg.Connection[Any], request_id: str, req: RunRequest, arrival: Arrival
+) -> None:
+    """:func:`ensure_row` on a sync connection: a request a worker's consumer
+    received with no row (sent by name) is recorded on receipt, with its eta
+    and queue, not only when it starts."""
+    conn.execute(query("insert_run"), _row_params(request_id, req, arrival.start,
+                                                  routing=arrival.routing))
 
 
 async def mark_dispatched(conn: Conn, request_id: str) -> None:

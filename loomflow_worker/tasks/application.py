@@ -22,6 +22,7 @@ from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded, TimeLimitEx
 from celery.local import Proxy
 from celery.result import AsyncResult, task_join_will_block
 from celery.signals import (
+    task_received,
     task_revoked,
     worker_init,
     worker_process_init,
@@ -278,15 +279,79 @@ def _close_child(**_: Any) -> None:
         metrics.process_exited(os.getpid())
 
 
-def _queue_length() -> int:
-    """Messages waiting in the request queue, as the broker counts them."""
-    # Declared as the workers declare it (idempotent), not passively: kombu's
-    # passive declare on Redis looks the queue up without the global key
+def _queue_lengths(names: list[str]) -> dict[str, int | None]:
+    """Messages waiting in each of these queues, as the broker counts them
+    (``None``: the broker did not say)."""
+    # Declared as the workers declare them (idempotent), not passively: kombu's
+    # passive declare on Redis looks a queue up without the global key
     # prefix, so with REDIS_KEY_PREFIX it would always find it missing.
-    queue = app.amqp.queues[settings().queue]
+    counts: dict[str, int | None] = dict.fromkeys(names)
     with app.pool.acquire(block=True, timeout=5) as conn:
-        declared = queue.bind(conn.default_channel).queue_declare()
-        return int(declared.message_count)
+        for name in names:
+            queue = app.amqp.queues[name]
+            try:
+                counts[name] = int(queue.bind(conn.default_channel).queue_declare().message_count)
+            except Exception as exc:
+                log.warning("sweeper: could not count the messages of queue %s: %s", name, exc,
+                            extra={"action": "sweeper_count", "queue": name})
+    return counts
+
+
+def _queue_length() -> int:
+    """Messages waiting in the default queue, as the broker counts them."""
+    name = settings().queue
+    count = _queue_lengths([name])[name]
+    if count is None:
+        raise ConnectionError(f"the broker did not count the messages of queue {name}")
+    return count
+
+
+#: The requests this worker's consumer received and has not started yet
+#: (held for a rate limit or an eta, or waiting for a free slot), by id.
+_held: dict[str, Any] = {}
+
+
+@task_received.connect
+def _note_received(request: Any = None, **_: Any) -> None:
+    """A request's message reached this worker: until it starts, the sweeper
+    hears from this worker that it holds it (see :func:`_stamp_held`)."""
+    if request is not None and getattr(request, "name", None) in (RUN_AGENT, RESUME_AGENT):
+        _held[request.id] = request
+
+
+def _stamp_held(conn: psycopg.Connection[Any]) -> int:
+    """Stamp the requests this worker holds, received and not started (those
+    that started or ended are forgotten), in the ledger; one sent by name,
+    which the ledger does not have yet, is recorded first, with the eta and
+    queue of its message. Returns how many it holds."""
+    for request_id, request in list(_held.items()):
+        if request.time_start is not None or request.acknowledged:
+            _held.pop(request_id, None)
+    request_ids = list(_held)
+    if not request_ids:
+        return 0
+    stamped = ledger.mark_held(conn, request_ids)
+    if len(stamped) < len(request_ids):
+        # Some are not queued in the ledger: started since, or sent by name.
+        arrived = [request_id for request_id in ledger.unknown(
+            conn, [i for i in request_ids if i not in stamped]) if request_id in _held]
+        for request_id in arrived:
+            _record_arrived(conn, _held[request_id])
+        if arrived:
+            ledger.mark_held(conn, arrived)
+    return len(request_ids)
+
+
+def _record_arrived(conn: psycopg.Connection[Any], request: Any) -> None:
+    """Record a received request the ledger does not have (sent by name). Its
+    input is checked when it runs: one a worker refuses is left to that."""
+    task: AgentTask = current_app().tasks[request.name]
+    try:
+        checked = check_request(settings(), kind=task.kind,
+                                **task._bind(request.args, request.kwargs))
+    except (InvalidInput, TypeError):
+        return
+    ledger.record_arrived(conn, request.id, checked, _arrival(request))
 
 
 def _results_missing(request_ids: list[str]) -> set[str]:
@@ -328,9 +393,9 @@ def _start_sweeper(sender: Any = None, **_: Any) -> None:
         except Exception:
             log.exception("the worker could not connect to Postgres yet; will retry per task")
     if settings().sweeper:
-        sweeper = Sweeper(settings(), _dispatch, _queue_length,
+        sweeper = Sweeper(settings(), _dispatch, _queue_lengths,
                           ResultRepair(_results_missing, _store_result),
-                          revoked=_end_revoked_requests)
+                          revoked=_end_revoked_requests, held=_stamp_held)
         _state["sweeper"] = sweeper
         sweeper.start()
 
@@ -588,6 +653,7 @@ class AgentTask(Task):
         enqueued = _enqueue.insert(
             current.database_url.get_secret_value(), current.connect_timeout, task_id, request,
             on_busy, start, ignore_result=bool(options.get("ignore_result", self.ignore_result)),
+            routing=self._routing(request.task_args(), options),
         )
         if enqueued.duplicate:
             # The same request sent again under its id: it is recorded and was
@@ -637,17 +703,38 @@ class AgentTask(Task):
     def delay(self, *args: Any, **kwargs: Any) -> AsyncResult:
         return self.apply_async(args, kwargs)
 
+    def _routing(
+        self, task_args: tuple[tuple[Any, ...], dict[str, Any]], options: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Where the request's messages go, as Celery's router sends its first
+        (the call's ``queue``, else the app's ``task_routes``, else the default
+        queue): the queue by name, and the exchange, routing key and priority
+        the call or its route asked for."""
+        asked = {k: v for k, v in options.items() if k in ROUTING and v is not None}
+        routed = self.app.amqp.router.route(asked, self.name, *task_args)
+        found: dict[str, Any] = {}
+        for key in ROUTING:
+            value = routed.get(key)
+            if value is not None:
+                found[key] = getattr(value, "name", value)  # a kombu Queue or Exchange
+        return found
+
     def dispatch(self, pending: Pending) -> None:
         """Publish a request that already has its ledger row (a handoff, a
-        redispatch) as its first message was: with its eta, and with what that
-        message carried once a worker took it (its chain, callbacks, chord and
-        group, headers, priority, time limits), as Celery's retry would."""
+        redispatch) as its first message was: to its queue (its routing), with
+        its eta, and with what that message carried once a worker took it (its
+        chain, callbacks, chord and group, headers, priority, time limits), as
+        Celery's retry would."""
         task_args, task_kwargs = pending.task_args()
-        options = {**(pending.options or {}), "retry_policy": DISPATCH_RETRY}
+        options = {**(pending.routing or {}), **(pending.options or {}),
+                   "retry_policy": DISPATCH_RETRY}
         if pending.not_before is not None:
             options["eta"] = pending.not_before
         super().apply_async(task_args, task_kwargs, task_id=pending.request_id, **options)
 
+
+#: The ``apply_async`` options that say where a message goes.
+ROUTING = ("queue", "exchange", "routing_key", "priority")
 
 #: The longest countdown (or the farthest eta) the ledger accepts: ten years.
 MAX_DELAY = 10 * 365 * 86400.0
@@ -925,12 +1012,28 @@ def _perform(task: AgentTask, args: dict[str, Any]) -> Any:
     raise RunFailed(outcome.error or "failed")
 
 
+def _arrival(request: Any) -> ledger.Arrival:
+    """The eta and the queue of the message ``request`` came in (for a request
+    the ledger first sees in a worker): its queue is the one this worker
+    consumes whose exchange and routing key it came by."""
+    info = request.delivery_info or {}
+    exchange, key = info.get("exchange"), info.get("routing_key")
+    queue = next((q.name for q in app.amqp.queues.values() if q.routing_key == key
+                  and (not exchange or getattr(q.exchange, "name", None) == exchange)), key)
+    try:
+        start = _start_at(None, request.eta)
+    except InvalidInput:
+        start = None  # Celery itself refuses such an eta
+    return ledger.Arrival(start, {"queue": queue} if queue else None)
+
+
 def _attempt(task: AgentTask, request_id: str, args: dict[str, Any]) -> Outcome:
     """One attempt of the request on this process's loop."""
     outcome: Outcome = _loop.run(
         execute(_context(), request_id, args, task.kind, task.request.hostname,
                 time_limit=_call_time_limit(task),
-                options=functools.partial(_message_options, task, task.request)),
+                options=functools.partial(_message_options, task, task.request),
+                arrival=_arrival(task.request)),
         key=request_id, interrupt=functools.partial(_soft_time_limit, request_id),
     )
     return outcome

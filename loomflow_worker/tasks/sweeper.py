@@ -111,11 +111,15 @@ class Sweeper:
         self,
         settings: Settings,
         dispatch: Callable[[Pending], None],
-        queue_length: Callable[[], int] | None = None,
+        queue_length: Callable[[list[str]], dict[str, int | None]] | None = None,
         results: ResultRepair | None = None,
         revoked: Callable[[list[str]], None] | None = None,
+        held: Callable[[psycopg.Connection[Any]], int] | None = None,
     ) -> None:
         self.settings = settings
+        # Stamps the requests this worker holds unstarted (a rate limit, an
+        # eta, a prefetch) on every turn, leader or not; returns how many.
+        self.held = held
         # Ends requests revoked while their message waits in the broker.
         self.end_revoked = revoked
         self._revoked_seen: set[str] = set()
@@ -174,6 +178,7 @@ class Sweeper:
                 if self._conn is None or self._conn.closed:
                     self._conn = self._connect()
                 conn = self._conn
+                self.stamp_held(conn)
                 try:
                     if self._lead(conn):
                         self.sweep_revoked(conn)
@@ -181,6 +186,8 @@ class Sweeper:
                         self.repair_results(conn)
                         self.retain(conn)
                         self.forget_workers(conn)
+                    else:
+                        metrics.report_backlog({})  # the leader reports it
                 finally:
                     self.record_actions(conn)
                 backoff = self.settings.sweep_interval
@@ -218,16 +225,43 @@ class Sweeper:
         conn.execute(query("leader_claim"), {"holder": self.holder})
         return True
 
-    def _waiting(self) -> int | None:
-        """How many messages the broker holds for the queue (``None``: unknown).
-        Only the queued requests beyond that many can have lost their message;
-        the others wait their turn in a backlog."""
-        if self.queue_length is None:
-            return None
+    def stamp_held(self, conn: psycopg.Connection[Any]) -> int:
+        """Say, in one statement, which requests this worker holds received and
+        not started (a rate limit, an eta, a prefetch): their messages are in
+        no queue the broker counts, and the sweeper must not take them for
+        lost. Nothing when it holds none; returns how many. A failure other
+        than the database's is logged, and the sweep goes on."""
+        if self.held is None:
+            return 0
         try:
-            return self.queue_length()
+            return self.held(conn)
+        except psycopg.Error:
+            raise
         except Exception:
-            return None
+            log.exception("sweeper: could not say which messages this worker holds",
+                          extra={"action": "sweeper_held"})
+            return 0
+
+    def _waiting(self, queues: list[str]) -> dict[str, int | None]:
+        """How many messages the broker holds for each of ``queues`` (``None``:
+        unknown). Only a queue's queued requests beyond that many can have lost
+        their message; the others wait their turn in a backlog."""
+        if self.queue_length is None or not queues:
+            return dict.fromkeys(queues)
+        try:
+            return self.queue_length(queues)
+        except Exception:
+            return dict.fromkeys(queues)
+
+    def backlog(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+        """The queued requests of each queue, parked or not (the fleet's
+        backlog, reported as a gauge for autoscalers): every queue the
+        sweeper counts the messages of."""
+        rows = conn.execute(query("queued_queues"),
+                            {"default_queue": self.settings.queue}).fetchall()
+        queued = {str(queue): int(count) for queue, count in rows}
+        metrics.report_backlog(queued)
+        return queued
 
     def repair_results(self, conn: psycopg.Connection[Any]) -> int:
         """Store, from the ledger, the results of finished requests that are not
@@ -350,11 +384,13 @@ class Sweeper:
                        f"no heartbeat for over {self.settings.lease:g}s; ended its worker's "
                        f"lock connection (pid {pid})")
                 for request_id in request_ids)
+        waiting = self._waiting(sorted(self.backlog(conn)))
         orphans = conn.cursor(row_factory=dict_row).execute(
             query("orphans"),
             {"after": self.settings.redispatch_after, "queued_after": self.settings.handoff_grace,
-             "waiting": self._waiting(), "dead_after": 2 * self.settings.heartbeat_interval,
-             "limit": 500},
+             "queues": list(waiting), "waiting": list(waiting.values()),
+             "default_queue": self.settings.queue, "held_within": self.held_within,
+             "dead_after": 2 * self.settings.heartbeat_interval, "limit": 500},
         ).fetchall()
         # A queued request that looks lost must look lost on two sweeps a moment
         # apart: one a worker has just taken from the broker is counted nowhere
@@ -376,6 +412,12 @@ class Sweeper:
             self.actions.append(Action(
                 "redispatch", pending.request_id, f"it was {status} with its session free"))
         return len(chosen)
+
+    @property
+    def held_within(self) -> float:
+        """How long a worker's word that it holds a message lasts: a few of
+        its turns (it says so on each), so a worker that died stops counting."""
+        return max(3 * self.settings.sweep_interval, 2 * self.settings.heartbeat_interval)
 
     def retain(self, conn: psycopg.Connection[Any], *, budget: float = PRUNE_BUDGET) -> int:
         """Prune what is older than ``retention`` for up to ``budget`` seconds;

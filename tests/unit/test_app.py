@@ -4,8 +4,14 @@ connects)."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -22,6 +28,8 @@ from loomflow_worker.tasks.connections import (
     WorkerRedisBackend,
     bound_worker_connections,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -93,3 +101,41 @@ def test_a_worker_leaves_a_result_backend_other_than_redis_as_celery_makes_it() 
     plain = application.make_app(None)  # Celery's defaults: results disabled
     bound_worker_connections(plain)
     assert type(plain.backend).__name__ == "DisabledBackend"
+
+
+def test_celery_config_module_options_apply_and_the_readme_names_those_that_never_do(
+    tmp_path: Path,
+) -> None:
+    # A CELERY_CONFIG_MODULE's routes, annotations and schedule reach the app;
+    # what the package sets from its own settings wins, and the README lists
+    # exactly those.
+    (tmp_path / "lfw_test_celeryconfig.py").write_text(
+        'task_routes = {"loomflow_worker.run_agent": {"queue": "agents"}}\n'
+        'task_annotations = {"loomflow_worker.run_agent": {"rate_limit": "7/m"}}\n'
+        'beat_schedule = {"x": {"task": "loomflow_worker.run_agent", "schedule": 60}}\n'
+        "task_acks_late = False\nworker_prefetch_multiplier = 8\n"
+    )
+    env = {**os.environ, "CELERY_CONFIG_MODULE": "lfw_test_celeryconfig",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    shown = subprocess.run(
+        [sys.executable, "-c",
+         "import json; from loomflow_worker.tasks import app, run_agent; c = app.conf; "
+         "print(json.dumps([c.task_routes, sorted(c.beat_schedule), run_agent.rate_limit, "
+         "c.task_acks_late, c.worker_prefetch_multiplier]))"],
+        env=env, capture_output=True, text=True, check=True, timeout=60,
+    ).stdout
+    assert json.loads(shown) == [{"loomflow_worker.run_agent": {"queue": "agents"}}, ["x"],
+                                 "7/m", True, 1]
+    readme = (ROOT / "README.md").read_text()
+    winning = re.search(r"which always\s+wins:(.*?)\. A route", readme, flags=re.S)
+    assert winning, "the README does not say which Celery options the package's settings win"
+    named = set(re.findall(r"`([a-z_]+)`", winning[1]))
+    assert named == set(application._celery_settings(tasks.settings()))
+
+
+def test_the_readme_names_the_queue_wherever_it_shows_send_task() -> None:
+    readme = (ROOT / "README.md").read_text()
+    shown = re.findall(r"send_task\(([^`\n]*)\)", readme)
+    assert shown, "the README shows no send_task call"
+    assert all("queue=" in call for call in shown), shown
+    assert "`celery` queue" in readme

@@ -995,13 +995,30 @@ def test_keda_scaled_object_has_its_required_fields() -> None:
 
 
 def test_keda_trigger_authentication_reads_secrets_that_exist() -> None:
-    auth = keda("TriggerAuthentication")
     secrets = by_name("Secret")
-    refs = auth["spec"]["secretTargetRef"]
-    assert refs
-    for ref in refs:
-        assert {"parameter", "name", "key"} <= set(ref), ref
-        assert ref["key"] in secret_data(secrets[ref["name"]]), ref
+    for auth in of_kind("TriggerAuthentication"):
+        refs = auth["spec"]["secretTargetRef"]
+        assert refs
+        for ref in refs:
+            assert {"parameter", "name", "key"} <= set(ref), ref
+            assert ref["key"] in secret_data(secrets[ref["name"]]), ref
+
+
+def test_keda_counts_every_queued_request_in_the_ledger(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Parked requests are in no broker list: a trigger on the ledger counts them,
+    # for the Deployment's queue, with the same target per pod as the list's.
+    settings = settings_from(worker_env(), monkeypatch)
+    (trigger,) = [t for t in keda("ScaledObject")["spec"]["triggers"]
+                  if t["type"] == "postgresql"]
+    metadata = trigger["metadata"]
+    query = " ".join(metadata["query"].split())
+    assert query.startswith("SELECT count(*) FROM runs WHERE status = 'queued'")
+    assert f"coalesce(routing->>'queue', '{settings.queue}') = '{settings.queue}'" in query
+    assert int(metadata["targetQueryValue"]) == check_worker_args(worker_args(), "Deployment")
+    auth = by_name("TriggerAuthentication")[trigger["authenticationRef"]["name"]]
+    assert [ref["parameter"] for ref in auth["spec"]["secretTargetRef"]] == ["connection"]
 
 
 def test_keda_watches_the_queue_on_the_brokers_redis(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -292,13 +292,13 @@ SELECT (SELECT count(*) FROM journal_steps j
 -- name: insert_run
 -- A countdown is measured on the database's clock, an eta is a moment.
 INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
-                  lock_key, not_before, ignore_result)
+                  lock_key, not_before, ignore_result, routing)
 VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind)s,
         %(prompt)s, %(metadata)s, %(lock_key)s,
         CASE WHEN %(countdown)s::float8 IS NOT NULL
              THEN now() + make_interval(secs => %(countdown)s::float8)
              ELSE %(eta)s::timestamptz END,
-        %(ignore_result)s)
+        %(ignore_result)s, %(routing)s::jsonb)
 ON CONFLICT (request_id) DO NOTHING
 RETURNING not_before;
 
@@ -344,7 +344,7 @@ UPDATE runs SET dispatched_at = now(), handed_at = now()
                       ORDER BY seq LIMIT 1)
    AND handed_at IS NULL
 RETURNING request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
-          CASE WHEN status = 'queued' THEN options END AS options,
+          CASE WHEN status = 'queued' THEN options END AS options, routing,
           received_at IS NOT NULL AS received;
 
 -- name: park_request
@@ -383,7 +383,7 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadat
 -- (`quarantine`).
 SELECT r.status, r.result, r.error, r.epoch AS pinned, m.differ,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
-       o.not_before, o.options, o.stale, q.quarantine,
+       o.not_before, o.options, o.routing, o.stale, q.quarantine,
        CASE WHEN loomflow_worker_unfinished(r.status) AND o.request_id IS NULL
                  AND cardinality(m.differ) = 0 AND NOT q.quarantine
             THEN CASE WHEN %(may_lock)s THEN pg_try_advisory_lock(%(key)s) ELSE false END
@@ -406,7 +406,7 @@ SELECT r.status, r.result, r.error, r.epoch AS pinned, m.differ,
       ], NULL) AS differ) m
   LEFT JOIN LATERAL (
       SELECT request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
-             CASE WHEN status = 'queued' THEN options END AS options,
+             CASE WHEN status = 'queued' THEN options END AS options, routing,
              greatest(dispatched_at, not_before) < now() - make_interval(secs => %(stale)s)
              AS stale
         FROM runs o
@@ -488,53 +488,69 @@ SELECT r.request_id, l.pid
 -- once, then again only when an attempt started since died too, or after
 -- `after` seconds.
 -- A queued request's message is in the broker when nobody received it or it
--- was published again since (a handoff). Of those, the broker holds `waiting`
--- messages: only the oldest (count - waiting) can be gone, since a broker
--- hands out the oldest first, and only after queued_after seconds (a message
--- on its way to a worker is counted nowhere for a moment). A request whose
--- publish failed (dispatched_at -infinity) is gone. With `waiting` unknown
--- (NULL: the broker did not answer), a message counts as gone after `after`
--- seconds. A queued request received and parked, not published since, is in
--- no broker: it goes after queued_after.
+-- was published again since (a handoff), and no live worker says it holds it
+-- unstarted (held_at within held_within: a rate limit, a prefetch). Each
+-- queue is counted apart (its name from the request's routing, the default
+-- queue when it has none): of a queue's requests, the broker holds `waiting`
+-- messages (the arrays `queues` and `waiting` pair them), so only its oldest
+-- (count - waiting) can be gone, since a broker hands out the oldest first,
+-- and only after queued_after seconds (a message on its way to a worker is
+-- counted nowhere for a moment). A request whose publish failed
+-- (dispatched_at -infinity) is gone. With its queue's count unknown (NULL, or
+-- not asked: the broker did not answer), a message counts as gone after
+-- `after` seconds. A queued request received and parked, not published since,
+-- is in no broker: it goes after queued_after.
 -- A request that may not start yet (not_before: a countdown or eta) has its
 -- message held by a worker until then, counted in no queue: it is in no
 -- count, and gone no sooner than queued_after past its not_before (unless its
 -- publish failed: then it is published at once, with its eta).
 WITH in_broker AS (
-    SELECT request_id, dispatched_at,
-           row_number() OVER (ORDER BY dispatched_at, seq) AS age
+    SELECT request_id, dispatched_at, coalesce(routing->>'queue', %(default_queue)s) AS queue,
+           row_number() OVER (PARTITION BY coalesce(routing->>'queue', %(default_queue)s)
+                              ORDER BY dispatched_at, seq) AS age
       FROM runs
      WHERE status = 'queued' AND (received_at IS NULL OR dispatched_at > received_at)
        AND (not_before IS NULL OR not_before <= now())
+       AND NOT coalesce(held_at > dispatched_at
+                        AND held_at > now() - make_interval(secs => %(held_within)s), false)
+), counted AS (
+    SELECT c.queue, c.waiting
+      FROM unnest(%(queues)s::text[], %(waiting)s::bigint[]) AS c(queue, waiting)
 ), budget AS (
-    SELECT (SELECT count(*) FROM in_broker) - %(waiting)s::bigint AS lost
+    SELECT b.queue, count(*) - min(c.waiting) AS lost
+      FROM in_broker b LEFT JOIN counted c USING (queue)
+     GROUP BY b.queue
 ), heads AS (
     SELECT DISTINCT ON (scope) request_id, kind, session_id, user_id, agent, prompt, metadata,
-           not_before, CASE WHEN status = 'queued' THEN options END AS options, status, dispatched_at, swept_at,
-           started_at, heartbeat_at, lock_key
+           not_before, CASE WHEN status = 'queued' THEN options END AS options, routing, status,
+           dispatched_at, swept_at, started_at, heartbeat_at, lock_key,
+           coalesce(held_at > dispatched_at
+                    AND held_at > now() - make_interval(secs => %(held_within)s), false) AS held
       FROM runs
      WHERE loomflow_worker_unfinished(status)
      ORDER BY scope, seq
 )
 SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata,
-       h.not_before, h.options, h.status
+       h.not_before, h.options, h.routing, h.status
   FROM heads h
   LEFT JOIN in_broker b USING (request_id)
+  LEFT JOIN budget g ON g.queue = b.queue
  WHERE h.lock_key IS NOT NULL
    AND CASE WHEN h.status = 'running' THEN
             h.heartbeat_at < now() - make_interval(secs => %(dead_after)s)
             AND (h.swept_at IS NULL OR h.swept_at < h.started_at
                  OR h.swept_at < now() - make_interval(secs => %(after)s))
        ELSE
-            h.dispatched_at < now() - make_interval(secs => %(queued_after)s)
+            NOT h.held
+            AND h.dispatched_at < now() - make_interval(secs => %(queued_after)s)
             AND (h.dispatched_at = '-infinity'
                  OR coalesce(h.not_before, '-infinity')
                     < now() - make_interval(secs => %(queued_after)s))
             AND (h.swept_at IS NULL
                  OR h.swept_at < now() - make_interval(secs => %(queued_after)s))
             AND (b.request_id IS NULL OR b.dispatched_at = '-infinity'
-                 OR b.age <= (SELECT lost FROM budget)
-                 OR (%(waiting)s::bigint IS NULL
+                 OR b.age <= g.lost
+                 OR (g.lost IS NULL
                      AND greatest(h.dispatched_at, h.not_before)
                          < now() - make_interval(secs => %(after)s)))
        END
@@ -545,6 +561,28 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
           AND l.classid = ((h.lock_key >> 32) & 4294967295)::oid
           AND l.objid = (h.lock_key & 4294967295)::oid)
  LIMIT %(limit)s;
+
+-- name: queued_queues
+-- The queues the queued requests' messages wait in (the default queue for a
+-- request with no routing), with how many requests are queued in each,
+-- parked or not: the sweeper counts each queue's messages, and the leader
+-- reports these counts as the fleet's backlog.
+SELECT coalesce(routing->>'queue', %(default_queue)s) AS queue, count(*) AS queued
+  FROM runs
+ WHERE status = 'queued'
+ GROUP BY 1;
+
+-- name: mark_held
+-- A worker holds these requests' messages, received but not started (a rate
+-- limit, a prefetch): stamped, so the sweeper does not take them for lost
+-- while the worker keeps saying so.
+UPDATE runs SET held_at = now()
+ WHERE request_id = ANY(%(request_ids)s::text[]) AND status = 'queued'
+RETURNING request_id;
+
+-- name: known_requests
+-- Which of these requests the ledger has (any status).
+SELECT request_id FROM runs WHERE request_id = ANY(%(request_ids)s::text[]);
 
 -- name: record_sweeper_actions
 -- What one sweep did, in one statement that also keeps the table short: the
@@ -604,7 +642,7 @@ UPDATE runs
         AND loomflow_worker_unfinished(status) AND request_id <> %(by)s::text
         AND seq < (SELECT seq FROM runs WHERE request_id = %(by)s::text))
 RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata,
-          CASE WHEN status = 'queued' THEN not_before END AS not_before, options;
+          CASE WHEN status = 'queued' THEN not_before END AS not_before, options, routing;
 
 -- name: cancel_queued
 -- Drop waiting work: every queued request (of a session, of a user, or all),
@@ -621,7 +659,7 @@ UPDATE runs
    AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
    AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
 RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata,
-          CASE WHEN status = 'queued' THEN not_before END AS not_before, options;
+          CASE WHEN status = 'queued' THEN not_before END AS not_before, options, routing;
 
 -- ---- operating the fleet (loomflow_worker.admin, the CLI) ---------------------------------
 
@@ -691,7 +729,7 @@ WITH r AS (
      WHERE r.status = 'running'
 ), older AS (
     SELECT o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
-           o.not_before, CASE WHEN o.status = 'queued' THEN o.options END AS options,
+           o.not_before, CASE WHEN o.status = 'queued' THEN o.options END AS options, o.routing,
            greatest(o.dispatched_at, o.not_before) < now() - make_interval(secs => %(stale)s)
            AS stale
       FROM runs o JOIN r ON o.scope = r.scope
@@ -734,7 +772,7 @@ SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
          WHERE p.scope = r.scope AND p.seq < r.seq AND p.finished_at > r.enqueued_at
          ORDER BY p.seq DESC LIMIT 1) AS since_handoff,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
-       o.not_before, o.options, o.stale
+       o.not_before, o.options, o.routing, o.stale
   FROM r
   LEFT JOIN started s ON true
   LEFT JOIN older o ON true;
@@ -759,7 +797,7 @@ WITH advanced AS (
      WHERE request_id = %(request_id)s AND attempt = %(attempt)s
 ), chosen AS (
     SELECT request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
-           CASE WHEN status = 'queued' THEN options END AS options
+           CASE WHEN status = 'queued' THEN options END AS options, routing
       FROM runs
      WHERE scope = %(scope)s AND loomflow_worker_unfinished(status) AND request_id <> %(request_id)s
      ORDER BY seq LIMIT 1
