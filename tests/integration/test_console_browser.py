@@ -241,7 +241,7 @@ def test_a_rebound_name_reads_nothing(fleet: Fleet, chromium: Browser) -> None:
     console answers that host with 400 and no data."""
     prompt = calls("r1") + "\nthe secret plan is in the prompt"
     queued = run_agent.delay(prompt, "rebind-s", user_id="ana")
-    rebound = chromium.browser_type.launch(executable_path=CHROMIUM, args=[
+    rebound = chromium.browser_type.launch(executable_path=CHROMIUM.require(), args=[
         *CHROMIUM_ARGS, "--host-resolver-rules=MAP rebind.attacker.example 127.0.0.1"])
     try:
         with BackgroundConsole(_console_settings()) as console:
