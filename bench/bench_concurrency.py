@@ -125,13 +125,13 @@ class Peaks:
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_ticks(pid: int) -> tuple[int, int] | None:
-    """(process group, utime + stime) of ``pid``, or None when it is gone."""
+def _cpu_ticks(pid: int) -> int | None:
+    """The CPU ``pid`` used so far (utime + stime, in ticks), or None when it is gone."""
     try:
         fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return int(fields[2]), int(fields[11]) + int(fields[12])
+    return int(fields[11]) + int(fields[12])
 
 
 @dataclass
@@ -239,24 +239,23 @@ class Sampler:
     def _sample_cpu(self, conn: psycopg.Connection[Any], first: bool = False) -> None:
         """The CPU of the worker's processes and of its database's backends so far,
         and its event loop's lag as its row in ``workers`` says."""
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                seen = _cpu_ticks(int(entry.name))
-                if seen is not None and seen[0] == self.pgid:
-                    if first:
-                        self.peaks.worker_start[int(entry.name)] = seen[1]
-                    self.peaks.worker_ticks[int(entry.name)] = seen[1]
+        for entry in _group(self.pgid):
+            ticks = _cpu_ticks(int(entry.name))
+            if ticks is not None:
+                if first:
+                    self.peaks.worker_start[int(entry.name)] = ticks
+                self.peaks.worker_ticks[int(entry.name)] = ticks
         backends = conn.execute(
             "SELECT pid FROM pg_stat_activity WHERE datname = %s", (self.dbname,)
         ).fetchall()
         for (pid,) in backends:
-            seen = _cpu_ticks(int(pid))
-            if seen is None:
+            ticks = _cpu_ticks(int(pid))
+            if ticks is None:
                 continue
             if first or pid not in self.peaks.backend_ticks:
                 # A backend already open counts from now; a new one from its start.
-                self.peaks.backend_start.setdefault(pid, seen[1] if first else 0)
-            self.peaks.backend_ticks[pid] = seen[1]
+                self.peaks.backend_start.setdefault(pid, ticks if first else 0)
+            self.peaks.backend_ticks[pid] = ticks
         if self._bench is not None:
             with contextlib.suppress(psycopg.Error):
                 row = self._bench.execute(
