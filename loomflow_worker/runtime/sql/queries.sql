@@ -390,10 +390,13 @@ SELECT r.status, r.result, r.error, r.epoch AS pinned, m.differ,
        END AS locked
   FROM runs r
   CROSS JOIN LATERAL (
-      SELECT coalesce(%(shared)s AND r.status = 'running' AND (
-                 r.suspicion + p.shared::int >= 2
-                 OR r.lost_streak + (p.outcome = 'lost')::int >= 2), false) AS quarantine
-        FROM loomflow_worker_last_attempt(r.request_id, r.attempts) p) q
+      -- Its last attempt is looked at only for a running request in a shared
+      -- process (a first delivery, nearly every one, skips it).
+      SELECT CASE WHEN %(shared)s AND r.status = 'running' THEN coalesce((
+                 SELECT r.suspicion + p.shared::int >= 2
+                        OR r.lost_streak + (p.outcome = 'lost')::int >= 2
+                   FROM loomflow_worker_last_attempt(r.request_id, r.attempts) p), false)
+             ELSE false END AS quarantine) q
  CROSS JOIN LATERAL (
       SELECT array_remove(ARRAY[
           CASE WHEN r.kind IS DISTINCT FROM %(kind)s::text THEN 'kind' END,
