@@ -237,15 +237,15 @@ class WorkerContext:
         interval = self.settings.heartbeat_interval
         limit = fence_after(self.settings)
         loop = asyncio.get_running_loop()
-        beating: dict[LockConnection, asyncio.Task[None]] = {}
+        beating: dict[LockConnection[Lease], asyncio.Task[None]] = {}
         while True:
             await anyio.sleep(interval)
             now = loop.time()
-            lines = [line for line in runtime.journal.lines if line.fenced is None]
+            lines = runtime.journal.live_connections()
             for line in lines:
-                running = [a for a in line.leases if a.request_id is not None]
+                running = line.running()
                 if not running:
-                    line.stamped_at = now
+                    line.stamped(now)
                 elif now - line.stamped_at > limit:
                     line.fence(
                         f"no heartbeat stamped its runs for {now - line.stamped_at:.1f}s "
@@ -277,7 +277,7 @@ class WorkerContext:
         runtime = self._runtime
         if runtime is None:
             return 0
-        return sum(line.depth for line in list(runtime.journal.lines))
+        return runtime.journal.queue_depth()
 
     async def _stamps(self, runtime: PostgresRuntime) -> None:
         """Stamp the process's own row in ``workers`` at once, then on every
@@ -880,7 +880,7 @@ def fence_after(settings: Settings) -> float:
     return max(settings.lease - margin, settings.heartbeat_interval)
 
 
-async def _beat(line: LockConnection, running: list[Lease]) -> None:
+async def _beat(line: LockConnection[Lease], running: list[Lease]) -> None:
     """One heartbeat of the requests running on ``line``, ahead of every
     statement queued there. A cancel request stops a run at its next step."""
     ids = [a.request_id for a in running if a.request_id is not None]
@@ -893,7 +893,7 @@ async def _beat(line: LockConnection, running: list[Lease]) -> None:
         log.warning("a heartbeat on lock connection %d failed: %s", line.index, exc,
                     extra={"action": "heartbeat_failed", "backend": line.backend_pid})
         return
-    line.stamped_at = max(line.stamped_at, sent)
+    line.stamped(sent)
     for lease in running:
         if lease.request_id in cancelled and lease.stop is None:
             lease.stop = RunStopped("cancelled while running")

@@ -38,7 +38,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import psycopg
 from psycopg import AsyncConnection
@@ -48,15 +48,28 @@ from . import fastpath
 from .errors import LockLost
 from .sql import query
 
-if TYPE_CHECKING:
-    from .store import Lease
-
 log = logging.getLogger("loomflow_worker.runtime")
 
 T = TypeVar("T")
 Conn = AsyncConnection[TupleRow]
 
 Table = Literal["steps", "streams"]
+
+
+class LeaseView(Protocol):
+    """What a lock connection reads of a lease it carries (:class:`.store.Lease`,
+    which uses the connection: a protocol here keeps the two modules apart)."""
+
+    @property
+    def scope(self) -> str: ...
+
+    @property
+    def request_id(self) -> str | None: ...
+
+    def fence(self, cause: LockLost) -> None: ...
+
+
+L = TypeVar("L", bound=LeaseView)
 
 
 @dataclass(frozen=True)
@@ -81,8 +94,9 @@ class _Write:
     done: asyncio.Future[None]
 
 
-class LockConnection:
-    """One lock connection and the server task that owns it."""
+class LockConnection(Generic[L]):
+    """One lock connection and the server task that owns it, and the leases
+    (``L``) it carries."""
 
     def __init__(self, conn: Conn, *, io_timeout: float, index: int = 0) -> None:
         self.conn = conn
@@ -91,7 +105,7 @@ class LockConnection:
         self.backend_pid = conn.info.backend_pid
         # The cause of the fence once the connection failed.
         self.fenced: LockLost | None = None
-        self.leases: set[Lease] = set()
+        self._leases: set[L] = set()
         self._work: deque[_Work] = deque()
         self._urgent: deque[_Work] = deque()
         self._writes: list[_Write] = []
@@ -113,7 +127,7 @@ class LockConnection:
 
     @property
     def load(self) -> int:
-        return len(self.leases)
+        return len(self._leases)
 
     @property
     def depth(self) -> int:
@@ -121,6 +135,24 @@ class LockConnection:
         return len(self._work) + len(self._writes) + len(self._urgent)
 
     # ---- what callers use --------------------------------------------------------------
+
+    def attach(self, lease: L) -> None:
+        """Carry ``lease``, whose lock was taken on this connection: its loss
+        fences the lease, and its heartbeats stamp the lease's request."""
+        self._leases.add(lease)
+
+    def detach(self, lease: L) -> None:
+        """Carry ``lease`` no more (its lock was released, or lost with the connection)."""
+        self._leases.discard(lease)
+
+    def running(self) -> list[L]:
+        """The leases that run a request: those a heartbeat stamps."""
+        return [lease for lease in self._leases if lease.request_id is not None]
+
+    def stamped(self, at: float) -> None:
+        """Every request running here is alive in the ledger since ``at`` (loop
+        time): a heartbeat sent then was answered, or there was none to stamp."""
+        self.stamped_at = max(self.stamped_at, at)
 
     async def run(self, fn: Callable[[Conn], Awaitable[T]], *, urgent: bool = False) -> T:
         """``fn(conn)`` in an exclusive turn on the connection; ``urgent``
@@ -152,13 +184,13 @@ class LockConnection:
         self.fenced = fenced
         log.error(
             "lock connection %d (backend %s) lost: %s; fencing its %d runs",
-            self.index, self.backend_pid, cause, len(self.leases),
-            extra={"action": "fenced", "backend": self.backend_pid, "runs": len(self.leases)},
+            self.index, self.backend_pid, cause, self.load,
+            extra={"action": "fenced", "backend": self.backend_pid, "runs": self.load},
         )
         for done in self._current:
             _fail(done, fenced)
         self._fail_waiting(fenced)
-        for lease in list(self.leases):
+        for lease in list(self._leases):
             lease.fence(fenced)
         self._wake.set()
         server = self._server
@@ -180,7 +212,7 @@ class LockConnection:
             await self._close()
 
     def _scopes(self) -> str:
-        scopes = sorted(a.scope for a in self.leases)
+        scopes = sorted(a.scope for a in self._leases)
         if len(scopes) == 1:
             return scopes[0]
         return f"{len(scopes)} scopes on lock connection {self.index}"
@@ -301,7 +333,7 @@ class _Watchdog:
     a tool that blocked it): the answer may be waiting unread, so the
     statement gets another turn of the loop, as long as the loop stays late."""
 
-    def __init__(self, line: LockConnection, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, line: LockConnection[Any], loop: asyncio.AbstractEventLoop) -> None:
         self._line = line
         self._loop = loop
         self._due = loop.time() + line.io_timeout

@@ -185,7 +185,9 @@ class Lease:
     connection, and the journal entries of the namespaces the run has
     opened, kept in memory so a replayed step costs no round trip."""
 
-    def __init__(self, store: PostgresJournalStore, line: LockConnection, scope: str) -> None:
+    def __init__(
+        self, store: PostgresJournalStore, line: LockConnection[Lease], scope: str
+    ) -> None:
         self.store = store
         self.line = line
         self.scope = scope
@@ -452,7 +454,7 @@ class PostgresJournalStore:
         self._owns_pool = owns_pool
         self.lock_connections = lock_connections
         # The lock connections open now; a lost one is replaced on demand.
-        self.lines: list[LockConnection] = []
+        self._lines: list[LockConnection[Lease]] = []
         self._opened = 0
         self._opening: asyncio.Lock | None = None
         # Scope lock keys held (or being taken) by this process, and the
@@ -467,6 +469,15 @@ class PostgresJournalStore:
     def observe_write(self, seconds: float) -> None:
         if self.on_write is not None:
             self.on_write(seconds)
+
+    def live_connections(self) -> list[LockConnection[Lease]]:
+        """The lock connections open and not fenced (a copy: one may be lost or
+        opened meanwhile)."""
+        return [line for line in self._lines if line.fenced is None]
+
+    def queue_depth(self) -> int:
+        """Statements waiting for the lock connections."""
+        return sum(line.depth for line in self._lines)
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -511,13 +522,13 @@ class PostgresJournalStore:
 
     async def aclose(self) -> None:
         self._closed = True
-        lines, self.lines = self.lines, []
+        lines, self._lines = self._lines, []
         for line in lines:
             await line.aclose()
         if self._owns_pool:
             await self.pool.close()
 
-    async def _open_line(self) -> LockConnection:
+    async def _open_line(self) -> LockConnection[Lease]:
         s = self.lock_settings
         with translated(CONNECT, self.conninfo):
             conn: Conn = await AsyncConnection.connect(
@@ -538,14 +549,16 @@ class PostgresJournalStore:
             await conn.close()
             raise
         self._opened += 1
-        line = LockConnection(conn, io_timeout=s.io_timeout, index=self._opened)
+        line: LockConnection[Lease] = LockConnection(
+            conn, io_timeout=s.io_timeout, index=self._opened
+        )
         line.start()
         return line
 
-    async def _line(self) -> LockConnection:
+    async def _line(self) -> LockConnection[Lease]:
         """The least loaded lock connection, opening one while there are fewer
         than ``lock_connections`` and every open one carries a run."""
-        live = [line for line in self.lines if line.fenced is None]
+        live = self.live_connections()
         idle = min(live, key=lambda line: line.load, default=None)
         if idle is not None and (idle.load == 0 or len(live) >= self.lock_connections):
             return idle
@@ -554,12 +567,10 @@ class PostgresJournalStore:
         async with self._opening:
             if self._closed:
                 raise DatabaseUnavailable("the runtime is closed")
-            if sum(line.fenced is None for line in self.lines) < self.lock_connections:
+            if len(self.live_connections()) < self.lock_connections:
                 line = await self._open_line()
-                self.lines = [*(x for x in self.lines if x.fenced is None), line]
-            return min(
-                (x for x in self.lines if x.fenced is None), key=lambda line: line.load
-            )
+                self._lines = [*self.live_connections(), line]
+            return min(self.live_connections(), key=lambda line: line.load)
 
     # ---- leases (one per outermost run) ----------------------------------------
 
@@ -615,7 +626,7 @@ class PostgresJournalStore:
                 if try_open is not None and opened is not None:
                     lease.prefetched = (try_open, opened)
                 self._held[key] = lease
-                line.leases.add(lease)
+                line.attach(lease)
                 return lease
             if may_lock:
                 self._forget(key)
@@ -689,7 +700,7 @@ class PostgresJournalStore:
             elif before:
                 failed.append(lease.fenced or line.fenced or LockLost(lease.scope, "fenced"))
         finally:
-            line.leases.discard(lease)
+            line.detach(lease)
             if self._held.get(lease.lock_key) is lease:
                 self._forget(lease.lock_key)
         if failed:

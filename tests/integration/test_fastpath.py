@@ -19,7 +19,7 @@ from .helpers import calls, make_agent
 pytestmark = pytest.mark.anyio
 
 
-def _count_turns(line: LockConnection) -> dict[str, int]:
+def _count_turns(line: LockConnection[Any]) -> dict[str, int]:
     """Count the exclusive turns and the journal writes sent to ``line`` from now on."""
     counts = {"turns": 0, "writes": 0}
     run, write = line.run, line.write
@@ -46,7 +46,7 @@ async def test_a_run_finishes_and_unlocks_in_one_round_trip(dsn: str) -> None:
     try:
         agent = make_agent(runtime, effects)
         await agent.run(calls("warm"), session_id="warm", user_id="u")
-        counts = _count_turns(runtime.journal.lines[0])
+        counts = _count_turns(runtime.journal.live_connections()[0])
         result = await agent.run(calls("a", "b"), session_id="s", user_id="u")
         assert result.output == "done: recorded a, recorded b"
         assert counts == {"turns": 2, "writes": 6}

@@ -53,7 +53,7 @@ async def test_fifty_runs_share_two_lock_connections_and_batch_their_writes(dsn:
                 for i in range(50):
                     runs.start_soon(one, i)
             tg.cancel_scope.cancel()
-        lines = list(runtime.journal.lines)
+        lines = runtime.journal.live_connections()
         assert len(lines) == 2
         rows = sum(line.rows_written for line in lines)
         batches = sum(line.batches for line in lines)
