@@ -22,7 +22,7 @@ import logging
 import re
 import secrets
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -31,9 +31,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..durations import shown
 from ..settings import Settings
 
-if TYPE_CHECKING:
-    from .app import Pages
-
 log = logging.getLogger("loomflow_worker.console")
 
 COOKIE = "lfw_console"
@@ -41,6 +38,13 @@ _LOGIN = b"loomflow-worker console login\x00"
 _LOGOUT = b"loomflow-worker console logout\x00"
 #: How far ahead of this clock a login's time may be (another console of the fleet).
 _SKEW = 60
+
+
+class RefusalPages(Protocol):
+    """What the gates show a client they do not let in (:class:`.app.Pages`,
+    which uses the gates: a protocol here keeps the two modules apart)."""
+
+    def refusal(self, status_code: int, template: str = ..., **context: Any) -> Response: ...
 
 
 def is_loopback(scope: Scope) -> bool:
@@ -96,7 +100,9 @@ class HostAllowed:
     ``::``, any address: an address can't be rebound, only a name), and
     ``settings.console_hosts``; any port."""
 
-    def __init__(self, app: ASGIApp, *, listen: str, settings: Settings, pages: Pages) -> None:
+    def __init__(
+        self, app: ASGIApp, *, listen: str, settings: Settings, pages: RefusalPages
+    ) -> None:
         self.app = app
         self.pages = pages
         self.any_address = listen.strip("[]") in _WILDCARD
@@ -215,7 +221,7 @@ class TokenRequired:
 
     OPEN = ("/login", "/logout", "/static/")
 
-    def __init__(self, app: ASGIApp, gate: Gate, pages: Pages) -> None:
+    def __init__(self, app: ASGIApp, gate: Gate, pages: RefusalPages) -> None:
         self.app = app
         self.gate = gate
         self.pages = pages

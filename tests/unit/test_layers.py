@@ -43,19 +43,12 @@ def _modules() -> dict[str, tuple[Path, bool]]:
 
 
 def _imports(module: str, path: Path, is_package: bool, known: set[str]) -> set[str]:
-    """The package's modules ``module`` imports, anywhere in it but type-checking blocks."""
+    """The package's modules ``module`` imports, anywhere in it: in a function,
+    and under ``if TYPE_CHECKING:`` too (a circle a type checker must follow
+    is one all the same)."""
     tree = ast.parse(path.read_text())
-    typing_only = {
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
-        and node.test.id == "TYPE_CHECKING"
-        for inner in ast.walk(node)
-    }
     targets: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             targets.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -75,6 +68,21 @@ def _imports(module: str, path: Path, is_package: bool, known: set[str]) -> set[
         if target in known and target != module:
             out.add(target)
     return out
+
+
+def test_imports_for_type_checking_count(tmp_path: Path) -> None:
+    path = tmp_path / "mod.py"
+    path.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from .store import Lease\n"
+        "def later() -> None:\n"
+        "    from . import codec\n"
+    )
+    known = {f"{NAME}.runtime.{m}" for m in ("mod", "store", "codec")}
+    assert _imports(f"{NAME}.runtime.mod", path, False, known) == {
+        f"{NAME}.runtime.store", f"{NAME}.runtime.codec"
+    }
 
 
 def _graph() -> dict[str, set[str]]:
