@@ -1,5 +1,6 @@
 """The runs ledger and journal read for people: requests listed, one request's
-attempts and journal (which attempt executed or replayed each step)."""
+attempts and journal (which attempt executed or replayed each step). The
+ledger's rows come from :mod:`loomflow_worker.execution.ledger_reads`."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from loomflow.core.types import ModelChunk, ToolResult
-from psycopg.rows import class_row, dict_row
+from psycopg.rows import dict_row
 
-from ..execution import ledger
+from ..execution import ledger, ledger_reads
 from ..runtime.codec import CodecStats, decode
 from ..runtime.errors import InvalidInput, translated
 from ..runtime.sql import query
@@ -60,18 +61,12 @@ def list_runs(
         raise InvalidInput(f"unknown status {unknown[0]!r}; one of {', '.join(STATUSES)}")
     if not 1 <= limit <= MAX_LIST:
         raise InvalidInput(f"limit must be from 1 to {MAX_LIST}, not {limit}")
-    params = {
-        "session_id": session_id,
-        "user_id": user_id,
-        "statuses": list(statuses) or None,
-        "older": older_than.total_seconds() if older_than is not None else None,
-        "newer": newer_than.total_seconds() if newer_than is not None else None,
-        "limit": limit,
-    }
     with translated("query"):
-        return conn.cursor(row_factory=class_row(RunRow)).execute(
-            query("admin_list_runs"), params
-        ).fetchall()
+        rows = ledger_reads.list_requests(
+            conn, session_id=session_id, user_id=user_id, statuses=statuses,
+            older_than=older_than, newer_than=newer_than, limit=limit,
+        )
+    return [RunRow(**row) for row in rows]
 
 
 @dataclass(frozen=True)
@@ -89,12 +84,10 @@ class RunStatus:
 def run_status(conn: Conn, request_id: str) -> RunStatus:
     """The request's status and outcome, or :class:`RequestNotFound`."""
     with translated("query"):
-        row = conn.cursor(row_factory=class_row(RunStatus)).execute(
-            query("admin_run_status"), {"request_id": request_id}
-        ).fetchone()
+        row = ledger_reads.request_status(conn, request_id)
     if row is None:
         raise RequestNotFound(request_id)
-    return row
+    return RunStatus(**row)
 
 
 def wait_for(
@@ -209,14 +202,13 @@ def get_run(conn: Conn, request_id: str) -> RunDetail:
     """The request, its attempts and its journal (with what each attempt
     executed or replayed), or :class:`RequestNotFound`."""
     with translated("query"):
-        detail = conn.cursor(row_factory=class_row(RunDetail)).execute(
-            query("get_run"), {"request_id": request_id}
-        ).fetchone()
-        if detail is None:
+        row = ledger_reads.request_row(conn, request_id)
+        if row is None:
             raise RequestNotFound(request_id)
-        detail.attempts = conn.cursor(row_factory=class_row(AttemptInfo)).execute(
-            query("admin_run_attempts"), {"request_id": request_id}
-        ).fetchall()
+        detail = RunDetail(**row)
+        detail.attempts = [
+            AttemptInfo(**attempt) for attempt in ledger_reads.request_attempts(conn, request_id)
+        ]
         if detail.epoch is not None:
             ns = str(detail.epoch)
             rows = conn.cursor(row_factory=dict_row).execute(

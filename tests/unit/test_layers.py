@@ -8,11 +8,14 @@ and metrics are leaves anyone may use."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from loomflow_worker.runtime.sql import queries
 
 PACKAGE = Path(__file__).resolve().parents[2] / "loomflow_worker"
 NAME = "loomflow_worker"
@@ -157,4 +160,32 @@ def test_each_layer_defines_its_errors_in_its_errors_module() -> None:
                     .endswith(("Error", "Exception")) for base in node.bases
                 ):
                     wrong.append(f"{path.relative_to(PACKAGE)}: {node.name}")
+    assert wrong == []
+
+
+#: A statement on the ``runs`` ledger: it names one of the ledger's tables.
+LEDGER_TABLES = re.compile(r"\b(?:FROM|JOIN|UPDATE|INTO)\s+(?:runs|run_attempts)\b", re.IGNORECASE)
+#: Modules that still run ledger statements themselves, until they move
+#: behind ``execution`` functions like the rest.
+LEDGER_NOT_YET = {f"{NAME}.tasks.sweeper", f"{NAME}.tasks.application", f"{NAME}.console.data"}
+#: Pruning deletes from every table by age: the runtime's job, below the ledger's layer.
+LEDGER_PRUNED_BY = f"{NAME}.runtime.prune"
+
+
+def test_the_ledger_is_reached_only_through_execution() -> None:
+    """Every statement on the ``runs`` ledger is run by an ``execution`` module
+    (a query is run by the module that names it in a call)."""
+    ledger = {name for name, text in queries().items() if LEDGER_TABLES.search(text)}
+    wrong = []
+    for module, (path, _) in sorted(_modules().items()):
+        if module.startswith(f"{NAME}.execution.") or module in LEDGER_NOT_YET | {
+            LEDGER_PRUNED_BY
+        }:
+            continue
+        named = {
+            arg.value
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+            for arg in node.args if isinstance(arg, ast.Constant) and arg.value in ledger
+        }
+        wrong += [f"{module} runs {name}" for name in sorted(named)]
     assert wrong == []

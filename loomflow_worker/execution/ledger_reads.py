@@ -1,0 +1,69 @@
+"""The ``runs`` ledger read for operators: requests listed by filter, one
+request's row and status, and its attempts.
+
+The operator tools (``admin``) read the ledger only through these functions,
+as workers write it only through :mod:`.ledger`: a change to the ledger's
+tables meets every statement on them in this layer. Sync, on an autocommit
+psycopg 3 connection; each row comes by column name, for the caller's read
+model. Driver errors go up as they are: the caller translates them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+from psycopg.rows import DictRow, dict_row
+
+from ..runtime.sql import query
+
+Conn = psycopg.Connection[Any]
+
+
+def list_requests(
+    conn: Conn,
+    *,
+    session_id: str | None = None,
+    user_id: str | None = None,
+    statuses: Sequence[str] = (),
+    older_than: timedelta | None = None,
+    newer_than: timedelta | None = None,
+    limit: int,
+) -> list[DictRow]:
+    """Up to ``limit`` requests, newest first, matching every filter given
+    (ages by enqueue time; no ``statuses``: any status)."""
+    return _rows(conn, "admin_list_runs", {
+        "session_id": session_id,
+        "user_id": user_id,
+        "statuses": list(statuses) or None,
+        "older": older_than.total_seconds() if older_than is not None else None,
+        "newer": newer_than.total_seconds() if newer_than is not None else None,
+        "limit": limit,
+    })
+
+
+def request_status(conn: Conn, request_id: str) -> DictRow | None:
+    """The request's ``status``, ``result``, ``error`` and ``error_type``;
+    ``None`` when the ledger has no such request."""
+    return _row(conn, "admin_run_status", {"request_id": request_id})
+
+
+def request_row(conn: Conn, request_id: str) -> DictRow | None:
+    """The request's whole row (its attempt count as ``attempts_count``);
+    ``None`` when the ledger has no such request."""
+    return _row(conn, "get_run", {"request_id": request_id})
+
+
+def request_attempts(conn: Conn, request_id: str) -> list[DictRow]:
+    """The request's attempts, first to last: ``attempt``, ``worker``, ``pid``,
+    ``epoch``, ``started_at``, ``ended_at``, ``outcome``."""
+    return _rows(conn, "admin_run_attempts", {"request_id": request_id})
+
+
+def _rows(conn: Conn, name: str, params: dict[str, Any]) -> list[DictRow]:
+    return conn.cursor(row_factory=dict_row).execute(query(name), params).fetchall()
+
+
+def _row(conn: Conn, name: str, params: dict[str, Any]) -> DictRow | None:
+    return conn.cursor(row_factory=dict_row).execute(query(name), params).fetchone()
