@@ -5,9 +5,10 @@ driver errors become the runtime's by ``runtime.errors.translated``), with
 :mod:`.errors` (their own). Pruning is the runtime's (:mod:`loomflow_worker.runtime.prune`).
 
 Sync functions on psycopg 3 connections, called by the ``loomflow-worker``
-command. Every query lives in ``runtime/sql/queries.sql``; every error names
-what to do and never a password (connection strings are shown through
-``describe_dsn``).
+command. Their queries live in ``runtime/sql/admin.sql`` (and
+``signals.sql``, ``migrate.sql``, which they share with the runtime); every
+error names what to do and never a password (connection strings are shown
+through ``describe_dsn``).
 """
 
 from __future__ import annotations

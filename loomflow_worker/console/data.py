@@ -1,6 +1,6 @@
 """What the console reads: the ledger, the journal and the fleet's traces in Postgres.
 
-Every query is a ``console_*`` query of ``runtime/sql/queries.sql``, run on a
+Every query is a ``console_*`` query of ``runtime/sql/console.sql``, run on a
 small pool of read-only connections; rows come back as the dataclasses below
 (psycopg's ``class_row``). A prompt leaves the database cut to
 ``PROMPT_CHARS`` characters, except on a run's own page when asked for.

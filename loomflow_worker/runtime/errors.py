@@ -32,6 +32,11 @@ class SchemaError(LoomflowWorkerError):
     """The database schema is missing, or newer than this package."""
 
 
+class QueryError(LoomflowWorkerError):
+    """A query file of the package is malformed (a query with no description,
+    a name defined twice), or code asked for a query no file defines."""
+
+
 class SessionBusy(LoomflowWorkerError):
     """Another run holds the (session, user) scope.
 

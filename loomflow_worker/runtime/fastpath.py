@@ -48,7 +48,7 @@ DIAG_SQLSTATE = DiagnosticField.SQLSTATE
 
 @dataclass(frozen=True)
 class Statement:
-    """A named query of ``queries.sql``, its ``%(name)s`` placeholders numbered
+    """A named query of ``runtime/sql``, its ``%(name)s`` placeholders numbered
     in the order ``params`` gives, each parameter of the type in ``types``."""
 
     name: bytes

@@ -1,0 +1,154 @@
+-- The run console (loomflow_worker.console): read only, on connections that plan each
+-- statement with its values (so a filter given as NULL costs nothing and each one given uses
+-- its index, 0010_console.sql). A prompt leaves the database cut to prompt_chars, except on
+-- a run's own page when asked.
+
+-- name: console_requests
+-- console: the requests list, newest first; keyset paging on seq (before: the last
+-- seq of the page shown).
+SELECT request_id, seq, session_id, user_id, agent, kind, status, attempts, crashes,
+       left(prompt, %(prompt_chars)s) AS prompt, length(prompt) AS prompt_length,
+       enqueued_at, started_at, finished_at, holder
+  FROM runs
+ WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
+   AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
+   AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
+   AND (%(agent)s::text IS NULL OR agent = %(agent)s::text)
+   AND (%(since)s::timestamptz IS NULL OR enqueued_at >= %(since)s::timestamptz)
+   AND (%(until)s::timestamptz IS NULL OR enqueued_at < %(until)s::timestamptz)
+   -- The time window again as bounds on seq, the order of every index above: a
+   -- request is numbered moments after its enqueue began (enqueued_at), so every
+   -- request enqueued before a time is numbered before any enqueued a minute later.
+   AND (%(since)s::timestamptz IS NULL OR seq > coalesce((
+           SELECT seq FROM runs
+            WHERE enqueued_at < %(since)s::timestamptz - interval '1 minute'
+            ORDER BY enqueued_at DESC LIMIT 1), 0))
+   AND (%(until)s::timestamptz IS NULL OR seq < coalesce((
+           SELECT seq FROM runs
+            WHERE enqueued_at >= %(until)s::timestamptz + interval '1 minute'
+            ORDER BY enqueued_at LIMIT 1), 9223372036854775807))
+   AND (%(before)s::bigint IS NULL OR seq < %(before)s::bigint)
+ ORDER BY seq DESC
+ LIMIT %(limit)s;
+
+-- name: console_session
+-- console: a session's latest requests (every user's scope of it), with whether
+-- the request's scope lock is held by the backend the request recorded.
+SELECT r.request_id, r.seq, r.session_id, r.user_id, r.agent, r.kind, r.status, r.attempts, r.crashes,
+       left(r.prompt, %(prompt_chars)s) AS prompt, length(r.prompt) AS prompt_length,
+       r.enqueued_at, r.started_at, r.finished_at, r.holder, r.cancel_requested,
+       (r.status = 'running' AND EXISTS (
+           SELECT 1 FROM pg_locks l
+            WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+              AND l.pid = r.holder_pid
+              AND l.classid = ((r.lock_key >> 32) & 4294967295)::oid
+              AND l.objid = (r.lock_key & 4294967295)::oid)) AS holds_lock
+  FROM runs r
+ WHERE r.session_id = %(session_id)s
+ ORDER BY r.seq DESC
+ LIMIT %(limit)s;
+
+-- name: console_run
+-- console: one request; its prompt whole only when asked for.
+SELECT request_id, seq, scope, session_id, user_id, agent, kind,
+       CASE WHEN %(full_prompt)s THEN prompt ELSE left(prompt, %(prompt_chars)s) END AS prompt,
+       length(prompt) AS prompt_length, metadata, status, epoch, attempts, failures, crashes,
+       holder, cancel_requested, result, error, error_type, enqueued_at, started_at,
+       heartbeat_at, finished_at, now() AS now
+  FROM runs WHERE request_id = %(request_id)s;
+
+-- name: console_attempts
+-- console: a request's attempts, each with the start of the one after it (where
+-- the lane of an attempt whose worker died ends).
+SELECT attempt, worker, pid, epoch, started_at, ended_at, outcome,
+       lead(started_at) OVER (ORDER BY attempt) AS next_started_at
+  FROM run_attempts WHERE request_id = %(request_id)s
+ ORDER BY attempt;
+
+-- name: console_journal
+-- console: a run's journal entries (its epoch's "<epoch>/" keys, or at epoch 0 the
+-- keys in no namespace), oldest first, at most `limit`; the stream entries' chunks too.
+SELECT stream, step_name, created_at, value FROM (
+    SELECT false AS stream, step_name, created_at, value FROM journal_steps
+     WHERE session_id = %(scope)s
+       AND step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
+    UNION ALL
+    SELECT true, step_name, created_at, chunks FROM journal_streams
+     WHERE session_id = %(scope)s
+) entries
+ WHERE CASE WHEN %(epoch)s::integer > 0
+            THEN step_name COLLATE "C" >= %(lo)s AND step_name COLLATE "C" < %(hi)s
+            ELSE step_name !~ '^([0-9]+|[0-9a-f]{16})/' END
+ ORDER BY created_at, step_name
+ LIMIT %(limit)s;
+
+-- name: console_queue
+-- console: the ledger's queue (the queue of record): queued requests ready to
+-- run, those waiting out a retry's backoff, and running ones.
+SELECT count(*) FILTER (WHERE status = 'queued' AND dispatched_at <= now()) AS ready,
+       count(*) FILTER (WHERE status = 'queued' AND dispatched_at > now()) AS backing_off,
+       count(*) FILTER (WHERE status = 'running') AS running,
+       min(enqueued_at) FILTER (WHERE status = 'queued') AS oldest_queued
+  FROM runs WHERE loomflow_worker_unfinished(status);
+
+-- name: console_in_flight
+-- console: running requests by the worker process that holds them (node:pid).
+SELECT holder, count(*) AS running, min(started_at) AS oldest_start,
+       max(heartbeat_at) AS last_heartbeat, min(heartbeat_at) AS stalest_heartbeat
+  FROM runs WHERE status = 'running'
+ GROUP BY holder ORDER BY holder;
+
+-- name: console_workers
+-- console: worker processes seen by heartbeat within `window` seconds, latest
+-- first: live, stale (no beat for over two of its intervals: gone without
+-- closing, or frozen) or stopped (closed cleanly); with its load at its last
+-- beat (loop lag, lock-connection queue, whether it took new requests).
+SELECT worker, hostname, pid, slots, runs, heartbeat_interval, started_at, seen_at,
+       stopped_at, loop_lag, lock_queue, admitting,
+       CASE WHEN stopped_at IS NOT NULL THEN 'stopped'
+            WHEN seen_at < now() - make_interval(secs => 2 * heartbeat_interval) THEN 'stale'
+            ELSE 'live' END AS state
+  FROM workers
+ WHERE seen_at > now() - make_interval(secs => %(window)s)
+ ORDER BY (stopped_at IS NULL) DESC, seen_at DESC, worker
+ LIMIT %(limit)s;
+
+-- name: console_recent_workers
+-- console: worker processes that started attempts within `window` seconds, and how
+-- those attempts ended (NULL outcome with a later attempt: the worker died).
+SELECT a.worker, count(*) AS attempts, max(a.started_at) AS last_start,
+       count(*) FILTER (WHERE a.outcome IS NULL AND a.ended_at IS NULL
+                          AND EXISTS (SELECT 1 FROM run_attempts n
+                                       WHERE n.request_id = a.request_id
+                                         AND n.attempt > a.attempt)) AS died,
+       count(*) FILTER (WHERE a.outcome IN ('interrupted', 'lost')) AS interrupted
+  FROM run_attempts a
+ WHERE a.started_at > now() - make_interval(secs => %(window)s)
+ GROUP BY a.worker ORDER BY max(a.started_at) DESC;
+
+-- name: console_connections
+-- console: the fleet's Postgres connections by role (lock, sweeper, pool...) and
+-- client address: each worker process keeps one sweeper connection.
+SELECT application_name, client_addr::text AS client_addr, count(*) AS connections,
+       min(backend_start) AS oldest
+  FROM pg_stat_activity
+ WHERE datname = current_database() AND starts_with(application_name, 'loomflow-worker')
+ GROUP BY application_name, client_addr ORDER BY application_name, client_addr;
+
+-- name: console_leader
+-- console: the sweeper's leader and whether its connection is still there.
+SELECT holder, backend_pid, heartbeat_at, now() - heartbeat_at AS age,
+       EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = l.backend_pid) AS connected
+  FROM sweeper_leader l WHERE id = 1;
+
+-- name: console_swept
+-- console: the requests the sweeper dispatched again, latest first.
+SELECT request_id, session_id, user_id, status, attempts, swept_at
+  FROM runs WHERE swept_at IS NOT NULL
+ ORDER BY swept_at DESC LIMIT %(limit)s;
+
+-- name: console_sweeper_actions
+-- console: the sweeper's latest actions, latest first.
+SELECT id, at, worker, action, request_id, detail
+  FROM sweeper_actions
+ ORDER BY id DESC LIMIT %(limit)s;

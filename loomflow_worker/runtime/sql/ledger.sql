@@ -1,0 +1,421 @@
+-- The run ledger (execution.ledger): one row per request in runs (seq: its order of
+-- acceptance) and one per attempt in run_attempts. A scope's unfinished requests are found
+-- through runs_scope_open, the partial index (scope, seq) of queued and running requests:
+-- loomflow_worker_unfinished(status) is inlined, so the planner uses it
+-- (tests/integration/test_sql_plans.py). Statuses are named by the SQL functions of
+-- 0014_vocabulary.sql, never spelled out as a list here.
+
+-- name: enqueue_lock
+-- Enqueues on one scope take turns: a transaction-level lock on the scope's enqueue key (not
+-- its run lock, which a running request holds), so on_busy "reject" and "interrupt" look at
+-- the scope's unfinished requests and insert with no enqueue between.
+SELECT pg_advisory_xact_lock(%(key)s);
+
+-- name: recorded_request
+-- What a request was enqueued with: a second enqueue under its id must match.
+SELECT kind, session_id, user_id, agent, prompt, metadata FROM runs
+ WHERE request_id = %(request_id)s;
+
+-- name: scope_busy
+-- The scope's oldest unfinished request, if any (runs_scope_open): on_busy "reject" refuses
+-- the enqueue and names it.
+SELECT request_id, status FROM runs
+ WHERE scope = %(scope)s AND loomflow_worker_unfinished(status)
+ ORDER BY seq LIMIT 1;
+
+-- name: insert_run
+-- A request recorded queued (an enqueue, or a message that came with no row); no row back
+-- when the id is taken (recorded_request says by whom), else its not_before. A countdown is
+-- measured on the database's clock, an eta is a moment.
+INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
+                  lock_key, not_before, ignore_result, routing)
+VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind)s,
+        %(prompt)s, %(metadata)s, %(lock_key)s,
+        CASE WHEN %(countdown)s::float8 IS NOT NULL
+             THEN now() + make_interval(secs => %(countdown)s::float8)
+             ELSE %(eta)s::timestamptz END,
+        %(ignore_result)s, %(routing)s::jsonb)
+ON CONFLICT (request_id) DO NOTHING
+RETURNING not_before;
+
+-- name: cancel_requests
+-- Cancel one request (request_id), or every unfinished request of a scope
+-- older than a given one (scope and by). A queued request that never started
+-- is cancelled on the spot (it has no epoch and journaled nothing); any other
+-- unfinished one is flagged and stops at its next step boundary, or when it
+-- is next picked up.
+UPDATE runs
+   SET cancel_requested = true,
+       status = CASE WHEN status = 'queued' AND epoch IS NULL THEN 'cancelled' ELSE status END,
+       error = CASE WHEN status = 'queued' AND epoch IS NULL THEN %(reason)s ELSE error END,
+       error_type = CASE WHEN status = 'queued' AND epoch IS NULL THEN 'Cancelled'
+                         ELSE error_type END,
+       finished_at = CASE WHEN status = 'queued' AND epoch IS NULL THEN now()
+                          ELSE finished_at END
+ WHERE (%(request_id)s::text IS NOT NULL AND request_id = %(request_id)s::text)
+    OR (%(by)s::text IS NOT NULL AND scope = %(scope)s::text
+        AND loomflow_worker_unfinished(status) AND request_id <> %(by)s::text
+        AND seq < (SELECT seq FROM runs WHERE request_id = %(by)s::text))
+RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata,
+          CASE WHEN status = 'queued' THEN not_before END AS not_before, options, routing;
+
+-- name: mark_undispatched
+-- The broker refused a request's message: it is the first the sweeper
+-- publishes once the broker is back.
+UPDATE runs SET dispatched_at = '-infinity'
+ WHERE request_id = %(request_id)s AND status = 'queued' AND received_at IS NULL;
+
+-- name: cancel_queued
+-- Drop waiting work: every queued request (of a session, of a user, or all),
+-- as cancel_requests does for one: one that never started is cancelled on the
+-- spot; one that started before (queued for a retry) is flagged, and ends
+-- cancelled when it is next picked up.
+UPDATE runs
+   SET cancel_requested = true,
+       status = CASE WHEN epoch IS NULL THEN 'cancelled' ELSE status END,
+       error = CASE WHEN epoch IS NULL THEN %(reason)s ELSE error END,
+       error_type = CASE WHEN epoch IS NULL THEN 'Cancelled' ELSE error_type END,
+       finished_at = CASE WHEN epoch IS NULL THEN now() ELSE finished_at END
+ WHERE status = 'queued'
+   AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
+   AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
+RETURNING status, request_id, kind, session_id, user_id, agent, prompt, metadata,
+          CASE WHEN status = 'queued' THEN not_before END AS not_before, options, routing;
+
+-- name: known_requests
+-- Which of these requests the ledger has (any status).
+SELECT request_id FROM runs WHERE request_id = ANY(%(request_ids)s::text[]);
+
+-- name: mark_held
+-- A worker holds these requests' messages, received but not started (a rate
+-- limit, a prefetch): stamped, so the sweeper does not take them for lost
+-- while the worker keeps saying so.
+UPDATE runs SET held_at = now()
+ WHERE request_id = ANY(%(request_ids)s::text[]) AND status = 'queued'
+RETURNING request_id;
+
+-- name: insert_failed_run
+-- A request whose message arrived with input a worker refuses, and which the
+-- ledger did not have: recorded failed. A row under its id is never touched
+-- here (see fail_invalid_run).
+INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
+                  status, error, error_type, finished_at)
+VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind)s,
+        %(prompt)s, %(metadata)s, 'failed', %(error)s, %(error_type)s, now())
+ON CONFLICT (request_id) DO NOTHING;
+
+-- name: fail_invalid_run
+-- A request the ledger accepted whose own arguments a worker refuses (an agent
+-- it does not have, a lower limit): it ends failed, unless it ended already.
+UPDATE runs SET status = 'failed', error = %(error)s, error_type = %(error_type)s,
+       finished_at = now()
+ WHERE request_id = %(request_id)s AND loomflow_worker_unfinished(status);
+
+-- name: precheck_run
+-- The request, which of the message's arguments differ from its row (the
+-- message runs only what the ledger accepted; its prompt, which may be long,
+-- is compared by its SHA-256), the oldest unfinished request of its scope
+-- before it, and, in the same statement, the scope's lock when the request is
+-- unfinished, its message is its own and nothing is before it (NULL: not
+-- tried). A request in a `shared` process (many runs at once) must run alone
+-- instead when it died in a shared process twice in a row, or lost its lock
+-- connection twice in a row, without completing a step (counting its last
+-- attempt, which its start counts): it takes no lock here and says so
+-- (`quarantine`).
+SELECT r.status, r.result, r.error, r.epoch AS pinned, m.differ,
+       o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
+       o.not_before, o.options, o.routing, o.stale, q.quarantine,
+       CASE WHEN loomflow_worker_unfinished(r.status) AND o.request_id IS NULL
+                 AND cardinality(m.differ) = 0 AND NOT q.quarantine
+            THEN CASE WHEN %(may_lock)s THEN pg_try_advisory_lock(%(key)s) ELSE false END
+       END AS locked
+  FROM runs r
+  CROSS JOIN LATERAL (
+      -- Its last attempt is looked at only for a running request in a shared
+      -- process (a first delivery, nearly every one, skips it).
+      SELECT CASE WHEN %(shared)s AND r.status = 'running' THEN coalesce((
+                 SELECT r.suspicion + p.shared::int >= 2
+                        OR r.lost_streak + (p.outcome = 'lost')::int >= 2
+                   FROM loomflow_worker_last_attempt(r.request_id, r.attempts) p), false)
+             ELSE false END AS quarantine) q
+ CROSS JOIN LATERAL (
+      SELECT array_remove(ARRAY[
+          CASE WHEN r.kind IS DISTINCT FROM %(kind)s::text THEN 'kind' END,
+          CASE WHEN r.session_id IS DISTINCT FROM %(session_id)s::text THEN 'session_id' END,
+          CASE WHEN r.user_id IS DISTINCT FROM %(user_id)s::text THEN 'user_id' END,
+          CASE WHEN r.agent IS DISTINCT FROM %(agent)s::text THEN 'agent' END,
+          CASE WHEN sha256(convert_to(r.prompt, 'UTF8')) IS DISTINCT FROM %(prompt_sha256)s::bytea
+               THEN 'prompt' END,
+          CASE WHEN r.metadata IS DISTINCT FROM %(metadata)s::jsonb THEN 'metadata' END
+      ], NULL) AS differ) m
+  LEFT JOIN LATERAL (
+      SELECT request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
+             CASE WHEN status = 'queued' THEN options END AS options, routing,
+             greatest(dispatched_at, not_before) < now() - make_interval(secs => %(stale)s)
+             AS stale
+        FROM runs o
+       WHERE o.scope = r.scope AND loomflow_worker_unfinished(o.status) AND o.seq < r.seq
+       ORDER BY o.seq LIMIT 1) o ON true
+ WHERE r.request_id = %(request_id)s;
+
+-- name: park_request
+-- A worker parks the request whose message it took: stamped, so the request
+-- that hands the scope on publishes it again, with the options its message
+-- carried. Already handed the scope (the older request finished since this
+-- worker looked), it must not park.
+-- Those options travel only with a message published again for a queued
+-- request (every query that picks one says CASE WHEN status = 'queued'): the
+-- message of a running request is held by its worker, or requeued by the
+-- broker when the worker died, and carries them itself; a copy carrying them
+-- too would call its callbacks (and count its chord part) a second time.
+UPDATE runs SET received_at = now(), options = coalesce(%(options)s::jsonb, options)
+ WHERE request_id = %(request_id)s
+RETURNING handed_at IS NOT NULL;
+
+-- name: mark_dispatched
+-- The request ahead of a parking one looked stale (its message unseen for `stale` seconds)
+-- and the parker publishes it again: stamped dispatched now, so neither the next parker nor
+-- the sweeper publishes it again before its grace.
+UPDATE runs SET dispatched_at = now() WHERE request_id = %(request_id)s;
+
+-- name: mark_swept
+-- A request published again, by the sweeper or handed to a process of its own (quarantine):
+-- swept now and dispatched no earlier than now, so the sweeper waits its grace (after,
+-- queued_after) before it can look lost again.
+UPDATE runs SET swept_at = now(), dispatched_at = greatest(dispatched_at, now())
+ WHERE request_id = %(request_id)s;
+
+-- name: start_request
+-- Under the scope lock: read the request, look for an older unfinished one,
+-- and (when there is none and the request is not finished) count the
+-- attempt, pin the epoch on the first attempt and mark it running, in one
+-- statement. A previous attempt that ended "interrupted" (its worker shut
+-- down for a deploy) or "lost" (its worker lost its database connection and
+-- lived) does not count as a crash, and neither does one that died with
+-- other runs of its process (shared): that raises the request's suspicion
+-- instead. A lost one lengthens its streak of lost attempts.
+WITH r AS (
+    SELECT request_id, seq, scope, status, epoch, kind, attempts, cancel_requested,
+           result, error, error_type, heartbeat_at, enqueued_at
+      FROM runs WHERE request_id = %(request_id)s FOR UPDATE
+), prev AS (
+    -- The previous attempt, if the request was running: how it ended, and
+    -- whether other runs of its process died with it.
+    SELECT p.outcome, p.shared
+      FROM r, loomflow_worker_last_attempt(r.request_id, r.attempts) p
+     WHERE r.status = 'running'
+), older AS (
+    SELECT o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
+           o.not_before, CASE WHEN o.status = 'queued' THEN o.options END AS options, o.routing,
+           greatest(o.dispatched_at, o.not_before) < now() - make_interval(secs => %(stale)s)
+           AS stale
+      FROM runs o JOIN r ON o.scope = r.scope
+     WHERE loomflow_worker_unfinished(o.status) AND o.seq < r.seq
+     ORDER BY o.seq LIMIT 1
+), marks AS (
+    SELECT max(loomflow_worker_epoch(value)) FILTER (WHERE step_name = '__run_epoch__') AS current,
+           max(loomflow_worker_epoch(value)) FILTER (WHERE step_name = '__last_run_epoch__') AS last
+      FROM journal_steps
+     WHERE session_id = %(scope)s AND step_name IN ('__run_epoch__', '__last_run_epoch__')
+), started AS (
+    UPDATE runs u
+       SET status = 'running',
+           epoch = coalesce(u.epoch, CASE WHEN r.kind = 'resume' AND m.last IS NOT NULL
+                                          THEN m.last ELSE coalesce(m.current, 0) END),
+           attempts = u.attempts + 1,
+           crashes = u.crashes + (r.status = 'running'
+               AND coalesce(p.outcome IS NULL AND NOT p.shared, true))::int,
+           suspicion = u.suspicion + coalesce(p.shared, false)::int,
+           lost_streak = u.lost_streak + coalesce(p.outcome = 'lost', false)::int,
+           holder = %(holder)s,
+           holder_pid = pg_backend_pid(),
+           started_at = now(),
+           heartbeat_at = now()
+      FROM r CROSS JOIN marks m LEFT JOIN prev p ON true
+     WHERE u.request_id = r.request_id AND loomflow_worker_unfinished(r.status)
+       AND NOT EXISTS (SELECT 1 FROM older)
+    RETURNING u.epoch, u.attempts, u.crashes, u.failures, u.suspicion, u.lost_streak
+), attempt_row AS (
+    INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch)
+    SELECT %(request_id)s, attempts, %(holder)s, %(pid)s, epoch FROM started
+    ON CONFLICT (request_id, attempt) DO NOTHING
+)
+SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
+       s.epoch, s.attempts, s.crashes, s.failures, s.suspicion, s.lost_streak,
+       CASE WHEN r.status = 'running'
+            THEN extract(epoch FROM now() - r.heartbeat_at)::float8 END AS since_heartbeat,
+       (SELECT extract(epoch FROM now() - p.finished_at)::float8
+          FROM runs p
+         WHERE p.scope = r.scope AND p.seq < r.seq AND p.finished_at > r.enqueued_at
+         ORDER BY p.seq DESC LIMIT 1) AS since_handoff,
+       o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
+       o.not_before, o.options, o.routing, o.stale
+  FROM r
+  LEFT JOIN started s ON true
+  LEFT JOIN older o ON true;
+
+-- name: heartbeat
+-- Every running request of one lock connection, stamped in one statement;
+-- those asked to stop come back.
+UPDATE runs SET heartbeat_at = now()
+ WHERE request_id = ANY(%(request_ids)s::text[]) AND status = 'running'
+RETURNING request_id, cancel_requested;
+
+-- name: clear_suspicion
+-- An attempt of a suspected request completed a step: its record is clean again.
+UPDATE runs SET suspicion = 0, lost_streak = 0 WHERE request_id = %(request_id)s;
+
+-- name: worker_seen
+-- A worker process's own row, stamped once per heartbeat interval: how many
+-- runs it carries now, of how many slots, and how loaded it is (a restarted
+-- pid starts a new row); the results it stored since its last stamp need no
+-- check by the sweeper.
+WITH stored AS (
+    DELETE FROM results_to_check WHERE request_id = ANY(%(stored)s::text[])
+)
+INSERT INTO workers AS w (worker, hostname, pid, slots, heartbeat_interval, runs, loop_lag,
+                          lock_queue, admitting)
+VALUES (%(worker)s, %(hostname)s, %(pid)s, %(slots)s, %(interval)s, %(runs)s, %(loop_lag)s,
+        %(lock_queue)s, %(admitting)s)
+ON CONFLICT (worker) DO UPDATE
+   SET runs = EXCLUDED.runs, slots = EXCLUDED.slots,
+       heartbeat_interval = EXCLUDED.heartbeat_interval, seen_at = now(),
+       loop_lag = EXCLUDED.loop_lag, lock_queue = EXCLUDED.lock_queue,
+       admitting = EXCLUDED.admitting,
+       started_at = CASE WHEN w.stopped_at IS NULL THEN w.started_at ELSE now() END,
+       stopped_at = NULL;
+
+-- name: worker_stopped
+-- A worker process that closes cleanly (and the results it stored since its
+-- last stamp, as worker_seen).
+WITH stored AS (
+    DELETE FROM results_to_check WHERE request_id = ANY(%(stored)s::text[])
+)
+UPDATE workers SET stopped_at = now(), seen_at = now(), runs = 0 WHERE worker = %(worker)s;
+
+-- name: retry_run
+-- A failed attempt to be retried: the request queued again with its failures counted and its
+-- error kept, dispatched_at and not_before at the end of the backoff (the console counts it
+-- backing off, the sweeper leaves it until then). Only while running: ended meanwhile, it
+-- stays ended.
+UPDATE runs
+   SET status = 'queued', failures = failures + 1, error = %(error)s, error_type = %(error_type)s,
+       dispatched_at = now() + make_interval(secs => %(countdown)s),
+       not_before = now() + make_interval(secs => %(countdown)s), holder_pid = NULL
+ WHERE request_id = %(request_id)s AND status = 'running';
+
+-- name: end_attempt
+-- One attempt closed with its outcome while its request goes on: "retry" (with retry_run),
+-- "handed_back" (cleared to run shared again), "interrupted" (a shutdown). An attempt that
+-- ends its request is closed by finish_request.
+UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(outcome)s
+ WHERE request_id = %(request_id)s AND attempt = %(attempt)s;
+
+-- name: finish_request
+-- The request's end in one statement: the scope's epoch advanced past the
+-- pinned one (forward only), the status, result and error recorded, the
+-- attempt closed, and the next unfinished request of the scope chosen.
+WITH advanced AS (
+    INSERT INTO journal_steps (session_id, step_name, value, created_at)
+    VALUES (%(scope)s, '__run_epoch__', %(epoch_value)s, extract(epoch FROM clock_timestamp()))
+    ON CONFLICT (session_id, step_name) DO UPDATE
+       SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
+     WHERE coalesce(loomflow_worker_epoch(journal_steps.value), -1) < %(new_epoch)s
+), finished AS (
+    UPDATE runs
+       SET status = %(status)s, result = %(result)s, error = %(error)s,
+           error_type = %(error_type)s, finished_at = now(), holder_pid = NULL
+     WHERE request_id = %(request_id)s AND loomflow_worker_unfinished(status)
+), closed AS (
+    UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(status)s
+     WHERE request_id = %(request_id)s AND attempt = %(attempt)s
+), chosen AS (
+    SELECT request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
+           CASE WHEN status = 'queued' THEN options END AS options, routing
+      FROM runs
+     WHERE scope = %(scope)s AND loomflow_worker_unfinished(status) AND request_id <> %(request_id)s
+     ORDER BY seq LIMIT 1
+), handed AS (
+    -- Handed the scope; published again after this commit when a worker
+    -- already took its message and parked it (see park_request).
+    UPDATE runs SET dispatched_at = now(), handed_at = now()
+     WHERE request_id = (SELECT request_id FROM chosen)
+    RETURNING request_id, received_at IS NOT NULL AS received
+)
+SELECT c.*, h.received FROM chosen c JOIN handed h USING (request_id);
+
+-- name: hand_off
+-- Hand the scope to its oldest unfinished request (as finish_request does)
+-- unless it was handed already.
+UPDATE runs SET dispatched_at = now(), handed_at = now()
+ WHERE request_id = (SELECT request_id FROM runs
+                      WHERE scope = %(scope)s AND loomflow_worker_unfinished(status)
+                      ORDER BY seq LIMIT 1)
+   AND handed_at IS NULL
+RETURNING request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
+          CASE WHEN status = 'queued' THEN options END AS options, routing,
+          received_at IS NOT NULL AS received;
+
+-- name: mark_result_unstored
+-- Its worker could not store the finished request's result in the result
+-- backend: the sweeper stores it from here (unless its caller wants no
+-- result: ignore_result).
+UPDATE runs SET result_stored = false
+ WHERE request_id = %(request_id)s AND NOT loomflow_worker_unfinished(status)
+   AND NOT ignore_result;
+
+-- name: mark_attempt_lost
+-- A worker whose attempt lost its lock connection (a Postgres restart, a
+-- network blip) and lived: the attempt ended "lost", not crashed. With no
+-- attempt number (lost while it started), this holder's open attempt.
+UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = 'lost'
+ WHERE request_id = %(request_id)s AND ended_at IS NULL
+   AND (attempt = %(attempt)s OR (%(attempt)s::int IS NULL AND worker = %(holder)s));
+
+-- name: revoked_request
+-- A request Celery revoked, let expire or killed: its scope, status, pinned epoch and lock
+-- key, which decide how end_revoked ends it (at once when it never started, else under its
+-- scope's lock).
+SELECT scope, status, epoch, lock_key FROM runs WHERE request_id = %(request_id)s;
+
+-- name: flag_cancel
+-- A revoked request whose scope's lock an attempt still holds: flagged, so that attempt
+-- stops at its next step (its heartbeat sees the flag); the revoke is tried again once the
+-- attempt is gone.
+UPDATE runs SET cancel_requested = true
+ WHERE request_id = %(request_id)s AND loomflow_worker_unfinished(status);
+
+-- name: end_revoked
+-- A request Celery revoked, let expire, or killed at its hard time limit,
+-- ended in the ledger: the scope's
+-- epoch advanced past the one it pinned (when it started), its status and
+-- error recorded, its open attempt closed. Run holding its scope's lock, or
+-- for a request that never started (it journaled nothing).
+WITH r AS (
+    SELECT request_id, scope, epoch FROM runs
+     WHERE request_id = %(request_id)s AND loomflow_worker_unfinished(status) FOR UPDATE
+), advanced AS (
+    INSERT INTO journal_steps (session_id, step_name, value, created_at)
+    SELECT r.scope, '__run_epoch__', convert_to('LJ1' || (r.epoch + 1)::text, 'UTF8'),
+           extract(epoch FROM clock_timestamp())
+      FROM r WHERE r.epoch IS NOT NULL
+    ON CONFLICT (session_id, step_name) DO UPDATE
+       SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
+     WHERE coalesce(loomflow_worker_epoch(journal_steps.value), -1)
+           < loomflow_worker_epoch(EXCLUDED.value)
+), ended AS (
+    UPDATE runs u
+       SET status = %(status)s, error = %(error)s, error_type = %(error_type)s,
+           finished_at = now(), holder_pid = NULL, cancel_requested = true
+      FROM r WHERE u.request_id = r.request_id
+    RETURNING u.request_id
+), closed AS (
+    UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(status)s
+     WHERE request_id = %(request_id)s AND ended_at IS NULL
+)
+SELECT count(*) FROM ended;
+
+-- name: unlock
+-- A scope's session advisory lock released after end_revoked, taken with try_lock on the
+-- same connection (the worker's main process).
+SELECT pg_advisory_unlock(%(key)s);

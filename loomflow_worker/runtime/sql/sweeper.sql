@@ -1,0 +1,212 @@
+-- The sweeper (tasks.sweeper): every worker process runs one; the one holding the leader
+-- lock leads the fleet and finds what the fleet lost: frozen holders, requests whose worker
+-- or message is gone, results the result backend lacks. It reaches the ledger with these,
+-- and with mark_swept (ledger.sql).
+
+-- name: leader_lock
+-- The fleet's one leading sweeper is the one whose connection holds this session advisory
+-- lock (LEADER_KEY): tried without waiting on each sweep until taken, released with the
+-- connection.
+SELECT pg_try_advisory_lock(%(key)s);
+
+-- name: leader_stale
+-- The leader's backend pid when it stopped stamping its lease (heartbeat_at older than
+-- `lease` seconds): a frozen process still holding the lock, whose connection a follower
+-- ends.
+SELECT backend_pid FROM sweeper_leader
+ WHERE id = 1 AND heartbeat_at < now() - make_interval(secs => %(lease)s);
+
+-- name: terminate_backend
+-- A backend's connection ended (a frozen leader's, or a lock connection whose runs stopped
+-- heartbeating), which frees its advisory locks; the role must own that backend or have
+-- pg_signal_backend.
+SELECT pg_terminate_backend(%(pid)s);
+
+-- name: leader_claim
+-- The leader's lease stamped on each sweep in the one sweeper_leader row (its holder name
+-- and backend pid): the console shows it, and followers take a stale one for a frozen
+-- leader.
+INSERT INTO sweeper_leader (id, holder, backend_pid) VALUES (1, %(holder)s, pg_backend_pid())
+ON CONFLICT (id) DO UPDATE
+   SET holder = EXCLUDED.holder, backend_pid = EXCLUDED.backend_pid, heartbeat_at = now();
+
+-- name: frozen_holders
+-- Running requests whose heartbeat is older than the lease while their
+-- scope's lock is still held, by the backend that holds it.
+SELECT r.request_id, l.pid
+  FROM runs r
+  JOIN pg_locks l
+    ON l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+   AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+   AND l.classid = ((r.lock_key >> 32) & 4294967295)::oid
+   AND l.objid = (r.lock_key & 4294967295)::oid
+ WHERE r.status = 'running' AND r.lock_key IS NOT NULL
+   AND r.heartbeat_at < now() - make_interval(secs => %(lease)s)
+   AND l.pid = r.holder_pid;
+
+-- name: mark_frozen_lost
+-- Attempts whose process stopped heartbeating while it held their locks (frozen,
+-- or its loop held past the lease): the sweeper ended its lock connection, so
+-- they end "lost", not crashed, before their next attempt starts.
+UPDATE run_attempts a SET ended_at = clock_timestamp(), outcome = 'lost'
+  FROM runs r
+ WHERE r.request_id = ANY(%(request_ids)s) AND a.request_id = r.request_id
+   AND a.attempt = r.attempts AND a.ended_at IS NULL;
+
+-- name: queued_queues
+-- The queues the queued requests' messages wait in (the default queue for a
+-- request with no routing), with how many requests are queued in each,
+-- parked or not: the sweeper counts each queue's messages, and the leader
+-- reports these counts as the fleet's backlog.
+SELECT coalesce(routing->>'queue', %(default_queue)s) AS queue, count(*) AS queued
+  FROM runs
+ WHERE status = 'queued'
+ GROUP BY 1;
+
+-- name: orphans
+-- The oldest unfinished request of each scope whose lock nobody holds:
+-- running, with a heartbeat older than dead_after (its worker died; a
+-- worker that merely lost its lock stops its own run within a heartbeat),
+-- or queued with a message that is gone. A running one is dispatched again at
+-- once, then again only when an attempt started since died too, or after
+-- `after` seconds.
+-- A queued request's message is in the broker when nobody received it or it
+-- was published again since (a handoff), and no live worker says it holds it
+-- unstarted (held_at within held_within: a rate limit, a prefetch). Each
+-- queue is counted apart (its name from the request's routing, the default
+-- queue when it has none): of a queue's requests, the broker holds `waiting`
+-- messages (the arrays `queues` and `waiting` pair them), so only its oldest
+-- (count - waiting) can be gone, since a broker hands out the oldest first,
+-- and only after queued_after seconds (a message on its way to a worker is
+-- counted nowhere for a moment). A request whose publish failed
+-- (dispatched_at -infinity) is gone. With its queue's count unknown (NULL, or
+-- not asked: the broker did not answer), a message counts as gone after
+-- `after` seconds. A queued request received and parked, not published since,
+-- is in no broker: it goes after queued_after.
+-- A request that may not start yet (not_before: a countdown or eta) has its
+-- message held by a worker until then, counted in no queue: it is in no
+-- count, and gone no sooner than queued_after past its not_before (unless its
+-- publish failed: then it is published at once, with its eta).
+WITH in_broker AS (
+    SELECT request_id, dispatched_at, coalesce(routing->>'queue', %(default_queue)s) AS queue,
+           row_number() OVER (PARTITION BY coalesce(routing->>'queue', %(default_queue)s)
+                              ORDER BY dispatched_at, seq) AS age
+      FROM runs
+     WHERE status = 'queued' AND (received_at IS NULL OR dispatched_at > received_at)
+       AND (not_before IS NULL OR not_before <= now())
+       AND NOT coalesce(held_at > dispatched_at
+                        AND held_at > now() - make_interval(secs => %(held_within)s), false)
+), counted AS (
+    SELECT c.queue, c.waiting
+      FROM unnest(%(queues)s::text[], %(waiting)s::bigint[]) AS c(queue, waiting)
+), budget AS (
+    SELECT b.queue, count(*) - min(c.waiting) AS lost
+      FROM in_broker b LEFT JOIN counted c USING (queue)
+     GROUP BY b.queue
+), heads AS (
+    SELECT DISTINCT ON (scope) request_id, kind, session_id, user_id, agent, prompt, metadata,
+           not_before, CASE WHEN status = 'queued' THEN options END AS options, routing, status,
+           dispatched_at, swept_at, started_at, heartbeat_at, lock_key,
+           coalesce(held_at > dispatched_at
+                    AND held_at > now() - make_interval(secs => %(held_within)s), false) AS held
+      FROM runs
+     WHERE loomflow_worker_unfinished(status)
+     ORDER BY scope, seq
+)
+SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata,
+       h.not_before, h.options, h.routing, h.status
+  FROM heads h
+  LEFT JOIN in_broker b USING (request_id)
+  LEFT JOIN budget g ON g.queue = b.queue
+ WHERE h.lock_key IS NOT NULL
+   AND CASE WHEN h.status = 'running' THEN
+            h.heartbeat_at < now() - make_interval(secs => %(dead_after)s)
+            AND (h.swept_at IS NULL OR h.swept_at < h.started_at
+                 OR h.swept_at < now() - make_interval(secs => %(after)s))
+       ELSE
+            NOT h.held
+            AND h.dispatched_at < now() - make_interval(secs => %(queued_after)s)
+            AND (h.dispatched_at = '-infinity'
+                 OR coalesce(h.not_before, '-infinity')
+                    < now() - make_interval(secs => %(queued_after)s))
+            AND (h.swept_at IS NULL
+                 OR h.swept_at < now() - make_interval(secs => %(queued_after)s))
+            AND (b.request_id IS NULL OR b.dispatched_at = '-infinity'
+                 OR b.age <= g.lost
+                 OR (g.lost IS NULL
+                     AND greatest(h.dispatched_at, h.not_before)
+                         < now() - make_interval(secs => %(after)s)))
+       END
+   AND NOT EXISTS (
+       SELECT 1 FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND l.classid = ((h.lock_key >> 32) & 4294967295)::oid
+          AND l.objid = (h.lock_key & 4294967295)::oid)
+ LIMIT %(limit)s;
+
+-- name: unfinished_among
+-- Which of the ids Celery revoked are still unfinished in the ledger (revoked while their
+-- message waited, so no worker ended them): the sweeper ends those. One primary-key lookup
+-- per id.
+SELECT request_id FROM runs
+ WHERE request_id = ANY(%(request_ids)s::text[]) AND loomflow_worker_unfinished(status);
+
+-- name: unstored_results
+-- Finished requests whose worker could not store their result in the result backend, oldest
+-- first, at most `limit`: the sweeper stores them from the ledger. Reads the partial index
+-- runs_result_unstored.
+SELECT request_id FROM runs WHERE NOT result_stored ORDER BY finished_at LIMIT %(limit)s;
+
+-- name: unchecked_results
+-- Requests finished between `after` and `within` seconds ago whose result the
+-- sweeper has not yet checked in the result backend. A request whose worker
+-- process still lives (stamped within two of its heartbeat intervals) stores
+-- its result itself, however busy it is: it waits `alive_after` seconds.
+SELECT c.request_id FROM results_to_check c
+  LEFT JOIN runs r ON r.request_id = c.request_id
+  LEFT JOIN workers w
+    ON w.worker = r.holder AND w.stopped_at IS NULL
+   AND w.seen_at > now() - make_interval(secs => 2 * w.heartbeat_interval)
+ WHERE c.finished_at < now() - make_interval(
+           secs => CASE WHEN w.worker IS NULL THEN %(after)s ELSE %(alive_after)s END)
+   AND c.finished_at > now() - make_interval(secs => %(within)s)
+ ORDER BY c.finished_at LIMIT %(limit)s;
+
+-- name: request_outcomes
+-- What the result backend lacks for these finished requests, as the ledger has it.
+SELECT request_id, status, result, error, error_type FROM runs
+ WHERE request_id = ANY(%(request_ids)s) AND loomflow_worker_finished(status);
+
+-- name: mark_result_stored
+-- The results the sweeper stored from the ledger: no longer waiting (they leave
+-- runs_result_unstored).
+UPDATE runs SET result_stored = true
+ WHERE request_id = ANY(%(request_ids)s);
+
+-- name: mark_result_checked
+-- The results checked (found in the backend, stored from the ledger, or whose request was
+-- pruned) leave results_to_check, and with them those past looking back to (finished over
+-- `within` seconds ago).
+DELETE FROM results_to_check
+ WHERE request_id = ANY(%(request_ids)s)
+    OR finished_at < now() - make_interval(secs => %(within)s);
+
+-- name: forget_workers
+-- Worker processes not seen for `after` seconds (an autoscaled fleet's
+-- long-gone ones).
+DELETE FROM workers WHERE seen_at < now() - make_interval(secs => %(after)s);
+
+-- name: record_sweeper_actions
+-- What one sweep did, in one statement that also keeps the table short: the
+-- last `keep` actions, none older than `keep_for` seconds.
+WITH added AS (
+    INSERT INTO sweeper_actions (worker, action, request_id, detail)
+    SELECT %(worker)s, a.action, a.request_id, a.detail
+      FROM unnest(%(actions)s::text[], %(request_ids)s::text[], %(details)s::text[])
+           AS a(action, request_id, detail)
+    RETURNING id
+)
+DELETE FROM sweeper_actions
+ WHERE id <= (SELECT max(id) FROM added) - %(keep)s
+    OR at < now() - make_interval(secs => %(keep_for)s);
