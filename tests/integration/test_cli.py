@@ -248,10 +248,11 @@ def test_tail_of_a_resumed_run_marks_the_replayed_events(fleet: Fleet) -> None:
 
 def test_cancel_prints_the_status_and_tail_exits_nonzero(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="1.0")
-    running = enqueued(fleet, calls("c1", "c2", "c3", "c4", "c5", "c6"), "s")
+    running = enqueued(fleet, calls(*(f"c{i}" for i in range(30))), "s")
     queued = enqueued(fleet, calls("never"), "s")
-    # Running (its first tool call may be over already: each CLI call takes a
-    # second or so to start), with several seconds of tool calls still to go.
+    # Running (its first tool calls may be over already: each CLI call takes a
+    # second or more to start on a busy machine), with half a minute of tool
+    # calls still to go, so the cancel lands before it could end by itself.
     assert wait_status(fleet.dsn, running, ("running",)) == "running"
 
     done = cli(fleet, "cancel", queued)
