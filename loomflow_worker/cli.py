@@ -319,7 +319,7 @@ def enqueue(
     if prompt == "-":
         prompt = sys.stdin.read()
     _settings()
-    from .tasks.application import run_agent
+    from .tasks import run_agent
 
     request_id = str(uuid.uuid4())
     # Accepted once recorded: a broker that refuses the message is logged (on
