@@ -1,4 +1,9 @@
-"""The Celery app, its configuration, and the ``run_agent`` / ``resume_agent`` tasks."""
+"""The Celery app, its configuration, and the ``run_agent`` / ``resume_agent`` tasks.
+
+Importing the package defines :data:`app`, :data:`run_agent` and
+:data:`resume_agent` and nothing else: the app is made on first use, from
+the environment's settings (``celery -A loomflow_worker.tasks`` uses it at
+start), or by :func:`configure` with settings of the caller's."""
 
 from __future__ import annotations
 
@@ -29,27 +34,50 @@ STORE_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.4,
 
 def settings() -> Settings:
     """The settings the app runs with (raises if the environment's are invalid)."""
+    _configured()
     return PROCESS.current_settings()
 
 
 def current_app() -> Celery:
     """The app this process enqueues with, or its worker runs."""
+    _configured()
     return PROCESS.current_app()
 
 
 def configure(new: Settings | None = None) -> Settings:
     """Point this process at ``new`` settings (default: read the environment again).
 
-    A worker configures once, at import. A process that enqueues for several
-    fleets in turn (tests, the demo, benchmarks) gets a new Celery app for
-    each, made by :func:`make_app`; :data:`app`, :data:`run_agent` and
-    :data:`resume_agent` always lead to the current one. The one before is
-    closed, and kombu's pools of broker connections with it."""
-    new = new or Settings()
-    PROCESS.settings, PROCESS.context = new, None
-    _use(make_app(new))
-    PROCESS.enqueue.close()
-    return new
+    A worker configures once, from the environment, when Celery first uses
+    the app. A process that enqueues for several fleets in turn (tests, the
+    demo, benchmarks) gets a new Celery app for each, made by
+    :func:`make_app`; :data:`app`, :data:`run_agent` and :data:`resume_agent`
+    always lead to the current one. The one before is closed, and kombu's
+    pools of broker connections with it. Settings equal to the current ones
+    keep the current app: configuring twice is configuring once."""
+    with PROCESS.lock:
+        new = new or Settings()
+        if PROCESS.app is not None and new == PROCESS.settings:
+            return new
+        PROCESS.settings, PROCESS.settings_error, PROCESS.context = new, None, None
+        _use(make_app(new))
+        PROCESS.enqueue.close()
+        return new
+
+
+def _configured() -> None:
+    """Configure this process from the environment unless something did.
+    Settings the environment gets wrong do not raise here (the CLI's doctor
+    reports them): the app is Celery's defaults, and :func:`settings` raises."""
+    if PROCESS.app is not None:
+        return
+    with PROCESS.lock:
+        if PROCESS.app is not None:
+            return
+        try:
+            configure()
+        except (ValidationError, SettingsError) as exc:
+            PROCESS.settings_error = exc
+            _use(make_app(None))
 
 
 def make_app(new: Settings | None) -> Celery:
@@ -118,12 +146,3 @@ app = Proxy(current_app)
 #: The current app's tasks.
 run_agent = Proxy(lambda: current_app().tasks[RUN_AGENT])
 resume_agent = Proxy(lambda: current_app().tasks[RESUME_AGENT])
-
-
-try:
-    configure()
-except (ValidationError, SettingsError) as exc:
-    # Importing the package must not fail on bad settings (the CLI's doctor
-    # reports them); using the app does, with this error.
-    PROCESS.settings_error = exc
-    _use(make_app(None))
