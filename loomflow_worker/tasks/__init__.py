@@ -4,8 +4,8 @@ The binding, by job: :mod:`.application` (the app and its configuration),
 :mod:`.task` (the tasks' class: record, then publish), :mod:`.perform`
 (what a worker's task does), :mod:`.dispatch` (publishing what the ledger
 recorded), :mod:`.cancel`, :mod:`.revoke`, :mod:`.results`, :mod:`.eta`,
-:mod:`.hooks` (the worker's Celery signals), :mod:`.queues`, and the
-process's state in :mod:`.state`."""
+:mod:`.hooks` (the worker's Celery signals), :mod:`.worker` (its shutdown),
+and the process's state in :mod:`.state`."""
 
 from ..execution.errors import RunCancelled, RunDead, RunFailed
 from ..execution.registry import register_agent, registered_agents

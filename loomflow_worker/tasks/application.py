@@ -7,6 +7,7 @@ start), or by :func:`configure` with settings of the caller's."""
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from celery import Celery
@@ -30,6 +31,15 @@ __all__ = ["RESUME_AGENT", "RUN_AGENT", "AgentTask", "app", "configure", "curren
 #: and the sweeper stores it once the backend is back.
 STORE_RETRY = {"max_retries": 3, "interval_start": 0.2, "interval_step": 0.4,
                "interval_max": 1.0}
+
+
+class LoomflowCelery(Celery):  # type: ignore[misc]
+    """A Celery app whose worker skips the soft shutdown when idle
+    (:class:`~.worker.Worker`, imported only by a worker)."""
+
+    @cached_property
+    def Worker(self) -> Any:
+        return self.subclass_with_self("loomflow_worker.tasks.worker:Worker")
 
 
 def settings() -> Settings:
@@ -84,7 +94,7 @@ def make_app(new: Settings | None) -> Celery:
     """A Celery app on ``new`` settings (Celery's defaults when ``None``: the
     environment's are invalid), with the ``run_agent`` and ``resume_agent``
     tasks."""
-    made = Celery("loomflow_worker", amqp=AMQP)
+    made = LoomflowCelery("loomflow_worker", amqp=AMQP)
     if new is not None:
         made.conf.update(_celery_settings(new))
     made.task(bind=True, base=RunAgentTask, name=RUN_AGENT)(_run_agent)
@@ -118,6 +128,8 @@ def _celery_settings(new: Settings) -> dict[str, Any]:
         "imports": list(new.agents),
         "worker_hijack_root_logger": False,
         "worker_soft_shutdown_timeout": new.soft_shutdown_timeout,
+        # Messages held for an eta are requeued cleanly; an idle worker
+        # skips the wait all the same (see .worker).
         "worker_enable_soft_shutdown_on_idle": True,
     }
 
