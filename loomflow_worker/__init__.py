@@ -19,9 +19,9 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # The Celery side is imported on first use, so the runtime alone stays light.
     if name in ("cancel_run", "cancel_queued"):
-        from .tasks import application
+        from .tasks import cancel
 
-        return getattr(application, name)
+        return getattr(cancel, name)
     raise AttributeError(f"module 'loomflow_worker' has no attribute {name!r}")
 
 

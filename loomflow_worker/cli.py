@@ -233,8 +233,9 @@ def worker(
     worker per core (more pods or containers). SIGTERM starts Celery's soft
     shutdown (REMAP_SIGTERM=SIGQUIT): runs go on for
     LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT seconds, then are stopped and
-    requeued at once, to resume on another worker. Keep that timeout below
-    the orchestrator's grace period. Extra arguments go to `celery worker`."""
+    requeued at once, to resume on another worker; an idle worker stops at
+    once. Keep that timeout below the orchestrator's grace period. Extra
+    arguments go to `celery worker`."""
     settings = _settings()
     if concurrency is None:
         concurrency = settings.concurrency if pool_kind == "threads" else 2
@@ -319,7 +320,7 @@ def enqueue(
     if prompt == "-":
         prompt = sys.stdin.read()
     _settings()
-    from .tasks.application import run_agent
+    from .tasks import run_agent
 
     request_id = str(uuid.uuid4())
     # Accepted once recorded: a broker that refuses the message is logged (on

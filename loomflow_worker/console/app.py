@@ -203,9 +203,9 @@ def create_app(
 
     if broker_depth is None:
         def broker_depth() -> int:
-            from ..tasks.application import _queue_length
+            from ..tasks.queues import queue_length
 
-            return _queue_length()
+            return queue_length()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:

@@ -806,6 +806,13 @@ def mark_lost(
                  {"request_id": request_id, "attempt": attempt, "holder": holder})
 
 
+def mark_interrupted(conn: psycopg.Connection[Any], node: str) -> None:
+    """A worker shutting down (a deploy): its attempts still running end
+    ``interrupted``, so their next attempt does not count a crash. ``node`` is
+    the worker's hostname; its attempts are recorded as ``hostname:pid``."""
+    conn.execute(query("mark_interrupted"), {"node": f"{node}:"})
+
+
 async def mark_handed_alone(conn: Conn, request_id: str) -> None:
     """The request is handed to a process of its own (quarantine): the sweeper
     takes it for dispatched just now."""

@@ -44,27 +44,47 @@ REFUSED_THREADS_OPTIONS = {
         "--max-memory-per-child (worker_max_memory_per_child)", _NO_CHILDREN),
 }
 
-#: Stops the run of one request (set by the Celery app).
-stop_run: Callable[[str], bool] | None = None
+#: Stops the run of one request; ``True`` when there was one to stop.
+StopRun = Callable[[str], bool]
 
 
 class StoppableResult(ApplyResult):  # type: ignore[misc]
     """A task's handle in :class:`RunPool`; ``terminate`` stops its run."""
 
-    def __init__(self, result: ApplyResult, request_id: str | None) -> None:
+    def __init__(self, result: ApplyResult, request_id: str | None,
+                 stop_run: StopRun | None) -> None:
         super().__init__(result.f)
         self.request_id = request_id
+        self._stop_run = stop_run
         # Celery keeps only a weak reference to a task's handle: the future
         # keeps this one alive while the task runs, so terminate() reaches it.
         result.f.loomflow_result = self
 
     def terminate(self, signal: Any = None) -> None:
-        if self.request_id is not None and stop_run is not None:
-            stop_run(self.request_id)
+        if self.request_id is not None and self._stop_run is not None:
+            self._stop_run(self.request_id)
 
 
 class RunPool(ThreadTaskPool):  # type: ignore[misc]
-    """Celery's threads pool, whose tasks can be stopped one by one."""
+    """Celery's threads pool, whose tasks can be stopped one by one: by
+    ``stop_run``, which the worker gives it (without one, a task's
+    ``terminate`` does nothing, as in Celery's threads pool)."""
+
+    def __init__(self, *args: Any, stop_run: StopRun | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._stop_run = stop_run
+
+    @classmethod
+    def stopping_with(cls, stop_run: StopRun) -> type[RunPool]:
+        """The pool class to give a worker, whose pools stop runs with
+        ``stop_run`` (Celery makes the pool itself, from a class and
+        arguments of its own)."""
+
+        class Pool(cls):  # type: ignore[valid-type,misc]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, stop_run=stop_run, **kwargs)
+
+        return Pool
 
     def on_apply(
         self,
@@ -77,7 +97,7 @@ class RunPool(ThreadTaskPool):  # type: ignore[misc]
         **options: Any,
     ) -> StoppableResult:
         result = super().on_apply(target, args, kwargs, callback, accept_callback, **options)
-        return StoppableResult(result, correlation_id)
+        return StoppableResult(result, correlation_id, self._stop_run)
 
     def terminate_job(self, pid: int, signal: Any = None) -> None:
         """Every task shares this process's pid: a task is stopped through its

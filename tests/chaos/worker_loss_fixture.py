@@ -13,7 +13,7 @@ from typing import Any
 
 
 def _lose_worker_after_commit(marker: str) -> None:
-    from loomflow_worker.tasks import application as task_app
+    from loomflow_worker.tasks import perform as task_app
 
     namespace = vars(task_app)
     execute = namespace["execute"]

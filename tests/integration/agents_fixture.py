@@ -85,7 +85,7 @@ def build_flaky(runtime: Any) -> Agent:
 def _die_after_commit() -> None:
     """Kill the pool child right after a run's finishing commit, before Celery
     stores the result or acks the message (once: a marker file says it happened)."""
-    from loomflow_worker.tasks import application as task_app
+    from loomflow_worker.tasks import perform as task_app
 
     execute = task_app.execute
     marker = os.environ["TEST_DIE_AFTER_COMMIT"]

@@ -287,9 +287,9 @@ def test_cancel_needs_a_request_or_queued(fleet: Fleet) -> None:
 
 
 def _assert_no_result_stored(fleet: Fleet, request_id: str) -> None:
-    from loomflow_worker.tasks import application
+    from loomflow_worker.tasks import results
 
-    assert application._results_missing([request_id]) == {request_id}
+    assert results.results_missing([request_id]) == {request_id}
     assert "which its worker could not store" not in fleet.log_text()
 
 

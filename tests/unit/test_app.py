@@ -59,6 +59,41 @@ def test_new_settings_get_a_new_app_with_its_own_backend_and_tasks(restored: Non
     assert second.conf.result_backend_transport_options["global_keyprefix"] == "elsewhere:"
 
 
+def test_configuring_again_with_the_same_settings_keeps_the_app(restored: None) -> None:
+    first = application.current_app()
+    tasks.configure(tasks.settings().model_copy())
+    assert application.current_app() is first
+
+
+def _in_a_new_process(code: str, **env: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                          capture_output=True, text=True, check=True, timeout=60)
+    return done.stdout.strip()
+
+
+def test_importing_the_package_makes_no_app_until_one_is_used() -> None:
+    shown = _in_a_new_process(
+        "import loomflow_worker.tasks as tasks\n"
+        "from loomflow_worker.tasks.state import PROCESS\n"
+        "print(PROCESS.app is None and PROCESS.settings is None)\n"
+        "print(tasks.run_agent.name, PROCESS.app is not None, PROCESS.settings is not None)"
+    )
+    assert shown.splitlines() == ["True", "loomflow_worker.run_agent True True"]
+
+
+def test_settings_the_environment_gets_wrong_fail_when_used_not_at_import() -> None:
+    shown = _in_a_new_process(
+        "import loomflow_worker.tasks as tasks\n"
+        "from loomflow_worker.runtime.errors import InvalidInput\n"
+        "print(tasks.app.conf.broker_url)\n"
+        "try:\n    tasks.settings()\nexcept InvalidInput as exc:\n    print(exc)",
+        LOOMFLOW_WORKER_CONCURRENCY="many",
+    )
+    defaults, error = shown.splitlines()
+    assert defaults == "None"  # Celery's defaults: no broker of the package's
+    assert error.startswith("the LOOMFLOW_WORKER_* settings are invalid: concurrency:")
+
+
 def test_the_worker_finds_the_app_and_it_retries_storing_results_briefly() -> None:
     found = find_app("loomflow_worker.tasks")
     assert isinstance(found, Celery)

@@ -134,25 +134,25 @@ def test_durations_longer_than_a_thousand_years_are_refused() -> None:
 def test_a_countdown_or_eta_celery_cannot_use_is_refused(
     countdown: object, eta: object, says: str
 ) -> None:
-    from loomflow_worker.tasks.application import _start_at
+    from loomflow_worker.tasks.eta import start_at
 
     with pytest.raises(InvalidInput, match=says):
-        _start_at(countdown, eta)
+        start_at(countdown, eta)
 
 
 def test_a_start_time_is_read_as_celery_reads_it() -> None:
     from datetime import UTC, datetime
 
     from loomflow_worker.execution.ledger import StartAt
-    from loomflow_worker.tasks.application import _start_at
+    from loomflow_worker.tasks.eta import start_at
 
-    assert _start_at(None, None) is None
-    assert _start_at(0, None) is None and _start_at(-5, None) is None  # at once
-    assert _start_at(2.5, datetime(2020, 1, 1, tzinfo=UTC)) == StartAt(countdown=2.5)
+    assert start_at(None, None) is None
+    assert start_at(0, None) is None and start_at(-5, None) is None  # at once
+    assert start_at(2.5, datetime(2020, 1, 1, tzinfo=UTC)) == StartAt(countdown=2.5)
     soon = datetime.now(UTC).replace(microsecond=0) + timedelta(minutes=5)
     naive = soon.replace(tzinfo=None)  # a naive eta is in the app's timezone (UTC)
-    assert _start_at(None, naive) == StartAt(eta=soon)
-    assert _start_at(None, soon.isoformat()) == StartAt(eta=soon)
+    assert start_at(None, naive) == StartAt(eta=soon)
+    assert start_at(None, soon.isoformat()) == StartAt(eta=soon)
 
 
 @pytest.mark.parametrize("epoch", [-1, 2**31, 10**12, True, 1.5, "3"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -11,8 +12,16 @@ from celery.concurrency.thread import TaskPool as ThreadPool
 from click.testing import CliRunner
 
 from loomflow_worker.cli import main
-from loomflow_worker.tasks import application
+from loomflow_worker.tasks import hooks
 from loomflow_worker.tasks.pool import RunPool, pool_name
+from loomflow_worker.tasks.state import PROCESS
+
+
+@pytest.fixture(autouse=True)
+def process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a worker's start sets in the process's state is undone after the test."""
+    for name in ("node", "slots", "context"):
+        monkeypatch.setattr(PROCESS, name, getattr(PROCESS, name))
 
 
 @pytest.mark.parametrize(
@@ -29,7 +38,7 @@ def test_pool_names(pool: object, name: str) -> None:
 def test_a_worker_refuses_gevent_and_eventlet_and_says_what_to_use(pool: str) -> None:
     sender = SimpleNamespace(pool_cls=pool, concurrency=50)
     with pytest.raises(SystemExit) as refused:
-        application._prepare_worker(sender=sender)
+        hooks._prepare_worker(sender=sender)
     message = str(refused.value)
     assert f"the {pool} pool is not supported" in message
     assert "loomflow-worker worker" in message and "-P threads" in message
@@ -49,39 +58,59 @@ def test_the_threads_pool_refuses_what_only_child_processes_can_do(
                              max_tasks_per_child=None, max_memory_per_child=None)
     vars(sender).update(attributes)
     with pytest.raises(SystemExit) as refused:
-        application._prepare_worker(sender=sender)
+        hooks._prepare_worker(sender=sender)
     message = str(refused.value)
     assert message.startswith(f"loomflow-worker: {named} is not supported on the threads pool")
     assert "\n" not in message
     assert sender.pool_cls is ThreadPool
 
 
-def test_prefork_keeps_its_recycling_options(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(application, "_state", dict(application._state))
+def test_prefork_keeps_its_recycling_options() -> None:
     sender = SimpleNamespace(pool_cls=PreforkPool, concurrency=2, options={"autoscale": "4,1"},
                              max_tasks_per_child=3, max_memory_per_child=200000)
-    application._prepare_worker(sender=sender)
+    hooks._prepare_worker(sender=sender)
     assert sender.pool_cls is PreforkPool
 
 
-def test_the_threads_pool_carries_its_concurrency_in_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(application, "_state", dict(application._state))
+def test_the_threads_pool_carries_its_concurrency_in_runs() -> None:
     sender = SimpleNamespace(pool_cls=ThreadPool, concurrency=150)
-    application._prepare_worker(sender=sender)
-    assert sender.pool_cls is RunPool
-    assert application._state["slots"] == 150
-    assert application._context().slots == 150
+    hooks._prepare_worker(sender=sender)
+    assert issubclass(sender.pool_cls, RunPool)
+    assert PROCESS.slots == 150
+    assert PROCESS.worker_context().slots == 150
 
 
-def test_prefork_runs_one_per_child(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(application, "_state", dict(application._state))
+def test_prefork_runs_one_per_child() -> None:
     sender = SimpleNamespace(pool_cls=PreforkPool, concurrency=4)
-    application._prepare_worker(sender=sender)
+    hooks._prepare_worker(sender=sender)
     assert sender.pool_cls is PreforkPool
-    assert "slots" not in application._state
+    assert PROCESS.slots is None
 
 
 def test_the_cli_offers_only_pools_that_work() -> None:
     result = CliRunner().invoke(main, ["worker", "-P", "gevent"])
     assert result.exit_code == 2
     assert "'gevent' is not one of 'threads', 'prefork', 'solo'" in result.output
+
+
+def test_a_pool_stops_a_task_s_run_with_the_callback_it_was_made_with() -> None:
+    stopped: list[str] = []
+    pool_cls = RunPool.stopping_with(lambda request_id: stopped.append(request_id) or True)
+    pool = pool_cls(2)
+    pool.start()
+    try:
+        done = threading.Event()
+        handle = pool.apply_async(done.wait, correlation_id="r1")
+        handle.terminate()
+        assert stopped == ["r1"]
+        done.set()
+    finally:
+        pool.stop()
+    # Without a callback, terminate does nothing, as in Celery's threads pool.
+    plain = RunPool(1)
+    plain.start()
+    try:
+        plain.apply_async(lambda: None, correlation_id="r2").terminate()
+    finally:
+        plain.stop()
+    assert stopped == ["r1"]

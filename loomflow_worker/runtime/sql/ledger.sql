@@ -419,3 +419,9 @@ SELECT count(*) FROM ended;
 -- A scope's session advisory lock released after end_revoked, taken with try_lock on the
 -- same connection (the worker's main process).
 SELECT pg_advisory_unlock(%(key)s);
+
+-- name: mark_interrupted
+-- A worker shutting down (a deploy): its attempts still running end
+-- "interrupted", so their next attempt does not count a crash.
+UPDATE run_attempts SET outcome = 'interrupted'
+ WHERE starts_with(worker, %(node)s) AND ended_at IS NULL AND outcome IS NULL;

@@ -1,0 +1,88 @@
+"""Publishing requests the ledger recorded: a broker that refuses a message
+is logged, not raised, and the request is left to the sweeper (the ledger is
+the queue of record)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from celery.result import task_join_will_block
+
+from ..execution.ledger import Pending
+from .state import PROCESS
+
+log = logging.getLogger("loomflow_worker.tasks")
+
+#: The names the tasks are registered and sent under (messages carry them).
+RUN_AGENT = "loomflow_worker.run_agent"
+RESUME_AGENT = "loomflow_worker.resume_agent"
+
+#: A publish gives up after about a second: the ledger row is the record, and
+#: the sweeper publishes a request whose message was lost.
+DISPATCH_RETRY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.3,
+                  "interval_max": 0.5}
+
+#: How long a result backend that answered a PING is taken to be up: enqueues
+#: within it send none.
+BACKEND_CHECK_EVERY = 1.0
+
+
+def dispatch(pending: Pending) -> None:
+    """Publish a request that has its ledger row, as the task of its kind."""
+    name = RESUME_AGENT if pending.kind == "resume" else RUN_AGENT
+    PROCESS.current_app().tasks[name].dispatch(pending)
+
+
+def dispatch_deferred(request_id: str, state: str, exc: BaseException) -> None:
+    """The broker refused the message of a request the ledger has as ``state``:
+    log it and mark the request for the sweeper."""
+    PROCESS.backend_answered = None  # the next enqueue checks the backend first
+    log.warning(
+        "request %s is %s (the runs ledger has it) but the broker refused its message (%s); "
+        "a worker's sweeper takes it from the ledger once the broker is back",
+        request_id, state, exc, extra={"action": "dispatch_deferred", "request": request_id},
+    )
+    PROCESS.enqueue.mark_undispatched(*PROCESS.database(), request_id)
+
+
+def dispatch_recorded(pending: Pending, state: str) -> None:
+    """Publish a request whose change the ledger committed: a broker that
+    refuses it is logged, not raised (the change stands, and the sweeper
+    carries it out)."""
+    try:
+        dispatch(pending)
+    except dispatch_errors() as exc:
+        dispatch_deferred(pending.request_id, state, exc)
+
+
+def dispatch_errors() -> tuple[type[BaseException], ...]:
+    """What a publish raises when the broker can't be reached."""
+    import kombu.exceptions
+    import redis
+
+    return (kombu.exceptions.OperationalError, redis.ConnectionError, redis.TimeoutError,
+            ConnectionError, TimeoutError)
+
+
+def check_result_backend() -> None:
+    """Raise a connection error at once when the result backend's Redis is down.
+
+    Before publishing, Celery subscribes the caller to the request's result
+    on Redis, retrying for about 19 seconds when Redis is down and then
+    giving up with an anonymous ``RuntimeError``. One ``PING`` (a fraction of a
+    millisecond) finds out first, at most once every BACKEND_CHECK_EVERY
+    seconds: a Redis that goes away in between is met by that retry, whose
+    error ``apply_async`` also turns into a deferred dispatch. Pool children
+    do not subscribe."""
+    from celery.backends.redis import RedisBackend
+
+    backend = PROCESS.current_app().backend
+    if not isinstance(backend, RedisBackend) or task_join_will_block():
+        return
+    now = time.monotonic()
+    answered = PROCESS.backend_answered
+    if answered is not None and answered[0] is backend and now - answered[1] < BACKEND_CHECK_EVERY:
+        return
+    backend.client.ping()
+    PROCESS.backend_answered = (backend, now)

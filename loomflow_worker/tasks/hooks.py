@@ -1,0 +1,263 @@
+"""The worker's side of Celery's signals: checking the settings and the pool
+at start, each pool child's loop and connections, the sweeper, the messages
+a worker holds, revokes, and a shutdown's interrupted runs.
+
+The receivers are connected when the package is imported (Celery sends the
+signals only in a worker); each finds the process's state in
+:data:`~.state.PROCESS`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+import psycopg
+from celery.signals import (
+    task_received,
+    task_revoked,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
+
+from .. import metrics
+from ..execution import ledger
+from ..execution.request import check_request
+from ..runtime.errors import InvalidInput, LoomflowWorkerError, SessionPooler
+from ..runtime.store import probe
+from ..settings import Settings
+from .admission import Admission
+from .application import current_app, settings
+from .connections import bound_worker_connections
+from .dispatch import RESUME_AGENT, RUN_AGENT, dispatch
+from .eta import arrival
+from .pool import REFUSED_POOLS, RunPool, pool_name, refused_threads_option
+from .queues import queue_lengths
+from .results import results_missing, store_result
+from .revoke import end_revoked_requests, end_revoked_soon
+from .state import PROCESS
+from .sweeper import ResultRepair, Sweeper
+from .task import AgentTask
+
+log = logging.getLogger("loomflow_worker.tasks")
+
+#: How long a pool child that is exiting waits for its connections to close.
+CLOSE_TIMEOUT = 5.0
+
+
+@worker_init.connect
+def _prepare_worker(sender: Any = None, **_: Any) -> None:
+    """Check the settings and the pool. The threads pool carries ``-c`` runs
+    on the process's event loop (and becomes :class:`~.pool.RunPool`, whose
+    runs can be stopped one by one, and refuses the options that only make
+    sense for child processes); prefork and solo run one per process; gevent
+    and eventlet would block their hub with the loop's thread, so the worker
+    refuses them."""
+    try:
+        settings()
+    except InvalidInput as exc:
+        # A worker on settings it can't use would serve nobody (and Celery's
+        # defaults would point it at another broker): it does not start.
+        log.critical("%s; the worker does not start", exc)
+        raise SystemExit(2) from None
+    if sender is not None:
+        # The node name its runs and its processes' rows in `workers` carry.
+        PROCESS.node = getattr(sender, "hostname", None)
+        name = pool_name(sender.pool_cls)
+        if name in REFUSED_POOLS:
+            raise SystemExit(
+                f"loomflow-worker: the {name} pool is not supported: a worker process carries "
+                "its runs on one asyncio event loop, which the threads pool feeds. Start it "
+                "with `loomflow-worker worker` (threads, LOOMFLOW_WORKER_CONCURRENCY runs per "
+                "process) or `celery ... worker -P threads -c 100`."
+            )
+        if name == "threads":
+            refused = refused_threads_option(sender)
+            if refused is not None:
+                raise SystemExit(refused)
+            sender.pool_cls = RunPool.stopping_with(_stop_run)
+            PROCESS.slots = int(sender.concurrency or 1)
+    if settings().metrics_port:
+        metrics.prepare_multiprocess_dir()
+    # A few connections to Redis and the broker, whatever the concurrency.
+    bound_worker_connections(current_app())
+    _refuse_session_pooler(settings())
+
+
+def _refuse_session_pooler(current: Settings) -> None:
+    """A worker behind a transaction- or statement-mode pooler would take its
+    session locks on borrowed server sessions and stall: it does not start.
+    A database that is down now is no reason not to start (runs wait for it)."""
+    try:
+        asyncio.run(probe(current.database_url.get_secret_value(), current.connect_timeout))
+    except SessionPooler as exc:
+        log.critical("%s; the worker does not start", exc)
+        raise SystemExit(2) from None
+    except LoomflowWorkerError as exc:
+        log.warning("%s; the worker starts and connects when a run comes", exc)
+
+
+@worker_process_init.connect
+def _open_child(**_: Any) -> None:
+    if settings().metrics_port:
+        metrics.setup()
+    try:
+        PROCESS.loop.run(PROCESS.worker_context().runtime())
+    except Exception:
+        log.exception("pool child could not connect to Postgres yet; will retry per task")
+
+
+@worker_process_shutdown.connect
+def _close_child(**_: Any) -> None:
+    ctx, PROCESS.context = PROCESS.context, None
+    if ctx is not None and PROCESS.loop.running:
+        try:
+            PROCESS.loop.run(ctx.aclose(), timeout=CLOSE_TIMEOUT)
+        except Exception:
+            # Bounded: a child that cannot close cleanly still exits, and
+            # Postgres frees whatever its connections held.
+            log.exception("closing the pool child's connections failed")
+    PROCESS.loop.stop()
+    if metrics.enabled():
+        metrics.process_exited(os.getpid())
+
+
+@task_received.connect
+def _note_received(request: Any = None, **_: Any) -> None:
+    """A request's message reached this worker: until it starts, the sweeper
+    hears from this worker that it holds it (see :func:`_stamp_held`)."""
+    if request is not None and getattr(request, "name", None) in (RUN_AGENT, RESUME_AGENT):
+        PROCESS.held[request.id] = request
+
+
+def _stamp_held(conn: psycopg.Connection[Any]) -> int:
+    """Stamp the requests this worker holds, received and not started (those
+    that started or ended are forgotten), in the ledger; one sent by name,
+    which the ledger does not have yet, is recorded first, with the eta and
+    queue of its message. Returns how many it holds."""
+    held = PROCESS.held
+    for request_id, request in list(held.items()):
+        if request.time_start is not None or request.acknowledged:
+            held.pop(request_id, None)
+    request_ids = list(held)
+    if not request_ids:
+        return 0
+    stamped = ledger.mark_held(conn, request_ids)
+    if len(stamped) < len(request_ids):
+        # Some are not queued in the ledger: started since, or sent by name.
+        arrived = [request_id for request_id in ledger.unknown(
+            conn, [i for i in request_ids if i not in stamped]) if request_id in held]
+        for request_id in arrived:
+            _record_arrived(conn, held[request_id])
+        if arrived:
+            ledger.mark_held(conn, arrived)
+    return len(request_ids)
+
+
+def _record_arrived(conn: psycopg.Connection[Any], request: Any) -> None:
+    """Record a received request the ledger does not have (sent by name). Its
+    input is checked when it runs: one a worker refuses is left to that."""
+    app = current_app()
+    task: AgentTask = app.tasks[request.name]
+    try:
+        checked = check_request(settings(), kind=task.kind,
+                                **task.bind_arguments(request.args, request.kwargs))
+    except (InvalidInput, TypeError):
+        return
+    ledger.record_arrived(conn, request.id, checked, arrival(request, app))
+
+
+@worker_ready.connect
+def _start_sweeper(sender: Any = None, **_: Any) -> None:
+    if settings().metrics_port:
+        metrics.setup()
+        metrics.serve(settings().metrics_port)
+    if PROCESS.runs_here:
+        if sender is not None and getattr(sender, "qos", None) is not None:
+            _admit(sender)
+        # The threads pool runs in this process: connect (and migrate) now.
+        try:
+            PROCESS.loop.run(PROCESS.worker_context().runtime())
+        except Exception:
+            log.exception("the worker could not connect to Postgres yet; will retry per task")
+    if settings().sweeper:
+        sweeper = Sweeper(settings(), dispatch, queue_lengths,
+                          ResultRepair(results_missing, store_result),
+                          revoked=end_revoked_requests, held=_stamp_held)
+        PROCESS.sweeper = sweeper
+        sweeper.start()
+
+
+def _admit(consumer: Any) -> None:
+    """Let the process's load decide when its consumer takes messages."""
+    from celery.worker import state as worker_state
+
+    ctx, current = PROCESS.worker_context(), settings()
+    admission = Admission(
+        consumer.qos,
+        ceiling=(PROCESS.slots or 1) * max(1, int(consumer.prefetch_multiplier or 1)),
+        lag_limit=current.admission_lag,
+        queue_limit=current.admission_queue,
+        queue_depth=ctx.queue_depth,
+        in_flight=lambda: len(worker_state.reserved_requests),
+    )
+    ctx.watch_observers.append(admission.observe)
+    ctx.admitting = lambda: admission.admitting
+    PROCESS.admission = admission
+
+
+@task_revoked.connect
+def _revoked(request: Any = None, expired: bool = False, **_: Any) -> None:
+    """Celery revoked a request, or let it expire: the ledger ends it
+    (``cancelled`` or ``expired``) and its session moves on, rather than
+    waiting for a message every worker now discards."""
+    name = getattr(request, "task", None)
+    if getattr(name, "name", name) not in (RUN_AGENT, RESUME_AGENT):
+        return
+    end_revoked_soon(str(request.id), ledger.EXPIRED if expired else ledger.REVOKED)
+
+
+def _stop_run(request_id: str) -> bool:
+    """Stop one run of this process (:class:`~.pool.RunPool` calls it): a
+    revoked one ends ``cancelled`` at once (``revoke(terminate=True)``), any
+    other (a shutdown) is interrupted and requeued."""
+    from celery.worker import state
+
+    ctx = PROCESS.context
+    if request_id in state.revoked and ctx is not None and PROCESS.loop.running:
+        PROCESS.loop.loop.call_soon_threadsafe(ctx.halt, request_id, "revoked (Celery revoke)")
+        return True
+    return PROCESS.loop.cancel(request_id)
+
+
+@worker_shutting_down.connect
+def _mark_interrupted(sender: str | None = None, **_: Any) -> None:
+    """A deploy: the runs this worker stops were interrupted, not crashed."""
+    if not sender:
+        return
+    current = settings()
+    try:
+        with psycopg.connect(
+            current.database_url.get_secret_value(), autocommit=True,
+            connect_timeout=current.connect_timeout,
+        ) as conn:
+            ledger.mark_interrupted(conn, sender)
+    except psycopg.Error:
+        log.warning("could not mark this worker's runs interrupted", exc_info=True)
+
+
+@worker_shutdown.connect
+def _stop_sweeper(sender: Any = None, **_: Any) -> None:
+    sweeper, PROCESS.sweeper = PROCESS.sweeper, None
+    if sweeper is not None:
+        sweeper.stop()
+    if PROCESS.runs_here:
+        _close_child()  # the threads pool ran in this process
+    # Once more now that the pool is gone: an attempt started during the
+    # soft shutdown was interrupted too.
+    _mark_interrupted(getattr(sender, "hostname", None))

@@ -1,0 +1,113 @@
+"""What one process keeps of the Celery binding: one :class:`ProcessState`,
+:data:`PROCESS`.
+
+A process that only enqueues uses its settings, its app and its enqueue
+pool; a worker's process also its loop, its worker context and the parts of
+its worker (node, slots, sweeper, admission, the messages it holds). A
+forked pool child inherits the object and makes its own loop, pool and
+context (each checks the process id, or is made at ``worker_process_init``)."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from celery import Celery
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
+
+from ..execution.execute import WorkerContext
+from ..execution.ledger import EnqueuePool
+from ..execution.registry import import_agent_modules
+from ..runtime.errors import InvalidInput
+from ..settings import Settings, validation_message
+from .admission import Admission
+from .loop import ChildLoop
+from .sweeper import Sweeper
+
+
+@dataclass
+class ProcessState:
+    """The process's settings, app and worker parts (one per process: :data:`PROCESS`)."""
+
+    #: The settings the app was made with; ``None`` until configured, or when
+    #: the environment's are invalid (then :attr:`settings_error` says why).
+    settings: Settings | None = None
+    settings_error: ValidationError | SettingsError | None = None
+    #: The Celery app this process enqueues with, or its worker runs.
+    app: Celery | None = None
+    #: The worker's node name (``celery@host``), once its worker starts.
+    node: str | None = None
+    #: Runs this process carries at once on its loop when its worker's pool is
+    #: the threads pool (which runs in this process); ``None``: one run per
+    #: process (prefork children, solo) or no worker.
+    slots: int | None = None
+    #: The process's context for running requests (its runtime, its agents),
+    #: made on first use and dropped when the settings change.
+    context: WorkerContext | None = None
+    sweeper: Sweeper | None = None
+    admission: Admission | None = None
+    #: The requests this worker's consumer received and has not started yet
+    #: (held for a rate limit or an eta, or waiting for a free slot), by id.
+    held: dict[str, Any] = field(default_factory=dict)
+    #: The result backend that last answered a PING, and when (monotonic).
+    backend_answered: tuple[object, float] | None = None
+    #: The event loop the process's runs go on (a pool child's own).
+    loop: ChildLoop = field(default_factory=ChildLoop)
+    #: Connections to the ledger for enqueues, cancels and the worker's
+    #: short ledger writes.
+    enqueue: EnqueuePool = field(default_factory=EnqueuePool)
+    #: Held while the app is made or replaced.
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def current_settings(self) -> Settings:
+        """The settings the app runs with (raises if the environment's are invalid)."""
+        if self.settings is None:
+            if self.settings_error is None:
+                raise InvalidInput(
+                    "loomflow_worker.tasks is not configured yet: call "
+                    "loomflow_worker.tasks.configure() or loomflow_worker.tasks.settings() first"
+                )
+            raise InvalidInput(
+                "the LOOMFLOW_WORKER_* settings are invalid: "
+                + validation_message(self.settings_error)
+            )
+        return self.settings
+
+    def current_app(self) -> Celery:
+        """The app this process enqueues with, or its worker runs."""
+        if self.app is None:
+            raise InvalidInput(
+                "loomflow_worker.tasks has no app yet: call loomflow_worker.tasks.configure() "
+                "or use loomflow_worker.tasks.app first"
+            )
+        return self.app
+
+    def database(self) -> tuple[str, int]:
+        """The ledger's connection string and connect timeout, as the enqueue pool takes them."""
+        current = self.current_settings()
+        return current.database_url.get_secret_value(), current.connect_timeout
+
+    def ledger_connection(self) -> AbstractContextManager[psycopg.Connection[Any]]:
+        """A connection to the ledger from the enqueue pool."""
+        return self.enqueue.connection(*self.database())
+
+    def worker_context(self) -> WorkerContext:
+        """The process's context for running requests, made on first use."""
+        if self.context is None:
+            current = self.current_settings()
+            import_agent_modules(current.agents)
+            self.context = WorkerContext(current, slots=self.slots or 1, node=self.node)
+        return self.context
+
+    @property
+    def runs_here(self) -> bool:
+        """Whether this worker's pool (the threads pool) runs in this process."""
+        return self.slots is not None
+
+
+#: This process's state.
+PROCESS = ProcessState()

@@ -1,0 +1,189 @@
+"""The tasks' class: ``apply_async`` records a request in the ledger before it
+publishes it; a worker's task stores its outcome through :class:`~.results.ResultStore`."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import uuid
+from typing import Any
+
+from celery import Task
+from celery.exceptions import TimeLimitExceeded
+from celery.result import AsyncResult
+
+from ..execution import ledger
+from ..execution.ledger import ON_BUSY, OnBusy, Pending
+from ..execution.registry import import_agent_modules
+from ..execution.request import Kind, check_request
+from ..runtime.errors import InvalidInput
+from ..runtime.validate import check_id
+from .dispatch import (
+    DISPATCH_RETRY,
+    check_result_backend,
+    dispatch_deferred,
+    dispatch_errors,
+    dispatch_recorded,
+)
+from .eta import start_at
+from .results import ResultStore
+from .revoke import end_revoked_soon
+from .state import PROCESS
+
+#: The ``apply_async`` options that say where a message goes.
+ROUTING = ("queue", "exchange", "routing_key", "priority")
+
+
+class AgentTask(Task):  # type: ignore[misc]
+    """``apply_async`` records the request in the ledger before publishing it."""
+
+    kind: Kind = "run"
+    acks_late = True
+    reject_on_worker_lost = True
+    max_retries = None
+    typing = False  # arguments are checked by check_request, with clearer errors
+    # A message whose body Celery can't unpack is dropped, not left to stop the worker.
+    Strategy = "loomflow_worker.tasks.wire:strategy"
+
+    def on_failure(
+        self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
+        """Celery's hard time limit killed the pool child running the request
+        (this runs in the worker's main process): the ledger ends it ``failed``
+        with ``TimeLimitExceeded`` as soon as its lock is free, and hands its
+        session on, rather than the sweeper resuming it as a crash."""
+        if isinstance(exc, TimeLimitExceeded):
+            limit = exc.args[0] if exc.args and isinstance(exc.args[0], int | float) else 0
+            end_revoked_soon(task_id, ledger.killed_at_time_limit(float(limit)))
+
+    @property
+    def backend(self) -> Any:
+        """The app's result backend; while a worker runs the task, one that
+        defers a result it can't store to the sweeper (:class:`~.results.ResultStore`)."""
+        if self.request.called_directly:
+            return self.app.backend
+        return ResultStore(self.app.backend)
+
+    @functools.cached_property
+    def _signature(self) -> inspect.Signature:
+        # The task's own function (bound: without ``self``) says what it takes.
+        return inspect.signature(self.run)
+
+    def bind_arguments(self, args: Any, kwargs: Any) -> dict[str, Any]:
+        """The task's arguments by name, defaults included (a call it can't
+        take raises :class:`InvalidInput`)."""
+        try:
+            bound = self._signature.bind(*(args or ()), **(kwargs or {}))
+        except TypeError as exc:
+            raise InvalidInput(f"{self.name}: {exc}") from exc
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        on_busy: OnBusy = "enqueue",
+        **options: Any,
+    ) -> AsyncResult:
+        """Check the request, record it in the ledger, then publish it.
+
+        ``on_busy`` says what to do when the session already has an
+        unfinished request: ``"enqueue"`` (wait for its turn), ``"reject"``
+        (raise :class:`SessionBusy`, nothing recorded) or ``"interrupt"``
+        (cancel the earlier requests, then run this one)."""
+        if task_id is not None and task_id == self.request.id and options.get("retries"):
+            return self._publish_retry(args, kwargs, task_id, options)
+        kwargs = dict(kwargs or {})
+        on_busy = kwargs.pop("on_busy", on_busy)
+        if on_busy not in ON_BUSY:
+            raise InvalidInput(f"on_busy must be one of {', '.join(ON_BUSY)}, not {on_busy!r}")
+        current = PROCESS.current_settings()
+        import_agent_modules(current.agents)
+        request = check_request(current, kind=self.kind, **self.bind_arguments(args, kwargs))
+        if task_id:  # Celery's rule: an empty one means "make one"
+            check_id("task_id", task_id)
+        task_id = task_id or str(uuid.uuid4())
+        start = start_at(options.get("countdown"), options.get("eta"), self.app.conf.timezone)
+        enqueued = PROCESS.enqueue.insert(
+            *PROCESS.database(), task_id, request, on_busy, start,
+            ignore_result=bool(options.get("ignore_result", self.ignore_result)),
+            routing=self._routing(request.task_args(), options),
+        )
+        if enqueued.duplicate:
+            # The same request sent again under its id: it is recorded and was
+            # published already, so this publishes nothing.
+            return self.AsyncResult(task_id)
+        # The request is accepted: its row is the record, and the sweeper
+        # publishes a queued request whose message looks lost. A publish that
+        # fails now is logged, not raised: the caller's handle is good, and a
+        # caller retrying the enqueue under a new id would run it twice.
+        task_args, task_kwargs = request.task_args()
+        options.setdefault("retry_policy", DISPATCH_RETRY)
+        if enqueued.not_before is not None:
+            # The message's eta is the moment the ledger recorded, exactly.
+            options.pop("countdown", None)
+            options["eta"] = enqueued.not_before
+        try:
+            check_result_backend()
+            result = super().apply_async(task_args, task_kwargs, task_id=task_id, **options)
+        except dispatch_errors() as exc:
+            dispatch_deferred(task_id, "accepted", exc)
+            result = self.AsyncResult(task_id)
+        except RuntimeError as exc:
+            # Celery's result consumer gave up reconnecting (Redis went away
+            # after the check above).
+            if not isinstance(exc.__cause__, dispatch_errors()):
+                raise
+            dispatch_deferred(task_id, "accepted", exc.__cause__)
+            result = self.AsyncResult(task_id)
+        for pending in enqueued.cancelled:
+            dispatch_recorded(pending, "cancelled")  # so its result is stored
+        return result
+
+    def _publish_retry(
+        self, args: Any, kwargs: Any, task_id: str, options: dict[str, Any]
+    ) -> AsyncResult:
+        """Publish Celery's retry of the request this worker is running: the
+        ledger rescheduled it already (queued, not before its countdown), so it
+        is sent as it was received, not recorded again (which would find it a
+        duplicate and publish nothing, leaving it to the sweeper)."""
+        options = {"retry_policy": DISPATCH_RETRY, **options}
+        try:
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        except dispatch_errors() as exc:
+            dispatch_deferred(task_id, "queued for its retry", exc)
+            return self.AsyncResult(task_id)
+
+    def delay(self, *args: Any, **kwargs: Any) -> AsyncResult:
+        return self.apply_async(args, kwargs)
+
+    def _routing(
+        self, task_args: tuple[tuple[Any, ...], dict[str, Any]], options: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Where the request's messages go, as Celery's router sends its first
+        (the call's ``queue``, else the app's ``task_routes``, else the default
+        queue): the queue by name, and the exchange, routing key and priority
+        the call or its route asked for."""
+        asked = {k: v for k, v in options.items() if k in ROUTING and v is not None}
+        routed = self.app.amqp.router.route(asked, self.name, *task_args)
+        found: dict[str, Any] = {}
+        for key in ROUTING:
+            value = routed.get(key)
+            if value is not None:
+                found[key] = getattr(value, "name", value)  # a kombu Queue or Exchange
+        return found
+
+    def dispatch(self, pending: Pending) -> None:
+        """Publish a request that already has its ledger row (a handoff, a
+        redispatch) as its first message was: to its queue (its routing), with
+        its eta, and with what that message carried once a worker took it (its
+        chain, callbacks, chord and group, headers, priority, time limits), as
+        Celery's retry would."""
+        task_args, task_kwargs = pending.task_args()
+        options = {**(pending.routing or {}), **(pending.options or {}),
+                   "retry_policy": DISPATCH_RETRY}
+        if pending.not_before is not None:
+            options["eta"] = pending.not_before
+        super().apply_async(task_args, task_kwargs, task_id=pending.request_id, **options)
