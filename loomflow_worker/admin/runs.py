@@ -11,22 +11,17 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from loomflow.core.types import ModelChunk, ToolResult
 from psycopg.rows import class_row, dict_row
 
-from ..execution import ledger
-from ..runtime.codec import CodecStats, decode
+from ..defaults import MAX_LIST as MAX_LIST
+from ..execution import statuses as ledger_statuses
+from ..execution.statuses import STATUSES as STATUSES
 from ..runtime.errors import InvalidInput, translated
 from ..runtime.sql import query
 from .connect import Conn
 from .errors import RequestNotFound
 
-TERMINAL = tuple(str(s) for s in ledger.TERMINAL)
-STATUSES = tuple(str(s) for s in ledger.Status)
-
-
-#: The most requests one listing returns.
-MAX_LIST = 1_000_000
+TERMINAL = tuple(str(s) for s in ledger_statuses.TERMINAL)
 
 
 @dataclass(frozen=True)
@@ -331,6 +326,9 @@ def attribute_steps(
 def summarize_value(blob: bytes, key: str, width: int = 100) -> str:
     """A one-line account of a journal value: a tool's output, a model call's text
     and tool calls. Only loomflow's JSON encoding is read, never a pickle."""
+    # The codec loads loomflow: listing requests never needs it.
+    from ..runtime.codec import CodecStats, decode
+
     ok, value = decode(blob, "json", CodecStats(), key=key)
     if not ok:
         return f"({len(blob)} bytes, not JSON-encoded)"
@@ -338,6 +336,8 @@ def summarize_value(blob: bytes, key: str, width: int = 100) -> str:
 
 
 def _describe(value: Any) -> str:
+    from loomflow.core.types import ModelChunk, ToolResult
+
     if isinstance(value, ToolResult):
         if value.ok:
             return f"ok: {_text(value.output)}"

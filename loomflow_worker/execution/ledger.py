@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
-from enum import StrEnum
 from typing import Any, Literal
 
 import psycopg
@@ -23,23 +22,7 @@ from ..runtime.sql import query
 from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice, scope_lock_key
 from ..runtime.validate import MAX_ID_BYTES, MAX_ID_LENGTH
 from .request import RunRequest, task_args
-
-
-class Status(StrEnum):
-    """A request's status in the ``runs`` ledger (equal to its text in SQL)."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    DEAD = "dead"
-    # Celery let it expire (``apply_async(expires=...)``) before it started.
-    EXPIRED = "expired"
-
-
-UNFINISHED = (Status.QUEUED, Status.RUNNING)
-TERMINAL = tuple(s for s in Status if s not in UNFINISHED)
+from .statuses import TERMINAL, UNFINISHED, Status
 
 OnBusy = Literal["enqueue", "reject", "interrupt"]
 ON_BUSY: tuple[OnBusy, ...] = ("enqueue", "reject", "interrupt")
