@@ -613,23 +613,35 @@ async def end_attempt(conn: Conn, request_id: str, attempt: int, outcome: str) -
 async def hand_off(conn: Conn, scope: str) -> Handoff | None:
     """Hand ``scope`` to its oldest unfinished request, unless it was handed
     already (then whoever handed it published it, or its message runs it)."""
-    return _handoff(await _fetchone(conn, "hand_off", {"scope": scope}))
+    cur = await send_hand_off(scope)(conn)
+    return handoff_of(await cur.fetchall())
+
+
+def _hand_off_sync(conn: psycopg.Connection[Any], scope: str) -> Handoff | None:
+    """:func:`hand_off` on a sync connection: the same statement, read the same way."""
+    return handoff_of(_rows(conn, *_hand_off_statement(scope)))
 
 
 def send_hand_off(scope: str) -> Followup:
     """:func:`hand_off` as a statement sent after the scope's unlock, in its
     round trip (``PostgresJournalStore.release(lease, then=...)``); read its
     rows with :func:`handoff_of`."""
+    name, params = _hand_off_statement(scope)
 
     async def send(conn: Conn) -> psycopg.AsyncCursor[DictRow]:
         cur = conn.cursor(row_factory=dict_row)
-        await cur.execute(query("hand_off"), {"scope": scope})
+        await cur.execute(query(name), params)
         return cur
 
     return send
 
 
+def _hand_off_statement(scope: str) -> tuple[str, dict[str, Any]]:
+    return "hand_off", {"scope": scope}
+
+
 def handoff_of(rows: list[DictRow]) -> Handoff | None:
+    """What the ``hand_off`` statement's rows say: the request handed the scope."""
     return _handoff(rows[0] if rows else None)
 
 
@@ -772,12 +784,6 @@ def end_revoked(
     finally:
         conn.execute(query("unlock"), {"key": lock_key})
     return True, handoff
-
-
-def _hand_off_sync(conn: psycopg.Connection[Any], scope: str) -> Handoff | None:
-    """:func:`hand_off` on a sync connection."""
-    found = _rows(conn, "hand_off", {"scope": scope})
-    return _handoff(found[0] if found else None)
 
 
 def mark_lost(
