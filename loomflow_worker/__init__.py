@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 from .lazy import exports
 
 if TYPE_CHECKING:
+    from .execution.errors import RequestNotFound
     from .execution.registry import register_agent
     from .memory import NoMemory
     from .runtime import (
@@ -27,6 +28,7 @@ __getattr__ = exports(__name__, {
     "LoomflowWorkerError": ".runtime.errors",
     "NoMemory": ".memory",
     "PostgresRuntime": ".runtime.runtime",
+    "RequestNotFound": ".execution.errors",
     "SessionBusy": ".runtime.errors",
     "cancel_queued": ".tasks.application",
     "cancel_run": ".tasks.application",
@@ -40,6 +42,7 @@ __all__ = [
     "LoomflowWorkerError",
     "NoMemory",
     "PostgresRuntime",
+    "RequestNotFound",
     "SessionBusy",
     "__version__",
     "cancel_queued",

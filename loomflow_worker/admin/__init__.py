@@ -1,8 +1,9 @@
 """Operating a fleet, one module per job: :mod:`.runs` (the ledger and journal
 read for people), :mod:`.signals` (signals sent by an operator),
 :mod:`.doctor` (health checks), on :mod:`.connect` (the database connection;
-driver errors become the runtime's by ``runtime.errors.translated``), with
-:mod:`.errors` (their own). Pruning is the runtime's (:mod:`loomflow_worker.runtime.prune`).
+driver errors become the runtime's by ``runtime.errors.translated``; a request
+the ledger lacks is ``execution.errors.RequestNotFound``). Pruning is the
+runtime's (:mod:`loomflow_worker.runtime.prune`).
 
 Sync functions on psycopg 3 connections, called by the ``loomflow-worker``
 command. Every query lives in ``runtime/sql/queries.sql``; every error names
@@ -13,10 +14,10 @@ what to do and never a password (connection strings are shown through
 from __future__ import annotations
 
 from ..durations import MAX_DURATION, format_duration, parse_duration
+from ..execution.errors import RequestNotFound
 from ..settings import validation_message
 from .connect import Conn, connect, redact, sanitize_url, secrets_of
 from .doctor import Check, check_settings, doctor
-from .errors import RequestNotFound
 from .runs import (
     MAX_LIST,
     STATUSES,

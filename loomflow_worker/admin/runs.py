@@ -15,11 +15,11 @@ from psycopg.rows import class_row, dict_row
 
 from ..defaults import MAX_LIST as MAX_LIST
 from ..execution import statuses as ledger_statuses
+from ..execution.errors import RequestNotFound
 from ..execution.statuses import STATUSES as STATUSES
 from ..runtime.errors import InvalidInput, translated
 from ..runtime.sql import query
 from .connect import Conn
-from .errors import RequestNotFound
 
 TERMINAL = tuple(str(s) for s in ledger_statuses.TERMINAL)
 

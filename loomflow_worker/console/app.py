@@ -373,7 +373,7 @@ def create_app(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={
-            data.RunNotFound: not_found,
+            admin.RequestNotFound: not_found,
             InvalidInput: bad_input,
             psycopg.Error: database,
         },

@@ -300,23 +300,16 @@ class RunView:
     journal_cut: bool = False
 
 
-class RunNotFound(InvalidInput, LookupError):
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        super().__init__(
-            f"no request {request_id!r} in the runs ledger (pruned, mistyped, or enqueued "
-            "against another database); the requests list shows the recent ones"
-        )
-
-
 async def run_status(pool: Pool, request_id: str, *, full_prompt: bool = False) -> RunRow:
-    """The request's ledger row, or :class:`RunNotFound`."""
+    """The request's ledger row, or :class:`~loomflow_worker.admin.RequestNotFound`."""
     check_id("request", request_id)
     found = await _rows(pool, "console_run", {
         "request_id": request_id, "full_prompt": full_prompt, "prompt_chars": PROMPT_CHARS * 2,
     }, RunRow)
     if not found:
-        raise RunNotFound(request_id)
+        raise admin.RequestNotFound(
+            request_id, listed_by="the requests list shows the recent ones"
+        )
     return found[0]
 
 

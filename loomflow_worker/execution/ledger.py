@@ -21,6 +21,7 @@ from ..runtime.errors import InvalidInput, SessionBusy, translated
 from ..runtime.sql import query
 from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice, scope_lock_key
 from ..runtime.validate import MAX_ID_BYTES, MAX_ID_LENGTH
+from .errors import RequestNotFound
 from .request import RunRequest, task_args
 from .statuses import TERMINAL, UNFINISHED, Status
 
@@ -326,7 +327,7 @@ class EnqueuePool:
              "reason": "cancelled before it started"},
         )
         if not found:
-            raise InvalidInput(f"no request {request_id!r} in the runs ledger")
+            raise RequestNotFound(request_id)
         return found[0]
 
     def cancel_queued(
