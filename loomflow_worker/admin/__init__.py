@@ -27,10 +27,13 @@ from .runs import (
     RunRow,
     RunStatus,
     StepInfo,
+    add_journal,
     attempts_that_ran_nothing,
     attribute_steps,
     get_run,
+    journal_params,
     list_runs,
+    run_params,
     run_status,
     shorten,
     step_name,
@@ -41,9 +44,9 @@ from .signals import send_signal
 
 __all__ = [
     "MAX_DURATION", "MAX_LIST", "STATUSES", "TERMINAL", "AttemptInfo", "Check", "Conn",
-    "RequestNotFound", "RunDetail", "RunRow", "RunStatus", "StepInfo", "attempts_that_ran_nothing",
-    "attribute_steps",
-    "check_settings", "connect", "doctor", "format_duration", "get_run", "list_runs",
-    "parse_duration", "redact", "run_status", "sanitize_url", "secrets_of", "send_signal",
-    "shorten", "step_name", "summarize_value", "validation_message", "wait_for",
+    "RequestNotFound", "RunDetail", "RunRow", "RunStatus", "StepInfo", "add_journal",
+    "attempts_that_ran_nothing", "attribute_steps", "check_settings", "connect", "doctor",
+    "format_duration", "get_run", "journal_params", "list_runs", "parse_duration", "redact",
+    "run_params", "run_status", "sanitize_url", "secrets_of", "send_signal", "shorten",
+    "step_name", "summarize_value", "validation_message", "wait_for",
 ]

@@ -364,12 +364,6 @@ RETURNING handed_at IS NOT NULL;
 -- name: mark_dispatched
 UPDATE runs SET dispatched_at = now() WHERE request_id = %(request_id)s;
 
--- name: get_run
-SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadata, status,
-       epoch, attempts AS attempts_count, failures, crashes, holder, result, error, error_type,
-       enqueued_at, started_at, finished_at, not_before
-  FROM runs WHERE request_id = %(request_id)s;
-
 -- name: precheck_run
 -- The request, which of the message's arguments differ from its row (the
 -- message runs only what the ledger accepted; its prompt, which may be long,
@@ -681,14 +675,30 @@ SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, fi
 -- name: admin_run_status
 SELECT status, result, error, error_type FROM runs WHERE request_id = %(request_id)s;
 
--- name: admin_run_attempts
-SELECT attempt, worker, pid, epoch, started_at, ended_at, outcome
+-- name: get_run
+-- One request as `show` and the console's run page read it (admin.RunDetail),
+-- its prompt cut to `prompt_chars` characters (NULL: whole), with the
+-- database's clock.
+SELECT request_id, seq, scope, session_id, user_id, agent, kind,
+       CASE WHEN %(prompt_chars)s::integer IS NULL THEN prompt
+            ELSE left(prompt, %(prompt_chars)s) END AS prompt,
+       length(prompt) AS prompt_length, metadata, status, epoch, attempts AS attempts_count,
+       failures, crashes, holder, cancel_requested, result, error, error_type, enqueued_at,
+       started_at, heartbeat_at, finished_at, not_before, now() AS now
+  FROM runs WHERE request_id = %(request_id)s;
+
+-- name: get_run_attempts
+-- A request's attempts, each with the start of the one after it (where the
+-- console's lane of an attempt whose worker died ends).
+SELECT attempt, worker, pid, epoch, started_at, ended_at, outcome,
+       lead(started_at) OVER (ORDER BY attempt) AS next_started_at
   FROM run_attempts WHERE request_id = %(request_id)s
  ORDER BY attempt;
 
--- name: admin_run_journal
--- The entries of one run: its scope's "<epoch>/..." keys, or at epoch 0 the
--- keys in no namespace; the scope's epoch bookkeeping left out.
+-- name: get_run_journal
+-- The entries of one run, oldest first, at most `limit` (NULL: all): its
+-- scope's "<epoch>/..." keys, or at epoch 0 the keys in no namespace; the
+-- scope's epoch bookkeeping left out, the stream entries' chunks in.
 SELECT false AS stream, step_name, created_at, value FROM journal_steps
  WHERE session_id = %(scope)s
    AND step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
@@ -701,7 +711,8 @@ SELECT true, step_name, created_at, chunks FROM journal_streams
    AND CASE WHEN %(epoch)s::integer > 0
             THEN step_name COLLATE "C" >= %(lo)s AND step_name COLLATE "C" < %(hi)s
             ELSE step_name !~ '^([0-9]+|[0-9a-f]{16})/' END
- ORDER BY created_at, step_name;
+ ORDER BY created_at, step_name
+ LIMIT %(limit)s;
 
 -- name: admin_server_version
 SELECT current_setting('server_version');
@@ -1023,40 +1034,6 @@ SELECT r.request_id, r.seq, r.session_id, r.user_id, r.agent, r.kind, r.status, 
   FROM runs r
  WHERE r.session_id = %(session_id)s
  ORDER BY r.seq DESC
- LIMIT %(limit)s;
-
--- name: console_run
--- console: one request; its prompt whole only when asked for.
-SELECT request_id, seq, scope, session_id, user_id, agent, kind,
-       CASE WHEN %(full_prompt)s THEN prompt ELSE left(prompt, %(prompt_chars)s) END AS prompt,
-       length(prompt) AS prompt_length, metadata, status, epoch, attempts, failures, crashes,
-       holder, cancel_requested, result, error, error_type, enqueued_at, started_at,
-       heartbeat_at, finished_at, now() AS now
-  FROM runs WHERE request_id = %(request_id)s;
-
--- name: console_attempts
--- console: a request's attempts, each with the start of the one after it (where
--- the lane of an attempt whose worker died ends).
-SELECT attempt, worker, pid, epoch, started_at, ended_at, outcome,
-       lead(started_at) OVER (ORDER BY attempt) AS next_started_at
-  FROM run_attempts WHERE request_id = %(request_id)s
- ORDER BY attempt;
-
--- name: console_journal
--- console: a run's journal entries (its epoch's "<epoch>/" keys, or at epoch 0 the
--- keys in no namespace), oldest first, at most `limit`; the stream entries' chunks too.
-SELECT stream, step_name, created_at, value FROM (
-    SELECT false AS stream, step_name, created_at, value FROM journal_steps
-     WHERE session_id = %(scope)s
-       AND step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
-    UNION ALL
-    SELECT true, step_name, created_at, chunks FROM journal_streams
-     WHERE session_id = %(scope)s
-) entries
- WHERE CASE WHEN %(epoch)s::integer > 0
-            THEN step_name COLLATE "C" >= %(lo)s AND step_name COLLATE "C" < %(hi)s
-            ELSE step_name !~ '^([0-9]+|[0-9a-f]{16})/' END
- ORDER BY created_at, step_name
  LIMIT %(limit)s;
 
 -- name: console_in_flight
