@@ -1,29 +1,39 @@
 """loomflow-worker: durable loomflow agent runs on Postgres and Celery."""
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-from .execution.registry import register_agent
-from .memory import NoMemory
-from .runtime import (
-    DatabaseUnavailable,
-    InvalidInput,
-    LockLost,
-    LoomflowWorkerError,
-    PostgresRuntime,
-    SessionBusy,
-)
+from .lazy import exports
+
+if TYPE_CHECKING:
+    from .execution.errors import RequestNotFound
+    from .execution.registry import register_agent
+    from .memory import NoMemory
+    from .runtime import (
+        DatabaseUnavailable,
+        InvalidInput,
+        LockLost,
+        LoomflowWorkerError,
+        PostgresRuntime,
+        SessionBusy,
+    )
+    from .tasks.cancel import cancel_queued, cancel_run
 
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str) -> Any:
-    # The Celery side is imported on first use, so the runtime alone stays light.
-    if name in ("cancel_run", "cancel_queued"):
-        from .tasks import cancel
-
-        return getattr(cancel, name)
-    raise AttributeError(f"module 'loomflow_worker' has no attribute {name!r}")
-
+# Each imported on first use: the runtime loads loomflow, cancelling loads Celery.
+__getattr__ = exports(__name__, {
+    "DatabaseUnavailable": ".runtime.errors",
+    "InvalidInput": ".runtime.errors",
+    "LockLost": ".runtime.errors",
+    "LoomflowWorkerError": ".runtime.errors",
+    "NoMemory": ".memory",
+    "PostgresRuntime": ".runtime.runtime",
+    "RequestNotFound": ".execution.errors",
+    "SessionBusy": ".runtime.errors",
+    "cancel_queued": ".tasks.cancel",
+    "cancel_run": ".tasks.cancel",
+    "register_agent": ".execution.registry",
+})
 
 __all__ = [
     "DatabaseUnavailable",
@@ -32,6 +42,7 @@ __all__ = [
     "LoomflowWorkerError",
     "NoMemory",
     "PostgresRuntime",
+    "RequestNotFound",
     "SessionBusy",
     "__version__",
     "cancel_queued",

@@ -1,4 +1,8 @@
-"""The ``loomflow-worker`` command."""
+"""The ``loomflow-worker`` command.
+
+Each command imports what it uses when it runs: the driver, the settings,
+Celery, the console and the demo cost a command that needs them only, so
+the help and the operator commands start at once."""
 
 from __future__ import annotations
 
@@ -14,28 +18,13 @@ from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec
 
-import anyio
 import click
-import psycopg
-from pydantic import ValidationError
-from pydantic_settings import SettingsError
 
-from . import admin, metrics
-from .runtime.errors import (
-    CONNECT,
-    DatabaseUnavailable,
-    InvalidInput,
-    LoomflowWorkerError,
-    SchemaError,
-    SessionBusy,
-    describe_dsn,
-    translated,
-)
-from .runtime.migrate import latest_version, migrate
-from .runtime.prune import Pruner, cutoff
-from .runtime.store import probe
-from .runtime.validate import check_text
-from .settings import CONSOLE_PORT, Settings
+from .defaults import CONSOLE_PORT, MAX_LIST
+from .execution.statuses import STATUSES
+
+if TYPE_CHECKING:
+    from .settings import Settings
 
 # Exit codes scripts can rely on (listed in the group's help).
 EXIT_OK = 0
@@ -78,6 +67,8 @@ def main() -> None:
 
 
 def _fail(code: int, message: str) -> None:
+    from . import admin
+
     click.echo(f"error: {admin.redact(message, _secrets)}", err=True)
     sys.exit(code)
 
@@ -85,6 +76,12 @@ def _fail(code: int, message: str) -> None:
 def _settings() -> Settings:
     """The settings from the environment, or exit 2 naming what is wrong (never the
     values given: they may hold passwords)."""
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    from . import admin
+    from .settings import Settings
+
     try:
         settings = Settings()
     except (ValidationError, SettingsError) as exc:
@@ -107,6 +104,19 @@ def handled(fn: Callable[P, None]) -> Callable[P, None]:
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
+        import psycopg
+
+        from .admin import RequestNotFound, redact
+        from .runtime.errors import (
+            DatabaseUnavailable,
+            InvalidInput,
+            LoomflowWorkerError,
+            SchemaError,
+            SessionBusy,
+            translated,
+        )
+        from .runtime.validate import check_text
+
         try:
             for name, value in kwargs.items():
                 # Bytes that are not UTF-8 reach Python as lone surrogates.
@@ -116,7 +126,7 @@ def handled(fn: Callable[P, None]) -> Callable[P, None]:
                 fn(*args, **kwargs)
         except (click.ClickException, click.exceptions.Abort, click.exceptions.Exit):
             raise  # click's own: usage errors (exit 2), a declined prompt (exit 1)
-        except admin.RequestNotFound as exc:
+        except RequestNotFound as exc:
             _fail(EXIT_NOT_FOUND, str(exc))
         except SessionBusy as exc:
             _fail(EXIT_BUSY, str(exc))
@@ -136,7 +146,7 @@ def handled(fn: Callable[P, None]) -> Callable[P, None]:
             _fail(EXIT_FAILED, str(exc))
         except Exception:
             # Unexpected: the traceback, with every configured password scrubbed.
-            click.echo(admin.redact(traceback.format_exc(), _secrets), err=True)
+            click.echo(redact(traceback.format_exc(), _secrets), err=True)
             sys.exit(EXIT_FAILED)
 
     return wrapper
@@ -157,10 +167,13 @@ class Duration(_DurationParam):
     def convert(
         self, value: Any, param: click.Parameter | None, ctx: click.Context | None
     ) -> timedelta:
+        from .durations import parse_duration
+        from .runtime.errors import InvalidInput
+
         if isinstance(value, timedelta):
             return value
         try:
-            return admin.parse_duration(str(value))
+            return parse_duration(str(value))
         except InvalidInput as exc:
             self.fail(str(exc), param, ctx)
 
@@ -247,6 +260,8 @@ def worker(
     # Set before the worker process starts: billiard reads it at import.
     os.environ["REMAP_SIGTERM"] = "SIGQUIT"
     if settings.metrics_port:
+        from . import metrics
+
         metrics.prepare_multiprocess_dir()
     os.execv(sys.executable, args)
 
@@ -254,6 +269,13 @@ def worker(
 @main.command(name="migrate")
 def migrate_command() -> None:
     """Apply the schema migrations the database lacks (safe to run concurrently)."""
+    import anyio
+    import psycopg
+
+    from .runtime.errors import CONNECT, LoomflowWorkerError, describe_dsn, translated
+    from .runtime.migrate import latest_version, migrate
+    from .runtime.store import probe
+
     settings = _settings()
     dsn = settings.database_url.get_secret_value()
 
@@ -339,6 +361,8 @@ def enqueue(
         return
     if not as_json:
         click.echo(request_id)
+    from . import admin
+
     with admin.connect(_settings()) as conn:
         outcome = admin.wait_for(conn, request_id, timeout=timeout)
     if as_json:
@@ -359,13 +383,13 @@ def enqueue(
 @main.command()
 @click.option("--session", "session_id", default=None, help="Only this session.")
 @click.option("--user", "user_id", default=None, help="Only this user.")
-@click.option("--status", "statuses", multiple=True, type=click.Choice(admin.STATUSES),
+@click.option("--status", "statuses", multiple=True, type=click.Choice(STATUSES),
               help="Only these statuses (repeat the option for several).")
 @click.option("--older-than", type=Duration(), default=None,
               help="Enqueued longer ago than this (e.g. 1d12h).")
 @click.option("--newer-than", type=Duration(), default=None,
               help="Enqueued within this (e.g. 90m).")
-@click.option("--limit", type=click.IntRange(min=1, max=admin.MAX_LIST), default=50,
+@click.option("--limit", type=click.IntRange(min=1, max=MAX_LIST), default=50,
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, one object a line.")
 @handled
@@ -379,6 +403,8 @@ def runs(
     as_json: bool,
 ) -> None:
     """List requests, newest first (times in UTC)."""
+    from . import admin
+
     with admin.connect(_settings()) as conn:
         found = admin.list_runs(
             conn, session_id=session_id, user_id=user_id, statuses=statuses,
@@ -409,6 +435,8 @@ def runs(
 def show(request_id: str, as_json: bool) -> None:
     """A request: status, prompt, attempts, result or error, and its journal,
     each step with the attempt that executed it and those that replayed it."""
+    from . import admin
+
     with admin.connect(_settings()) as conn:
         detail = admin.get_run(conn, request_id)
     if as_json:
@@ -469,6 +497,7 @@ def show(request_id: str, as_json: bool) -> None:
 
 
 def _event_line(event: Any) -> str:
+    from . import admin
     from .events import describe_event
 
     marker = "replay" if event.replayed else "      "
@@ -491,6 +520,7 @@ def tail(request_id: str, as_json: bool, idle_timeout: float | None) -> None:
     """Follow a request's live events from its start until it ends, one line an
     event (time UTC, attempt, replay marker, kind, summary); exits 0 if the run
     succeeded, 1 if not."""
+    from . import admin
     from .events import iter_events
 
     settings = _settings()
@@ -571,6 +601,8 @@ def cancel(
                    f"{'' if len(cancelled) == 1 else 's'}", err=True)
         return
     assert request_id is not None
+    from . import admin
+
     with admin.connect(_settings()) as conn:
         admin.run_status(conn, request_id)
     from . import cancel_run
@@ -591,6 +623,8 @@ def signal_command(session_id: str, name: str, payload: Any, user_id: str | None
     run waiting for it (runtime.wait_for_signal) wakes, one not yet waiting
     finds it when it does. With --user only that user's run on SESSION takes
     it; without, a run of any user on SESSION."""
+    from . import admin
+
     settings = _settings()
     with admin.connect(settings) as conn:
         signal_id = admin.send_signal(conn, session_id, name, payload, user_id,
@@ -628,6 +662,10 @@ def prune(older_than: timedelta, batch_size: int, yes: bool) -> None:
     signals sent, and requests finished, longer ago than --older-than (scopes
     with an unfinished request keep their journal and signals; the scopes'
     epoch marks are kept)."""
+    from . import admin
+    from .runtime.errors import translated
+    from .runtime.prune import Pruner, cutoff
+
     with admin.connect(_settings()) as conn:
         # The database's clock, on which every age it holds was stamped.
         with translated("query"):
@@ -667,6 +705,12 @@ def prune(older_than: timedelta, batch_size: int, yes: bool) -> None:
 def doctor(grace_period: float, as_json: bool) -> None:
     """Check the fleet's configuration and services, one line a check (OK or FAIL
     and what to do); exits 0 when all pass, 1 otherwise."""
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    from . import admin
+    from .settings import Settings
+
     try:
         settings = Settings()
     except (ValidationError, SettingsError) as exc:
@@ -688,6 +732,8 @@ def doctor(grace_period: float, as_json: bool) -> None:
 # ---- console --------------------------------------------------------------------------------
 
 def _console_module() -> Any:
+    from .runtime.errors import InvalidInput
+
     try:
         from . import console
     except ImportError as exc:

@@ -47,10 +47,11 @@ from psycopg.conninfo import make_conninfo
 from psycopg.rows import class_row
 
 from . import admin
+from .defaults import CONSOLE_PORT
 from .runtime import PostgresRuntime
 from .runtime.errors import CONNECT, describe_dsn, first_line, translated
 from .runtime.sql import query
-from .settings import CONSOLE_PORT, Settings
+from .settings import Settings
 from .testing import EffectsLog, Execution
 
 SESSIONS = {

@@ -19,8 +19,6 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, Settin
 
 #: The shortest console token accepted.
 MIN_TOKEN_LENGTH = 16
-#: Where `loomflow-worker console` listens unless told otherwise.
-CONSOLE_PORT = 8040
 #: A host as the Host header names it, without its port: a DNS name or an IPv4
 #: address, or an IPv6 address in brackets.
 HOST_NAME = re.compile(r"[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?\.?|\[[0-9a-f:.]+\]", re.I)
@@ -242,14 +240,23 @@ def conninfo_problem(conninfo: str) -> str | None:
     return None
 
 
+# Schemes kombu and Celery have always known, accepted without importing them
+# (reading their tables loads Celery, which a command like `runs` never needs);
+# any other scheme is looked up in their tables.
+COMMON_TRANSPORTS = frozenset({"redis", "rediss", "amqp", "amqps", "pyamqp"})
+COMMON_BACKENDS = frozenset({"redis", "rediss", "rpc"})
+
+
 def broker_problem(url: str) -> str | None:
     """Why kombu has no transport for ``url`` (or any of its ``;``-separated
     failover URLs), or ``None``. The URL itself is never quoted."""
-    from kombu.transport import TRANSPORT_ALIASES
-
     for one in url.split(";"):
         scheme, found, _ = one.strip().partition("://")
         transport = scheme.split("+", 1)[0]
+        if found and transport in COMMON_TRANSPORTS:
+            continue
+        from kombu.transport import TRANSPORT_ALIASES
+
         if not found or transport not in TRANSPORT_ALIASES:
             return (
                 f"unknown broker transport {transport!r}" if found and transport.isidentifier()
@@ -261,10 +268,12 @@ def broker_problem(url: str) -> str | None:
 def result_backend_problem(url: str) -> str | None:
     """Why Celery has no result backend for ``url``, or ``None``. A scheme
     that names a class by its dotted path is left to Celery."""
-    from celery.app.backends import BACKEND_ALIASES
-
     scheme, found, _ = url.strip().partition("://")
     backend = scheme.split("+", 1)[0]
+    if found and backend in COMMON_BACKENDS:
+        return None
+    from celery.app.backends import BACKEND_ALIASES
+
     if not found or backend in BACKEND_ALIASES or "." in backend or ":" in backend:
         return None
     shown = repr(backend) if backend.isidentifier() else "in the URL"

@@ -1,8 +1,9 @@
 """Operating a fleet, one module per job: :mod:`.runs` (the ledger and journal
 read for people), :mod:`.signals` (signals sent by an operator),
 :mod:`.doctor` (health checks), on :mod:`.connect` (the database connection;
-driver errors become the runtime's by ``runtime.errors.translated``), with
-:mod:`.errors` (their own). Pruning is the runtime's (:mod:`loomflow_worker.runtime.prune`).
+driver errors become the runtime's by ``runtime.errors.translated``; a request
+the ledger lacks is ``execution.errors.RequestNotFound``). Pruning is the
+runtime's (:mod:`loomflow_worker.runtime.prune`).
 
 Sync functions on psycopg 3 connections, called by the ``loomflow-worker``
 command. Their queries live in ``runtime/sql/admin.sql`` (and
@@ -14,10 +15,10 @@ through ``describe_dsn``).
 from __future__ import annotations
 
 from ..durations import MAX_DURATION, format_duration, parse_duration
+from ..execution.errors import RequestNotFound
 from ..settings import validation_message
 from .connect import Conn, connect, redact, sanitize_url, secrets_of
 from .doctor import Check, check_settings, doctor
-from .errors import RequestNotFound
 from .runs import (
     MAX_LIST,
     STATUSES,
@@ -27,10 +28,13 @@ from .runs import (
     RunRow,
     RunStatus,
     StepInfo,
+    add_journal,
     attempts_that_ran_nothing,
     attribute_steps,
     get_run,
+    journal_params,
     list_runs,
+    run_params,
     run_status,
     shorten,
     step_name,
@@ -41,9 +45,9 @@ from .signals import send_signal
 
 __all__ = [
     "MAX_DURATION", "MAX_LIST", "STATUSES", "TERMINAL", "AttemptInfo", "Check", "Conn",
-    "RequestNotFound", "RunDetail", "RunRow", "RunStatus", "StepInfo", "attempts_that_ran_nothing",
-    "attribute_steps",
-    "check_settings", "connect", "doctor", "format_duration", "get_run", "list_runs",
-    "parse_duration", "redact", "run_status", "sanitize_url", "secrets_of", "send_signal",
-    "shorten", "step_name", "summarize_value", "validation_message", "wait_for",
+    "RequestNotFound", "RunDetail", "RunRow", "RunStatus", "StepInfo", "add_journal",
+    "attempts_that_ran_nothing", "attribute_steps", "check_settings", "connect", "doctor",
+    "format_duration", "get_run", "journal_params", "list_runs", "parse_duration", "redact",
+    "run_params", "run_status", "sanitize_url", "secrets_of", "send_signal", "shorten",
+    "step_name", "summarize_value", "validation_message", "wait_for",
 ]

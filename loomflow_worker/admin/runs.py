@@ -7,27 +7,23 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
-from loomflow.core.types import ModelChunk, ToolResult
 from psycopg.rows import dict_row
 
-from ..execution import ledger, ledger_reads
-from ..runtime.codec import CodecStats, decode
+from ..defaults import MAX_LIST as MAX_LIST
+from ..execution import ledger_reads
+from ..execution import statuses as ledger_statuses
+from ..execution.errors import RequestNotFound
+from ..execution.statuses import STATUSES as STATUSES
 from ..runtime.errors import InvalidInput, translated
 from ..runtime.sql import query
 from .connect import Conn
-from .errors import RequestNotFound
 
-TERMINAL = tuple(str(s) for s in ledger.TERMINAL)
-STATUSES = tuple(str(s) for s in ledger.Status)
-
-
-#: The most requests one listing returns.
-MAX_LIST = 1_000_000
+TERMINAL = tuple(str(s) for s in ledger_statuses.TERMINAL)
 
 
 @dataclass(frozen=True)
@@ -116,6 +112,9 @@ class AttemptInfo:
     started_at: datetime
     ended_at: datetime | None
     outcome: str | None
+    # When the attempt after it started (None: the last): where the console's
+    # lane of an attempt whose worker died, which recorded no end, ends.
+    next_started_at: datetime | None = None
 
 
 @dataclass
@@ -156,6 +155,10 @@ class StepInfo:
 
 @dataclass
 class RunDetail:
+    """One request as the ledger has it, its attempts and its journal (each
+    entry with the attempt that executed it and those that replayed it): what
+    ``show`` prints and the console's run page draws."""
+
     request_id: str
     seq: int
     scope: str
@@ -163,7 +166,10 @@ class RunDetail:
     user_id: str | None
     agent: str
     kind: str
+    # Whole, or cut where the reader asked (the console's page); prompt_length
+    # is the whole one's.
     prompt: str
+    prompt_length: int
     metadata: dict[str, Any]
     status: str
     epoch: int | None
@@ -171,16 +177,30 @@ class RunDetail:
     failures: int
     crashes: int
     holder: str | None
+    cancel_requested: bool
     result: Any
     error: str | None
     error_type: str | None
     enqueued_at: datetime
     started_at: datetime | None
+    heartbeat_at: datetime | None
     finished_at: datetime | None
     # When it may start (apply_async's countdown or eta, or a retry's backoff).
-    not_before: datetime | None = None
+    not_before: datetime | None
+    # The database's clock when it was read.
+    now: datetime
     attempts: list[AttemptInfo] = field(default_factory=list)
     journal: list[StepInfo] = field(default_factory=list)
+    # The journal holds more entries than the reader's limit, which were left out.
+    journal_cut: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.status in TERMINAL
+
+    @property
+    def prompt_cut(self) -> bool:
+        return self.prompt_length > len(self.prompt)
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -200,9 +220,10 @@ def _json_default(value: Any) -> Any:
 
 def get_run(conn: Conn, request_id: str) -> RunDetail:
     """The request, its attempts and its journal (with what each attempt
-    executed or replayed), or :class:`RequestNotFound`."""
+    executed or replayed), or :class:`RequestNotFound`. The console reads the
+    same three queries on its own pool (``console.data.get_run``)."""
     with translated("query"):
-        row = ledger_reads.request_row(conn, request_id)
+        row = ledger_reads.request_row(conn, run_params(request_id))
         if row is None:
             raise RequestNotFound(request_id)
         detail = RunDetail(**row)
@@ -210,18 +231,39 @@ def get_run(conn: Conn, request_id: str) -> RunDetail:
             AttemptInfo(**attempt) for attempt in ledger_reads.request_attempts(conn, request_id)
         ]
         if detail.epoch is not None:
-            ns = str(detail.epoch)
             rows = conn.cursor(row_factory=dict_row).execute(
-                query("admin_run_journal"),
-                {"scope": detail.scope, "epoch": detail.epoch, "lo": ns + "/", "hi": ns + "0"},
+                query("get_run_journal"), journal_params(detail)
             ).fetchall()
-            detail.journal = attribute_steps(
-                [(bool(r["stream"]), r["step_name"], float(r["created_at"]), bytes(r["value"]))
-                 for r in rows],
-                detail.attempts,
-                ran_nothing=attempts_that_ran_nothing(detail.error, detail.attempts),
-            )
+            add_journal(detail, rows)
     return detail
+
+
+def run_params(request_id: str, *, prompt_chars: int | None = None) -> dict[str, Any]:
+    """The ``get_run`` query's parameters: the prompt cut to ``prompt_chars``
+    characters (``None``: whole)."""
+    return {"request_id": request_id, "prompt_chars": prompt_chars}
+
+
+def journal_params(detail: RunDetail, *, limit: int | None = None) -> dict[str, Any]:
+    """The ``get_run_journal`` query's parameters for the run's namespace: at
+    most ``limit`` entries (one more, to tell that some were left out)."""
+    ns = str(detail.epoch)
+    return {"scope": detail.scope, "epoch": detail.epoch, "lo": ns + "/", "hi": ns + "0",
+            "limit": None if limit is None else limit + 1}
+
+
+def add_journal(
+    detail: RunDetail, rows: Sequence[Mapping[str, Any]], *, limit: int | None = None
+) -> None:
+    """Give ``detail`` the journal ``get_run_journal`` read (``rows``), each
+    entry with the attempts that executed and replayed it."""
+    entries = [(bool(r["stream"]), str(r["step_name"]), float(r["created_at"]),
+                bytes(r["value"])) for r in rows]
+    detail.journal_cut = limit is not None and len(entries) > limit
+    detail.journal = attribute_steps(
+        entries[:limit], detail.attempts,
+        ran_nothing=attempts_that_ran_nothing(detail.error, detail.attempts),
+    )
 
 
 class _Ended(Protocol):
@@ -323,6 +365,9 @@ def attribute_steps(
 def summarize_value(blob: bytes, key: str, width: int = 100) -> str:
     """A one-line account of a journal value: a tool's output, a model call's text
     and tool calls. Only loomflow's JSON encoding is read, never a pickle."""
+    # The codec loads loomflow: listing requests never needs it.
+    from ..runtime.codec import CodecStats, decode
+
     ok, value = decode(blob, "json", CodecStats(), key=key)
     if not ok:
         return f"({len(blob)} bytes, not JSON-encoded)"
@@ -330,6 +375,8 @@ def summarize_value(blob: bytes, key: str, width: int = 100) -> str:
 
 
 def _describe(value: Any) -> str:
+    from loomflow.core.types import ModelChunk, ToolResult
+
     if isinstance(value, ToolResult):
         if value.ok:
             return f"ok: {_text(value.output)}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from loomflow.runtime import _codec
 from psycopg.rows import dict_row
 
 from ..runtime.errors import InvalidInput, translated
@@ -26,6 +25,9 @@ def send_signal(
     if user_id is not None:
         check_id("user_id", user_id)
     check_signal_name(name)
+    # loomflow's codec, as the runtime writes payloads; loaded by a send only.
+    from loomflow.runtime import _codec
+
     try:
         blob = _codec.dumps(payload)
     except TypeError as exc:

@@ -237,11 +237,11 @@ def create_app(
     async def run_page(request: Request) -> Response:
         request_id = request.path_params["request_id"]
         full = request.query_params.get("prompt") == "full"
-        view = await data.get_run(db.pool, request_id, full_prompt=full)
-        timeline = layout(view.attempts, view.steps, now=view.run.now,
-                          running=view.run.status == "running")
+        run = await data.get_run(db.pool, request_id, full_prompt=full)
+        timeline = layout(run.attempts, run.journal, now=run.now,
+                          running=run.status == "running")
         return pages.render(
-            "run.html", view=view, run=view.run, timeline=timeline, full_prompt=full,
+            "run.html", run=run, timeline=timeline, full_prompt=full,
             has_events=has_events, cancelled=request.query_params.get("cancel"),
         )
 
@@ -288,7 +288,7 @@ def create_app(
                     # No end event (the stream expired, or Redis dropped it):
                     # the ledger has the word.
                     yield _sse("end", last, {
-                        "attempt": now.attempts, "replayed": False, "kind": "end",
+                        "attempt": now.attempts_count, "replayed": False, "kind": "end",
                         "at": _clock(now.finished_at),
                         "summary": f"{now.status} (from the ledger; the live events hold "
                                    "no end)",
@@ -373,7 +373,7 @@ def create_app(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={
-            data.RunNotFound: not_found,
+            admin.RequestNotFound: not_found,
             InvalidInput: bad_input,
             psycopg.Error: database,
         },

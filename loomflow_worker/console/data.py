@@ -2,7 +2,8 @@
 
 Every query is a ``console_*`` query of ``runtime/sql/console.sql``, run on a
 small pool of read-only connections; rows come back as the dataclasses below
-(psycopg's ``class_row``). A prompt leaves the database cut to
+(psycopg's ``class_row``). A run's page reads what ``loomflow-worker show``
+reads, as its model (``admin.RunDetail``). A prompt leaves the database cut to
 ``PROMPT_CHARS`` characters, except on a run's own page when asked for.
 """
 
@@ -15,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 import psycopg
-from psycopg.rows import class_row
+from psycopg.rows import class_row, dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from .. import admin
@@ -239,110 +240,36 @@ async def session_scopes(pool: Pool, session_id: str) -> list[ScopeView]:
 # ---- a run ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RunRow:
-    request_id: str
-    seq: int
-    scope: str
-    session_id: str
-    user_id: str | None
-    agent: str
-    kind: str
-    prompt: str
-    prompt_length: int
-    metadata: dict[str, Any]
-    status: str
-    epoch: int | None
-    attempts: int
-    failures: int
-    crashes: int
-    holder: str | None
-    cancel_requested: bool
-    result: Any
-    error: str | None
-    error_type: str | None
-    enqueued_at: datetime
-    started_at: datetime | None
-    heartbeat_at: datetime | None
-    finished_at: datetime | None
-    now: datetime
-
-    @property
-    def finished(self) -> bool:
-        return self.status in admin.TERMINAL
-
-    @property
-    def prompt_cut(self) -> bool:
-        return self.prompt_length > len(self.prompt)
-
-
-@dataclass(frozen=True)
-class AttemptRow:
-    attempt: int
-    worker: str
-    pid: int
-    epoch: int
-    started_at: datetime
-    ended_at: datetime | None
-    outcome: str | None
-    next_started_at: datetime | None
-
-    def info(self) -> admin.AttemptInfo:
-        return admin.AttemptInfo(self.attempt, self.worker, self.pid, self.epoch,
-                                 self.started_at, self.ended_at, self.outcome)
-
-
-@dataclass
-class RunView:
-    run: RunRow
-    attempts: list[AttemptRow]
-    steps: list[admin.StepInfo]
-    journal_cut: bool = False
-
-
-class RunNotFound(InvalidInput, LookupError):
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        super().__init__(
-            f"no request {request_id!r} in the runs ledger (pruned, mistyped, or enqueued "
-            "against another database); the requests list shows the recent ones"
-        )
-
-
-async def run_status(pool: Pool, request_id: str, *, full_prompt: bool = False) -> RunRow:
-    """The request's ledger row, or :class:`RunNotFound`."""
+async def run_status(
+    pool: Pool, request_id: str, *, full_prompt: bool = False
+) -> admin.RunDetail:
+    """The request's ledger row (``show``'s read model, without its attempts
+    and journal), or :class:`~loomflow_worker.admin.RequestNotFound`."""
     check_id("request", request_id)
-    found = await _rows(pool, "console_run", {
-        "request_id": request_id, "full_prompt": full_prompt, "prompt_chars": PROMPT_CHARS * 2,
-    }, RunRow)
+    found = await _rows(pool, "get_run", admin.run_params(
+        request_id, prompt_chars=None if full_prompt else PROMPT_CHARS * 2,
+    ), admin.RunDetail)
     if not found:
-        raise RunNotFound(request_id)
+        raise admin.RequestNotFound(
+            request_id, listed_by="the requests list shows the recent ones"
+        )
     return found[0]
 
 
-async def get_run(pool: Pool, request_id: str, *, full_prompt: bool = False) -> RunView:
+async def get_run(pool: Pool, request_id: str, *, full_prompt: bool = False) -> admin.RunDetail:
     """A request, its attempts and its journal, each entry with the attempt
-    that executed it and those that replayed it (``admin.attribute_steps``,
-    what ``loomflow-worker show`` prints)."""
+    that executed it and those that replayed it: the queries ``loomflow-worker
+    show`` reads (``admin.get_run``), on the console's pool, the journal cut
+    at ``MAX_JOURNAL`` entries."""
     run = await run_status(pool, request_id, full_prompt=full_prompt)
-    attempts = await _rows(pool, "console_attempts", {"request_id": request_id}, AttemptRow)
-    view = RunView(run, attempts, [])
+    run.attempts = await _rows(pool, "get_run_attempts", {"request_id": request_id},
+                               admin.AttemptInfo)
     if run.epoch is None:
-        return view
-    ns = str(run.epoch)
-    async with pool.connection() as conn:
-        cur = await conn.execute(query("console_journal"), {
-            "scope": run.scope, "epoch": run.epoch, "lo": ns + "/", "hi": ns + "0",
-            "limit": MAX_JOURNAL + 1,
-        })
-        entries = [(bool(r[0]), str(r[1]), float(r[2]), bytes(r[3]))
-                   for r in await cur.fetchall()]
-    view.journal_cut = len(entries) > MAX_JOURNAL
-    view.steps = admin.attribute_steps(
-        entries[:MAX_JOURNAL], [a.info() for a in attempts],
-        ran_nothing=admin.attempts_that_ran_nothing(run.error, attempts), now=run.now.timestamp(),
-    )
-    return view
+        return run
+    async with pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(query("get_run_journal"), admin.journal_params(run, limit=MAX_JOURNAL))
+        admin.add_journal(run, await cur.fetchall(), limit=MAX_JOURNAL)
+    return run
 
 
 # ---- the fleet --------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ from typing import Any
 import uvicorn
 from pydantic import SecretStr
 
+from ..defaults import CONSOLE_PORT
 from ..runtime.errors import InvalidInput
-from ..settings import CONSOLE_PORT, MIN_TOKEN_LENGTH, Settings
+from ..settings import MIN_TOKEN_LENGTH, Settings
 from .app import create_app
 
 

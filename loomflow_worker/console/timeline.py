@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from .. import admin
-from .data import AttemptRow
 
 # Geometry, in SVG user units.
 LABEL_WIDTH = 190.0
@@ -88,7 +87,7 @@ class Timeline:
         return LABEL_WIDTH + PLOT_WIDTH
 
 
-def outcome_of(attempt: AttemptRow, *, last: bool, running: bool) -> str:
+def outcome_of(attempt: admin.AttemptInfo, *, last: bool, running: bool) -> str:
     """How an attempt ended, as the lanes and ``show`` say it."""
     if attempt.outcome:
         return attempt.outcome
@@ -106,7 +105,7 @@ def _span(seconds: float) -> str:
 
 
 def layout(
-    attempts: Sequence[AttemptRow],
+    attempts: Sequence[admin.AttemptInfo],
     steps: Sequence[admin.StepInfo],
     *,
     now: datetime,

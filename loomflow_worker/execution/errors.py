@@ -1,5 +1,5 @@
 """What the execution layer raises: how a request ended, when not with a result,
-and an attempt lost while its worker lived.
+an attempt lost while its worker lived, and a request the ledger does not have.
 
 A request's stored failure names its error's module and class (Celery's
 result backend imports them when a caller reads the result), so results
@@ -8,7 +8,7 @@ stored by earlier versions name ``loomflow_worker.execution.execute`` or
 
 from __future__ import annotations
 
-from ..runtime.errors import LockLost, LoomflowWorkerError
+from ..runtime.errors import InvalidInput, LockLost, LoomflowWorkerError
 
 
 class RunFailed(LoomflowWorkerError):
@@ -52,3 +52,19 @@ class HandedBack(BaseException):
 
     def __init__(self) -> None:
         super().__init__("cleared of suspicion: handed back to the shared process")
+
+
+class RequestNotFound(InvalidInput, LookupError):
+    """No request with this id in the runs ledger: what ``show``, ``tail`` and
+    ``cancel`` exit 4 with, what the console answers 404 with, and what
+    cancelling an unknown request raises. ``listed_by`` says where to look
+    for the recent ones (the console: its requests list)."""
+
+    def __init__(
+        self, request_id: str, *, listed_by: str = "`loomflow-worker runs` lists the recent ones"
+    ) -> None:
+        self.request_id = request_id
+        super().__init__(
+            f"no request {request_id!r} in the runs ledger (pruned, mistyped, or enqueued "
+            f"against another database); {listed_by}"
+        )

@@ -47,6 +47,7 @@ from .errors import RunDead as RunDead
 from .errors import RunFailed as RunFailed
 from .registry import agent_factory, agent_time_limit
 from .request import Kind, RunRequest, check_request, refuse_message
+from .statuses import TERMINAL
 
 log = logging.getLogger("loomflow_worker.tasks")
 
@@ -426,7 +427,7 @@ async def execute(
                 "their lock twice in a row without completing a step", request_id,
                 extra={"action": "quarantine", **_log_fields(request_id, req)})
             return Outcome("quarantine")
-        if pre.status in ledger.TERMINAL:
+        if pre.status in TERMINAL:
             return await _duplicate(pooled, request_id, req, pre.status,
                                     result=pre.result, error=pre.error)
         assert pre.older is not None
@@ -446,7 +447,7 @@ async def execute(
         # A request enqueued while this one finished may have parked on the
         # lock after the finish chose no one: look once more, unlocked (in the
         # unlock's round trip).
-        look = outcome is not None and outcome.kind in ledger.TERMINAL and not outcome.handed
+        look = outcome is not None and outcome.kind in TERMINAL and not outcome.handed
         followed = await runtime.journal.release(
             lease, then=ledger.send_hand_off(req.scope) if look else None
         )
@@ -645,7 +646,7 @@ async def _run_holding(
         raise AttemptLost(request_id, None, exc, holder) from exc
     if started.opened is not None:
         lease.prefetched = (opening, started.opened)
-    if started.status in ledger.TERMINAL:
+    if started.status in TERMINAL:
         return await _duplicate(lease.io, request_id, req, started.status,
                                 result=started.result, error=started.error)
     if started.status == "parked":

@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
-from enum import StrEnum
 from typing import Any, Literal
 
 import psycopg
@@ -22,24 +21,9 @@ from ..runtime.errors import InvalidInput, SessionBusy, translated
 from ..runtime.sql import query
 from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice, scope_lock_key
 from ..runtime.validate import MAX_ID_BYTES, MAX_ID_LENGTH
+from .errors import RequestNotFound
 from .request import RunRequest, task_args
-
-
-class Status(StrEnum):
-    """A request's status in the ``runs`` ledger (equal to its text in SQL)."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-    DEAD = "dead"
-    # Celery let it expire (``apply_async(expires=...)``) before it started.
-    EXPIRED = "expired"
-
-
-UNFINISHED = (Status.QUEUED, Status.RUNNING)
-TERMINAL = tuple(s for s in Status if s not in UNFINISHED)
+from .statuses import TERMINAL, UNFINISHED, Status
 
 OnBusy = Literal["enqueue", "reject", "interrupt"]
 ON_BUSY: tuple[OnBusy, ...] = ("enqueue", "reject", "interrupt")
@@ -343,7 +327,7 @@ class EnqueuePool:
              "reason": "cancelled before it started"},
         )
         if not found:
-            raise InvalidInput(f"no request {request_id!r} in the runs ledger")
+            raise RequestNotFound(request_id)
         return found[0]
 
     def cancel_queued(
@@ -630,23 +614,35 @@ async def end_attempt(conn: Conn, request_id: str, attempt: int, outcome: str) -
 async def hand_off(conn: Conn, scope: str) -> Handoff | None:
     """Hand ``scope`` to its oldest unfinished request, unless it was handed
     already (then whoever handed it published it, or its message runs it)."""
-    return _handoff(await _fetchone(conn, "hand_off", {"scope": scope}))
+    cur = await send_hand_off(scope)(conn)
+    return handoff_of(await cur.fetchall())
+
+
+def _hand_off_sync(conn: psycopg.Connection[Any], scope: str) -> Handoff | None:
+    """:func:`hand_off` on a sync connection: the same statement, read the same way."""
+    return handoff_of(_rows(conn, *_hand_off_statement(scope)))
 
 
 def send_hand_off(scope: str) -> Followup:
     """:func:`hand_off` as a statement sent after the scope's unlock, in its
     round trip (``PostgresJournalStore.release(lease, then=...)``); read its
     rows with :func:`handoff_of`."""
+    name, params = _hand_off_statement(scope)
 
     async def send(conn: Conn) -> psycopg.AsyncCursor[DictRow]:
         cur = conn.cursor(row_factory=dict_row)
-        await cur.execute(query("hand_off"), {"scope": scope})
+        await cur.execute(query(name), params)
         return cur
 
     return send
 
 
+def _hand_off_statement(scope: str) -> tuple[str, dict[str, Any]]:
+    return "hand_off", {"scope": scope}
+
+
 def handoff_of(rows: list[DictRow]) -> Handoff | None:
+    """What the ``hand_off`` statement's rows say: the request handed the scope."""
     return _handoff(rows[0] if rows else None)
 
 
@@ -789,12 +785,6 @@ def end_revoked(
     finally:
         conn.execute(query("unlock"), {"key": lock_key})
     return True, handoff
-
-
-def _hand_off_sync(conn: psycopg.Connection[Any], scope: str) -> Handoff | None:
-    """:func:`hand_off` on a sync connection."""
-    found = _rows(conn, "hand_off", {"scope": scope})
-    return _handoff(found[0] if found else None)
 
 
 def mark_lost(

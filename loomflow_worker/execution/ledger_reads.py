@@ -9,7 +9,7 @@ model. Driver errors go up as they are: the caller translates them."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -49,21 +49,23 @@ def request_status(conn: Conn, request_id: str) -> DictRow | None:
     return _row(conn, "admin_run_status", {"request_id": request_id})
 
 
-def request_row(conn: Conn, request_id: str) -> DictRow | None:
-    """The request's whole row (its attempt count as ``attempts_count``);
-    ``None`` when the ledger has no such request."""
-    return _row(conn, "get_run", {"request_id": request_id})
+def request_row(conn: Conn, params: Mapping[str, Any]) -> DictRow | None:
+    """The request's whole row (its attempt count as ``attempts_count``, its
+    prompt cut as ``params`` say: ``admin.run_params``); ``None`` when the
+    ledger has no such request."""
+    return _row(conn, "get_run", params)
 
 
 def request_attempts(conn: Conn, request_id: str) -> list[DictRow]:
     """The request's attempts, first to last: ``attempt``, ``worker``, ``pid``,
-    ``epoch``, ``started_at``, ``ended_at``, ``outcome``."""
-    return _rows(conn, "admin_run_attempts", {"request_id": request_id})
+    ``epoch``, ``started_at``, ``ended_at``, ``outcome`` and the start of the
+    next one (``next_started_at``)."""
+    return _rows(conn, "get_run_attempts", {"request_id": request_id})
 
 
-def _rows(conn: Conn, name: str, params: dict[str, Any]) -> list[DictRow]:
+def _rows(conn: Conn, name: str, params: Mapping[str, Any]) -> list[DictRow]:
     return conn.cursor(row_factory=dict_row).execute(query(name), params).fetchall()
 
 
-def _row(conn: Conn, name: str, params: dict[str, Any]) -> DictRow | None:
+def _row(conn: Conn, name: str, params: Mapping[str, Any]) -> DictRow | None:
     return conn.cursor(row_factory=dict_row).execute(query(name), params).fetchone()

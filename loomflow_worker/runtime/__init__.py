@@ -1,5 +1,8 @@
 """The Postgres journal runtime: cross-process turn-taking, fencing, replay."""
 
+from typing import TYPE_CHECKING
+
+from ..lazy import exports
 from .errors import (
     DatabaseUnavailable,
     InvalidInput,
@@ -11,8 +14,22 @@ from .errors import (
     SessionPooler,
 )
 from .migrate import latest_version, migrate
-from .runtime import PostgresRuntime, current_lease, run_options
-from .store import Lease, LockSettings, PostgresJournalStore, RunStats, scope_lock_key
+
+if TYPE_CHECKING:
+    from .runtime import PostgresRuntime, current_lease, run_options
+    from .store import Lease, LockSettings, PostgresJournalStore, RunStats, scope_lock_key
+
+# Imported on first use: they load loomflow, which the operator tools never need.
+__getattr__ = exports(__name__, {
+    "PostgresRuntime": ".runtime",
+    "current_lease": ".runtime",
+    "run_options": ".runtime",
+    "Lease": ".store",
+    "LockSettings": ".store",
+    "PostgresJournalStore": ".store",
+    "RunStats": ".store",
+    "scope_lock_key": ".store",
+})
 
 __all__ = [
     "DatabaseUnavailable",

@@ -29,7 +29,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from types import CodeType
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import anyio
 from loomflow.core.context import get_run_context
@@ -57,6 +57,7 @@ from .store import (
     OpenChoice,
     PostgresJournalStore,
     RunStats,
+    open_pool,
 )
 from .validate import check_id, check_signal_name
 
@@ -65,6 +66,21 @@ log = logging.getLogger("loomflow_worker.runtime")
 _lease_var: ContextVar[Lease | None] = ContextVar("_loomflow_worker_lease", default=None)
 
 _UNSET: Any = object()
+
+
+class RuntimeOptions(TypedDict, total=False):
+    """How a runtime behaves whatever its pool: the keyword arguments of
+    :class:`PostgresRuntime`, which :meth:`PostgresRuntime.connect` passes on
+    (the defaults are the constructor's)."""
+
+    max_checkpoints_per_session: int
+    serializer: Serializer
+    lock_wait_timeout: float | None
+    lock_io_timeout: float
+    lock_connections: int
+    signal_poll_interval: float
+    signals_per_scope: int
+    on_signals_dropped: Callable[[int], None] | None
 
 
 @dataclass(frozen=True)
@@ -202,6 +218,7 @@ class PostgresRuntime(JournaledRuntime):
         signals_per_scope: int = DEFAULT_SIGNALS_PER_SCOPE,
         on_signals_dropped: Callable[[int], None] | None = None,
         _owns_pool: bool = False,
+        _connect_timeout: int = LockSettings.connect_timeout,
     ) -> None:
         if lock_wait_timeout is not None and lock_wait_timeout < 0:
             raise InvalidInput(
@@ -213,7 +230,8 @@ class PostgresRuntime(JournaledRuntime):
             pool,
             max_checkpoints_per_session=max_checkpoints_per_session,
             serializer=serializer,
-            lock=LockSettings(wait_timeout=lock_wait_timeout, io_timeout=lock_io_timeout),
+            lock=LockSettings(wait_timeout=lock_wait_timeout, io_timeout=lock_io_timeout,
+                              connect_timeout=_connect_timeout),
             lock_connections=lock_connections,
             owns_pool=_owns_pool,
         )
@@ -231,39 +249,23 @@ class PostgresRuntime(JournaledRuntime):
         *,
         min_size: int = 1,
         max_size: int = 10,
-        max_checkpoints_per_session: int = 20,
-        serializer: Serializer = "json",
-        lock_wait_timeout: float | None = 60.0,
-        lock_io_timeout: float = 30.0,
-        lock_connections: int = 2,
-        signal_poll_interval: float = 2.0,
-        signals_per_scope: int = DEFAULT_SIGNALS_PER_SCOPE,
-        on_signals_dropped: Callable[[int], None] | None = None,
         connect_timeout: int = 10,
+        **options: Unpack[RuntimeOptions],
     ) -> PostgresRuntime:
-        """Open a connection pool on ``dsn`` and return the runtime rooted at it.
+        """Open a connection pool on ``dsn`` and return the runtime rooted at it
+        (``options``: the constructor's, with its defaults).
 
         Raises :class:`DatabaseUnavailable`, naming the server, when
         Postgres can't be reached within ``connect_timeout`` seconds."""
-        check_keep(signals_per_scope)  # before a pool is opened
-        store = await PostgresJournalStore.connect(
-            dsn,
-            min_size=min_size,
-            max_size=max_size,
-            lock=LockSettings(connect_timeout=connect_timeout),
-        )
-        return cls(
-            store.pool,
-            max_checkpoints_per_session=max_checkpoints_per_session,
-            serializer=serializer,
-            lock_wait_timeout=lock_wait_timeout,
-            lock_io_timeout=lock_io_timeout,
-            lock_connections=lock_connections,
-            signal_poll_interval=signal_poll_interval,
-            signals_per_scope=signals_per_scope,
-            on_signals_dropped=on_signals_dropped,
-            _owns_pool=True,
-        )
+        if "signals_per_scope" in options:
+            check_keep(options["signals_per_scope"])  # before a pool is opened
+        pool = await open_pool(dsn, min_size=min_size, max_size=max_size,
+                               connect_timeout=connect_timeout)
+        try:
+            return cls(pool, _owns_pool=True, _connect_timeout=connect_timeout, **options)
+        except BaseException:
+            await pool.close()
+            raise
 
     @property
     def pool(self) -> AsyncConnectionPool[Any]:

@@ -481,41 +481,6 @@ class PostgresJournalStore:
 
     # ---- lifecycle -----------------------------------------------------------
 
-    @classmethod
-    async def connect(
-        cls,
-        dsn: str,
-        *,
-        min_size: int = 1,
-        max_size: int = 10,
-        max_checkpoints_per_session: int = 20,
-        serializer: Serializer = "json",
-        lock: LockSettings | None = None,
-        lock_connections: int = 2,
-    ) -> PostgresJournalStore:
-        settings = lock or LockSettings()
-        await probe(dsn, settings.connect_timeout)
-        idle = IdleCheck()
-        pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
-            dsn,
-            kwargs={"autocommit": True, "connect_timeout": settings.connect_timeout,
-                    "application_name": "loomflow-worker"},
-            min_size=min_size,
-            max_size=max_size,
-            open=False,
-            check=idle.acheck,
-            name="loomflow-worker",
-        )
-        await pool.open(wait=True, timeout=settings.connect_timeout)
-        return cls(
-            pool,
-            max_checkpoints_per_session=max_checkpoints_per_session,
-            serializer=serializer,
-            lock=settings,
-            lock_connections=lock_connections,
-            owns_pool=True,
-        )
-
     async def init_schema(self) -> None:
         async with self.pool.connection() as conn:
             await migrate(conn)
@@ -856,6 +821,26 @@ def pool_target(pool: AsyncConnectionPool[Any]) -> tuple[str, dict[str, Any]]:
             "(lock connections are opened beside it with the same target)"
         )
     return pool.conninfo, dict(pool.kwargs or {})
+
+
+async def open_pool(
+    dsn: str, *, min_size: int, max_size: int, connect_timeout: int
+) -> AsyncConnectionPool[Any]:
+    """The journal's pool on ``dsn``, open, once :func:`probe` found the
+    server and its connections sessions."""
+    await probe(dsn, connect_timeout)
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        dsn,
+        kwargs={"autocommit": True, "connect_timeout": connect_timeout,
+                "application_name": "loomflow-worker"},
+        min_size=min_size,
+        max_size=max_size,
+        open=False,
+        check=IdleCheck().acheck,
+        name="loomflow-worker",
+    )
+    await pool.open(wait=True, timeout=connect_timeout)
+    return pool
 
 
 async def probe(dsn: str, connect_timeout: int) -> None:

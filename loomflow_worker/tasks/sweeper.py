@@ -34,7 +34,8 @@ from psycopg.rows import dict_row
 
 from .. import metrics
 from ..durations import format_duration
-from ..execution.ledger import Pending, Status
+from ..execution.ledger import Pending
+from ..execution.statuses import Status
 from ..runtime.prune import Pruner, cutoff
 from ..runtime.sql import query
 from ..settings import Settings

@@ -5,6 +5,7 @@ plan on a ledger of many requests (real Postgres, the real cancel_run)."""
 from __future__ import annotations
 
 import html
+import json
 import logging
 import re
 import socket
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import unquote
 
+import anyio
 import httpx
 import psycopg
 import pytest
@@ -21,7 +23,8 @@ from pydantic import SecretStr, ValidationError
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from loomflow_worker.console import BackgroundConsole, create_app
+from loomflow_worker import admin
+from loomflow_worker.console import BackgroundConsole, create_app, data
 from loomflow_worker.runtime.errors import InvalidInput
 from loomflow_worker.runtime.sql import query
 from loomflow_worker.settings import Settings
@@ -530,6 +533,40 @@ def test_the_fleet_page_shows_workers_by_heartbeat_and_the_sweepers_actions(
     (survivor,) = fleet.workers  # the one not killed, which ran it again
     fleet.terminate(survivor)
     _until_shown(client, second, ("stopped", 0), timeout=5)
+
+
+def test_show_and_the_run_page_read_one_model_of_a_request(
+    fleet: Fleet, client: TestClient
+) -> None:
+    """`show` and the console read a request as one model (admin.RunDetail): the
+    same row, attempts and journal, each entry with the attempts that ran and
+    replayed it; here of a run whose first worker died mid-run."""
+    fleet.start("w1", concurrency=1, **FAST)
+    fleet.start("w2", concurrency=1, **FAST)
+    killed = run_agent.delay(calls("m0", "m1", "m2"), "model-s")
+    _, pid, _, _ = _wait_for_execution(fleet.dsn, "m1")
+    fleet.kill(fleet.worker_of(pid))
+    assert killed.get(timeout=60)["output"].startswith("done: recorded m0")
+
+    done = cli(fleet, "show", killed.id, "--json")
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+
+    async def read() -> admin.RunDetail:
+        pool = data.make_pool(_settings(fleet))
+        await pool.open()
+        try:
+            return await data.get_run(pool, killed.id)
+        finally:
+            await pool.close()
+
+    paged = anyio.run(read)
+    assert {**paged.as_json(), "now": None} == {**shown, "now": None}
+    first, second = shown["attempts"]
+    assert shown["attempts_count"] == 2 and first["next_started_at"] == second["started_at"]
+    page = client.get(f"/runs/{killed.id}").text
+    assert "2 attempts" in page and 'data-outcome="worker died"' in page
+    assert "executed in attempt 1, replayed in 2" in page
 
 
 def test_the_fleet_page_shows_each_workers_load(fleet: Fleet, client: TestClient) -> None:

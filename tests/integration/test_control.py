@@ -52,10 +52,12 @@ def test_cancel_a_running_request_it_stops_at_the_next_step(fleet: Fleet) -> Non
 
 
 def test_cancel_of_an_unknown_request_is_a_clear_error(fleet: Fleet) -> None:
-    from loomflow_worker.runtime import InvalidInput
+    from loomflow_worker import InvalidInput, RequestNotFound
 
-    with pytest.raises(InvalidInput, match="no request 'nope'"):
+    # The one not-found error: what `show` exits 4 with and the console answers 404 with.
+    with pytest.raises(RequestNotFound, match="no request 'nope' in the runs ledger") as info:
         cancel_run("nope")
+    assert isinstance(info.value, InvalidInput)
 
 
 def test_on_busy_reject_refuses_while_the_session_has_work(fleet: Fleet) -> None:

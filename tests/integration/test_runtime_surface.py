@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import pickle
 import socket
 import threading
@@ -27,6 +28,7 @@ from loomflow_worker.runtime import (
     migrate,
     scope_lock_key,
 )
+from loomflow_worker.runtime.runtime import RuntimeOptions
 from loomflow_worker.testing import DeterministicModel, EffectsLog
 
 from .helpers import calls, crash_on, crashes, make_agent
@@ -139,6 +141,23 @@ async def test_construction_from_an_existing_pool(dsn: str) -> None:
 async def test_a_pool_of_another_driver_is_refused() -> None:
     with pytest.raises(InvalidInput, match="AsyncConnectionPool"):
         PostgresRuntime(object())  # type: ignore[arg-type]
+
+
+def test_connect_passes_on_every_option_of_the_constructor() -> None:
+    params = inspect.signature(PostgresRuntime).parameters
+    options = {name for name, p in params.items()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY and not name.startswith("_")}
+    assert set(RuntimeOptions.__annotations__) == options
+
+
+async def test_the_lock_connections_connect_within_the_runtime_s_connect_timeout(
+    dsn: str,
+) -> None:
+    runtime = await PostgresRuntime.connect(dsn, connect_timeout=3)
+    try:
+        assert runtime.journal.lock_settings.connect_timeout == 3
+    finally:
+        await runtime.aclose()
 
 
 # ---- bad input ---------------------------------------------------------------------------

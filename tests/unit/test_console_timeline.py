@@ -6,8 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from loomflow_worker.admin import StepInfo
-from loomflow_worker.console.data import AttemptRow, Filters, parse_when
+from loomflow_worker.admin import AttemptInfo, StepInfo
+from loomflow_worker.console.data import Filters, parse_when
 from loomflow_worker.console.timeline import LABEL_WIDTH, PLOT_WIDTH, layout
 from loomflow_worker.runtime.errors import InvalidInput
 
@@ -19,10 +19,10 @@ def _at(seconds: float) -> datetime:
 
 
 def _attempt(n: int, start: float, end: float | None, outcome: str | None,
-             next_start: float | None = None) -> AttemptRow:
-    return AttemptRow(n, f"w{n}@host:{100 + n}", 100 + n, 0, _at(start),
-                      None if end is None else _at(end), outcome,
-                      None if next_start is None else _at(next_start))
+             next_start: float | None = None) -> AttemptInfo:
+    return AttemptInfo(n, f"w{n}@host:{100 + n}", 100 + n, 0, _at(start),
+                       None if end is None else _at(end), outcome,
+                       None if next_start is None else _at(next_start))
 
 
 def _step(key: str, at: float, executed_in: int, replayed_in: list[int]) -> StepInfo:

@@ -13,6 +13,8 @@ from loomflow_worker.runtime import InvalidInput
 from loomflow_worker.runtime.errors import describe_dsn
 from loomflow_worker.runtime.validate import check_id, check_json_text, check_text
 from loomflow_worker.settings import (
+    COMMON_BACKENDS,
+    COMMON_TRANSPORTS,
     Settings,
     broker_problem,
     conninfo_problem,
@@ -71,6 +73,14 @@ def test_broker_urls_need_a_transport_kombu_has() -> None:
     assert "unknown broker transport 'kafkaa'" in str(broker_problem("redis://a;kafkaa://b"))
     assert "not a broker URL" in str(broker_problem(f"{PASSWORD}@h"))
     assert PASSWORD not in str(broker_problem(f"x y://{PASSWORD}@h"))
+
+
+def test_the_schemes_accepted_without_asking_kombu_or_celery_are_theirs() -> None:
+    from celery.app.backends import BACKEND_ALIASES
+    from kombu.transport import TRANSPORT_ALIASES
+
+    assert COMMON_TRANSPORTS.issubset(TRANSPORT_ALIASES)
+    assert COMMON_BACKENDS.issubset(BACKEND_ALIASES)
 
 
 def test_result_backends_need_a_backend_celery_has() -> None:

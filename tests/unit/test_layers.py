@@ -148,6 +148,25 @@ def test_each_layer_imports_only_those_below_it() -> None:
     assert wrong == []
 
 
+@pytest.mark.parametrize(
+    "module", [f"{NAME}.defaults", f"{NAME}.execution.statuses", f"{NAME}.lazy"]
+)
+def test_what_the_command_reads_before_parsing_imports_none_of_the_package(module: str) -> None:
+    assert _graph()[module] == set()
+
+
+@pytest.mark.parametrize("package", [NAME, f"{NAME}.runtime"])
+def test_every_name_a_package_exports_on_first_use_is_there(package: str) -> None:
+    code = (
+        f"import {package} as p\n"
+        "missing = [n for n in p.__all__ if getattr(p, n, None) is None]\n"
+        "print(','.join(missing))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=60)
+    assert done.stdout.strip() == ""
+
+
 def test_each_layer_defines_its_errors_in_its_errors_module() -> None:
     wrong = []
     for layer in ("runtime", "execution", "tasks", "admin"):

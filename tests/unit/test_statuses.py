@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from loomflow_worker.execution.ledger import TERMINAL, UNFINISHED, Status
+from loomflow_worker.execution.statuses import TERMINAL, UNFINISHED, Status
 from loomflow_worker.runtime.sql import migrations, queries
 
 _LIST = re.compile(r"status IN \(([^)]*)\)")

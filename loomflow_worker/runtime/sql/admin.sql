@@ -31,23 +31,29 @@ SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, fi
 SELECT status, result, error, error_type FROM runs WHERE request_id = %(request_id)s;
 
 -- name: get_run
--- `loomflow-worker show`: one request's row (admin.get_run); its attempts and journal follow
--- (admin_run_attempts, admin_run_journal).
-SELECT request_id, seq, scope, session_id, user_id, agent, kind, prompt, metadata, status,
-       epoch, attempts AS attempts_count, failures, crashes, holder, result, error, error_type,
-       enqueued_at, started_at, finished_at, not_before
+-- One request as `show` and the console's run page read it (admin.RunDetail),
+-- its prompt cut to `prompt_chars` characters (NULL: whole), with the
+-- database's clock.
+SELECT request_id, seq, scope, session_id, user_id, agent, kind,
+       CASE WHEN %(prompt_chars)s::integer IS NULL THEN prompt
+            ELSE left(prompt, %(prompt_chars)s) END AS prompt,
+       length(prompt) AS prompt_length, metadata, status, epoch, attempts AS attempts_count,
+       failures, crashes, holder, cancel_requested, result, error, error_type, enqueued_at,
+       started_at, heartbeat_at, finished_at, not_before, now() AS now
   FROM runs WHERE request_id = %(request_id)s;
 
--- name: admin_run_attempts
--- A request's attempts in order (its rows of the run_attempts primary key): who ran each,
--- when, and how it ended.
-SELECT attempt, worker, pid, epoch, started_at, ended_at, outcome
+-- name: get_run_attempts
+-- A request's attempts, each with the start of the one after it (where the
+-- console's lane of an attempt whose worker died ends).
+SELECT attempt, worker, pid, epoch, started_at, ended_at, outcome,
+       lead(started_at) OVER (ORDER BY attempt) AS next_started_at
   FROM run_attempts WHERE request_id = %(request_id)s
  ORDER BY attempt;
 
--- name: admin_run_journal
--- The entries of one run: its scope's "<epoch>/..." keys, or at epoch 0 the
--- keys in no namespace; the scope's epoch bookkeeping left out.
+-- name: get_run_journal
+-- The entries of one run, oldest first, at most `limit` (NULL: all): its
+-- scope's "<epoch>/..." keys, or at epoch 0 the keys in no namespace; the
+-- scope's epoch bookkeeping left out, the stream entries' chunks in.
 SELECT false AS stream, step_name, created_at, value FROM journal_steps
  WHERE session_id = %(scope)s
    AND step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
@@ -60,4 +66,6 @@ SELECT true, step_name, created_at, chunks FROM journal_streams
    AND CASE WHEN %(epoch)s::integer > 0
             THEN step_name COLLATE "C" >= %(lo)s AND step_name COLLATE "C" < %(hi)s
             ELSE step_name !~ '^([0-9]+|[0-9a-f]{16})/' END
- ORDER BY created_at, step_name;
+ ORDER BY created_at, step_name
+ LIMIT %(limit)s;
+

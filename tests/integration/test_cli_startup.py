@@ -1,0 +1,61 @@
+"""The ``loomflow-worker`` command starts at once: each command imports what it
+uses, so the help loads no driver, no settings and no framework, and the
+operator commands load neither Celery, the agent framework, the console nor
+the demo. Checked on the modules a real run of the command imported (as
+``python -X importtime`` lists them), not on timings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sysconfig
+import uuid
+from pathlib import Path
+
+import pytest
+
+# The console script pip made, as a user runs it.
+SCRIPT = Path(sysconfig.get_path("scripts")) / "loomflow-worker"
+
+CELERY = {"celery", "kombu", "billiard"}
+FRAMEWORK = {"loomflow"}
+CONSOLE = {"starlette", "uvicorn", "jinja2", "loomflow_worker.console"}
+DEMO = {"loomflow_worker.demo", "loomflow_worker.demo_agents"}
+BINDING = {"loomflow_worker.tasks"}
+DRIVER_AND_SETTINGS = {"psycopg", "psycopg_pool", "pydantic", "pydantic_settings"}
+
+
+def imported(*args: str, code: int = 0, dsn: str | None = None) -> set[str]:
+    """The modules (and their packages) a run of ``loomflow-worker ARGS`` imported."""
+    if not SCRIPT.exists():
+        pytest.fail(f"{SCRIPT} is missing: install the package (pip install -e '.[test]')")
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
+    if dsn is not None:
+        env["LOOMFLOW_WORKER_DATABASE_URL"] = dsn
+    done = subprocess.run([str(SCRIPT), *args], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == code, done.stderr[-2000:]
+    names = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines()
+             if line.startswith("import time:") and "imported package" not in line}
+    return names | {".".join(name.split(".")[:depth]) for name in names for depth in (1, 2)}
+
+
+@pytest.mark.parametrize("args", [
+    ("--help",), ("runs", "--help"), ("show", "--help"), ("doctor", "--help"),
+    ("console", "--help"), ("demo", "--help"), ("worker", "--help"),
+])
+def test_the_help_loads_only_the_command_line_parser(args: tuple[str, ...]) -> None:
+    loaded = imported(*args)
+    assert "click" in loaded
+    unwanted = CELERY | FRAMEWORK | CONSOLE | DEMO | BINDING | DRIVER_AND_SETTINGS
+    assert loaded & unwanted == set()
+
+
+def test_the_operator_commands_load_no_celery_framework_console_or_demo(dsn: str) -> None:
+    unknown = str(uuid.uuid4())
+    for args, code in [(("runs",), 0), (("runs", "--json", "--status", "failed"), 0),
+                       (("show", unknown), 4), (("tail", unknown), 4),
+                       (("prune", "--older-than", "1d", "--yes"), 0)]:
+        loaded = imported(*args, code=code, dsn=dsn)
+        assert "psycopg" in loaded, args
+        assert loaded & (CELERY | FRAMEWORK | CONSOLE | DEMO | BINDING) == set(), args
