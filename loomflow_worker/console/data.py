@@ -1,8 +1,9 @@
 """What the console reads: the ledger, the journal and the fleet's traces in Postgres.
 
-Every query is a ``console_*`` query of ``runtime/sql/console.sql``, run on a
-small pool of read-only connections; rows come back as the dataclasses below
-(psycopg's ``class_row``). A run's page reads what ``loomflow-worker show``
+The ledger is read through :mod:`~loomflow_worker.execution.ledger_views`
+(its gateway), the rest by the ``console_*`` queries of ``runtime/sql/console.sql``,
+on a small pool of read-only connections; rows come back as the dataclasses
+below (psycopg's ``class_row``). A run's page reads what ``loomflow-worker show``
 reads, as its model (``admin.RunDetail``). A prompt leaves the database cut to
 ``PROMPT_CHARS`` characters, except on a run's own page when asked for.
 """
@@ -21,12 +22,14 @@ from psycopg_pool import AsyncConnectionPool
 
 from .. import admin
 from ..durations import shown
+from ..execution import ledger_views
 from ..runtime.errors import InvalidInput
 from ..runtime.sql import query
 from ..runtime.validate import check_id
 from ..settings import Settings
 
-Pool = AsyncConnectionPool[psycopg.AsyncConnection[Any]]
+Conn = psycopg.AsyncConnection[Any]
+Pool = AsyncConnectionPool[Conn]
 Row = TypeVar("Row")
 
 #: How much of a prompt the lists show (and fetch).
@@ -67,9 +70,11 @@ def make_pool(settings: Settings, *, max_size: int = 4) -> Pool:
 
 
 async def _rows(
-    pool: Pool, name: str, params: Mapping[str, Any], row: type[Row]
+    conn: Conn, name: str, params: Mapping[str, Any], row: type[Row]
 ) -> list[Row]:
-    async with pool.connection() as conn, conn.cursor(row_factory=class_row(row)) as cur:
+    """The rows of one of the console's own queries (the fleet's processes and
+    connections, the sweeper's leader and actions: no ledger table)."""
+    async with conn.cursor(row_factory=class_row(row)) as cur:
         await cur.execute(query(name), params)
         return await cur.fetchall()
 
@@ -192,11 +197,12 @@ async def list_requests(
     """One page of requests, newest first (``limit`` + 1 rows: one more says
     there is an older page)."""
     since, until = filters.window(datetime.now(UTC))
-    return await _rows(pool, "console_requests", {
-        "status": filters.status, "session_id": filters.session_id,
-        "user_id": filters.user_id, "agent": filters.agent, "since": since, "until": until,
-        "before": filters.before, "limit": limit + 1, "prompt_chars": PROMPT_CHARS,
-    }, RequestRow)
+    async with pool.connection() as conn:
+        return await ledger_views.list_requests(
+            conn, RequestRow, status=filters.status, session_id=filters.session_id,
+            user_id=filters.user_id, agent=filters.agent, since=since, until=until,
+            before=filters.before, limit=limit + 1, prompt_chars=PROMPT_CHARS,
+        )
 
 
 # ---- a session --------------------------------------------------------------------------------
@@ -222,9 +228,10 @@ class ScopeView:
 async def session_scopes(pool: Pool, session_id: str) -> list[ScopeView]:
     """The session's latest requests, by scope (user), oldest first."""
     check_id("session", session_id)
-    rows = await _rows(pool, "console_session", {
-        "session_id": session_id, "limit": PAGE_SIZE * 4, "prompt_chars": PROMPT_CHARS,
-    }, SessionRow)
+    async with pool.connection() as conn:
+        rows = await ledger_views.session_requests(
+            conn, SessionRow, session_id, limit=PAGE_SIZE * 4, prompt_chars=PROMPT_CHARS
+        )
     scopes: dict[str | None, ScopeView] = {}
     for row in reversed(rows):
         view = scopes.setdefault(row.user_id, ScopeView(row.user_id, []))
@@ -245,15 +252,20 @@ async def run_status(
 ) -> admin.RunDetail:
     """The request's ledger row (``show``'s read model, without its attempts
     and journal), or :class:`~loomflow_worker.admin.RequestNotFound`."""
+    async with pool.connection() as conn:
+        return await _run_status(conn, request_id, full_prompt=full_prompt)
+
+
+async def _run_status(conn: Conn, request_id: str, *, full_prompt: bool) -> admin.RunDetail:
     check_id("request", request_id)
-    found = await _rows(pool, "get_run", admin.run_params(
+    found = await ledger_views.request_row(conn, admin.RunDetail, admin.run_params(
         request_id, prompt_chars=None if full_prompt else PROMPT_CHARS * 2,
-    ), admin.RunDetail)
-    if not found:
+    ))
+    if found is None:
         raise admin.RequestNotFound(
             request_id, listed_by="the requests list shows the recent ones"
         )
-    return found[0]
+    return found
 
 
 async def get_run(pool: Pool, request_id: str, *, full_prompt: bool = False) -> admin.RunDetail:
@@ -261,14 +273,16 @@ async def get_run(pool: Pool, request_id: str, *, full_prompt: bool = False) -> 
     that executed it and those that replayed it: the queries ``loomflow-worker
     show`` reads (``admin.get_run``), on the console's pool, the journal cut
     at ``MAX_JOURNAL`` entries."""
-    run = await run_status(pool, request_id, full_prompt=full_prompt)
-    run.attempts = await _rows(pool, "get_run_attempts", {"request_id": request_id},
-                               admin.AttemptInfo)
-    if run.epoch is None:
-        return run
-    async with pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-        await cur.execute(query("get_run_journal"), admin.journal_params(run, limit=MAX_JOURNAL))
-        admin.add_journal(run, await cur.fetchall(), limit=MAX_JOURNAL)
+    async with pool.connection() as conn:
+        run = await _run_status(conn, request_id, full_prompt=full_prompt)
+        run.attempts = await ledger_views.request_attempts(conn, admin.AttemptInfo, request_id)
+        if run.epoch is None:
+            return run
+        async with conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(
+                query("get_run_journal"), admin.journal_params(run, limit=MAX_JOURNAL)
+            )
+            admin.add_journal(run, await cur.fetchall(), limit=MAX_JOURNAL)
     return run
 
 
@@ -369,16 +383,17 @@ class FleetView:
 
 
 async def fleet(pool: Pool) -> FleetView:
-    return FleetView(
-        workers=await _rows(pool, "console_workers",
-                            {"window": WORKERS_WINDOW, "limit": MAX_WORKERS}, WorkerSeen),
-        in_flight=await _rows(pool, "console_in_flight", {}, InFlight),
-        recent=await _rows(pool, "console_recent_workers", {"window": RECENT_WINDOW},
-                           RecentWorker),
-        connections=await _rows(pool, "console_connections", {}, Connections),
-        leader=next(iter(await _rows(pool, "console_leader", {}, Leader)), None),
-        swept=await _rows(pool, "console_swept", {"limit": 20}, Swept),
-        actions=await _rows(pool, "console_sweeper_actions", {"limit": MAX_ACTIONS},
-                            SweeperAction),
-        queue=(await _rows(pool, "console_queue", {}, QueueDepth))[0],
-    )
+    """The fleet page's reads, one after another on one connection."""
+    async with pool.connection() as conn:
+        return FleetView(
+            workers=await _rows(conn, "console_workers",
+                                {"window": WORKERS_WINDOW, "limit": MAX_WORKERS}, WorkerSeen),
+            in_flight=await ledger_views.in_flight(conn, InFlight),
+            recent=await ledger_views.recent_attempts(conn, RecentWorker, window=RECENT_WINDOW),
+            connections=await _rows(conn, "console_connections", {}, Connections),
+            leader=next(iter(await _rows(conn, "console_leader", {}, Leader)), None),
+            swept=await ledger_views.swept(conn, Swept, limit=20),
+            actions=await _rows(conn, "console_sweeper_actions", {"limit": MAX_ACTIONS},
+                                SweeperAction),
+            queue=await ledger_views.queue_depth(conn, QueueDepth),
+        )

@@ -1,7 +1,8 @@
 -- The run console (loomflow_worker.console): read only, on connections that plan each
 -- statement with its values (so a filter given as NULL costs nothing and each one given uses
 -- its index, 0010_console.sql). A prompt leaves the database cut to prompt_chars, except on
--- a run's own page when asked.
+-- a run's own page when asked. The queries on the ledger's tables (runs, run_attempts) are
+-- run by its gateway, execution.ledger_views; the others by console.data.
 
 -- name: console_requests
 -- console: the requests list, newest first; keyset paging on seq (before: the last

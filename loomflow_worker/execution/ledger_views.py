@@ -1,0 +1,103 @@
+"""The ``runs`` ledger read for the run console: pages of requests, a
+session's requests, one request's row and attempts, and the fleet's counts.
+
+The console reads the ledger only through these functions, as the operator
+tools read it through :mod:`.ledger_reads` and workers write it through
+:mod:`.ledger`: a change to the ledger's tables meets every statement on them
+in this layer. Async, on the caller's connection (the console's read-only
+pool); each row is made by the caller's read model, ``row``: a class taking
+the query's columns by name (psycopg's ``class_row``). The queries are the
+``console_*`` ones of ``runtime/sql/console.sql`` and ``show``'s two of
+``admin.sql``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg.rows import class_row
+
+from ..runtime.sql import query
+
+AsyncConn = psycopg.AsyncConnection[Any]
+Row = TypeVar("Row")
+
+
+async def list_requests(
+    conn: AsyncConn,
+    row: type[Row],
+    *,
+    status: str | None,
+    session_id: str | None,
+    user_id: str | None,
+    agent: str | None,
+    since: datetime | None,
+    until: datetime | None,
+    before: int | None,
+    limit: int,
+    prompt_chars: int,
+) -> list[Row]:
+    """Up to ``limit`` requests, newest first, matching every filter given
+    (enqueued in ``[since, until)``, numbered below ``before``), each prompt
+    cut to ``prompt_chars`` characters."""
+    return await _rows(conn, row, "console_requests", {
+        "status": status, "session_id": session_id, "user_id": user_id, "agent": agent,
+        "since": since, "until": until, "before": before, "limit": limit,
+        "prompt_chars": prompt_chars,
+    })
+
+
+async def session_requests(
+    conn: AsyncConn, row: type[Row], session_id: str, *, limit: int, prompt_chars: int
+) -> list[Row]:
+    """The session's latest ``limit`` requests, newest first, every user's
+    scope of it, each with ``cancel_requested`` and whether it holds its
+    scope's lock (``holds_lock``)."""
+    return await _rows(conn, row, "console_session", {
+        "session_id": session_id, "limit": limit, "prompt_chars": prompt_chars,
+    })
+
+
+async def request_row(conn: AsyncConn, row: type[Row], params: Mapping[str, Any]) -> Row | None:
+    """The request's whole row, as ``show`` reads it (``admin.run_params``
+    says how much of the prompt); ``None`` when the ledger has no such
+    request."""
+    return next(iter(await _rows(conn, row, "get_run", params)), None)
+
+
+async def request_attempts(conn: AsyncConn, row: type[Row], request_id: str) -> list[Row]:
+    """The request's attempts, first to last, each with the start of the
+    next one."""
+    return await _rows(conn, row, "get_run_attempts", {"request_id": request_id})
+
+
+async def queue_depth(conn: AsyncConn, row: type[Row]) -> Row:
+    """The queue of record: queued requests ready to run, those backing off,
+    running ones, and the oldest queued one's enqueue time."""
+    return (await _rows(conn, row, "console_queue", {}))[0]
+
+
+async def in_flight(conn: AsyncConn, row: type[Row]) -> list[Row]:
+    """Running requests counted by the worker process holding them."""
+    return await _rows(conn, row, "console_in_flight", {})
+
+
+async def recent_attempts(conn: AsyncConn, row: type[Row], *, window: float) -> list[Row]:
+    """Attempts started within ``window`` seconds by worker process, with
+    how many of them died or were interrupted."""
+    return await _rows(conn, row, "console_recent_workers", {"window": window})
+
+
+async def swept(conn: AsyncConn, row: type[Row], *, limit: int) -> list[Row]:
+    """The latest ``limit`` requests the sweeper dispatched again."""
+    return await _rows(conn, row, "console_swept", {"limit": limit})
+
+
+async def _rows(
+    conn: AsyncConn, row: type[Row], name: str, params: Mapping[str, Any]
+) -> list[Row]:
+    async with conn.cursor(row_factory=class_row(row)) as cur:
+        await cur.execute(query(name), params)
+        return await cur.fetchall()
