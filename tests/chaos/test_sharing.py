@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator
 import psycopg
 import pytest
 
-from loomflow_worker.tasks import run_agent
+from loomflow_worker import cancel_run
+from loomflow_worker.tasks import app, run_agent
 from tests.chaos.checks import (
     assert_sound,
     install_journal_audit,
@@ -48,13 +49,16 @@ def _attempt_outcomes(dsn: str, sent: list[str]) -> dict[str, int]:
     return {str(r[0]): int(r[1]) for r in rows}
 
 
-def _wait_running(dsn: str, request_ids: list[str], count: int, timeout: float = 60) -> None:
+def _wait_running(dsn: str, request_ids: list[str], count: int, timeout: float = 60,
+                  *, attempt: int | None = None) -> None:
+    """Wait until ``count`` of ``request_ids`` run (their ``attempt``-th attempt)."""
     deadline = time.monotonic() + timeout
     while True:
         with psycopg.connect(dsn, autocommit=True) as conn:
             row = conn.execute(
-                "SELECT count(*) FROM runs WHERE request_id = ANY(%s) AND status = 'running'",
-                (request_ids,),
+                "SELECT count(*) FROM runs WHERE request_id = ANY(%s) AND status = 'running'"
+                " AND attempts = coalesce(%s, attempts)",
+                (request_ids, attempt),
             ).fetchone()
         assert row is not None
         if int(row[0]) >= count:
@@ -208,3 +212,53 @@ def test_a_tool_that_holds_the_loop_past_the_lease_ends_dead_after_max_lost(
     assert set(found.values()) == {"succeeded"}, found
     log = (fleet.logs / "w1.log").read_text()
     assert f"by request {stalling.id}" in log, fleet.log_text()
+
+
+def test_revoke_and_cancel_stop_requests_running_alone_and_their_sessions_move_on(
+    fleet: Fleet,
+) -> None:
+    # Two requests whose tool takes 20 s die twice with their shared process:
+    # their third attempts run alone, each in a process of its own.
+    env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
+           "TEST_TOOL_SLEEP": "20"}
+    fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
+    suspect = run_agent.delay(calls("alone-1"), "t", user_id="u")
+    neighbour = run_agent.delay(calls("neighbour-1"), "n", user_id="u")
+    both = [suspect.id, neighbour.id]
+    for attempt in (1, 2):
+        _wait_running(fleet.dsn, both, 2, timeout=90, attempt=attempt)
+        fleet.kill("w1")
+        fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
+    _wait_running(fleet.dsn, both, 2, timeout=90, attempt=3)
+    log = fleet.logs / "w1.log"
+    for request_id in both:
+        assert f"request {request_id}: running alone" in log.read_text(), fleet.log_text()
+
+    # A cancel stops one at its next step boundary, in its own process, as it
+    # stops a run of the shared process.
+    assert cancel_run(neighbour.id) == "running"
+
+    revoked_at = time.monotonic()
+    app.control.revoke(suspect.id, terminate=True)
+    status = wait_status(fleet.dsn, suspect.id, ("cancelled", "succeeded", "failed", "dead"),
+                         timeout=30)
+    took = time.monotonic() - revoked_at
+    row = ledger(fleet.dsn, suspect.id)
+    assert status == "cancelled" and took < 10, (row, took, fleet.log_text())
+    assert row["error_type"] == "Revoked" and row["crashes"] == 0, row
+    # Its session moves on: the next request runs (no tool call, so at once).
+    after = run_agent.delay("hello", "t", user_id="u")
+    assert after.get(timeout=30)["request_id"] == after.id
+    assert ledger(fleet.dsn, suspect.id)["status"] == "cancelled"
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        outcomes = conn.execute(
+            "SELECT attempt, outcome FROM run_attempts WHERE request_id = %s ORDER BY attempt",
+            (suspect.id,)).fetchall()
+    assert len(outcomes) == 3 and outcomes[-1][1] in ("interrupted", "cancelled"), outcomes
+
+    assert wait_status(fleet.dsn, neighbour.id, ("cancelled", "succeeded"), timeout=60) \
+        == "cancelled"
+    row = ledger(fleet.dsn, neighbour.id)
+    assert row["error"] == "cancelled while running" and row["attempts"] == 3, row
+    after = run_agent.delay("hello", "n", user_id="u")
+    assert after.get(timeout=30)["request_id"] == after.id
