@@ -108,12 +108,17 @@ if os.environ.get("TEST_DIE_AFTER_COMMIT"):
 def _hold_first_start() -> None:
     """Hold the lock connection in the turn of the first start of a request
     (TEST_HOLD_START=before:<marker> or after:<marker>: before its statement,
-    or after it committed), once: the marker file, written then, tells the
+    or after it committed; alone:<marker>: after it committed, in a process
+    running a request alone), once: the marker file, written then, tells the
     test to end the connection while the start's turn is in flight, as a
     Postgres restart would."""
     from loomflow_worker.execution import ledger
 
     when, marker = os.environ["TEST_HOLD_START"].split(":", 1)
+    if when == "alone":
+        if not sys.argv[0].endswith(os.path.join("execution", "quarantine.py")):
+            return
+        when = "after"
     start = ledger.start
 
     async def hold(conn: Any) -> None:
