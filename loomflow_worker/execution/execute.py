@@ -752,10 +752,10 @@ async def _run(
     lease.request_id = request_id
     if started.suspicion or started.lost_streak:
         # Its first completed step clears it of suspicion (and, running alone,
-        # sends it back to its shared process).
+        # sends it back to its shared process, unless a cancel stops it there).
         async def cleared() -> None:
             await lease.io(lambda conn: ledger.clear_suspicion(conn, request_id))
-            if ctx.alone:
+            if ctx.alone and lease.stop is None:
                 lease.stop = HandedBack()
 
         lease.on_executed = cleared

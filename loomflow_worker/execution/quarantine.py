@@ -26,6 +26,9 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
+import psycopg
+from psycopg_pool import PoolTimeout
+
 from ..runtime.errors import DatabaseUnavailable, LockLost
 from ..settings import Settings
 from . import ledger
@@ -33,6 +36,8 @@ from .errors import AttemptLost
 from .execute import Outcome, WorkerContext, execute
 from .ledger import Pending
 from .registry import import_agent_modules
+
+log = logging.getLogger("loomflow_worker.tasks")
 
 #: How often the process checks that the worker that started it still lives.
 ORPHAN_CHECK = 1.0
@@ -73,10 +78,7 @@ async def attempt(settings: Settings, job: dict[str, Any]) -> dict[str, Any]:
         )
         return encode_outcome(outcome)
     except AttemptLost as exc:
-        # Recorded before this process ends: the next attempt may start at once.
-        runtime = await ctx.runtime()
-        async with runtime.pool.connection() as conn:
-            await ledger.mark_lost_now(conn, exc.request_id, exc.attempt, exc.holder)
+        await _mark_lost(ctx, exc)
         cause = exc.__cause__
         scope, why = ((cause.scope, cause.cause) if isinstance(cause, LockLost)
                       else ("", str(exc)))
@@ -86,6 +88,22 @@ async def attempt(settings: Settings, job: dict[str, Any]) -> dict[str, Any]:
         return {"unavailable": f"{type(exc).__name__}: {exc}"}
     finally:
         await ctx.aclose()
+
+
+async def _mark_lost(ctx: WorkerContext, lost: AttemptLost) -> None:
+    """Record the lost attempt before this process ends, so the next attempt
+    may start at once. A connection lost with the lock (a Postgres restart
+    ends them all) fails it: the worker that started this process records
+    it then, retrying, from the reply; this process must not die of it,
+    which would charge the request a crash."""
+    try:
+        runtime = await ctx.runtime()
+        async with runtime.pool.connection() as conn:
+            await ledger.mark_lost_now(conn, lost.request_id, lost.attempt, lost.holder)
+    except (psycopg.Error, PoolTimeout, DatabaseUnavailable) as exc:
+        log.warning("request %s: could not record its lost attempt yet (%s); its worker "
+                    "records it", lost.request_id, exc,
+                    extra={"action": "retry", "request": lost.request_id})
 
 
 def _stop_when_orphaned(

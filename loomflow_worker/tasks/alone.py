@@ -4,7 +4,8 @@ A shared worker process (many runs on one loop) does not run a request that
 must run alone (:mod:`loomflow_worker.execution.quarantine` says which and
 why): its task hands the attempt to a process of its own and waits for it,
 a few at a time per worker process, then carries on with the outcome as if
-it had run here (result, handoffs, retry).
+it had run here (result, handoffs, retry). A revoke with terminate ends
+that process, as it stops a run on the process's loop.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import os
 import subprocess
 import sys
 import threading
+from contextlib import suppress
 from typing import Any
 
+from ..execution import ledger
 from ..execution.errors import AttemptLost, DiedAlone
 from ..execution.execute import Outcome
 from ..execution.quarantine import decode_outcome
@@ -29,6 +32,12 @@ log = logging.getLogger("loomflow_worker.tasks")
 AT_ONCE = 4
 
 _slots = threading.BoundedSemaphore(AT_ONCE)
+
+#: The processes running a request alone now, by request id, and the
+#: requests among them a revoke with terminate stopped.
+_running: dict[str, subprocess.Popen[str]] = {}
+_revoked: set[str] = set()
+_guard = threading.Lock()
 
 
 def run_alone(
@@ -49,22 +58,23 @@ def run_alone(
     with _slots:
         log.info("request %s: running alone in a process of its own", request_id,
                  extra={"action": "quarantine_start", "request": request_id})
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "loomflow_worker.execution.quarantine"],
-                input=json.dumps(job), capture_output=True, text=True, timeout=timeout,
-                env=os.environ.copy(), check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise DiedAlone(f"its process ran past {timeout:g}s and was stopped") from exc
-    for line in done.stderr.splitlines():
+        returncode, stdout, stderr = _run_process(request_id, job, timeout)
+    for line in stderr.splitlines():
         log.info("request %s (alone): %s", request_id, line,
                  extra={"action": "quarantine_log", "request": request_id})
-    reply = _reply(done.stdout)
+    reply = _reply(stdout)
+    with _guard:
+        revoked = request_id in _revoked
+        _revoked.discard(request_id)
+    if reply is None and revoked:
+        # Its process stopped its run (recorded interrupted) and released the
+        # session: the revoke ends it cancelled in the ledger and hands the
+        # session on (see tasks/revoke.py), as for a run of this process.
+        return Outcome("cancelled", error=ledger.REVOKED.error)
     if reply is None:
         raise DiedAlone(
-            f"its process exited with {done.returncode}"
-            + (f" (signal {-done.returncode})" if done.returncode < 0 else "")
+            f"its process exited with {returncode}"
+            + (f" (signal {-returncode})" if returncode < 0 else "")
         )
     if "lost" in reply:
         lost = reply["lost"]
@@ -73,6 +83,45 @@ def run_alone(
     if "unavailable" in reply:
         raise DatabaseUnavailable(reply["unavailable"])
     return decode_outcome(reply)
+
+
+def _run_process(request_id: str, job: dict[str, Any], timeout: float) -> tuple[int, str, str]:
+    """Run the attempt's process to its end (stopped past ``timeout``); its
+    exit code, standard output and standard error."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "loomflow_worker.execution.quarantine"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=os.environ.copy(),
+    )
+    with _guard:
+        _running[request_id] = process
+    try:
+        stdout, stderr = process.communicate(json.dumps(job), timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        process.kill()
+        process.communicate()
+        raise DiedAlone(f"its process ran past {timeout:g}s and was stopped") from exc
+    finally:
+        with _guard:
+            _running.pop(request_id, None)
+    return process.returncode, stdout, stderr
+
+
+def stop_alone(request_id: str) -> bool:
+    """Stop ``request_id``'s run in its own process at once, mid-step (a
+    revoke with terminate): the process stops its run, records the attempt
+    interrupted and releases the session; the run ends ``cancelled``.
+    ``False`` when the request does not run alone here."""
+    with _guard:
+        process = _running.get(request_id)
+        if process is None:
+            return False
+        _revoked.add(request_id)
+    log.info("request %s: revoked; stopping its process", request_id,
+             extra={"action": "revoke", "request": request_id})
+    with suppress(ProcessLookupError):
+        process.terminate()
+    return True
 
 
 def _reply(stdout: str) -> dict[str, Any] | None:

@@ -32,6 +32,7 @@ from ..runtime.errors import InvalidInput, LoomflowWorkerError, SessionPooler
 from ..runtime.store import probe
 from ..settings import Settings
 from .admission import Admission
+from .alone import stop_alone
 from .application import current_app, settings
 from .connections import bound_worker_connections
 from .dispatch import RESUME_AGENT, RUN_AGENT, dispatch
@@ -224,14 +225,18 @@ def _revoked(request: Any = None, expired: bool = False, **_: Any) -> None:
 
 def _stop_run(request_id: str) -> bool:
     """Stop one run of this process (:class:`~.pool.RunPool` calls it): a
-    revoked one ends ``cancelled`` at once (``revoke(terminate=True)``), any
-    other (a shutdown) is interrupted and requeued."""
+    revoked one ends ``cancelled`` at once (``revoke(terminate=True)``), also
+    one running alone in a process of its own, any other (a shutdown) is
+    interrupted and requeued."""
     from celery.worker import state
 
     ctx = PROCESS.context
-    if request_id in state.revoked and ctx is not None and PROCESS.loop.running:
-        PROCESS.loop.loop.call_soon_threadsafe(ctx.halt, request_id, "revoked (Celery revoke)")
-        return True
+    if request_id in state.revoked:
+        if stop_alone(request_id):
+            return True
+        if ctx is not None and PROCESS.loop.running:
+            PROCESS.loop.loop.call_soon_threadsafe(ctx.halt, request_id, ledger.REVOKED.error)
+            return True
     return PROCESS.loop.cancel(request_id)
 
 

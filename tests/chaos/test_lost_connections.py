@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import psycopg
 import pytest
 
 from loomflow_worker.tasks import run_agent
+from tests.chaos.test_restarts import kill_postgres_backends
 from tests.integration.celery_harness import Fleet, ledger, wait_status
 from tests.integration.helpers import calls
 
@@ -49,3 +51,34 @@ def test_lost_lock_connections_do_not_count_as_crashes(fleet: Fleet, pool: str) 
     assert row["status"] == "succeeded" and row["crashes"] == 0
     outcomes = _outcomes(fleet.dsn, result.id)
     assert outcomes.count("lost") >= 2, outcomes
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_connection_lost_while_a_request_starts_is_no_crash(
+    fleet: Fleet, tmp_path: Path, when: str
+) -> None:
+    # The first start of the request holds its lock connection (before its
+    # statement, or after it committed its attempt) until every connection
+    # to the database is ended, as a Postgres restart ends them.
+    # MAX_CRASHES=1: a start charged as a crash would end the request dead.
+    marker = tmp_path / "held"
+    fleet.start("w1", concurrency=4, pool="threads", cli=True,
+                TEST_HOLD_START=f"{when}:{marker}", LOOMFLOW_WORKER_MAX_CRASHES="1",
+                LOOMFLOW_WORKER_HEARTBEAT_INTERVAL="0.5")
+    first = run_agent.delay(calls("x1", "x2"), "s")
+    behind = run_agent.delay(calls("y1"), "s")
+    deadline = time.monotonic() + 30
+    while not marker.exists():
+        assert time.monotonic() < deadline, fleet.log_text()
+        time.sleep(0.02)
+    _, ended = kill_postgres_backends(fleet.dsn)
+    assert ended["loomflow-worker lock"] >= 1, ended
+    assert first.get(timeout=60)["output"] == "done: recorded x1, recorded x2"
+    assert behind.get(timeout=60)["output"] == "done: recorded y1"
+    row = ledger(fleet.dsn, first.id)
+    assert row["status"] == "succeeded" and row["crashes"] == 0, (row, fleet.log_text())
+    # A start that committed was lost, not crashed; one that did not never counted.
+    assert _outcomes(fleet.dsn, first.id) == (
+        ["lost", "succeeded"] if when == "after" else ["succeeded"]), fleet.log_text()
+    log = (fleet.logs / "w1.log").read_text()
+    assert f"request {first.id}: " in log and "retrying in" in log, log

@@ -10,11 +10,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
 
-from loomflow_worker.tasks import run_agent
+from loomflow_worker import cancel_run
+from loomflow_worker.tasks import app, run_agent
 from tests.chaos.checks import (
     assert_sound,
     install_journal_audit,
@@ -23,6 +25,7 @@ from tests.chaos.checks import (
     verdict,
     wait_terminal,
 )
+from tests.chaos.test_restarts import kill_postgres_backends
 from tests.integration.celery_harness import Fleet, ledger, wait_status
 from tests.integration.helpers import calls
 
@@ -48,13 +51,16 @@ def _attempt_outcomes(dsn: str, sent: list[str]) -> dict[str, int]:
     return {str(r[0]): int(r[1]) for r in rows}
 
 
-def _wait_running(dsn: str, request_ids: list[str], count: int, timeout: float = 60) -> None:
+def _wait_running(dsn: str, request_ids: list[str], count: int, timeout: float = 60,
+                  *, attempt: int | None = None) -> None:
+    """Wait until ``count`` of ``request_ids`` run (their ``attempt``-th attempt)."""
     deadline = time.monotonic() + timeout
     while True:
         with psycopg.connect(dsn, autocommit=True) as conn:
             row = conn.execute(
-                "SELECT count(*) FROM runs WHERE request_id = ANY(%s) AND status = 'running'",
-                (request_ids,),
+                "SELECT count(*) FROM runs WHERE request_id = ANY(%s) AND status = 'running'"
+                " AND attempts = coalesce(%s, attempts)",
+                (request_ids, attempt),
             ).fetchone()
         assert row is not None
         if int(row[0]) >= count:
@@ -208,3 +214,86 @@ def test_a_tool_that_holds_the_loop_past_the_lease_ends_dead_after_max_lost(
     assert set(found.values()) == {"succeeded"}, found
     log = (fleet.logs / "w1.log").read_text()
     assert f"by request {stalling.id}" in log, fleet.log_text()
+
+
+def _quarantine(fleet: Fleet, env: dict[str, str]) -> tuple[str, str]:
+    """Two requests (sessions t and n) that died twice with their shared
+    process, now running alone; their ids."""
+    fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
+    suspect = run_agent.delay(calls("alone-1"), "t", user_id="u")
+    neighbour = run_agent.delay(calls("neighbour-1"), "n", user_id="u")
+    both = [suspect.id, neighbour.id]
+    for attempt in (1, 2):
+        _wait_running(fleet.dsn, both, 2, timeout=90, attempt=attempt)
+        fleet.kill("w1")
+        fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
+    return suspect.id, neighbour.id
+
+
+def test_revoke_and_cancel_stop_requests_running_alone_and_their_sessions_move_on(
+    fleet: Fleet,
+) -> None:
+    # Two requests whose tool takes 20 s die twice with their shared process:
+    # their third attempts run alone, each in a process of its own.
+    env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
+           "TEST_TOOL_SLEEP": "20"}
+    suspect_id, neighbour_id = both = list(_quarantine(fleet, env))
+    _wait_running(fleet.dsn, both, 2, timeout=90, attempt=3)
+    log = fleet.logs / "w1.log"
+    for request_id in both:
+        assert f"request {request_id}: running alone" in log.read_text(), fleet.log_text()
+
+    # A cancel stops one at its next step boundary, in its own process, as it
+    # stops a run of the shared process.
+    assert cancel_run(neighbour_id) == "running"
+
+    revoked_at = time.monotonic()
+    app.control.revoke(suspect_id, terminate=True)
+    status = wait_status(fleet.dsn, suspect_id, ("cancelled", "succeeded", "failed", "dead"),
+                         timeout=30)
+    took = time.monotonic() - revoked_at
+    row = ledger(fleet.dsn, suspect_id)
+    assert status == "cancelled" and took < 10, (row, took, fleet.log_text())
+    assert row["error_type"] == "Revoked" and row["crashes"] == 0, row
+    # Its session moves on: the next request runs (no tool call, so at once).
+    after = run_agent.delay("hello", "t", user_id="u")
+    assert after.get(timeout=30)["request_id"] == after.id
+    assert ledger(fleet.dsn, suspect_id)["status"] == "cancelled"
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        outcomes = conn.execute(
+            "SELECT attempt, outcome FROM run_attempts WHERE request_id = %s ORDER BY attempt",
+            (suspect_id,)).fetchall()
+    assert len(outcomes) == 3 and outcomes[-1][1] in ("interrupted", "cancelled"), outcomes
+
+    assert wait_status(fleet.dsn, neighbour_id, ("cancelled", "succeeded"), timeout=60) \
+        == "cancelled"
+    row = ledger(fleet.dsn, neighbour_id)
+    assert row["error"] == "cancelled while running" and row["attempts"] == 3, row
+    after = run_agent.delay("hello", "n", user_id="u")
+    assert after.get(timeout=30)["request_id"] == after.id
+
+
+def test_a_connection_lost_while_a_request_starts_alone_is_no_crash(
+    fleet: Fleet, tmp_path: Path,
+) -> None:
+    # The first start in a process of its own holds its lock connection after
+    # it committed its attempt, until every connection to the database is
+    # ended (as a Postgres restart ends them, the pooled ones too).
+    # MAX_CRASHES=1: that process dying of it would end its request dead.
+    marker = tmp_path / "held"
+    env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
+           "TEST_TOOL_SLEEP": "5", "LOOMFLOW_WORKER_MAX_CRASHES": "1",
+           "TEST_HOLD_START": f"alone:{marker}"}
+    ids = _quarantine(fleet, env)
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert time.monotonic() < deadline, fleet.log_text()
+        time.sleep(0.02)
+    kill_postgres_backends(fleet.dsn)
+    for request_id in ids:
+        assert wait_status(fleet.dsn, request_id, ("succeeded", "failed", "dead"),
+                           timeout=90) == "succeeded", (ledger(fleet.dsn, request_id),
+                                                        fleet.log_text())
+        assert ledger(fleet.dsn, request_id)["crashes"] == 0
+    log = (fleet.logs / "w1.log").read_text()
+    assert "died running alone" not in log, fleet.log_text()

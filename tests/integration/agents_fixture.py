@@ -105,6 +105,43 @@ if os.environ.get("TEST_DIE_AFTER_COMMIT"):
     _die_after_commit()
 
 
+def _hold_first_start() -> None:
+    """Hold the lock connection in the turn of the first start of a request
+    (TEST_HOLD_START=before:<marker> or after:<marker>: before its statement,
+    or after it committed; alone:<marker>: after it committed, in a process
+    running a request alone), once: the marker file, written then, tells the
+    test to end the connection while the start's turn is in flight, as a
+    Postgres restart would."""
+    from loomflow_worker.execution import ledger
+
+    when, marker = os.environ["TEST_HOLD_START"].split(":", 1)
+    if when == "alone":
+        if not sys.argv[0].endswith(os.path.join("execution", "quarantine.py")):
+            return
+        when = "after"
+    start = ledger.start
+
+    async def hold(conn: Any) -> None:
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+        await conn.execute("SELECT pg_sleep(60)")
+
+    async def start_held(conn: Any, *args: Any, **kwargs: Any) -> Any:
+        first = not os.path.exists(marker)
+        if first and when == "before":
+            await hold(conn)
+        started = await start(conn, *args, **kwargs)
+        if first and when == "after":
+            await hold(conn)
+        return started
+
+    ledger.start = start_held  # type: ignore[assignment]
+
+
+if os.environ.get("TEST_HOLD_START"):
+    _hold_first_start()
+
+
 @register_agent("quick", time_limit=1.0)
 def build_quick(runtime: Any) -> Agent:
     """An agent whose runs may take one second at most."""
