@@ -19,21 +19,9 @@ from loomflow_worker.events import iter_events
 from loomflow_worker.tasks import settings
 
 from .celery_harness import AGENTS, ROOT, Fleet, ledger, wait_status
-from .helpers import calls
-from .test_celery import _wait_for_execution
+from .helpers import calls, cli, enqueued, lines, wait_for_execution
 
 WITH_WAITER = f"{AGENTS},tests.integration.cli_agents"
-
-
-def cli(
-    fleet: Fleet, *args: str, input: str | None = None, timeout: float = 120, **env: str
-) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m loomflow_worker.cli ARGS`` with the fleet's environment."""
-    return subprocess.run(
-        [sys.executable, "-m", "loomflow_worker.cli", *args],
-        env={**fleet.env, **env}, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        input=input if input is not None else "",
-    )
 
 
 def spawn(fleet: Fleet, *args: str) -> subprocess.Popen[str]:
@@ -43,23 +31,11 @@ def spawn(fleet: Fleet, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def enqueued(fleet: Fleet, prompt: str, session: str, *extra: str) -> str:
-    done = cli(fleet, "enqueue", prompt, "--session", session, *extra)
-    assert done.returncode == 0, done.stderr
-    request_id = done.stdout.strip()
-    uuid.UUID(request_id)
-    return request_id
-
-
 def show_json(fleet: Fleet, request_id: str) -> dict[str, object]:
     done = cli(fleet, "show", request_id, "--json")
     assert done.returncode == 0, done.stderr
     value: dict[str, object] = json.loads(done.stdout)
     return value
-
-
-def lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.strip()]
 
 
 # ---- enqueue, runs, show ---------------------------------------------------------------------
@@ -142,7 +118,7 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
 def test_show_after_a_sigkill_mid_tool_says_which_steps_replayed(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.5")
     request_id = enqueued(fleet, calls("t1", "t2", "t3"), "s", "--user", "u")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, "t2")
+    _, pid, _, _ = wait_for_execution(fleet.dsn, "t2")
     os.kill(pid, signal.SIGKILL)
     wait_status(fleet.dsn, request_id, ("succeeded",), timeout=60)
 
@@ -196,7 +172,7 @@ def test_tail_attached_before_during_and_after_prints_the_same_events(fleet: Fle
     time.sleep(1.0)
     assert before.poll() is None  # attached, nothing to print yet
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.3")
-    _wait_for_execution(fleet.dsn, "e2")
+    wait_for_execution(fleet.dsn, "e2")
     during = spawn(fleet, "tail", request_id)
     out_before, err_before = before.communicate(timeout=60)
     out_during, err_during = during.communicate(timeout=60)
@@ -231,7 +207,7 @@ def test_tail_attached_before_during_and_after_prints_the_same_events(fleet: Fle
 def test_tail_of_a_resumed_run_marks_the_replayed_events(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.5")
     request_id = enqueued(fleet, calls("r1", "r2"), "s")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, "r2")
+    _, pid, _, _ = wait_for_execution(fleet.dsn, "r2")
     os.kill(pid, signal.SIGKILL)
     done = cli(fleet, "tail", request_id)
     assert done.returncode == 0, done.stderr

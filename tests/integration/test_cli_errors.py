@@ -20,7 +20,7 @@ from loomflow_worker import cli as cli_module
 from loomflow_worker.runtime import prune
 
 from .celery_harness import Fleet
-from .test_cli import cli
+from .helpers import cli
 
 PASSWORD = "S3cret"
 # Each is a connection string libpq can't use as given; the password must not show.

@@ -28,9 +28,7 @@ from loomflow_worker.settings import Settings
 from loomflow_worker.tasks import run_agent, settings, sweeper
 
 from .celery_harness import Fleet, ledger
-from .helpers import calls
-from .test_celery import _wait_for_execution
-from .test_cli import cli
+from .helpers import calls, cli, wait_for_execution
 
 TOKEN = "console-token-" + "x" * 20
 END = "zebra-at-the-end"
@@ -501,7 +499,7 @@ def test_the_fleet_page_shows_workers_by_heartbeat_and_the_sweepers_actions(
     fleet.start("w1", concurrency=1, **FAST)
     fleet.start("w2", concurrency=1, **FAST)
     killed = run_agent.delay(calls("f0", "f1", "f2", "f3"), "fleet-s")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, "f1")
+    _, pid, _, _ = wait_for_execution(fleet.dsn, "f1")
     victim = fleet.worker_of(pid)
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         row = conn.execute("SELECT holder FROM runs WHERE request_id = %s",

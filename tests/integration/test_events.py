@@ -16,8 +16,7 @@ from loomflow_worker.settings import Settings
 from loomflow_worker.tasks import run_agent, settings
 
 from .celery_harness import REDIS_URL, Fleet
-from .helpers import calls
-from .test_celery import _wait_for_execution
+from .helpers import calls, wait_for_execution
 
 
 def _summary(events: list[RunEvent]) -> list[tuple[int, str, bool]]:
@@ -36,7 +35,7 @@ def test_readers_attached_before_during_and_after_see_the_same_ordered_events(
 
     before = threading.Thread(target=read, args=("before",))
     before.start()
-    _wait_for_execution(fleet.dsn, "e2")
+    wait_for_execution(fleet.dsn, "e2")
     during = threading.Thread(target=read, args=("during",))
     during.start()
     result.get(timeout=60)
@@ -58,7 +57,7 @@ def test_readers_attached_before_during_and_after_see_the_same_ordered_events(
 def test_events_of_a_resumed_attempt_say_what_replayed(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.4")
     result = run_agent.delay(calls("r1", "r2"), "s")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, "r2")
+    _, pid, _, _ = wait_for_execution(fleet.dsn, "r2")
     os.kill(pid, signal.SIGKILL)
     result.get(timeout=60)
     events = list(iter_events(result.id, settings=settings(), idle_timeout=30))

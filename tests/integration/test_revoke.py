@@ -11,8 +11,7 @@ from celery.result import AsyncResult
 from loomflow_worker.tasks import app, run_agent
 
 from .celery_harness import Fleet, ledger, wait_status, wait_swept
-from .helpers import calls
-from .test_celery import _counts
+from .helpers import calls, tool_counts
 
 
 def _attempts(fleet: Fleet, request_id: str) -> int:
@@ -102,7 +101,7 @@ def _ended_past_its_time_limit_once(fleet: Fleet, limited: AsyncResult, tag: str
     wait_swept(fleet, limited.id)
     row = ledger(fleet.dsn, limited.id)
     assert row["status"] == "failed" and row["attempts"] == 1, row
-    assert _counts(fleet.dsn) == {tag: 1, "n1": 1}
+    assert tool_counts(fleet.dsn) == {tag: 1, "n1": 1}
     assert app.AsyncResult(limited.id).state == "FAILURE"
     assert f"dispatched request {limited.id} again" not in fleet.log_text()
 

@@ -20,9 +20,7 @@ from loomflow_worker.execution.request import check_request
 from loomflow_worker.tasks import RunCancelled, resume_agent, run_agent
 
 from .celery_harness import REDIS_URL, Fleet, ledger, wait_status, wait_swept
-from .helpers import calls
-from .test_celery import _counts
-from .test_cli import cli, lines
+from .helpers import calls, cli, lines, tool_counts
 
 
 def _rows(dsn: str) -> list[tuple[str, str, str | None, str]]:
@@ -78,12 +76,12 @@ def test_a_task_id_sent_again_returns_the_first_handle_and_publishes_nothing(
 
     fleet.start("w1", concurrency=1)
     assert first.get(timeout=60)["output"] == "done: recorded once"
-    assert _counts(fleet.dsn) == {"once": 1}
+    assert tool_counts(fleet.dsn) == {"once": 1}
     assert ledger(fleet.dsn, task_id)["attempts"] == 1
     # Sent again once it finished: still that request, still not run again.
     assert run_agent.apply_async(args, kwargs, task_id=task_id).get(timeout=10)[
         "output"] == "done: recorded once"
-    assert _counts(fleet.dsn) == {"once": 1}
+    assert tool_counts(fleet.dsn) == {"once": 1}
 
 
 @pytest.mark.parametrize(
@@ -155,7 +153,7 @@ def test_a_request_accepted_while_the_broker_is_down_returns_its_handle_and_runs
                 LOOMFLOW_WORKER_SWEEP_INTERVAL="0.3")
     assert run_agent.AsyncResult(result.id).get(timeout=60)["output"] == "done: recorded late"
     assert wait_status(fleet.dsn, by_cli, ("succeeded",)) == "succeeded"
-    assert _counts(fleet.dsn) == {"late": 1, "late-cli": 1}
+    assert tool_counts(fleet.dsn) == {"late": 1, "late-cli": 1}
 
 
 def test_a_retry_the_broker_refuses_is_published_by_the_sweeper_once_it_is_back(
@@ -194,7 +192,7 @@ def test_a_retry_the_broker_refuses_is_published_by_the_sweeper_once_it_is_back(
     assert row == ("queued", True)
     fleet.start("w1", concurrency=1, LOOMFLOW_WORKER_HANDOFF_GRACE="0.5")
     assert run_agent.AsyncResult(request_id).get(timeout=60)["output"] == "done: recorded retried"
-    assert _counts(fleet.dsn) == {"retried": 1}
+    assert tool_counts(fleet.dsn) == {"retried": 1}
 
 
 # ---- bad input -----------------------------------------------------------------------------------
@@ -273,7 +271,7 @@ def test_cancel_queued_drops_waiting_work_and_the_sessions_move_on(fleet: Fleet)
     for request in dropped:
         with pytest.raises(RunCancelled):
             request.get(timeout=30)
-    assert _counts(fleet.dsn) == {"after": 1, "keep-session": 1}
+    assert tool_counts(fleet.dsn) == {"after": 1, "keep-session": 1}
     wait_status(fleet.dsn, dropped[0].id, ("cancelled",))
 
 
@@ -307,7 +305,7 @@ def test_a_result_its_caller_ignores_is_never_stored_by_the_sweeper(
     assert wait_status(fleet.dsn, ignored.id, ("succeeded",), timeout=30) == "succeeded"
     wait_swept(fleet, ignored.id)
     _assert_no_result_stored(fleet, ignored.id)
-    assert _counts(fleet.dsn) == {"f1": 1}
+    assert tool_counts(fleet.dsn) == {"f1": 1}
 
 
 @pytest.mark.slow
