@@ -27,8 +27,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
-from urllib.parse import urlparse
 
 import psycopg
 import pytest
@@ -48,7 +46,8 @@ from tests.chaos.checks import (
     wait_terminal,
 )
 from tests.conftest import ADMIN_DSN
-from tests.integration.celery_harness import REDIS_URL, Fleet
+from tests.integration.celery_harness import REDIS_PORT, REDIS_URL, Fleet
+from tests.integration.helpers import tcp_connections
 
 ENV = {
     "TEST_TOOL_SLEEP": "0.3",
@@ -99,46 +98,10 @@ def kill_postgres_backends(dsn: str) -> tuple[datetime, Counter[str]]:
     return at, Counter(str(name) or "(unnamed)" for name, ok, _ in rows if ok)
 
 
-def _socket_inodes(pid: int) -> set[int]:
-    inodes: set[int] = set()
-    try:
-        fds = list(Path(f"/proc/{pid}/fd").iterdir())
-    except OSError:
-        return inodes
-    for fd in fds:
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(int(target[8:-1]))
-    return inodes
-
-
-def _local_ports_to(remote_port: int, inodes: set[int]) -> set[int]:
-    """Local ports of the TCP connections (among ``inodes``) to ``remote_port``."""
-    ports: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            local, remote, inode = fields[1], fields[2], int(fields[9])
-            if inode in inodes and int(remote.rsplit(":", 1)[1], 16) == remote_port:
-                ports.add(int(local.rsplit(":", 1)[1], 16))
-    return ports
-
-
 def kill_redis_clients(pids: list[int]) -> Counter[str]:
     """``CLIENT KILL`` every Redis connection held by ``pids``; counts by client name
     and command."""
-    port = urlparse(REDIS_URL).port or 6379
-    inodes: set[int] = set()
-    for pid in pids:
-        inodes |= _socket_inodes(pid)
-    ports = _local_ports_to(port, inodes)
+    ports = {local for local, remote in tcp_connections(pids) if remote == REDIS_PORT}
     admin = redis.Redis.from_url(REDIS_URL)
     killed: Counter[str] = Counter()
     try:

@@ -3,14 +3,17 @@ these from here, never from one another (tests/unit/test_suite_rules.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import subprocess
 import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -101,6 +104,60 @@ def steps_journaled_twice(dsn: str) -> list[tuple[str, str, int]]:
             "GROUP BY 1, 2 HAVING count(*) > 1"
         ).fetchall()
     return [(r[0], r[1], int(r[2])) for r in rows]
+
+
+# ---- waiting on what can be seen ---------------------------------------------------------------
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout: float = 30) -> None:
+    """Poll ``condition`` until it is true; fail saying ``what`` did not happen."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g}s"
+        time.sleep(0.02)
+
+
+def backends(dsn: str, application: str, statement: str = "%") -> int:
+    """How many connections to ``dsn``'s database have an application name
+    LIKE ``application`` and a last statement LIKE ``statement``."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name LIKE %s AND query LIKE %s", (application, statement)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def signal_listeners(dsn: str) -> int:
+    """How many processes listen for signals on ``dsn``'s database: a run that
+    waits for a signal has its runtime's listener up before it first looks."""
+    return backends(dsn, "loomflow-worker signals", "LISTEN %")
+
+
+def tcp_connections(pids: Iterable[int]) -> set[tuple[int, int]]:
+    """The TCP sockets processes ``pids`` have open: (local port, remote port)
+    of each (on this host's network namespace)."""
+    inodes: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    inodes.add(os.readlink(fd))
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if f"socket:[{fields[9]}]" in inodes:
+                    found.add((int(fields[1].rsplit(":", 1)[1], 16),
+                               int(fields[2].rsplit(":", 1)[1], 16)))
+    return found
+
+
+def connected_to(pid: int, port: int) -> bool:
+    """Whether process ``pid`` has a TCP connection to ``port``."""
+    return any(remote == port for _, remote in tcp_connections([pid]))
 
 
 # ---- tool executions: the effects table, one row per execution of the record tool -----------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from itertools import pairwise
 
 import pytest
@@ -126,10 +125,10 @@ def test_duplicates_of_a_running_request_neither_run_beside_it_nor_get_lost(
     for _ in range(3):
         run_agent.dispatch(duplicate)
     assert result.get(timeout=60)["output"] == "done: recorded d1, recorded d2, recorded d3"
-    time.sleep(1.0)  # let the duplicates land
+    delivered = fleet.wait_deliveries(result.id, 4)  # the duplicates landed and ended
     for _ in range(2):  # and once more after it finished
         run_agent.dispatch(duplicate)
-    time.sleep(1.0)
+    fleet.wait_deliveries(result.id, delivered + 2)
     assert tool_counts(fleet.dsn) == {"d1": 1, "d2": 1, "d3": 1}
     executions = sorted(tool_executions(fleet.dsn), key=lambda e: e[2])
     for earlier, later in pairwise(executions):
@@ -148,7 +147,7 @@ def test_a_crashed_request_resumes_before_a_newer_one_in_its_own_namespace(
     crashed = run_agent.delay(calls("old1", "old2"), "s")
     _, pid, _, _ = wait_for_execution(fleet.dsn, "old2")
     newer = run_agent.delay(calls("new1"), "s")
-    time.sleep(0.3)  # the newer request arrives and parks while the old one runs
+    fleet.wait_logged(f"request {newer.id} parked")  # it arrives while the old one runs
     os.kill(pid, signal.SIGKILL)
     assert crashed.get(timeout=60)["output"] == "done: recorded old1, recorded old2"
     assert newer.get(timeout=60)["output"] == "done: recorded new1"
@@ -322,9 +321,7 @@ def test_a_visibility_timeout_shorter_than_the_run_starts_no_second_copy(fleet: 
     fleet.start("w2", concurrency=2, **env)
     result = run_agent.delay(calls("v1", "v2", "v3"), "s")
     assert result.get(timeout=90)["output"] == "done: recorded v1, recorded v2, recorded v3"
-    time.sleep(1.5)
-    received = fleet.log_text().count(f"run_agent[{result.id}] received")
-    assert received >= 2, f"the broker never redelivered ({received} deliveries)"
+    fleet.wait_deliveries(result.id, 2)  # the broker redelivered, and the copy ended
     assert tool_counts(fleet.dsn) == {"v1": 1, "v2": 1, "v3": 1}
     executions = sorted(tool_executions(fleet.dsn), key=lambda e: e[2])
     for earlier, later in pairwise(executions):

@@ -18,8 +18,25 @@ from psycopg.types.json import Jsonb
 from loomflow_worker.events import iter_events
 from loomflow_worker.tasks import settings
 
-from .celery_harness import AGENTS, ROOT, Fleet, ledger, wait_status
-from .helpers import calls, cli, enqueued, lines, wait_for_execution
+from .celery_harness import (
+    AGENTS,
+    REDIS_PORT,
+    ROOT,
+    Fleet,
+    ledger,
+    wait_status,
+    wait_sweeps_for,
+)
+from .helpers import (
+    calls,
+    cli,
+    connected_to,
+    enqueued,
+    lines,
+    signal_listeners,
+    wait_for_execution,
+    wait_until,
+)
 
 WITH_WAITER = f"{AGENTS},tests.integration.cli_agents"
 
@@ -169,7 +186,8 @@ def test_show_after_a_sigkill_mid_tool_says_which_steps_replayed(fleet: Fleet) -
 def test_tail_attached_before_during_and_after_prints_the_same_events(fleet: Fleet) -> None:
     request_id = enqueued(fleet, calls("e1", "e2", "e3"), "s")  # no worker yet: it waits
     before = spawn(fleet, "tail", request_id)
-    time.sleep(1.0)
+    wait_until(lambda: connected_to(before.pid, REDIS_PORT) or before.poll() is not None,
+               "tail never reached Redis")
     assert before.poll() is None  # attached, nothing to print yet
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.3")
     wait_for_execution(fleet.dsn, "e2")
@@ -254,8 +272,7 @@ def test_signal_wakes_a_run_waiting_for_it(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1)
     prompt = 'call wait_signal {"session": "sig", "name": "go"}'
     request_id = enqueued(fleet, prompt, "s", "--agent", "waiter")
-    wait_status(fleet.dsn, request_id, ("running",))
-    time.sleep(0.5)
+    wait_until(lambda: signal_listeners(fleet.dsn), "the run never waited for its signal")
     done = cli(fleet, "signal", "sig", "go", '{"x": [1, "two"]}')
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("signal 'go' sent to session 'sig' (id ")
@@ -290,13 +307,12 @@ def test_a_signal_sent_to_a_user_reaches_only_that_users_run(fleet: Fleet) -> No
     fleet.start("w1", concurrency=1)
     prompt = 'call wait_signal {"session": "chat-42", "name": "go"}'
     request_id = enqueued(fleet, prompt, "chat-42", "--agent", "waiter", "--user", "alice")
-    wait_status(fleet.dsn, request_id, ("running",))
-    time.sleep(0.5)
+    wait_until(lambda: signal_listeners(fleet.dsn), "the run never waited for its signal")
     bobs = cli(fleet, "signal", "chat-42", "go", '{"by": "bob"}', "--user", "bob")
     assert bobs.returncode == 0, bobs.stderr
     assert bobs.stdout.startswith("signal 'go' sent to session 'chat-42', user 'bob' (id ")
-    time.sleep(1.0)  # the NOTIFY woke the waiter at once: it looked, and left bob's alone
-    assert ledger(fleet.dsn, request_id)["status"] == "running"
+    # Bob's is the older signal: a waiter that took any user's would take his
+    # first, and its result would say so.
     alices = cli(fleet, "signal", "chat-42", "go", '{"by": "alice"}', "--user", "alice")
     assert alices.returncode == 0, alices.stderr
     wait_status(fleet.dsn, request_id, ("succeeded",))
@@ -424,7 +440,7 @@ def test_the_sweeper_prunes_what_is_older_than_the_retention(fleet: Fleet) -> No
     # Runs go on as usual, and their fresh journal stays.
     done = cli(fleet, "enqueue", calls("kept"), "--session", "idle", "--wait")
     assert done.returncode == 0, done.stderr
-    time.sleep(1.5)
+    wait_sweeps_for(fleet)
     assert "idle:new" in _left(fleet.dsn)["steps"]
     assert len(_left(fleet.dsn)["steps"]) > len(KEPT["steps"])
 

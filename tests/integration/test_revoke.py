@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from celery.exceptions import TaskRevokedError
@@ -10,8 +11,8 @@ from celery.result import AsyncResult
 
 from loomflow_worker.tasks import app, run_agent
 
-from .celery_harness import Fleet, ledger, wait_status, wait_swept
-from .helpers import calls, tool_counts
+from .celery_harness import Fleet, ledger, wait_status, wait_sweeps_for, wait_swept
+from .helpers import calls, tool_counts, wait_for_execution
 
 
 def _attempts(fleet: Fleet, request_id: str) -> int:
@@ -40,8 +41,7 @@ def test_revoke_with_terminate_stops_a_running_request_as_cancelled(
 ) -> None:
     fleet.start("w1", concurrency=2, pool=pool, TEST_TOOL_SLEEP="1.0")
     running = run_agent.delay(calls("t1", "t2", "t3", "t4"), "s")
-    wait_status(fleet.dsn, running.id, ("running",), timeout=30)
-    time.sleep(0.5)
+    wait_for_execution(fleet.dsn, "t1")  # mid-tool
     revoked_at = time.monotonic()
     app.control.revoke(running.id, terminate=True)
     assert wait_status(fleet.dsn, running.id, ("cancelled",), timeout=10) == "cancelled"
@@ -50,14 +50,16 @@ def test_revoke_with_terminate_stops_a_running_request_as_cancelled(
     assert row["error_type"] == "Revoked" and row["attempts"] == 1 and row["crashes"] == 0
     nxt = run_agent.delay(calls("n1"), "s")
     assert nxt.get(timeout=30)["output"] == "done: recorded n1"
-    time.sleep(2)  # never resumed
+    wait_sweeps_for(fleet)  # the sweeper looked after the session moved on: never resumed
     assert ledger(fleet.dsn, running.id)["status"] == "cancelled"
     assert _attempts(fleet, running.id) == 1
 
 
 def test_an_expired_request_ends_expired_and_its_session_moves_on(fleet: Fleet) -> None:
-    late = run_agent.apply_async((calls("e1"), "s"), expires=1)
-    time.sleep(2)  # no worker yet: the message waits past its expiry
+    expires = datetime.now(UTC) + timedelta(seconds=1)
+    late = run_agent.apply_async((calls("e1"), "s"), expires=expires)
+    # No worker yet: the message waits past its expiry (a time to pass, not an event).
+    time.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds()) + 0.1)
     fleet.start("w1", concurrency=4, pool="threads")
     assert wait_status(fleet.dsn, late.id, ("expired",), timeout=20) == "expired"
     row = ledger(fleet.dsn, late.id)
@@ -80,10 +82,10 @@ def test_a_per_call_time_limit_ends_the_run_failed_not_resumed(fleet: Fleet, poo
     assert row["crashes"] == 0
     with pytest.raises(Exception, match="TimeLimitExceeded"):
         limited.get(timeout=10)
-    time.sleep(2)  # not resumed as a crash
-    assert ledger(fleet.dsn, limited.id)["status"] == "failed"
-    assert _attempts(fleet, limited.id) == 1
     assert run_agent.delay(calls("n1"), "s").get(timeout=30)["output"] == "done: recorded n1"
+    wait_sweeps_for(fleet)  # the sweeper looked after the session moved on
+    assert ledger(fleet.dsn, limited.id)["status"] == "failed"
+    assert _attempts(fleet, limited.id) == 1  # not resumed as a crash
 
 
 def _ended_past_its_time_limit_once(fleet: Fleet, limited: AsyncResult, tag: str) -> None:

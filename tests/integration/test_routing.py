@@ -12,7 +12,6 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime
 
 import psycopg
 import pytest
@@ -21,7 +20,7 @@ from loomflow_worker.tasks import app, run_agent
 from loomflow_worker.tasks.application import RUN_AGENT
 
 from . import vip_agents  # noqa: F401  (the enqueuing side knows the vip agent)
-from .celery_harness import ROOT, Fleet, ledger, wait_status
+from .celery_harness import ROOT, Fleet, ledger, wait_status, wait_sweeps_for
 from .helpers import calls, scrape, wait_for_execution
 from .services import free_port
 
@@ -34,24 +33,6 @@ QUICK_SWEEPER = {"LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5", "LOOMFLOW_WORKER_HANDO
 def quick_sweeper(fleet: Fleet) -> None:
     """Every worker of these tests sweeps fast."""
     fleet.env.update(QUICK_SWEEPER)
-
-
-def wait_sweeps_for(fleet: Fleet, seconds: float, timeout: float = 60) -> None:
-    """Wait until the sweeper's leader began a sweep ``seconds`` after now (on
-    the database's clock): whatever it would do by then, it has done."""
-    deadline = time.monotonic() + timeout
-    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT now()").fetchone()
-        assert row is not None
-        since: datetime = row[0]
-        while True:
-            claimed = conn.execute(
-                "SELECT heartbeat_at > %s + make_interval(secs => %s) FROM sweeper_leader",
-                (since, seconds)).fetchone()
-            if claimed is not None and claimed[0]:
-                return
-            assert time.monotonic() < deadline, "the sweeper did not sweep"
-            time.sleep(0.1)
 
 
 def _redispatches(fleet: Fleet) -> list[str]:
