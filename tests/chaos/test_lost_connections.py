@@ -11,6 +11,8 @@ from loomflow_worker.tasks import run_agent
 from tests.integration.celery_harness import Fleet, ledger, wait_status
 from tests.integration.helpers import calls, wait_until
 
+pytestmark = pytest.mark.slow
+
 
 def _end_lock_connections(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as admin:

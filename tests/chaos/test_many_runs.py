@@ -9,6 +9,7 @@ import time
 from datetime import datetime
 
 import psycopg
+import pytest
 
 from tests.chaos.checks import (
     Sent,
@@ -20,6 +21,8 @@ from tests.chaos.checks import (
 )
 from tests.integration.celery_harness import Fleet
 from tests.integration.helpers import backends, tcp_connections
+
+pytestmark = pytest.mark.slow
 
 FAST_RECOVERY = {
     "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",

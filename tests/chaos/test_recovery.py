@@ -20,6 +20,8 @@ from tests.integration.helpers import (
     wait_for_execution,
 )
 
+pytestmark = pytest.mark.slow
+
 RECOVERY = {
     "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
     "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",

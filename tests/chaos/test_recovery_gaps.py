@@ -18,6 +18,8 @@ from tests.conftest import ADMIN_DSN
 from tests.integration.celery_harness import AGENTS, Fleet, ledger, wait_status
 from tests.integration.helpers import calls, wait_until
 
+pytestmark = pytest.mark.slow
+
 FAST_RECOVERY = {
     "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
     "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",

@@ -49,6 +49,8 @@ from tests.conftest import ADMIN_DSN
 from tests.integration.celery_harness import REDIS_PORT, REDIS_URL, Fleet
 from tests.integration.helpers import tcp_connections
 
+pytestmark = pytest.mark.slow
+
 ENV = {
     "TEST_TOOL_SLEEP": "0.3",
     "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",

@@ -25,6 +25,8 @@ from .celery_harness import Fleet, ledger
 from .helpers import steps_journaled_twice, tool_counts
 from .messages_api import ANSWER, API_KEY, PROMPT, MessagesAPI
 
+pytestmark = pytest.mark.slow
+
 # Tool b sleeps this long in the workers: the window in which it is killed.
 TOOL_SLEEP = "1.0"
 

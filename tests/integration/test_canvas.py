@@ -17,6 +17,8 @@ from loomflow_worker.tasks import run_agent
 from .celery_harness import Fleet, wait_status
 from .helpers import calls, tool_counts
 
+pytestmark = pytest.mark.slow
+
 
 def _runs(dsn: str) -> dict[str, dict[str, Any]]:
     with psycopg.connect(dsn, autocommit=True) as conn:

@@ -19,6 +19,7 @@ from .helpers import (
 )
 
 
+@pytest.mark.slow
 def test_a_run_through_a_worker(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1)
     result = run_agent.delay(calls("a", "b"), "s1", user_id="u1")
@@ -29,6 +30,7 @@ def test_a_run_through_a_worker(fleet: Fleet) -> None:
     assert row["status"] == "succeeded" and row["attempts"] == 1 and row["epoch"] == 0
 
 
+@pytest.mark.slow
 def test_forty_requests_on_five_sessions_keep_order_and_never_overlap(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=2, TEST_TOOL_SLEEP="0.02")
     fleet.start("w2", concurrency=2, TEST_TOOL_SLEEP="0.02")
@@ -53,6 +55,7 @@ def test_forty_requests_on_five_sessions_keep_order_and_never_overlap(fleet: Fle
     assert {ledger(fleet.dsn, r.id)["status"] for *_, r in sent} == {"succeeded"}
 
 
+@pytest.mark.slow
 def test_a_handoff_publishes_only_a_request_whose_message_was_parked(fleet: Fleet) -> None:
     # No sweeper: a request the handoff failed to reach would never run, so
     # every result arriving proves none was lost. A request whose message is
@@ -76,6 +79,7 @@ def test_a_handoff_publishes_only_a_request_whose_message_was_parked(fleet: Flee
     assert {ledger(fleet.dsn, r.id)["status"] for r in sent} == {"succeeded"}
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_pool_child_mid_tool(fleet: Fleet) -> None:
     import os
     import signal
@@ -93,6 +97,7 @@ def test_sigkill_of_a_pool_child_mid_tool(fleet: Fleet) -> None:
     assert steps_journaled_twice(fleet.dsn) == []
 
 
+@pytest.mark.slow
 def test_a_worker_killed_after_the_commit_returns_the_stored_result(
     fleet: Fleet, tmp_path: object
 ) -> None:
@@ -110,6 +115,7 @@ def test_a_worker_killed_after_the_commit_returns_the_stored_result(
     assert "succeeded before the worker was lost" not in fleet.log_text()
 
 
+@pytest.mark.slow
 def test_duplicates_of_a_running_request_neither_run_beside_it_nor_get_lost(
     fleet: Fleet,
 ) -> None:
@@ -137,6 +143,7 @@ def test_duplicates_of_a_running_request_neither_run_beside_it_nor_get_lost(
     assert row["status"] == "succeeded" and row["attempts"] == 1
 
 
+@pytest.mark.slow
 def test_a_crashed_request_resumes_before_a_newer_one_in_its_own_namespace(
     fleet: Fleet,
 ) -> None:
@@ -160,6 +167,7 @@ def test_a_crashed_request_resumes_before_a_newer_one_in_its_own_namespace(
     assert new["epoch"] == 1
 
 
+@pytest.mark.slow
 def test_a_request_that_kills_its_worker_every_time_ends_dead(fleet: Fleet) -> None:
     from loomflow_worker.tasks import RunDead
 
@@ -175,6 +183,7 @@ def test_a_request_that_kills_its_worker_every_time_ends_dead(fleet: Fleet) -> N
     assert ledger(fleet.dsn, after.id)["epoch"] == 1
 
 
+@pytest.mark.slow
 def test_an_error_retries_with_backoff_replaying_the_journal(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_FLAKY_FAILURES="1")
     result = run_agent.delay("flaky\n" + calls("once"), "s", agent="flaky")
@@ -202,6 +211,7 @@ def _retry_gaps(dsn: str, request_id: str) -> list[float]:
     return [(later[0] - earlier[1]).total_seconds() for earlier, later in pairwise(rows)]
 
 
+@pytest.mark.slow
 def test_past_the_retry_limit_a_request_fails_and_the_session_moves_on(fleet: Fleet) -> None:
     from loomflow_worker.tasks import RunFailed
 
@@ -263,6 +273,7 @@ def test_bad_input_at_delay_is_refused_with_nothing_written_or_sent(
     assert _queue_length(fleet) == 0
 
 
+@pytest.mark.slow
 def test_bad_input_sent_by_task_name_fails_without_retry(fleet: Fleet) -> None:
     from loomflow_worker.tasks import RunFailed, app
 
@@ -281,6 +292,7 @@ def test_bad_input_sent_by_task_name_fails_without_retry(fleet: Fleet) -> None:
     assert tool_counts(fleet.dsn) == {}
 
 
+@pytest.mark.slow
 def test_a_message_sent_by_name_gets_its_ledger_row_on_receipt(fleet: Fleet) -> None:
     from loomflow_worker.tasks import app
 
@@ -292,6 +304,7 @@ def test_a_message_sent_by_name_gets_its_ledger_row_on_receipt(fleet: Fleet) -> 
     assert ledger(fleet.dsn, result.id)["status"] == "succeeded"
 
 
+@pytest.mark.slow
 def test_resume_agent_continues_the_last_run(fleet: Fleet) -> None:
     from loomflow_worker.tasks import resume_agent
 
@@ -307,6 +320,7 @@ def test_resume_agent_continues_the_last_run(fleet: Fleet) -> None:
     assert tool_counts(fleet.dsn) == {"r1": 2, "r2": 1}
 
 
+@pytest.mark.slow
 def test_a_visibility_timeout_shorter_than_the_run_starts_no_second_copy(fleet: Fleet) -> None:
     # Redis hands the unacked message out again while the run is still going:
     # the copy parks, nothing runs twice, one result.

@@ -12,6 +12,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import psycopg
+import pytest
 from loomflow.runtime import _codec
 from psycopg.types.json import Jsonb
 
@@ -37,6 +38,8 @@ from .helpers import (
     wait_for_execution,
     wait_until,
 )
+
+pytestmark = pytest.mark.slow
 
 WITH_WAITER = f"{AGENTS},tests.integration.cli_agents"
 

@@ -22,6 +22,8 @@ from .celery_harness import Fleet
 from .helpers import scrape
 from .services import free_port
 
+pytestmark = pytest.mark.slow
+
 CONCURRENCY = 200
 SESSIONS = 150
 REQUESTS = 2 * SESSIONS  # the second of each session is handed it: a publish

@@ -221,6 +221,7 @@ def test_the_hosts_setting_takes_names_not_urls(monkeypatch: pytest.MonkeyPatch)
             Settings()
 
 
+@pytest.mark.slow
 def test_the_token_can_be_required_on_loopback_too(fleet: Fleet, queued: str) -> None:
     """A forwarder on this host (socat, ssh -L) makes its clients look local:
     console_require_token makes loopback present the token as well."""
@@ -371,6 +372,7 @@ def test_a_request_id_with_a_slash_is_linked_and_shown(fleet: Fleet, client: Tes
     assert ledger(fleet.dsn, "team/a-1")["status"] == "cancelled"
 
 
+@pytest.mark.slow
 def test_the_command_refuses_to_listen_off_loopback_without_a_token(fleet: Fleet) -> None:
     done = cli(fleet, "console", "--host", "0.0.0.0", timeout=30)
     assert done.returncode == 2
@@ -493,6 +495,7 @@ def _until_shown(client: TestClient, worker: str, expected: tuple[str, int],
     raise AssertionError(f"the fleet page shows {worker} as {shown}, not {expected}")
 
 
+@pytest.mark.slow
 def test_the_fleet_page_shows_workers_by_heartbeat_and_the_sweepers_actions(
     fleet: Fleet, client: TestClient
 ) -> None:

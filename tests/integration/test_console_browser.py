@@ -25,6 +25,8 @@ from tests.needs import CHROMIUM
 from .celery_harness import ROOT, Fleet
 from .helpers import calls, wait_for_execution
 
+pytestmark = pytest.mark.slow
+
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]

@@ -16,6 +16,7 @@ from .helpers import calls, tool_counts, wait_for_execution
 FAST = {"LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.2", "LOOMFLOW_WORKER_LEASE": "5"}
 
 
+@pytest.mark.slow
 def test_cancel_a_queued_request_it_never_starts(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.5", **FAST)
     first = run_agent.delay(calls("first1", "first2"), "s")
@@ -33,6 +34,7 @@ def test_cancel_a_queued_request_it_never_starts(fleet: Fleet) -> None:
     assert ledger(fleet.dsn, after.id)["epoch"] == 1
 
 
+@pytest.mark.slow
 def test_cancel_a_running_request_it_stops_at_the_next_step(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.6", **FAST)
     running = run_agent.delay(calls("c1", "c2", "c3", "c4"), "s")
@@ -57,6 +59,7 @@ def test_cancel_of_an_unknown_request_is_a_clear_error(fleet: Fleet) -> None:
         cancel_run("nope")
 
 
+@pytest.mark.slow
 def test_on_busy_reject_refuses_while_the_session_has_work(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.5", **FAST)
     first = run_agent.delay(calls("r1"), "s")
@@ -69,6 +72,7 @@ def test_on_busy_reject_refuses_while_the_session_has_work(fleet: Fleet) -> None
     assert "rejected" not in tool_counts(fleet.dsn)
 
 
+@pytest.mark.slow
 def test_on_busy_interrupt_cancels_the_running_request_then_runs(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.6", **FAST)
     running = run_agent.delay(calls("i1", "i2", "i3", "i4"), "s")
@@ -92,6 +96,7 @@ def test_a_bad_on_busy_is_refused(fleet: Fleet) -> None:
         run_agent.delay(calls("x"), "s", on_busy="sometimes")
 
 
+@pytest.mark.slow
 def test_a_run_past_its_time_limit_fails_and_the_session_moves_on(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.7", **FAST)
     slow = run_agent.delay(calls("t1", "t2", "t3"), "s", agent="quick")

@@ -18,6 +18,8 @@ from loomflow_worker.tasks import run_agent
 from .celery_harness import Fleet
 from .helpers import calls, cli, lines, tool_counts
 
+pytestmark = pytest.mark.slow
+
 COUNTDOWN = 8.0
 #: A broker nobody listens on.
 DOWN = "redis://127.0.0.1:1/0"

@@ -9,6 +9,7 @@ import signal
 import threading
 import uuid
 
+import pytest
 import redis
 
 from loomflow_worker.events import EventPublisher, RunEvent, iter_events, stream_key
@@ -23,6 +24,7 @@ def _summary(events: list[RunEvent]) -> list[tuple[int, str, bool]]:
     return [(e.attempt, e.kind, e.replayed) for e in events]
 
 
+@pytest.mark.slow
 def test_readers_attached_before_during_and_after_see_the_same_ordered_events(
     fleet: Fleet,
 ) -> None:
@@ -54,6 +56,7 @@ def test_readers_attached_before_during_and_after_see_the_same_ordered_events(
     )
 
 
+@pytest.mark.slow
 def test_events_of_a_resumed_attempt_say_what_replayed(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.4")
     result = run_agent.delay(calls("r1", "r2"), "s")

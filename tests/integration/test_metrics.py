@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet
 from .helpers import calls, scrape, wait_for_execution
 from .services import free_port
+
+pytestmark = pytest.mark.slow
 
 
 def test_the_metrics_endpoint_shows_the_counters_moving(fleet: Fleet) -> None:

@@ -15,6 +15,8 @@ from tests.integration.celery_harness import Fleet
 from tests.integration.helpers import cli
 from tests.integration.services import PrivatePgBouncer
 
+pytestmark = pytest.mark.slow
+
 FIX = "pool_mode = session"
 
 

@@ -14,6 +14,8 @@ from loomflow_worker.tasks import app, run_agent
 from .celery_harness import Fleet, ledger, wait_status, wait_sweeps_for, wait_swept
 from .helpers import calls, tool_counts, wait_for_execution
 
+pytestmark = pytest.mark.slow
+
 
 def _attempts(fleet: Fleet, request_id: str) -> int:
     return int(ledger(fleet.dsn, request_id)["attempts"])  # type: ignore[call-overload]

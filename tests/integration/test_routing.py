@@ -24,6 +24,8 @@ from .celery_harness import ROOT, Fleet, ledger, wait_status, wait_sweeps_for
 from .helpers import calls, scrape, wait_for_execution
 from .services import free_port
 
+pytestmark = pytest.mark.slow
+
 #: A sweeper that acts fast: a message counted nowhere for over a second looks lost.
 QUICK_SWEEPER = {"LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5", "LOOMFLOW_WORKER_HANDOFF_GRACE": "1",
                  "LOOMFLOW_WORKER_REDISPATCH_AFTER": "2"}

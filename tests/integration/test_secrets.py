@@ -23,6 +23,8 @@ from loomflow_worker.tasks import settings
 from .celery_harness import REDIS_URL, Fleet, wait_status
 from .helpers import calls, cli, enqueued, lines, wait_for_execution
 
+pytestmark = pytest.mark.slow
+
 ADMIN_DSN = os.environ.get(
     "LOOMFLOW_WORKER_TEST_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres"
 )

@@ -46,6 +46,7 @@ def send_from_another_process(dsn: str, session_id: str, name: str) -> None:
     subprocess.run([sys.executable, "-c", SEND, dsn, session_id, name], check=True, timeout=60)
 
 
+@pytest.mark.slow
 async def test_a_signal_from_another_process_wakes_the_waiter(
     runtime: PostgresRuntime, dsn: str
 ) -> None:

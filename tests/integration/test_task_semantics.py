@@ -55,6 +55,7 @@ def test_calling_a_task_directly_says_to_enqueue_it_and_writes_nothing(fleet: Fl
 # ---- task_id, an idempotency key ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_task_id_sent_again_returns_the_first_handle_and_publishes_nothing(
     fleet: Fleet,
 ) -> None:
@@ -115,6 +116,7 @@ def test_a_task_id_sent_again_with_other_arguments_is_refused(
 # ---- the broker down at enqueue ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "down",
     [
@@ -156,6 +158,7 @@ def test_a_request_accepted_while_the_broker_is_down_returns_its_handle_and_runs
     assert tool_counts(fleet.dsn) == {"late": 1, "late-cli": 1}
 
 
+@pytest.mark.slow
 def test_a_retry_the_broker_refuses_is_published_by_the_sweeper_once_it_is_back(
     fleet: Fleet, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -245,6 +248,7 @@ def test_metadata_holding_the_text_of_an_escape_is_stored_as_given(fleet: Fleet)
 # ---- dropping waiting work -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cancel_queued_drops_waiting_work_and_the_sessions_move_on(fleet: Fleet) -> None:
     dropped = [run_agent.delay(calls(f"drop{i}"), "s1", user_id=f"u{i % 2}") for i in range(3)]
     other_user = run_agent.delay(calls("keep-user"), "s1", user_id="u9")
@@ -275,6 +279,7 @@ def test_cancel_queued_drops_waiting_work_and_the_sessions_move_on(fleet: Fleet)
     wait_status(fleet.dsn, dropped[0].id, ("cancelled",))
 
 
+@pytest.mark.slow
 def test_cancel_needs_a_request_or_queued(fleet: Fleet) -> None:
     for args in ((), ("x", "--queued"), ("x", "--session", "s")):
         done = cli(fleet, "cancel", *args)

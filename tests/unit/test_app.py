@@ -103,6 +103,7 @@ def test_a_worker_leaves_a_result_backend_other_than_redis_as_celery_makes_it() 
     assert type(plain.backend).__name__ == "DisabledBackend"
 
 
+@pytest.mark.slow
 def test_celery_config_module_options_apply_and_the_readme_names_those_that_never_do(
     tmp_path: Path,
 ) -> None:

@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "loomflow_worker"
 NAME = "loomflow_worker"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "module", ["loomflow_worker", "loomflow_worker.runtime", "loomflow_worker.execution.execute"]
 )

@@ -1,12 +1,19 @@
 """Rules of the test suite itself (no services): a test module imports shared
 pieces from a helpers module (``tests/integration/helpers.py``, the harness,
 ``tests/chaos/checks.py``), never from another test module, so that moving or
-deleting a test never breaks another."""
+deleting a test never breaks another; and a test that starts a process is
+marked ``slow`` (the hook in ``tests/conftest.py``), so that the fast tier,
+``-m "not slow"``, runs in one process."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -59,3 +66,41 @@ def test_the_rule_sees_relative_absolute_and_nested_imports() -> None:
     assert found == {"tests.integration.test_celery", "tests.integration.test_cli",
                      "tests.chaos.test_chaos", "tests.chaos.test_sharing",
                      "tests.integration.test_eta"}
+
+
+STARTING = """
+import subprocess
+import sys
+
+import pytest
+
+
+def test_in_process() -> None:
+    assert True
+
+
+def test_starts_a_process_unmarked() -> None:
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+@pytest.mark.slow
+def test_starts_a_process_marked_slow() -> None:
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_test_that_starts_a_process_fails_unless_marked_slow(tmp_path: Path) -> None:
+    sample = tmp_path / "test_sample.py"
+    sample.write_text(STARTING)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+         "--rootdir", str(tmp_path), str(sample)],
+        cwd=TESTS.parent, env={**os.environ, "CI": ""}, capture_output=True, text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "1 failed, 2 passed" in done.stdout, done.stdout
+    assert ("test_sample.py::test_starts_a_process_unmarked started a process "
+            "(subprocess.Popen ") in done.stdout, done.stdout
+    assert "but is not marked slow" in done.stdout
