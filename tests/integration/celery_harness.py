@@ -227,13 +227,25 @@ def wait_status(dsn: str, request_id: str, statuses: tuple[str, ...], timeout: f
     raise AssertionError(f"request {request_id} still {status!r} after {timeout}s")
 
 
+#: A fleet's sweeper that looks at a finished request's result a second after
+#: it finished (HANDOFF_GRACE, two heartbeats), not six: for tests that wait
+#: until it had its chance (``fleet.env.update(QUICK_RESULT_CHECK)``, then
+#: :func:`wait_swept`).
+QUICK_RESULT_CHECK = {"LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+                      "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+                      "LOOMFLOW_WORKER_HANDOFF_GRACE": "1"}
+
+
 def wait_swept(fleet: Fleet, request_id: str, timeout: float = 60) -> None:
     """Wait until the sweeper has had its chance to act on finished
     ``request_id`` (store its result, dispatch it again): its
     ``results_to_check`` row is gone, and the sweeper's leader completed a
-    sweep that began past the moment it would have looked for the result."""
+    sweep that began past the moment it would have looked for the result
+    (on the fleet's settings)."""
     settings = tasks.settings()
-    after = max(settings.handoff_grace, 2 * settings.heartbeat_interval) + 1.0
+    grace = float(fleet.env.get("LOOMFLOW_WORKER_HANDOFF_GRACE", settings.handoff_grace))
+    beat = float(fleet.env.get("LOOMFLOW_WORKER_HEARTBEAT_INTERVAL", settings.heartbeat_interval))
+    after = max(grace, 2 * beat) + 1.0
     deadline = time.monotonic() + timeout
     seen = None
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:

@@ -11,7 +11,14 @@ from celery.result import AsyncResult
 
 from loomflow_worker.tasks import app, run_agent
 
-from .celery_harness import Fleet, ledger, wait_status, wait_sweeps_for, wait_swept
+from .celery_harness import (
+    QUICK_RESULT_CHECK,
+    Fleet,
+    ledger,
+    wait_status,
+    wait_sweeps_for,
+    wait_swept,
+)
 from .helpers import calls, tool_counts, wait_for_execution
 
 pytestmark = pytest.mark.slow
@@ -117,7 +124,10 @@ def test_celerys_soft_time_limit_on_prefork_ends_the_run_failed_not_resumed(
 ) -> None:
     """Celery's own soft limit fires in the pool child before the run's timer
     on the loop: the run still ends as past its time limit."""
-    fleet.start("w1", concurrency=2, pool="prefork", TEST_TOOL_SLEEP="15")
+    fleet.env.update(QUICK_RESULT_CHECK)
+    # The tool outlasts the soft limit and ends before the hard one: only the
+    # soft limit can end the run failed (and the session waits for the tool).
+    fleet.start("w1", concurrency=2, pool="prefork", TEST_TOOL_SLEEP="3")
     limited = run_agent.apply_async((calls("slow1"), "s"), soft_time_limit=2, time_limit=8)
     _ended_past_its_time_limit_once(fleet, limited, "slow1")
 
@@ -130,6 +140,7 @@ def test_celerys_hard_time_limit_on_prefork_ends_the_run_failed_not_resumed(
     """A run that holds its loop, so that neither its own timer nor the soft
     limit can stop it: Celery kills its pool child at the hard limit, and the
     request ends as past its time limit instead of resuming as a crash."""
+    fleet.env.update(QUICK_RESULT_CHECK)
     fleet.start("w1", concurrency=2, pool="prefork")
     limited = run_agent.apply_async((calls("block1"), "s"), soft_time_limit=2, time_limit=4)
     _ended_past_its_time_limit_once(fleet, limited, "block1")

@@ -63,12 +63,12 @@ def _start_vip_worker(fleet: Fleet, vip_queue: str, concurrency: int) -> None:
 def test_a_request_sent_to_its_own_queue_waits_there_and_runs_on_its_workers(
     fleet: Fleet, vip_queue: str
 ) -> None:
-    # No worker reads the vip queue yet: its request waits there, well past
-    # the sweeper's grace, and is never sent to the default queue, whose
-    # worker does not have its agent.
+    # No worker reads the vip queue yet: its request waits there, past the
+    # sweeper's grace and its second look (2 s), and is never sent to the
+    # default queue, whose worker does not have its agent.
     fleet.start("default", concurrency=2)
     first = run_agent.apply_async((calls("v0"), "vip-0"), {"agent": "vip"}, queue=vip_queue)
-    wait_sweeps_for(fleet, 5)
+    wait_sweeps_for(fleet, 3)
     assert ledger(fleet.dsn, first.id)["status"] == "queued"
     assert _redispatches(fleet) == []
     # Its worker comes, one run at a time: the others wait in the queue.

@@ -19,7 +19,7 @@ from loomflow_worker.execution.registry import import_agent_modules
 from loomflow_worker.execution.request import check_request
 from loomflow_worker.tasks import RunCancelled, resume_agent, run_agent
 
-from .celery_harness import REDIS_URL, Fleet, ledger, wait_status, wait_swept
+from .celery_harness import QUICK_RESULT_CHECK, REDIS_URL, Fleet, ledger, wait_status, wait_swept
 from .helpers import calls, cli, lines, tool_counts
 
 
@@ -301,6 +301,7 @@ def _assert_no_result_stored(fleet: Fleet, request_id: str) -> None:
 def test_a_result_its_caller_ignores_is_never_stored_by_the_sweeper(
     fleet: Fleet, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
+    fleet.env.update(QUICK_RESULT_CHECK)
     fleet.start("w1", concurrency=2, pool="threads")
     if how == "apply_async":
         ignored = run_agent.apply_async((calls("f1"), "s"), ignore_result=True)
@@ -316,6 +317,7 @@ def test_a_result_its_caller_ignores_is_never_stored_by_the_sweeper(
 @pytest.mark.slow
 @pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_a_forgotten_result_is_not_stored_again(fleet: Fleet, pool: str) -> None:
+    fleet.env.update(QUICK_RESULT_CHECK)
     fleet.start("w1", concurrency=2, pool=pool)
     done = run_agent.delay(calls("g1"), "s")
     assert done.get(timeout=30)["output"] == "done: recorded g1"
