@@ -164,7 +164,10 @@ def test_soft_shutdown_with_a_hundred_runs_in_flight_loses_none(fleet: Fleet) ->
 
 def test_a_frozen_process_is_fenced_as_a_whole(fleet: Fleet) -> None:
     install_journal_audit(fleet.dsn)
-    sent, cut = _fill_one_process(fleet, 30, **FAST_RECOVERY)
+    # Tool calls as long as HUNDRED's: every run is still in flight once the
+    # spare worker is ready, however slowly it starts.
+    sent, cut = _fill_one_process(fleet, 30, **HUNDRED)
+    assert _running(fleet.dsn, sent) == 30
     frozen = fleet.workers["w1"]
     os.killpg(frozen.pid, signal.SIGSTOP)
     try:
