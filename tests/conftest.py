@@ -1,10 +1,13 @@
-"""Fixtures: a fresh database per test, cloned from a migrated template; and
-under ``CI=true`` a skipped test fails (see ``tests/needs.py``)."""
+"""Fixtures: a fresh database per test, cloned from a migrated template;
+under ``CI=true`` a skipped test fails (see ``tests/needs.py``); and a test
+that starts a process (a worker, a subprocess, a private server) fails unless
+it is marked ``slow``, so that ``-m "not slow"`` runs in one process."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
+import sys
 import uuid
 from collections.abc import AsyncIterator, Generator, Iterator
 
@@ -50,6 +53,36 @@ def _admin(statement: sql.Composable) -> None:
         conn.execute(statement)
 
 
+# What a test starts a process with, as Python audits it.
+_STARTS = frozenset({"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn",
+                     "os.posix_spawnp"})
+_started: list[str] = []  # by the test now running
+
+
+def _note_start(event: str, args: tuple[object, ...]) -> None:
+    if event in _STARTS:
+        _started.append(f"{event} {args[1] if len(args) > 1 else ''}"[:200])
+
+
+sys.addaudithook(_note_start)
+
+
+def _unmarked_start(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Fail a passing test not marked ``slow`` that started a process."""
+    if report.passed and _started and item.get_closest_marker("slow") is None:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} started a process ({_started[0]}) but is not marked slow: "
+            "mark it (@pytest.mark.slow, or pytestmark = pytest.mark.slow for the module) "
+            "so that the fast tier, -m \"not slow\", stays in one process"
+        )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _started.clear()
+
+
 def _skip_fails(report: pytest.CollectReport | pytest.TestReport) -> None:
     if report.skipped and not hasattr(report, "wasxfail") and skips_fail(os.environ):
         report.outcome = "failed"
@@ -60,7 +93,10 @@ def _skip_fails(report: pytest.CollectReport | pytest.TestReport) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[
         None, pluggy.Result[pytest.TestReport], None]:
     outcome = yield
-    _skip_fails(outcome.get_result())
+    report = outcome.get_result()
+    if call.when == "call":
+        _unmarked_start(item, report)
+    _skip_fails(report)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -10,15 +10,17 @@ import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from celery.result import AsyncResult
+from psycopg.conninfo import conninfo_to_dict
 
 from loomflow_worker.tasks import run_agent
+from tests.conftest import ADMIN_DSN
 from tests.integration.celery_harness import Fleet
 from tests.integration.helpers import calls
 
@@ -401,3 +403,17 @@ def problem_lines(fleet: Fleet, limit: int = 60) -> str:
     return grep_logs(
         fleet, "ERROR", "WARNING", "Traceback", "dead", "failed", "fenced", "Error", limit=limit
     )
+
+
+def kill_postgres_backends(dsn: str) -> tuple[datetime, Counter[str]]:
+    """End every backend of ``dsn``'s database but our own, in one statement;
+    returns when (server clock) and how many of each application name."""
+    dbname = conninfo_to_dict(dsn)["dbname"]
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT application_name, pg_terminate_backend(pid), clock_timestamp() "
+            "FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+            (dbname,),
+        ).fetchall()
+    at = min((row[2] for row in rows), default=datetime.now(UTC))
+    return at, Counter(str(name) or "(unnamed)" for name, ok, _ in rows if ok)

@@ -8,6 +8,8 @@ from loomflow_worker.tasks import run_agent
 from tests.integration.celery_harness import Fleet, ledger
 from tests.integration.helpers import calls
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_a_run_on_each_broker(fleet: Fleet, broker: str) -> None:

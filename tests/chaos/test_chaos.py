@@ -39,6 +39,8 @@ from tests.chaos.checks import (
 )
 from tests.integration.celery_harness import Fleet
 
+pytestmark = pytest.mark.slow
+
 REQUESTS = 100
 SESSIONS = 10
 WORKERS = ("w1", "w2", "w3")

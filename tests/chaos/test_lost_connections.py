@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import psycopg
 import pytest
 
 from loomflow_worker.tasks import run_agent
-from tests.chaos.test_restarts import kill_postgres_backends
+from tests.chaos.checks import kill_postgres_backends
 from tests.integration.celery_harness import Fleet, ledger, wait_status
-from tests.integration.helpers import calls
+from tests.integration.helpers import calls, wait_until
+
+pytestmark = pytest.mark.slow
 
 
 def _end_lock_connections(dsn: str) -> int:
@@ -21,6 +24,17 @@ def _end_lock_connections(dsn: str) -> int:
             "WHERE datname = current_database() AND application_name = 'loomflow-worker lock'"
         ).fetchall()
     return len(rows)
+
+
+def _in_a_tool(dsn: str, request_id: str, attempt: int) -> bool:
+    """Whether attempt ``attempt`` of ``request_id`` has started a tool call."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT EXISTS (SELECT FROM run_attempts a, loomflow_worker_effects e"
+            " WHERE a.request_id = %s AND a.attempt = %s AND e.started_at > a.started_at)",
+            (request_id, attempt),
+        ).fetchone()
+    return bool(row and row[0])
 
 
 def _outcomes(dsn: str, request_id: str) -> list[str | None]:
@@ -40,11 +54,8 @@ def test_lost_lock_connections_do_not_count_as_crashes(fleet: Fleet, pool: str) 
     result = run_agent.delay(calls(*(f"x{i}" for i in range(6))), "s")
     for cut in range(3):
         wait_status(fleet.dsn, result.id, ("running",), timeout=30)
-        deadline = time.monotonic() + 30
-        while int(ledger(fleet.dsn, result.id)["attempts"]) < cut + 1:  # type: ignore[call-overload]
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(0.5)
+        wait_until(partial(_in_a_tool, fleet.dsn, result.id, cut + 1),
+                   f"attempt {cut + 1} never started a tool call")
         assert _end_lock_connections(fleet.dsn) >= 1
     assert result.get(timeout=60)["output"].startswith("done: recorded x0")
     row = ledger(fleet.dsn, result.id)

@@ -3,14 +3,13 @@ whole process, and a soft shutdown, each with every run in flight."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
 from datetime import datetime
-from pathlib import Path
 
 import psycopg
+import pytest
 
 from tests.chaos.checks import (
     Sent,
@@ -21,6 +20,9 @@ from tests.chaos.checks import (
     wait_terminal,
 )
 from tests.integration.celery_harness import Fleet
+from tests.integration.helpers import backends, tcp_connections
+
+pytestmark = pytest.mark.slow
 
 FAST_RECOVERY = {
     "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
@@ -58,16 +60,6 @@ def _lock_backends(dsn: str) -> list[int]:
     return [int(r[0]) for r in rows]
 
 
-def _worker_backends(dsn: str) -> int:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND application_name LIKE 'loomflow-worker%%'"
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 def _resumed(dsn: str, sent: list[Sent], after: datetime) -> list[datetime]:
     """When each request's first attempt started after ``after``."""
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -102,12 +94,13 @@ def test_fifty_runs_on_one_lock_connection_fenced_together(fleet: Fleet) -> None
     _wait_running(fleet.dsn, sent)
 
     # The 50 session locks live on one connection; the process needs a few in all.
-    backends = _lock_backends(fleet.dsn)
-    assert len(backends) == 1, backends
-    assert _worker_backends(fleet.dsn) <= 5
+    lock_backends = _lock_backends(fleet.dsn)
+    assert len(lock_backends) == 1, lock_backends
+    assert backends(fleet.dsn, "loomflow-worker%") <= 5
 
     with psycopg.connect(fleet.dsn, autocommit=True) as admin:
-        ended = admin.execute("SELECT pg_terminate_backend(%s, 5000)", (backends[0],)).fetchone()
+        ended = admin.execute(
+            "SELECT pg_terminate_backend(%s, 5000)", (lock_backends[0],)).fetchone()
         assert ended == (True,)
         cut = admin.execute("SELECT clock_timestamp()").fetchone()
     assert cut is not None
@@ -171,7 +164,10 @@ def test_soft_shutdown_with_a_hundred_runs_in_flight_loses_none(fleet: Fleet) ->
 
 def test_a_frozen_process_is_fenced_as_a_whole(fleet: Fleet) -> None:
     install_journal_audit(fleet.dsn)
-    sent, cut = _fill_one_process(fleet, 30, **FAST_RECOVERY)
+    # Tool calls as long as HUNDRED's: every run is still in flight once the
+    # spare worker is ready, however slowly it starts.
+    sent, cut = _fill_one_process(fleet, 30, **HUNDRED)
+    assert _running(fleet.dsn, sent) == 30
     frozen = fleet.workers["w1"]
     os.killpg(frozen.pid, signal.SIGSTOP)
     try:
@@ -210,23 +206,5 @@ def _lock_backends_of(fleet: Fleet, name: str) -> list[int]:
             "SELECT pid, client_port FROM pg_stat_activity WHERE datname = current_database() "
             "AND application_name = 'loomflow-worker lock'"
         ).fetchall()
-    ports = _local_ports(pid)
+    ports = {local for local, _ in tcp_connections([pid])}
     return [int(backend) for backend, port in rows if port in ports]
-
-
-def _local_ports(pid: int) -> set[int]:
-    """The local TCP ports of the sockets process ``pid`` has open."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            target = os.readlink(fd)
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-                fields = line.split()
-                if fields[9] in inodes:
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports

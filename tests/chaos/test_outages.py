@@ -40,6 +40,8 @@ from tests.integration.celery_harness import Fleet, wait_status
 from tests.integration.helpers import calls
 from tests.integration.services import PrivateRabbitMQ, PrivateRedis
 
+pytestmark = pytest.mark.slow
+
 ENV = {
     "TEST_TOOL_SLEEP": "0.3",
     "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",

@@ -12,8 +12,15 @@ import pytest
 
 from loomflow_worker.tasks import run_agent
 from tests.integration.celery_harness import Fleet, ledger
-from tests.integration.helpers import calls, steps_journaled_twice
-from tests.integration.test_celery import _counts, _executions, _wait_for_execution
+from tests.integration.helpers import (
+    calls,
+    steps_journaled_twice,
+    tool_counts,
+    tool_executions,
+    wait_for_execution,
+)
+
+pytestmark = pytest.mark.slow
 
 RECOVERY = {
     "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
@@ -27,7 +34,7 @@ def _next_start(dsn: str, tag: str, after_pid: int, timeout: float = 30) -> floa
     """When ``tag`` started again, in a process other than ``after_pid``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for found, pid, started, _ in _executions(dsn):
+        for found, pid, started, _ in tool_executions(dsn):
             if found == tag and pid != after_pid:
                 return float(started.timestamp())
         time.sleep(0.02)
@@ -44,10 +51,10 @@ def test_a_whole_worker_killed_mid_run_resumes_elsewhere_in_seconds(
     fleet.start("w1", concurrency=1, **env)
     fleet.start("w2", concurrency=1, **env)
     times: list[float] = []
-    for trial in range(10):
+    for trial in range(5):
         tags = [f"k{trial}-{i}" for i in range(3)]
         result = run_agent.delay(calls(*tags), f"s{trial}")
-        _, pid, _, _ = _wait_for_execution(fleet.dsn, tags[1])
+        _, pid, _, _ = wait_for_execution(fleet.dsn, tags[1])
         victim = fleet.worker_of(pid)
         killed_at = time.time()
         fleet.kill(victim)
@@ -57,7 +64,7 @@ def test_a_whole_worker_killed_mid_run_resumes_elsewhere_in_seconds(
         assert result.get(timeout=60)["output"] == "done: " + ", ".join(
             f"recorded {t}" for t in tags
         )
-        counts = _counts(fleet.dsn)
+        counts = tool_counts(fleet.dsn)
         assert counts[tags[0]] == 1 and counts[tags[2]] == 1 and counts[tags[1]] == 2
         fleet.wait_ready(victim)
     assert steps_journaled_twice(fleet.dsn) == []
@@ -82,7 +89,7 @@ def test_a_frozen_worker_is_fenced_and_its_request_recovered(fleet: Fleet) -> No
     fleet.start("w2", concurrency=1, **env)
     tags = ["f1", "f2", "f3"]
     result = run_agent.delay(calls(*tags), "s")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, "f2")
+    _, pid, _, _ = wait_for_execution(fleet.dsn, "f2")
     frozen_name = fleet.worker_of(pid)
     frozen = fleet.workers[frozen_name]
     os.killpg(frozen.pid, signal.SIGSTOP)
@@ -102,7 +109,7 @@ def test_a_frozen_worker_is_fenced_and_its_request_recovered(fleet: Fleet) -> No
     assert _journal_snapshot(fleet.dsn) == before
     row_after = ledger(fleet.dsn, result.id)
     assert row_after == row_before and row_after["status"] == "succeeded"
-    counts = _counts(fleet.dsn)
+    counts = tool_counts(fleet.dsn)
     assert counts["f1"] == 1 and counts["f3"] == 1 and counts["f2"] == 2
     assert "fenced" in fleet.log_text() or "LockLost" in fleet.log_text()
     # The sweeper recorded the fence, for the console's fleet page.
@@ -125,7 +132,7 @@ def test_a_rolling_deploy_loses_no_run(fleet: Fleet) -> None:
     for i in range(10):
         tags = [f"d{i}-{j}" for j in range(5)]
         requests.append((tags, run_agent.delay(calls(*tags), f"s{i}")))
-    _wait_for_execution(fleet.dsn, requests[0][0][1])
+    wait_for_execution(fleet.dsn, requests[0][0][1])
     # Replace the fleet one worker at a time, as a Deployment's rolling update does.
     started = time.monotonic()
     fleet.start("w3", concurrency=2, cli=True, **env)
@@ -151,7 +158,7 @@ def test_a_rolling_deploy_loses_no_run(fleet: Fleet) -> None:
     # A tool whose side effect finished just before its worker stopped, but
     # whose journal entry was not yet written, runs again: at-least-once at
     # the step boundary. What never happens is a journaled step running again.
-    interrupted = len(_executions(fleet.dsn)) - sum(len(tags) for tags, _ in requests)
+    interrupted = len(tool_executions(fleet.dsn)) - sum(len(tags) for tags, _ in requests)
     assert interrupted > 0, "the deploy interrupted no run: the test proved nothing"
     assert "Initiating Soft Shutdown" in fleet.log_text()
     print(f"\nrolling deploy: {deploy_took:.1f}s, {interrupted} tool calls interrupted and rerun")

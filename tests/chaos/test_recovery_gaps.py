@@ -16,7 +16,9 @@ from loomflow_worker.tasks import run_agent
 from tests.chaos.checks import executions, send
 from tests.conftest import ADMIN_DSN
 from tests.integration.celery_harness import AGENTS, Fleet, ledger, wait_status
-from tests.integration.helpers import calls
+from tests.integration.helpers import calls, wait_until
+
+pytestmark = pytest.mark.slow
 
 FAST_RECOVERY = {
     "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
@@ -124,7 +126,8 @@ def test_a_queued_request_reserved_by_a_lost_worker_resumes_in_seconds(fleet: Fl
     deadline = time.monotonic() + 30
     while ledger(fleet.dsn, request.id)["failures"] != 1 and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)  # w1 receives the retry and holds it for its countdown
+    # w1 receives the retry and holds it for its countdown.
+    wait_until(lambda: fleet.deliveries(request.id)[0] == 2, "w1 never received the retry")
     fleet.kill("w1")
     assert ledger(fleet.dsn, request.id)["status"] == "queued"
     fleet.start("w2", 1, cli=False, **{**env, "TEST_FLAKY_FAILURES": "0"})

@@ -26,14 +26,9 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable
-from datetime import UTC, datetime
-from pathlib import Path
-from urllib.parse import urlparse
 
-import psycopg
 import pytest
 import redis
-from psycopg.conninfo import conninfo_to_dict
 
 from tests.chaos.checks import (
     Sent,
@@ -42,13 +37,16 @@ from tests.chaos.checks import (
     fleet_pids,
     grep_logs,
     install_journal_audit,
+    kill_postgres_backends,
     problem_lines,
     send,
     verdict,
     wait_terminal,
 )
-from tests.conftest import ADMIN_DSN
-from tests.integration.celery_harness import REDIS_URL, Fleet
+from tests.integration.celery_harness import REDIS_PORT, REDIS_URL, Fleet
+from tests.integration.helpers import tcp_connections
+
+pytestmark = pytest.mark.slow
 
 ENV = {
     "TEST_TOOL_SLEEP": "0.3",
@@ -85,60 +83,10 @@ def _wait_in_flight(dsn: str, after: float, count: int = 2, timeout: float = 30)
     return tags
 
 
-def kill_postgres_backends(dsn: str) -> tuple[datetime, Counter[str]]:
-    """End every backend of ``dsn``'s database but our own, in one statement;
-    returns when (server clock) and how many of each application name."""
-    dbname = conninfo_to_dict(dsn)["dbname"]
-    with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT application_name, pg_terminate_backend(pid), clock_timestamp() "
-            "FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-            (dbname,),
-        ).fetchall()
-    at = min((row[2] for row in rows), default=datetime.now(UTC))
-    return at, Counter(str(name) or "(unnamed)" for name, ok, _ in rows if ok)
-
-
-def _socket_inodes(pid: int) -> set[int]:
-    inodes: set[int] = set()
-    try:
-        fds = list(Path(f"/proc/{pid}/fd").iterdir())
-    except OSError:
-        return inodes
-    for fd in fds:
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(int(target[8:-1]))
-    return inodes
-
-
-def _local_ports_to(remote_port: int, inodes: set[int]) -> set[int]:
-    """Local ports of the TCP connections (among ``inodes``) to ``remote_port``."""
-    ports: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            local, remote, inode = fields[1], fields[2], int(fields[9])
-            if inode in inodes and int(remote.rsplit(":", 1)[1], 16) == remote_port:
-                ports.add(int(local.rsplit(":", 1)[1], 16))
-    return ports
-
-
 def kill_redis_clients(pids: list[int]) -> Counter[str]:
     """``CLIENT KILL`` every Redis connection held by ``pids``; counts by client name
     and command."""
-    port = urlparse(REDIS_URL).port or 6379
-    inodes: set[int] = set()
-    for pid in pids:
-        inodes |= _socket_inodes(pid)
-    ports = _local_ports_to(port, inodes)
+    ports = {local for local, remote in tcp_connections(pids) if remote == REDIS_PORT}
     admin = redis.Redis.from_url(REDIS_URL)
     killed: Counter[str] = Counter()
     try:

@@ -20,12 +20,12 @@ from loomflow_worker.tasks import app, run_agent
 from tests.chaos.checks import (
     assert_sound,
     install_journal_audit,
+    kill_postgres_backends,
     ledger_rows,
     send,
     verdict,
     wait_terminal,
 )
-from tests.chaos.test_restarts import kill_postgres_backends
 from tests.integration.celery_harness import Fleet, ledger, wait_status
 from tests.integration.helpers import calls
 

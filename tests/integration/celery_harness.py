@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
@@ -22,6 +23,7 @@ from loomflow_worker import tasks
 from loomflow_worker.settings import Settings
 
 REDIS_URL = os.environ.get("LOOMFLOW_WORKER_TEST_REDIS", "redis://127.0.0.1:6379/0")
+REDIS_PORT = urlsplit(REDIS_URL).port or 6379
 AMQP_URL = os.environ.get("LOOMFLOW_WORKER_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
 BROKERS = {"redis": REDIS_URL, "rabbitmq": AMQP_URL}
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,22 +158,49 @@ class Fleet:
         deadline = time.monotonic() + timeout
         while pending:
             text = log.read_text(errors="replace") if log.exists() else ""
-            pending = {
-                rid for rid in pending
-                if not re.search(rf"Task \S+\[{rid}\] (succeeded|raised|retry|ignored|reject)",
-                                 text)
-            }
+            pending = {rid for rid in pending if not re.search(_ENDED.format(rid), text)}
             if pending:
                 assert time.monotonic() < deadline, (
                     f"worker {name} still running {sorted(pending)[:5]} after {timeout:g}s"
                 )
                 time.sleep(0.05)
 
+    def deliveries(self, request_id: str) -> tuple[int, int]:
+        """How many times the fleet's workers received the message of
+        ``request_id`` (a duplicate or a redelivery counts again), and how
+        many of those deliveries ended."""
+        text = "\n".join(p.read_text(errors="replace") for p in self.logs.glob("*.log"))
+        return (len(re.findall(rf"Task \S+\[{request_id}\] received", text)),
+                len(re.findall(_ENDED.format(request_id), text)))
+
+    def wait_deliveries(self, request_id: str, count: int, timeout: float = 30) -> int:
+        """Wait until the workers received ``request_id``'s message at least
+        ``count`` times and every delivery so far ended; how many there were."""
+        deadline = time.monotonic() + timeout
+        while True:
+            received, ended = self.deliveries(request_id)
+            if received >= count and ended == received:
+                return received
+            assert time.monotonic() < deadline, (
+                f"{request_id}: {received} deliveries, {ended} ended, after {timeout:g}s")
+            time.sleep(0.05)
+
+    def wait_logged(self, needle: str, timeout: float = 30) -> None:
+        """Wait until a worker of the fleet logs ``needle``."""
+        deadline = time.monotonic() + timeout
+        while not any(needle in p.read_text(errors="replace") for p in self.logs.glob("*.log")):
+            assert time.monotonic() < deadline, f"no worker logged {needle!r} in {timeout:g}s"
+            time.sleep(0.05)
+
     def log_text(self) -> str:
         return "\n".join(
             f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
             for p in self.logs.glob("*.log")
         )
+
+
+# A worker's log line saying its task of a request ended; format with the request id.
+_ENDED = r"Task \S+\[{}\] (succeeded|raised|retry|ignored|reject)"
 
 
 def ledger(dsn: str, request_id: str) -> dict[str, object]:
@@ -198,13 +227,25 @@ def wait_status(dsn: str, request_id: str, statuses: tuple[str, ...], timeout: f
     raise AssertionError(f"request {request_id} still {status!r} after {timeout}s")
 
 
+#: A fleet's sweeper that looks at a finished request's result a second after
+#: it finished (HANDOFF_GRACE, two heartbeats), not six: for tests that wait
+#: until it had its chance (``fleet.env.update(QUICK_RESULT_CHECK)``, then
+#: :func:`wait_swept`).
+QUICK_RESULT_CHECK = {"LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+                      "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+                      "LOOMFLOW_WORKER_HANDOFF_GRACE": "1"}
+
+
 def wait_swept(fleet: Fleet, request_id: str, timeout: float = 60) -> None:
     """Wait until the sweeper has had its chance to act on finished
     ``request_id`` (store its result, dispatch it again): its
     ``results_to_check`` row is gone, and the sweeper's leader completed a
-    sweep that began past the moment it would have looked for the result."""
+    sweep that began past the moment it would have looked for the result
+    (on the fleet's settings)."""
     settings = tasks.settings()
-    after = max(settings.handoff_grace, 2 * settings.heartbeat_interval) + 1.0
+    grace = float(fleet.env.get("LOOMFLOW_WORKER_HANDOFF_GRACE", settings.handoff_grace))
+    beat = float(fleet.env.get("LOOMFLOW_WORKER_HEARTBEAT_INTERVAL", settings.heartbeat_interval))
+    after = max(grace, 2 * beat) + 1.0
     deadline = time.monotonic() + timeout
     seen = None
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
@@ -224,6 +265,27 @@ def wait_swept(fleet: Fleet, request_id: str, timeout: float = 60) -> None:
                 return  # ... and a later one began, so it ended
             assert time.monotonic() < deadline, f"the sweeper did not settle {request_id}"
             time.sleep(0.1)
+
+
+def wait_sweeps_for(fleet: Fleet, seconds: float = 0.0, timeout: float = 60) -> None:
+    """Wait until a whole sweep of the sweeper's leader ran past ``seconds``
+    after now (on the database's clock): one began past that moment, and a
+    later one began, so it ended. Whatever the sweeper would do by then about
+    what the ledger says, it has done."""
+    deadline = time.monotonic() + timeout
+    began = None
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT now() + make_interval(secs => %s)", (seconds,)).fetchone()
+        assert row is not None
+        since = row[0]
+        while True:
+            row = conn.execute("SELECT heartbeat_at FROM sweeper_leader").fetchone()
+            if row is not None and row[0] > since:
+                if began is not None and row[0] > began:
+                    return
+                began = row[0]
+            assert time.monotonic() < deadline, f"no whole sweep past {seconds:g}s from now"
+            time.sleep(0.05)
 
 
 @pytest.fixture

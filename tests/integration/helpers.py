@@ -1,9 +1,19 @@
-"""Shared pieces of the integration tests."""
+"""Shared pieces of the integration and chaos tests: test modules import
+these from here, never from one another (tests/unit/test_suite_rules.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -12,6 +22,8 @@ from loomflow import Agent
 from loomflow.runtime import _codec, journal_scope
 
 from loomflow_worker.testing import DeterministicModel, EffectsLog
+
+from .celery_harness import ROOT, Fleet
 
 
 class Crash(BaseException):
@@ -92,3 +104,138 @@ def steps_journaled_twice(dsn: str) -> list[tuple[str, str, int]]:
             "GROUP BY 1, 2 HAVING count(*) > 1"
         ).fetchall()
     return [(r[0], r[1], int(r[2])) for r in rows]
+
+
+# ---- waiting on what can be seen ---------------------------------------------------------------
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout: float = 30) -> None:
+    """Poll ``condition`` until it is true; fail saying ``what`` did not happen."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g}s"
+        time.sleep(0.02)
+
+
+def backends(dsn: str, application: str, statement: str = "%") -> int:
+    """How many connections to ``dsn``'s database have an application name
+    LIKE ``application`` and a last statement LIKE ``statement``."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND application_name LIKE %s AND query LIKE %s", (application, statement)
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def signal_listeners(dsn: str) -> int:
+    """How many processes listen for signals on ``dsn``'s database: a run that
+    waits for a signal has its runtime's listener up before it first looks."""
+    return backends(dsn, "loomflow-worker signals", "LISTEN %")
+
+
+def tcp_connections(pids: Iterable[int]) -> set[tuple[int, int]]:
+    """The TCP sockets processes ``pids`` have open: (local port, remote port)
+    of each (on this host's network namespace)."""
+    inodes: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    inodes.add(os.readlink(fd))
+    found = set()
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+                fields = line.split()
+                if f"socket:[{fields[9]}]" in inodes:
+                    found.add((int(fields[1].rsplit(":", 1)[1], 16),
+                               int(fields[2].rsplit(":", 1)[1], 16)))
+    return found
+
+
+def connected_to(pid: int, port: int) -> bool:
+    """Whether process ``pid`` has a TCP connection to ``port``."""
+    return any(remote == port for _, remote in tcp_connections([pid]))
+
+
+# ---- tool executions: the effects table, one row per execution of the record tool -----------
+
+
+def tool_executions(dsn: str) -> list[tuple[str, int, object, object]]:
+    """Every tool execution: its tag, process id, start and end (``None`` while it runs)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT tag, pid, started_at, finished_at FROM loomflow_worker_effects ORDER BY id"
+        ).fetchall()
+    return [(r[0], r[1], r[2], r[3]) for r in rows]
+
+
+def tool_counts(dsn: str) -> dict[str, int]:
+    """How many times each tag's tool call started."""
+    found: dict[str, int] = {}
+    for tag, *_ in tool_executions(dsn):
+        found[tag] = found.get(tag, 0) + 1
+    return found
+
+
+def wait_for_execution(
+    dsn: str, tag: str, timeout: float = 60
+) -> tuple[str, int, object, object]:
+    """Wait until the tool call of ``tag`` is running; its execution."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for execution in tool_executions(dsn):
+            if execution[0] == tag and execution[3] is None:
+                return execution
+        time.sleep(0.02)
+    raise AssertionError(f"{tag} never started")
+
+
+# ---- the loomflow-worker command and the metrics endpoint --------------------------------------
+
+
+def cli(
+    fleet: Fleet, *args: str, input: str | None = None, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m loomflow_worker.cli ARGS`` with the fleet's environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "loomflow_worker.cli", *args],
+        env={**fleet.env, **env}, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        input=input if input is not None else "",
+    )
+
+
+def enqueued(fleet: Fleet, prompt: str, session: str, *extra: str) -> str:
+    """The request id ``loomflow-worker enqueue`` printed."""
+    done = cli(fleet, "enqueue", prompt, "--session", session, *extra)
+    assert done.returncode == 0, done.stderr
+    request_id = done.stdout.strip()
+    uuid.UUID(request_id)
+    return request_id
+
+
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The ``loomflow_worker_*`` samples of the metrics endpoint on ``port``,
+    once it answers (within 20 s)."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+                text = reply.read().decode()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        match = re.match(r"^(loomflow_worker_[^\s]+)\s+([0-9.e+-]+)$", line)
+        if match:
+            samples[match[1]] = float(match[2])
+    return samples

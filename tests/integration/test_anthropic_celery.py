@@ -1,6 +1,6 @@
 """The Anthropic crash/resume tests again, on real Celery workers.
 
-The local Messages API of ``test_anthropic`` runs in this process; the
+The local Messages API of ``messages_api`` runs in this process; the
 workers' "claude" agent (``agents_fixture``) drives loomflow's real
 ``AnthropicModel`` against it through ``ANTHROPIC_BASE_URL``. The worker
 always passes ``emit`` to ``agent.run``, so every model call is an SSE
@@ -22,9 +22,10 @@ import pytest
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet, ledger
-from .helpers import steps_journaled_twice
-from .test_anthropic import ANSWER, API_KEY, PROMPT, MessagesAPI
-from .test_celery import _counts
+from .helpers import steps_journaled_twice, tool_counts
+from .messages_api import ANSWER, API_KEY, PROMPT, MessagesAPI
+
+pytestmark = pytest.mark.slow
 
 # Tool b sleeps this long in the workers: the window in which it is killed.
 TOOL_SLEEP = "1.0"
@@ -72,7 +73,7 @@ def _pid_running(dsn: str, tag: str, timeout: float = 30) -> int:
 
 
 def _assert_ran_once_after_crash(fleet: Fleet, request_id: str) -> None:
-    assert _counts(fleet.dsn) == {"a": 1, "b": 2}  # b once interrupted, once to the end
+    assert tool_counts(fleet.dsn) == {"a": 1, "b": 2}  # b once interrupted, once to the end
     row = ledger(fleet.dsn, request_id)
     assert (row["status"], row["attempts"], row["crashes"]) == ("succeeded", 2, 1), row
     assert steps_journaled_twice(fleet.dsn) == []

@@ -11,6 +11,8 @@ from loomflow_worker.tasks import run_agent
 from .celery_harness import Fleet
 from .helpers import calls
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
 def test_a_backlog_drained_over_many_seconds_is_not_sent_twice(fleet: Fleet, broker: str) -> None:

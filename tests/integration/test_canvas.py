@@ -15,8 +15,9 @@ from celery.result import AsyncResult
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet, wait_status
-from .helpers import calls
-from .test_celery import _counts
+from .helpers import calls, tool_counts
+
+pytestmark = pytest.mark.slow
 
 
 def _runs(dsn: str) -> dict[str, dict[str, Any]]:
@@ -43,7 +44,7 @@ def _each_once(fleet: Fleet, *requests: tuple[str, ...]) -> dict[str, dict[str, 
     runs = _runs(fleet.dsn)
     assert sorted(r["prompt"] for r in runs.values()) == sorted(calls(*t) for t in requests)
     assert all(r["attempts"] == 1 for r in runs.values()), runs
-    assert _counts(fleet.dsn) == {tag: 1 for tags in requests for tag in tags}
+    assert tool_counts(fleet.dsn) == {tag: 1 for tags in requests for tag in tags}
     return runs
 
 

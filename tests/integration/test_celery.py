@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from itertools import pairwise
 
 import pytest
@@ -11,9 +10,16 @@ import pytest
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet, ledger
-from .helpers import calls, steps_journaled_twice
+from .helpers import (
+    calls,
+    steps_journaled_twice,
+    tool_counts,
+    tool_executions,
+    wait_for_execution,
+)
 
 
+@pytest.mark.slow
 def test_a_run_through_a_worker(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1)
     result = run_agent.delay(calls("a", "b"), "s1", user_id="u1")
@@ -24,23 +30,7 @@ def test_a_run_through_a_worker(fleet: Fleet) -> None:
     assert row["status"] == "succeeded" and row["attempts"] == 1 and row["epoch"] == 0
 
 
-def _executions(dsn: str) -> list[tuple[str, int, object, object]]:
-    import psycopg
-
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        rows = conn.execute(
-            "SELECT tag, pid, started_at, finished_at FROM loomflow_worker_effects ORDER BY id"
-        ).fetchall()
-    return [(r[0], r[1], r[2], r[3]) for r in rows]
-
-
-def _counts(dsn: str) -> dict[str, int]:
-    found: dict[str, int] = {}
-    for tag, *_ in _executions(dsn):
-        found[tag] = found.get(tag, 0) + 1
-    return found
-
-
+@pytest.mark.slow
 def test_forty_requests_on_five_sessions_keep_order_and_never_overlap(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=2, TEST_TOOL_SLEEP="0.02")
     fleet.start("w2", concurrency=2, TEST_TOOL_SLEEP="0.02")
@@ -51,7 +41,7 @@ def test_forty_requests_on_five_sessions_keep_order_and_never_overlap(fleet: Fle
         sent.append((session, i, tags, run_agent.delay(calls(*tags), session, user_id="u")))
     for _session, _i, tags, result in sent:
         assert result.get(timeout=120)["output"] == f"done: recorded {tags[0]}, recorded {tags[1]}"
-    executions = _executions(fleet.dsn)
+    executions = tool_executions(fleet.dsn)
     assert sorted(e[0] for e in executions) == sorted(t for *_, tags, _ in sent for t in tags)
     for k in range(5):
         mine = [e for e in executions if e[0].startswith(f"s{k}-")]
@@ -65,6 +55,7 @@ def test_forty_requests_on_five_sessions_keep_order_and_never_overlap(fleet: Fle
     assert {ledger(fleet.dsn, r.id)["status"] for *_, r in sent} == {"succeeded"}
 
 
+@pytest.mark.slow
 def test_a_handoff_publishes_only_a_request_whose_message_was_parked(fleet: Fleet) -> None:
     # No sweeper: a request the handoff failed to reach would never run, so
     # every result arriving proves none was lost. A request whose message is
@@ -88,28 +79,17 @@ def test_a_handoff_publishes_only_a_request_whose_message_was_parked(fleet: Flee
     assert {ledger(fleet.dsn, r.id)["status"] for r in sent} == {"succeeded"}
 
 
-def _wait_for_execution(
-    dsn: str, tag: str, timeout: float = 60
-) -> tuple[str, int, object, object]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for execution in _executions(dsn):
-            if execution[0] == tag and execution[3] is None:
-                return execution
-        time.sleep(0.02)
-    raise AssertionError(f"{tag} never started")
-
-
+@pytest.mark.slow
 def test_sigkill_of_a_pool_child_mid_tool(fleet: Fleet) -> None:
     import os
     import signal
 
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.5")
     result = run_agent.delay(calls("t1", "t2", "t3"), "s", user_id="u")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, "t2")
+    _, pid, _, _ = wait_for_execution(fleet.dsn, "t2")
     os.kill(pid, signal.SIGKILL)
     assert result.get(timeout=60)["output"] == "done: recorded t1, recorded t2, recorded t3"
-    counts = _counts(fleet.dsn)
+    counts = tool_counts(fleet.dsn)
     assert counts["t1"] == 1 and counts["t3"] == 1
     assert 1 <= counts["t2"] <= 2
     row = ledger(fleet.dsn, result.id)
@@ -117,6 +97,7 @@ def test_sigkill_of_a_pool_child_mid_tool(fleet: Fleet) -> None:
     assert steps_journaled_twice(fleet.dsn) == []
 
 
+@pytest.mark.slow
 def test_a_worker_killed_after_the_commit_returns_the_stored_result(
     fleet: Fleet, tmp_path: object
 ) -> None:
@@ -128,12 +109,13 @@ def test_a_worker_killed_after_the_commit_returns_the_stored_result(
     value = result.get(timeout=60)
     assert marker.exists()  # the child died once, after its commit
     assert value["output"] == "done: recorded x"
-    assert _counts(fleet.dsn) == {"x": 1}
+    assert tool_counts(fleet.dsn) == {"x": 1}
     row = ledger(fleet.dsn, result.id)
     assert row["status"] == "succeeded" and row["attempts"] == 1
     assert "succeeded before the worker was lost" not in fleet.log_text()
 
 
+@pytest.mark.slow
 def test_duplicates_of_a_running_request_neither_run_beside_it_nor_get_lost(
     fleet: Fleet,
 ) -> None:
@@ -144,23 +126,24 @@ def test_duplicates_of_a_running_request_neither_run_beside_it_nor_get_lost(
     fleet.start("w2", concurrency=2, **env)
     prompt = calls("d1", "d2", "d3")
     result = run_agent.delay(prompt, "s")
-    _wait_for_execution(fleet.dsn, "d1")
+    wait_for_execution(fleet.dsn, "d1")
     duplicate = Pending(result.id, "run", "s", None, "default", prompt, {})
     for _ in range(3):
         run_agent.dispatch(duplicate)
     assert result.get(timeout=60)["output"] == "done: recorded d1, recorded d2, recorded d3"
-    time.sleep(1.0)  # let the duplicates land
+    delivered = fleet.wait_deliveries(result.id, 4)  # the duplicates landed and ended
     for _ in range(2):  # and once more after it finished
         run_agent.dispatch(duplicate)
-    time.sleep(1.0)
-    assert _counts(fleet.dsn) == {"d1": 1, "d2": 1, "d3": 1}
-    executions = sorted(_executions(fleet.dsn), key=lambda e: e[2])
+    fleet.wait_deliveries(result.id, delivered + 2)
+    assert tool_counts(fleet.dsn) == {"d1": 1, "d2": 1, "d3": 1}
+    executions = sorted(tool_executions(fleet.dsn), key=lambda e: e[2])
     for earlier, later in pairwise(executions):
         assert earlier[3] <= later[2]
     row = ledger(fleet.dsn, result.id)
     assert row["status"] == "succeeded" and row["attempts"] == 1
 
 
+@pytest.mark.slow
 def test_a_crashed_request_resumes_before_a_newer_one_in_its_own_namespace(
     fleet: Fleet,
 ) -> None:
@@ -169,21 +152,22 @@ def test_a_crashed_request_resumes_before_a_newer_one_in_its_own_namespace(
 
     fleet.start("w1", concurrency=2, TEST_TOOL_SLEEP="0.4")
     crashed = run_agent.delay(calls("old1", "old2"), "s")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, "old2")
+    _, pid, _, _ = wait_for_execution(fleet.dsn, "old2")
     newer = run_agent.delay(calls("new1"), "s")
-    time.sleep(0.3)  # the newer request arrives and parks while the old one runs
+    fleet.wait_logged(f"request {newer.id} parked")  # it arrives while the old one runs
     os.kill(pid, signal.SIGKILL)
     assert crashed.get(timeout=60)["output"] == "done: recorded old1, recorded old2"
     assert newer.get(timeout=60)["output"] == "done: recorded new1"
-    counts = _counts(fleet.dsn)
+    counts = tool_counts(fleet.dsn)
     assert counts["old1"] == 1 and counts["new1"] == 1 and counts["old2"] <= 2
-    executions = sorted(_executions(fleet.dsn), key=lambda e: e[2])
+    executions = sorted(tool_executions(fleet.dsn), key=lambda e: e[2])
     assert executions[-1][0] == "new1"  # the newer request ran after the resumed one
     old, new = ledger(fleet.dsn, crashed.id), ledger(fleet.dsn, newer.id)
     assert (old["epoch"], old["crashes"], old["attempts"]) == (0, 1, 2)
     assert new["epoch"] == 1
 
 
+@pytest.mark.slow
 def test_a_request_that_kills_its_worker_every_time_ends_dead(fleet: Fleet) -> None:
     from loomflow_worker.tasks import RunDead
 
@@ -195,10 +179,11 @@ def test_a_request_that_kills_its_worker_every_time_ends_dead(fleet: Fleet) -> N
     assert after.get(timeout=60)["output"] == "done: recorded after"
     row = ledger(fleet.dsn, poison.id)
     assert row["status"] == "dead" and row["crashes"] == 3 and row["error_type"] == "WorkerDied"
-    assert _counts(fleet.dsn) == {"poison": 3, "after": 1}
+    assert tool_counts(fleet.dsn) == {"poison": 3, "after": 1}
     assert ledger(fleet.dsn, after.id)["epoch"] == 1
 
 
+@pytest.mark.slow
 def test_an_error_retries_with_backoff_replaying_the_journal(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_FLAKY_FAILURES="1")
     result = run_agent.delay("flaky\n" + calls("once"), "s", agent="flaky")
@@ -206,7 +191,7 @@ def test_an_error_retries_with_backoff_replaying_the_journal(fleet: Fleet) -> No
     row = ledger(fleet.dsn, result.id)
     assert row["status"] == "succeeded" and row["failures"] == 1 and row["attempts"] == 2
     assert row["crashes"] == 0
-    assert _counts(fleet.dsn) == {"once": 1}
+    assert tool_counts(fleet.dsn) == {"once": 1}
     # The retry message itself brought the second attempt, after its backoff:
     # the sweeper sends a queued request again only after the handoff grace (5 s).
     assert _retry_gaps(fleet.dsn, result.id)[0] < 4
@@ -226,6 +211,7 @@ def _retry_gaps(dsn: str, request_id: str) -> list[float]:
     return [(later[0] - earlier[1]).total_seconds() for earlier, later in pairwise(rows)]
 
 
+@pytest.mark.slow
 def test_past_the_retry_limit_a_request_fails_and_the_session_moves_on(fleet: Fleet) -> None:
     from loomflow_worker.tasks import RunFailed
 
@@ -287,6 +273,7 @@ def test_bad_input_at_delay_is_refused_with_nothing_written_or_sent(
     assert _queue_length(fleet) == 0
 
 
+@pytest.mark.slow
 def test_bad_input_sent_by_task_name_fails_without_retry(fleet: Fleet) -> None:
     from loomflow_worker.tasks import RunFailed, app
 
@@ -302,9 +289,10 @@ def test_bad_input_sent_by_task_name_fails_without_retry(fleet: Fleet) -> None:
     for result in (raw, unknown):
         row = ledger(fleet.dsn, result.id)
         assert row["status"] == "failed" and row["attempts"] == 0
-    assert _counts(fleet.dsn) == {}
+    assert tool_counts(fleet.dsn) == {}
 
 
+@pytest.mark.slow
 def test_a_message_sent_by_name_gets_its_ledger_row_on_receipt(fleet: Fleet) -> None:
     from loomflow_worker.tasks import app
 
@@ -316,6 +304,7 @@ def test_a_message_sent_by_name_gets_its_ledger_row_on_receipt(fleet: Fleet) -> 
     assert ledger(fleet.dsn, result.id)["status"] == "succeeded"
 
 
+@pytest.mark.slow
 def test_resume_agent_continues_the_last_run(fleet: Fleet) -> None:
     from loomflow_worker.tasks import resume_agent
 
@@ -324,13 +313,14 @@ def test_resume_agent_continues_the_last_run(fleet: Fleet) -> None:
     assert first.get(timeout=60)["output"] == "done: recorded r1, recorded r2"
     resumed = resume_agent.delay(calls("r1", "r2"), "s")
     assert resumed.get(timeout=60)["output"] == "done: recorded r1, recorded r2"
-    assert _counts(fleet.dsn) == {"r1": 1, "r2": 1}  # every tool call replayed
+    assert tool_counts(fleet.dsn) == {"r1": 1, "r2": 1}  # every tool call replayed
     assert ledger(fleet.dsn, resumed.id)["epoch"] == 0
     fresh = run_agent.delay(calls("r1"), "s")
     assert fresh.get(timeout=60)["output"] == "done: recorded r1"
-    assert _counts(fleet.dsn) == {"r1": 2, "r2": 1}
+    assert tool_counts(fleet.dsn) == {"r1": 2, "r2": 1}
 
 
+@pytest.mark.slow
 def test_a_visibility_timeout_shorter_than_the_run_starts_no_second_copy(fleet: Fleet) -> None:
     # Redis hands the unacked message out again while the run is still going:
     # the copy parks, nothing runs twice, one result.
@@ -345,11 +335,9 @@ def test_a_visibility_timeout_shorter_than_the_run_starts_no_second_copy(fleet: 
     fleet.start("w2", concurrency=2, **env)
     result = run_agent.delay(calls("v1", "v2", "v3"), "s")
     assert result.get(timeout=90)["output"] == "done: recorded v1, recorded v2, recorded v3"
-    time.sleep(1.5)
-    received = fleet.log_text().count(f"run_agent[{result.id}] received")
-    assert received >= 2, f"the broker never redelivered ({received} deliveries)"
-    assert _counts(fleet.dsn) == {"v1": 1, "v2": 1, "v3": 1}
-    executions = sorted(_executions(fleet.dsn), key=lambda e: e[2])
+    fleet.wait_deliveries(result.id, 2)  # the broker redelivered, and the copy ended
+    assert tool_counts(fleet.dsn) == {"v1": 1, "v2": 1, "v3": 1}
+    executions = sorted(tool_executions(fleet.dsn), key=lambda e: e[2])
     for earlier, later in pairwise(executions):
         assert earlier[3] <= later[2]
     row = ledger(fleet.dsn, result.id)

@@ -12,28 +12,36 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import psycopg
+import pytest
 from loomflow.runtime import _codec
 from psycopg.types.json import Jsonb
 
 from loomflow_worker.events import iter_events
 from loomflow_worker.tasks import settings
 
-from .celery_harness import AGENTS, ROOT, Fleet, ledger, wait_status
-from .helpers import calls
-from .test_celery import _wait_for_execution
+from .celery_harness import (
+    AGENTS,
+    REDIS_PORT,
+    ROOT,
+    Fleet,
+    ledger,
+    wait_status,
+    wait_sweeps_for,
+)
+from .helpers import (
+    calls,
+    cli,
+    connected_to,
+    enqueued,
+    lines,
+    signal_listeners,
+    wait_for_execution,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
 
 WITH_WAITER = f"{AGENTS},tests.integration.cli_agents"
-
-
-def cli(
-    fleet: Fleet, *args: str, input: str | None = None, timeout: float = 120, **env: str
-) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m loomflow_worker.cli ARGS`` with the fleet's environment."""
-    return subprocess.run(
-        [sys.executable, "-m", "loomflow_worker.cli", *args],
-        env={**fleet.env, **env}, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        input=input if input is not None else "",
-    )
 
 
 def spawn(fleet: Fleet, *args: str) -> subprocess.Popen[str]:
@@ -43,23 +51,11 @@ def spawn(fleet: Fleet, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def enqueued(fleet: Fleet, prompt: str, session: str, *extra: str) -> str:
-    done = cli(fleet, "enqueue", prompt, "--session", session, *extra)
-    assert done.returncode == 0, done.stderr
-    request_id = done.stdout.strip()
-    uuid.UUID(request_id)
-    return request_id
-
-
 def show_json(fleet: Fleet, request_id: str) -> dict[str, object]:
     done = cli(fleet, "show", request_id, "--json")
     assert done.returncode == 0, done.stderr
     value: dict[str, object] = json.loads(done.stdout)
     return value
-
-
-def lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.strip()]
 
 
 # ---- enqueue, runs, show ---------------------------------------------------------------------
@@ -142,7 +138,7 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
 def test_show_after_a_sigkill_mid_tool_says_which_steps_replayed(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.5")
     request_id = enqueued(fleet, calls("t1", "t2", "t3"), "s", "--user", "u")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, "t2")
+    _, pid, _, _ = wait_for_execution(fleet.dsn, "t2")
     os.kill(pid, signal.SIGKILL)
     wait_status(fleet.dsn, request_id, ("succeeded",), timeout=60)
 
@@ -193,10 +189,11 @@ def test_show_after_a_sigkill_mid_tool_says_which_steps_replayed(fleet: Fleet) -
 def test_tail_attached_before_during_and_after_prints_the_same_events(fleet: Fleet) -> None:
     request_id = enqueued(fleet, calls("e1", "e2", "e3"), "s")  # no worker yet: it waits
     before = spawn(fleet, "tail", request_id)
-    time.sleep(1.0)
+    wait_until(lambda: connected_to(before.pid, REDIS_PORT) or before.poll() is not None,
+               "tail never reached Redis")
     assert before.poll() is None  # attached, nothing to print yet
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.3")
-    _wait_for_execution(fleet.dsn, "e2")
+    wait_for_execution(fleet.dsn, "e2")
     during = spawn(fleet, "tail", request_id)
     out_before, err_before = before.communicate(timeout=60)
     out_during, err_during = during.communicate(timeout=60)
@@ -231,7 +228,7 @@ def test_tail_attached_before_during_and_after_prints_the_same_events(fleet: Fle
 def test_tail_of_a_resumed_run_marks_the_replayed_events(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.5")
     request_id = enqueued(fleet, calls("r1", "r2"), "s")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, "r2")
+    _, pid, _, _ = wait_for_execution(fleet.dsn, "r2")
     os.kill(pid, signal.SIGKILL)
     done = cli(fleet, "tail", request_id)
     assert done.returncode == 0, done.stderr
@@ -279,8 +276,7 @@ def test_signal_wakes_a_run_waiting_for_it(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1)
     prompt = 'call wait_signal {"session": "sig", "name": "go"}'
     request_id = enqueued(fleet, prompt, "s", "--agent", "waiter")
-    wait_status(fleet.dsn, request_id, ("running",))
-    time.sleep(0.5)
+    wait_until(lambda: signal_listeners(fleet.dsn), "the run never waited for its signal")
     done = cli(fleet, "signal", "sig", "go", '{"x": [1, "two"]}')
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("signal 'go' sent to session 'sig' (id ")
@@ -315,13 +311,12 @@ def test_a_signal_sent_to_a_user_reaches_only_that_users_run(fleet: Fleet) -> No
     fleet.start("w1", concurrency=1)
     prompt = 'call wait_signal {"session": "chat-42", "name": "go"}'
     request_id = enqueued(fleet, prompt, "chat-42", "--agent", "waiter", "--user", "alice")
-    wait_status(fleet.dsn, request_id, ("running",))
-    time.sleep(0.5)
+    wait_until(lambda: signal_listeners(fleet.dsn), "the run never waited for its signal")
     bobs = cli(fleet, "signal", "chat-42", "go", '{"by": "bob"}', "--user", "bob")
     assert bobs.returncode == 0, bobs.stderr
     assert bobs.stdout.startswith("signal 'go' sent to session 'chat-42', user 'bob' (id ")
-    time.sleep(1.0)  # the NOTIFY woke the waiter at once: it looked, and left bob's alone
-    assert ledger(fleet.dsn, request_id)["status"] == "running"
+    # Bob's is the older signal: a waiter that took any user's would take his
+    # first, and its result would say so.
     alices = cli(fleet, "signal", "chat-42", "go", '{"by": "alice"}', "--user", "alice")
     assert alices.returncode == 0, alices.stderr
     wait_status(fleet.dsn, request_id, ("succeeded",))
@@ -449,7 +444,7 @@ def test_the_sweeper_prunes_what_is_older_than_the_retention(fleet: Fleet) -> No
     # Runs go on as usual, and their fresh journal stays.
     done = cli(fleet, "enqueue", calls("kept"), "--session", "idle", "--wait")
     assert done.returncode == 0, done.stderr
-    time.sleep(1.5)
+    wait_sweeps_for(fleet)
     assert "idle:new" in _left(fleet.dsn)["steps"]
     assert len(_left(fleet.dsn)["steps"]) > len(KEPT["steps"])
 

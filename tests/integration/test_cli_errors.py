@@ -20,7 +20,7 @@ from loomflow_worker import cli as cli_module
 from loomflow_worker.runtime import prune
 
 from .celery_harness import Fleet
-from .test_cli import cli
+from .helpers import cli
 
 PASSWORD = "S3cret"
 # Each is a connection string libpq can't use as given; the password must not show.
@@ -48,6 +48,7 @@ def _one_line_error(done: object, code: int) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad_dsn", BAD_DSNS)
 def test_no_password_in_any_output_whatever_the_connection_string(
     fleet: Fleet, bad_dsn: str
@@ -62,6 +63,7 @@ def test_no_password_in_any_output_whatever_the_connection_string(
     assert PASSWORD not in doctor.stdout + doctor.stderr
 
 
+@pytest.mark.slow
 def test_doctor_shows_no_password_given_in_a_query_string_or_quoted(fleet: Fleet) -> None:
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -77,6 +79,7 @@ def test_doctor_shows_no_password_given_in_a_query_string_or_quoted(fleet: Fleet
         assert PASSWORD not in text, text
 
 
+@pytest.mark.slow
 def test_a_worker_refuses_a_connection_string_it_cannot_use_and_shows_no_password(
     fleet: Fleet,
 ) -> None:
@@ -89,6 +92,7 @@ def test_a_worker_refuses_a_connection_string_it_cannot_use_and_shows_no_passwor
     assert PASSWORD not in logs + str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "env", "code", "says"),
     [
@@ -117,6 +121,7 @@ def test_a_mistake_gets_one_line_and_an_exit_code(
     assert cli(fleet, "runs", "--json").stdout == ""  # nothing was written
 
 
+@pytest.mark.slow
 def test_doctor_reports_transport_options_that_are_not_json(fleet: Fleet) -> None:
     done = cli(fleet, "doctor", LOOMFLOW_WORKER_BROKER_TRANSPORT_OPTIONS="{bad")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
@@ -169,6 +174,7 @@ def refusing_server(code: str, message: str) -> Iterator[int]:
         listener.close()
 
 
+@pytest.mark.slow
 def test_enqueue_with_a_wrong_password_says_the_login_failed_at_once(fleet: Fleet) -> None:
     refused = 'password authentication failed for user "app"'
     with refusing_server("28P01", refused) as port:

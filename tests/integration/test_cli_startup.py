@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 # The console script pip made, as a user runs it.
 SCRIPT = Path(sysconfig.get_path("scripts")) / "loomflow-worker"
 

@@ -19,7 +19,10 @@ from loomflow_worker.settings import Settings
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet
-from .test_metrics import _free_port, _scrape
+from .helpers import scrape
+from .services import free_port
+
+pytestmark = pytest.mark.slow
 
 CONCURRENCY = 200
 SESSIONS = 150
@@ -67,7 +70,7 @@ def sampling(pid: int) -> Iterator[Peaks]:
 
 @pytest.mark.slow
 def test_a_worker_at_concurrency_200_holds_a_few_connections(fleet: Fleet) -> None:
-    port = _free_port()
+    port = free_port()
     worker = fleet.start("w1", CONCURRENCY, cli=True, pool="threads", TEST_MODEL_LATENCY="1.0",
                          LOOMFLOW_WORKER_METRICS_PORT=str(port))
     with sampling(worker.pid) as peaks:
@@ -83,7 +86,7 @@ def test_a_worker_at_concurrency_200_holds_a_few_connections(fleet: Fleet) -> No
     assert peaks.seen["redis"] <= REDIS_MOST, peaks.seen
     assert 0 < peaks.seen["postgres"] <= POSTGRES_MOST, peaks.seen
     metric = {name.split("peer=")[1][1:].split('"')[0]: value
-              for name, value in _scrape(port).items()
+              for name, value in scrape(port).items()
               if name.startswith("loomflow_worker_connections{")}
     print(f"the metric says {metric}")
     assert 0 < metric["redis"] <= REDIS_MOST, metric

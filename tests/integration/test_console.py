@@ -31,9 +31,7 @@ from loomflow_worker.settings import Settings
 from loomflow_worker.tasks import run_agent, settings, sweeper
 
 from .celery_harness import Fleet, ledger
-from .helpers import calls
-from .test_celery import _wait_for_execution
-from .test_cli import cli
+from .helpers import calls, cli, wait_for_execution
 
 TOKEN = "console-token-" + "x" * 20
 END = "zebra-at-the-end"
@@ -226,6 +224,7 @@ def test_the_hosts_setting_takes_names_not_urls(monkeypatch: pytest.MonkeyPatch)
             Settings()
 
 
+@pytest.mark.slow
 def test_the_token_can_be_required_on_loopback_too(fleet: Fleet, queued: str) -> None:
     """A forwarder on this host (socat, ssh -L) makes its clients look local:
     console_require_token makes loopback present the token as well."""
@@ -376,6 +375,7 @@ def test_a_request_id_with_a_slash_is_linked_and_shown(fleet: Fleet, client: Tes
     assert ledger(fleet.dsn, "team/a-1")["status"] == "cancelled"
 
 
+@pytest.mark.slow
 def test_the_command_refuses_to_listen_off_loopback_without_a_token(fleet: Fleet) -> None:
     done = cli(fleet, "console", "--host", "0.0.0.0", timeout=30)
     assert done.returncode == 2
@@ -498,13 +498,14 @@ def _until_shown(client: TestClient, worker: str, expected: tuple[str, int],
     raise AssertionError(f"the fleet page shows {worker} as {shown}, not {expected}")
 
 
+@pytest.mark.slow
 def test_the_fleet_page_shows_workers_by_heartbeat_and_the_sweepers_actions(
     fleet: Fleet, client: TestClient
 ) -> None:
     fleet.start("w1", concurrency=1, **FAST)
     fleet.start("w2", concurrency=1, **FAST)
     killed = run_agent.delay(calls("f0", "f1", "f2", "f3"), "fleet-s")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, "f1")
+    _, pid, _, _ = wait_for_execution(fleet.dsn, "f1")
     victim = fleet.worker_of(pid)
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         row = conn.execute("SELECT holder FROM runs WHERE request_id = %s",
@@ -535,6 +536,7 @@ def test_the_fleet_page_shows_workers_by_heartbeat_and_the_sweepers_actions(
     _until_shown(client, second, ("stopped", 0), timeout=5)
 
 
+@pytest.mark.slow
 def test_show_and_the_run_page_read_one_model_of_a_request(
     fleet: Fleet, client: TestClient
 ) -> None:
@@ -544,7 +546,7 @@ def test_show_and_the_run_page_read_one_model_of_a_request(
     fleet.start("w1", concurrency=1, **FAST)
     fleet.start("w2", concurrency=1, **FAST)
     killed = run_agent.delay(calls("m0", "m1", "m2"), "model-s")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, "m1")
+    _, pid, _, _ = wait_for_execution(fleet.dsn, "m1")
     fleet.kill(fleet.worker_of(pid))
     assert killed.get(timeout=60)["output"].startswith("done: recorded m0")
 

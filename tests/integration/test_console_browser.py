@@ -23,8 +23,9 @@ from loomflow_worker.tasks import run_agent, settings
 from tests.needs import CHROMIUM
 
 from .celery_harness import ROOT, Fleet
-from .helpers import calls
-from .test_celery import _wait_for_execution
+from .helpers import calls, wait_for_execution
+
+pytestmark = pytest.mark.slow
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
@@ -80,7 +81,7 @@ def test_a_killed_run_shows_two_attempts_and_its_replayed_steps(
     fleet.start("w2", concurrency=1, **RECOVERY)
     tags = [f"b{i}" for i in range(4)]
     killed = run_agent.delay(calls(*tags), "trip-ana", user_id="ana")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, tags[2])
+    _, pid, _, _ = wait_for_execution(fleet.dsn, tags[2])
     victim = fleet.worker_of(pid)
     fleet.kill(victim)
     assert killed.get(timeout=60)["output"].startswith("done: recorded b0")

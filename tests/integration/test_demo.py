@@ -13,10 +13,13 @@ from pathlib import Path
 
 import httpx
 import psycopg
+import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from tests.conftest import ADMIN_DSN
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,9 +16,9 @@ from loomflow_worker import tasks as tasks_module
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet
-from .helpers import calls
-from .test_celery import _counts
-from .test_cli import cli, lines
+from .helpers import calls, cli, lines, tool_counts
+
+pytestmark = pytest.mark.slow
 
 COUNTDOWN = 8.0
 #: A broker nobody listens on.
@@ -73,7 +73,7 @@ def test_a_countdown_is_honoured_and_the_session_keeps_accept_order(
     assert second["started_at"] >= first["finished_at"]
     # ... and each ran once, from one message.
     assert first["attempts"] == second["attempts"] == 1
-    assert _counts(fleet.dsn) == {"eta": 1, "after": 1, "other": 1}
+    assert tool_counts(fleet.dsn) == {"eta": 1, "after": 1, "other": 1}
     log = (fleet.logs / "w1.log").read_text(errors="replace")
     assert "sweeper: dispatched request" not in log
     assert len(re.findall(rf"request {delayed.id} succeeded", log)) == 1
@@ -95,6 +95,6 @@ def test_a_delayed_request_published_again_keeps_its_eta(fleet: Fleet) -> None:
     assert delayed.get(timeout=30)["output"] == "done: recorded late"
     (row,) = _rows(fleet.dsn, delayed.id)
     assert row["started_at"] >= row["not_before"] - timedelta(milliseconds=50)
-    assert row["attempts"] == 1 and _counts(fleet.dsn) == {"late": 1}
+    assert row["attempts"] == 1 and tool_counts(fleet.dsn) == {"late": 1}
     log = (fleet.logs / "w1.log").read_text(errors="replace")
     assert len(re.findall(rf"sweeper: dispatched request {delayed.id}", log)) == 1

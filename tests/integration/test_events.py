@@ -9,6 +9,7 @@ import signal
 import threading
 import uuid
 
+import pytest
 import redis
 
 from loomflow_worker.events import EventPublisher, RunEvent, iter_events, stream_key
@@ -16,14 +17,14 @@ from loomflow_worker.settings import Settings
 from loomflow_worker.tasks import run_agent, settings
 
 from .celery_harness import REDIS_URL, Fleet
-from .helpers import calls
-from .test_celery import _wait_for_execution
+from .helpers import calls, wait_for_execution
 
 
 def _summary(events: list[RunEvent]) -> list[tuple[int, str, bool]]:
     return [(e.attempt, e.kind, e.replayed) for e in events]
 
 
+@pytest.mark.slow
 def test_readers_attached_before_during_and_after_see_the_same_ordered_events(
     fleet: Fleet,
 ) -> None:
@@ -36,7 +37,7 @@ def test_readers_attached_before_during_and_after_see_the_same_ordered_events(
 
     before = threading.Thread(target=read, args=("before",))
     before.start()
-    _wait_for_execution(fleet.dsn, "e2")
+    wait_for_execution(fleet.dsn, "e2")
     during = threading.Thread(target=read, args=("during",))
     during.start()
     result.get(timeout=60)
@@ -55,10 +56,11 @@ def test_readers_attached_before_during_and_after_see_the_same_ordered_events(
     )
 
 
+@pytest.mark.slow
 def test_events_of_a_resumed_attempt_say_what_replayed(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.4")
     result = run_agent.delay(calls("r1", "r2"), "s")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, "r2")
+    _, pid, _, _ = wait_for_execution(fleet.dsn, "r2")
     os.kill(pid, signal.SIGKILL)
     result.get(timeout=60)
     events = list(iter_events(result.id, settings=settings(), idle_timeout=30))

@@ -55,9 +55,9 @@ Hander = Callable[[Any], Awaitable[ledger.Handoff | None]]
 
 
 async def _blocked(
-    call: Callable[[], Awaitable[Any]], release: Callable[[], Awaitable[None]]
+    call: Callable[[], Awaitable[Any]], on: Any, release: Callable[[], Awaitable[None]]
 ) -> Any:
-    """Run ``call``, which must wait on a row lock until ``release`` runs."""
+    """Run ``call`` on connection ``on``, which must wait on a lock until ``release`` runs."""
     result: list[Any] = []
 
     async def run() -> None:
@@ -65,10 +65,21 @@ async def _blocked(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
-        await anyio.sleep(0.3)
+        async with await psycopg.AsyncConnection.connect(on.info.dsn, autocommit=True) as look:
+            with anyio.fail_after(10):
+                while True:
+                    if result or await _waits_on_a_lock(look, on.info.backend_pid):
+                        break
+                    await anyio.sleep(0.01)
         assert not result, "the second statement did not wait for the first"
         await release()
     return result[0]
+
+
+async def _waits_on_a_lock(conn: Any, pid: int) -> bool:
+    cur = await conn.execute("SELECT cardinality(pg_blocking_pids(%s)) > 0", (pid,))
+    row = await cur.fetchone()
+    return bool(row and row[0])
 
 
 @pytest.mark.parametrize("hand", HANDERS)
@@ -79,7 +90,7 @@ async def test_handed_first_the_parker_sees_it_and_does_not_park(
     handoff = await hand(hander)  # transaction still open
     assert handoff is not None and handoff.pending.request_id == NEXT
     assert not handoff.received and handoff.dispatch == []
-    may_park = await _blocked(lambda: ledger.park(parker, NEXT), hander.commit)
+    may_park = await _blocked(lambda: ledger.park(parker, NEXT), parker, hander.commit)
     assert may_park is False
 
 
@@ -90,7 +101,7 @@ async def test_parked_first_the_hander_sees_it_and_publishes(
     hander, parker = conns
     await parker.set_autocommit(False)
     assert await ledger.park(parker, NEXT) is True  # transaction still open
-    handoff = await _blocked(lambda: hand(hander), parker.commit)
+    handoff = await _blocked(lambda: hand(hander), hander, parker.commit)
     await hander.commit()
     assert handoff is not None and handoff.received
     assert [p.request_id for p in handoff.dispatch] == [NEXT]

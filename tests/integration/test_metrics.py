@@ -2,57 +2,33 @@
 
 from __future__ import annotations
 
-import re
-import socket
 import time
-import urllib.request
+
+import pytest
 
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet
-from .helpers import calls
-from .test_celery import _wait_for_execution
+from .helpers import calls, scrape, wait_for_execution
+from .services import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _scrape(port: int) -> dict[str, float]:
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-                text = reply.read().decode()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-    samples: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r"^(loomflow_worker_[^\s]+)\s+([0-9.e+-]+)$", line)
-        if match:
-            samples[match[1]] = float(match[2])
-    return samples
+pytestmark = pytest.mark.slow
 
 
 def test_the_metrics_endpoint_shows_the_counters_moving(fleet: Fleet) -> None:
-    port = _free_port()
+    port = free_port()
     fleet.start("w1", concurrency=2, cli=True, TEST_TOOL_SLEEP="0.3",
                 LOOMFLOW_WORKER_METRICS_PORT=str(port))
     first = run_agent.delay(calls("m1"), "s1")
     first.get(timeout=60)
-    before = _scrape(port)
+    before = scrape(port)
     running = run_agent.delay(calls("m2", "m3", "m4"), "s2")
     queued = run_agent.delay(calls("m5"), "s2")
-    _wait_for_execution(fleet.dsn, "m3")
-    during = _scrape(port)
+    wait_for_execution(fleet.dsn, "m3")
+    during = scrape(port)
     running.get(timeout=60)
     queued.get(timeout=60)
-    after = _scrape(port)
+    after = scrape(port)
 
     succeeded = 'loomflow_worker_requests_total{status="succeeded"}'
     executed = 'loomflow_worker_steps_total{how="executed"}'
@@ -69,19 +45,20 @@ def test_the_metrics_endpoint_shows_the_counters_moving(fleet: Fleet) -> None:
 
 
 def test_a_threads_worker_shows_its_admission_and_lock_queue(fleet: Fleet) -> None:
-    port = _free_port()
+    port = free_port()
     fleet.start("w1", concurrency=20, cli=True, pool="threads",
                 LOOMFLOW_WORKER_METRICS_PORT=str(port))
     run_agent.delay(calls("a1"), "s1").get(timeout=60)
+    # Idle, it takes requests; nothing waits for its lock connections (once a
+    # stamp taken after the run says so: one taken while it ran may show it waiting).
     deadline = time.monotonic() + 20
-    samples = _scrape(port)
-    while not any(name.startswith("loomflow_worker_lock_queue_depth") for name in samples):
-        assert time.monotonic() < deadline, sorted(samples)
+    while True:
+        samples = scrape(port)
+        depth = [v for name, v in samples.items()
+                 if name.startswith("loomflow_worker_lock_queue_depth")]
+        if depth == [0.0]:
+            break
+        assert time.monotonic() < deadline, samples
         time.sleep(0.2)
-        samples = _scrape(port)
     admitting = [v for name, v in samples.items() if name.startswith("loomflow_worker_admitting")]
-    # Idle, it takes requests; nothing waits for its lock connections.
     assert admitting == [1.0], samples
-    depth = [v for name, v in samples.items()
-             if name.startswith("loomflow_worker_lock_queue_depth")]
-    assert depth == [0.0], samples

@@ -12,8 +12,10 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 from tests.integration.celery_harness import Fleet
+from tests.integration.helpers import cli
 from tests.integration.services import PrivatePgBouncer
-from tests.integration.test_cli import cli
+
+pytestmark = pytest.mark.slow
 
 FIX = "pool_mode = session"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from celery.exceptions import TaskRevokedError
@@ -10,9 +11,17 @@ from celery.result import AsyncResult
 
 from loomflow_worker.tasks import app, run_agent
 
-from .celery_harness import Fleet, ledger, wait_status, wait_swept
-from .helpers import calls
-from .test_celery import _counts
+from .celery_harness import (
+    QUICK_RESULT_CHECK,
+    Fleet,
+    ledger,
+    wait_status,
+    wait_sweeps_for,
+    wait_swept,
+)
+from .helpers import calls, tool_counts, wait_for_execution
+
+pytestmark = pytest.mark.slow
 
 
 def _attempts(fleet: Fleet, request_id: str) -> int:
@@ -41,8 +50,7 @@ def test_revoke_with_terminate_stops_a_running_request_as_cancelled(
 ) -> None:
     fleet.start("w1", concurrency=2, pool=pool, TEST_TOOL_SLEEP="1.0")
     running = run_agent.delay(calls("t1", "t2", "t3", "t4"), "s")
-    wait_status(fleet.dsn, running.id, ("running",), timeout=30)
-    time.sleep(0.5)
+    wait_for_execution(fleet.dsn, "t1")  # mid-tool
     revoked_at = time.monotonic()
     app.control.revoke(running.id, terminate=True)
     assert wait_status(fleet.dsn, running.id, ("cancelled",), timeout=10) == "cancelled"
@@ -51,14 +59,16 @@ def test_revoke_with_terminate_stops_a_running_request_as_cancelled(
     assert row["error_type"] == "Revoked" and row["attempts"] == 1 and row["crashes"] == 0
     nxt = run_agent.delay(calls("n1"), "s")
     assert nxt.get(timeout=30)["output"] == "done: recorded n1"
-    time.sleep(2)  # never resumed
+    wait_sweeps_for(fleet)  # the sweeper looked after the session moved on: never resumed
     assert ledger(fleet.dsn, running.id)["status"] == "cancelled"
     assert _attempts(fleet, running.id) == 1
 
 
 def test_an_expired_request_ends_expired_and_its_session_moves_on(fleet: Fleet) -> None:
-    late = run_agent.apply_async((calls("e1"), "s"), expires=1)
-    time.sleep(2)  # no worker yet: the message waits past its expiry
+    expires = datetime.now(UTC) + timedelta(seconds=1)
+    late = run_agent.apply_async((calls("e1"), "s"), expires=expires)
+    # No worker yet: the message waits past its expiry (a time to pass, not an event).
+    time.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds()) + 0.1)
     fleet.start("w1", concurrency=4, pool="threads")
     assert wait_status(fleet.dsn, late.id, ("expired",), timeout=20) == "expired"
     row = ledger(fleet.dsn, late.id)
@@ -81,10 +91,10 @@ def test_a_per_call_time_limit_ends_the_run_failed_not_resumed(fleet: Fleet, poo
     assert row["crashes"] == 0
     with pytest.raises(Exception, match="TimeLimitExceeded"):
         limited.get(timeout=10)
-    time.sleep(2)  # not resumed as a crash
-    assert ledger(fleet.dsn, limited.id)["status"] == "failed"
-    assert _attempts(fleet, limited.id) == 1
     assert run_agent.delay(calls("n1"), "s").get(timeout=30)["output"] == "done: recorded n1"
+    wait_sweeps_for(fleet)  # the sweeper looked after the session moved on
+    assert ledger(fleet.dsn, limited.id)["status"] == "failed"
+    assert _attempts(fleet, limited.id) == 1  # not resumed as a crash
 
 
 def _ended_past_its_time_limit_once(fleet: Fleet, limited: AsyncResult, tag: str) -> None:
@@ -102,7 +112,7 @@ def _ended_past_its_time_limit_once(fleet: Fleet, limited: AsyncResult, tag: str
     wait_swept(fleet, limited.id)
     row = ledger(fleet.dsn, limited.id)
     assert row["status"] == "failed" and row["attempts"] == 1, row
-    assert _counts(fleet.dsn) == {tag: 1, "n1": 1}
+    assert tool_counts(fleet.dsn) == {tag: 1, "n1": 1}
     assert app.AsyncResult(limited.id).state == "FAILURE"
     assert f"dispatched request {limited.id} again" not in fleet.log_text()
 
@@ -114,7 +124,10 @@ def test_celerys_soft_time_limit_on_prefork_ends_the_run_failed_not_resumed(
 ) -> None:
     """Celery's own soft limit fires in the pool child before the run's timer
     on the loop: the run still ends as past its time limit."""
-    fleet.start("w1", concurrency=2, pool="prefork", TEST_TOOL_SLEEP="15")
+    fleet.env.update(QUICK_RESULT_CHECK)
+    # The tool outlasts the soft limit and ends before the hard one: only the
+    # soft limit can end the run failed (and the session waits for the tool).
+    fleet.start("w1", concurrency=2, pool="prefork", TEST_TOOL_SLEEP="3")
     limited = run_agent.apply_async((calls("slow1"), "s"), soft_time_limit=2, time_limit=8)
     _ended_past_its_time_limit_once(fleet, limited, "slow1")
 
@@ -127,6 +140,7 @@ def test_celerys_hard_time_limit_on_prefork_ends_the_run_failed_not_resumed(
     """A run that holds its loop, so that neither its own timer nor the soft
     limit can stop it: Celery kills its pool child at the hard limit, and the
     request ends as past its time limit instead of resuming as a crash."""
+    fleet.env.update(QUICK_RESULT_CHECK)
     fleet.start("w1", concurrency=2, pool="prefork")
     limited = run_agent.apply_async((calls("block1"), "s"), soft_time_limit=2, time_limit=4)
     _ended_past_its_time_limit_once(fleet, limited, "block1")

@@ -12,7 +12,6 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime
 
 import psycopg
 import pytest
@@ -21,10 +20,11 @@ from loomflow_worker.tasks import app, run_agent
 from loomflow_worker.tasks.application import RUN_AGENT
 
 from . import vip_agents  # noqa: F401  (the enqueuing side knows the vip agent)
-from .celery_harness import ROOT, Fleet, ledger, wait_status
-from .helpers import calls
-from .test_celery import _wait_for_execution
-from .test_metrics import _free_port, _scrape
+from .celery_harness import ROOT, Fleet, ledger, wait_status, wait_sweeps_for
+from .helpers import calls, scrape, wait_for_execution
+from .services import free_port
+
+pytestmark = pytest.mark.slow
 
 #: A sweeper that acts fast: a message counted nowhere for over a second looks lost.
 QUICK_SWEEPER = {"LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5", "LOOMFLOW_WORKER_HANDOFF_GRACE": "1",
@@ -35,24 +35,6 @@ QUICK_SWEEPER = {"LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5", "LOOMFLOW_WORKER_HANDO
 def quick_sweeper(fleet: Fleet) -> None:
     """Every worker of these tests sweeps fast."""
     fleet.env.update(QUICK_SWEEPER)
-
-
-def wait_sweeps_for(fleet: Fleet, seconds: float, timeout: float = 60) -> None:
-    """Wait until the sweeper's leader began a sweep ``seconds`` after now (on
-    the database's clock): whatever it would do by then, it has done."""
-    deadline = time.monotonic() + timeout
-    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT now()").fetchone()
-        assert row is not None
-        since: datetime = row[0]
-        while True:
-            claimed = conn.execute(
-                "SELECT heartbeat_at > %s + make_interval(secs => %s) FROM sweeper_leader",
-                (since, seconds)).fetchone()
-            if claimed is not None and claimed[0]:
-                return
-            assert time.monotonic() < deadline, "the sweeper did not sweep"
-            time.sleep(0.1)
 
 
 def _redispatches(fleet: Fleet) -> list[str]:
@@ -81,12 +63,12 @@ def _start_vip_worker(fleet: Fleet, vip_queue: str, concurrency: int) -> None:
 def test_a_request_sent_to_its_own_queue_waits_there_and_runs_on_its_workers(
     fleet: Fleet, vip_queue: str
 ) -> None:
-    # No worker reads the vip queue yet: its request waits there, well past
-    # the sweeper's grace, and is never sent to the default queue, whose
-    # worker does not have its agent.
+    # No worker reads the vip queue yet: its request waits there, past the
+    # sweeper's grace and its second look (2 s), and is never sent to the
+    # default queue, whose worker does not have its agent.
     fleet.start("default", concurrency=2)
     first = run_agent.apply_async((calls("v0"), "vip-0"), {"agent": "vip"}, queue=vip_queue)
-    wait_sweeps_for(fleet, 5)
+    wait_sweeps_for(fleet, 3)
     assert ledger(fleet.dsn, first.id)["status"] == "queued"
     assert _redispatches(fleet) == []
     # Its worker comes, one run at a time: the others wait in the queue.
@@ -114,7 +96,7 @@ def test_a_running_request_whose_worker_died_is_sent_back_to_its_own_queue(
     _start_vip_worker(fleet, vip_queue, concurrency=1)
     result = run_agent.apply_async((calls("k1", "k2"), "vip-k"), {"agent": "vip"},
                                    queue=vip_queue)
-    _wait_for_execution(fleet.dsn, "k1")
+    wait_for_execution(fleet.dsn, "k1")
     fleet.kill("vip")
     wait_swept_again(fleet, result.id)
     wait_sweeps_for(fleet, 3)
@@ -194,7 +176,7 @@ def test_the_leader_reports_every_waiting_request_parked_or_not(
     # Three requests on one session (one runs, two park: acked, in no broker
     # queue) and one in a queue no worker reads: the gauge counts the three
     # waiting, per queue.
-    port = _free_port()
+    port = free_port()
     fleet.start("w1", concurrency=2, TEST_TOOL_SLEEP="3", LOOMFLOW_WORKER_METRICS_PORT=str(port))
     session = f"gauge-{uuid.uuid4().hex[:6]}"
     running = run_agent.delay(calls("g0"), session)
@@ -210,7 +192,7 @@ def test_the_leader_reports_every_waiting_request_parked_or_not(
     gauge = "loomflow_worker_queued_requests"
     deadline = time.monotonic() + 30
     while True:
-        samples = {k: v for k, v in _scrape(port).items() if k.startswith(gauge)}
+        samples = {k: v for k, v in scrape(port).items() if k.startswith(gauge)}
         default = sum(v for k, v in samples.items() if f'queue="{fleet.queue}"' in k)
         vip = sum(v for k, v in samples.items() if f'queue="{vip_queue}"' in k)
         if (default, vip) == (2, 1):
@@ -269,7 +251,7 @@ def test_celery_control_shutdown_waits_for_the_runs_to_finish(fleet: Fleet) -> N
     fleet.start("w1", concurrency=2, cli=True, TEST_TOOL_SLEEP="4",
                 LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT="1")
     result = run_agent.delay(calls("d1"), "drain")
-    _wait_for_execution(fleet.dsn, "d1")
+    wait_for_execution(fleet.dsn, "d1")
     app.control.shutdown(destination=[f"w1-{fleet.queue}@{os.uname().nodename}"])
     code, _ = fleet.wait_exit("w1", timeout=60)
     assert code == 0

@@ -278,14 +278,16 @@ async def test_a_waiting_run_starts_when_the_holder_ends(dsn: str) -> None:
     first = await PostgresRuntime.connect(dsn)
     second = await PostgresRuntime.connect(dsn, lock_wait_timeout=10)
     order: list[str] = []
+    held = anyio.Event()
 
     async def hold() -> None:
         async with first.session("s"):
-            await anyio.sleep(0.3)
+            held.set()
+            await anyio.sleep(0.3)  # the second run waits meanwhile
             order.append("first ends")
 
     async def wait() -> None:
-        await anyio.sleep(0.05)
+        await held.wait()
         async with second.session("s"):
             order.append("second starts")
 

@@ -21,9 +21,9 @@ from loomflow_worker.events import iter_events
 from loomflow_worker.tasks import settings
 
 from .celery_harness import REDIS_URL, Fleet, wait_status
-from .helpers import calls
-from .test_celery import _wait_for_execution
-from .test_cli import cli, enqueued, lines
+from .helpers import calls, cli, enqueued, lines, wait_for_execution
+
+pytestmark = pytest.mark.slow
 
 ADMIN_DSN = os.environ.get(
     "LOOMFLOW_WORKER_TEST_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -112,7 +112,7 @@ def test_no_secret_in_logs_events_results_or_cli_output(
     ok_id = lines(waited)[0]
     run("enqueue", calls("k2"), "--session", "s", "--wait", "--json")
     crashed = enqueued(fleet, calls("c1", "c2"), "c")
-    _, pid, _, _ = _wait_for_execution(fleet.dsn, "c2")
+    _, pid, _, _ = wait_for_execution(fleet.dsn, "c2")
     os.kill(pid, signal.SIGKILL)
     wait_status(fleet.dsn, crashed, ("succeeded",))
     failed = run("enqueue", "flaky\n" + calls("f"), "--session", "f", "--agent", "flaky",

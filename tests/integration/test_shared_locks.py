@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from itertools import pairwise
 from typing import Any
@@ -104,8 +105,11 @@ async def test_a_synchronous_tool_does_not_hold_up_the_other_runs(dsn: str) -> N
     await effects.setup()
     runtime = await PostgresRuntime.connect(dsn)
 
+    crunching = threading.Event()
+
     @tool(name="crunch", description="A slow synchronous computation.")
     def crunch(seconds: float) -> str:
+        crunching.set()
         time.sleep(seconds)  # blocks its thread, not the loop
         return "crunched"
 
@@ -125,7 +129,7 @@ async def test_a_synchronous_tool_does_not_hold_up_the_other_runs(dsn: str) -> N
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(run_slow)
-            await anyio.sleep(0.2)  # the slow tool is running
+            await anyio.to_thread.run_sync(crunching.wait, 30)  # the slow tool is running
             for i in range(10):
                 tg.start_soon(run_quick, i)
     finally:
@@ -146,7 +150,9 @@ async def test_a_lost_lock_connection_fences_every_run_on_it(dsn: str) -> None:
         attempt = current_lease()
         assert attempt is not None
         cut.setdefault("pid", attempt.backend_pid)
-        running.set()
+        cut["in_tool"] = cut.get("in_tool", 0) + tag.endswith("-a")
+        if cut["in_tool"] == 20:
+            running.set()  # every run is in its first tool call
 
     effects.on_start = note_backend
     outcomes: list[BaseException | None] = []
@@ -164,8 +170,8 @@ async def test_a_lost_lock_connection_fences_every_run_on_it(dsn: str) -> None:
         async with anyio.create_task_group() as tg:
             for i in range(20):
                 tg.start_soon(one, i)
-            await running.wait()
-            await anyio.sleep(0.3)  # every run is in its first tool call
+            with anyio.fail_after(30):
+                await running.wait()
             async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as admin:
                 cur = await admin.execute("SELECT pg_terminate_backend(%s, 5000)", (cut["pid"],))
                 assert await cur.fetchone() == (True,)

@@ -17,7 +17,7 @@ from loomflow.runtime import Checkpoint, journal_scope
 from loomflow_worker.runtime import InvalidInput, PostgresRuntime
 from loomflow_worker.testing import DeterministicModel
 
-from .helpers import epoch_of
+from .helpers import epoch_of, signal_listeners, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -36,11 +36,20 @@ anyio.run(main)
 """
 
 
+async def _listening(dsn: str) -> None:
+    """Until a waiter's runtime listens for signals."""
+    await anyio.to_thread.run_sync(
+        lambda: wait_until(lambda: signal_listeners(dsn), "no waiter listens for signals"))
+
+
 def send_from_another_process(dsn: str, session_id: str, name: str) -> None:
     subprocess.run([sys.executable, "-c", SEND, dsn, session_id, name], check=True, timeout=60)
 
 
-async def test_a_signal_from_another_process_wakes_the_waiter(runtime: PostgresRuntime) -> None:
+@pytest.mark.slow
+async def test_a_signal_from_another_process_wakes_the_waiter(
+    runtime: PostgresRuntime, dsn: str
+) -> None:
     got: list[object] = []
 
     async def wait() -> None:
@@ -48,7 +57,7 @@ async def test_a_signal_from_another_process_wakes_the_waiter(runtime: PostgresR
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(wait)
-        await anyio.sleep(0.2)
+        await _listening(dsn)
         started = time.monotonic()
         await anyio.to_thread.run_sync(
             send_from_another_process, runtime.journal.conninfo, "s", "approval"
@@ -83,7 +92,7 @@ async def test_signals_survive_the_listener_connection_dying(dsn: str) -> None:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(wait)
-            await anyio.sleep(0.3)
+            await _listening(dsn)
             async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as admin:
                 cur = await admin.execute(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
@@ -257,10 +266,10 @@ async def test_signals_are_scoped_per_session_and_user(dsn: str) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: agent.run('call wait_signal {"name": "go"}',
                                             session_id="chat-42", user_id="alice"))
-            await anyio.sleep(0.5)
+            await _listening(dsn)
             await sender.signal("chat-42", "go", "bob's", user_id="bob")
-            await anyio.sleep(0.6)
-            assert got == []  # alice's run looked (woken, then polling) and left it
+            # Bob's is the older signal: a waiter that took any user's would
+            # take his first, and ``got`` would say so.
             await sender.signal("chat-42", "go", "alice's", user_id="alice")
         assert got == ["alice's"]
 

@@ -19,10 +19,8 @@ from loomflow_worker.execution.registry import import_agent_modules
 from loomflow_worker.execution.request import check_request
 from loomflow_worker.tasks import RunCancelled, resume_agent, run_agent
 
-from .celery_harness import REDIS_URL, Fleet, ledger, wait_status, wait_swept
-from .helpers import calls
-from .test_celery import _counts
-from .test_cli import cli, lines
+from .celery_harness import QUICK_RESULT_CHECK, REDIS_URL, Fleet, ledger, wait_status, wait_swept
+from .helpers import calls, cli, lines, tool_counts
 
 
 def _rows(dsn: str) -> list[tuple[str, str, str | None, str]]:
@@ -57,6 +55,7 @@ def test_calling_a_task_directly_says_to_enqueue_it_and_writes_nothing(fleet: Fl
 # ---- task_id, an idempotency key ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_task_id_sent_again_returns_the_first_handle_and_publishes_nothing(
     fleet: Fleet,
 ) -> None:
@@ -78,12 +77,12 @@ def test_a_task_id_sent_again_returns_the_first_handle_and_publishes_nothing(
 
     fleet.start("w1", concurrency=1)
     assert first.get(timeout=60)["output"] == "done: recorded once"
-    assert _counts(fleet.dsn) == {"once": 1}
+    assert tool_counts(fleet.dsn) == {"once": 1}
     assert ledger(fleet.dsn, task_id)["attempts"] == 1
     # Sent again once it finished: still that request, still not run again.
     assert run_agent.apply_async(args, kwargs, task_id=task_id).get(timeout=10)[
         "output"] == "done: recorded once"
-    assert _counts(fleet.dsn) == {"once": 1}
+    assert tool_counts(fleet.dsn) == {"once": 1}
 
 
 @pytest.mark.parametrize(
@@ -117,6 +116,7 @@ def test_a_task_id_sent_again_with_other_arguments_is_refused(
 # ---- the broker down at enqueue ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "down",
     [
@@ -155,9 +155,10 @@ def test_a_request_accepted_while_the_broker_is_down_returns_its_handle_and_runs
                 LOOMFLOW_WORKER_SWEEP_INTERVAL="0.3")
     assert run_agent.AsyncResult(result.id).get(timeout=60)["output"] == "done: recorded late"
     assert wait_status(fleet.dsn, by_cli, ("succeeded",)) == "succeeded"
-    assert _counts(fleet.dsn) == {"late": 1, "late-cli": 1}
+    assert tool_counts(fleet.dsn) == {"late": 1, "late-cli": 1}
 
 
+@pytest.mark.slow
 def test_a_retry_the_broker_refuses_is_published_by_the_sweeper_once_it_is_back(
     fleet: Fleet, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -194,7 +195,7 @@ def test_a_retry_the_broker_refuses_is_published_by_the_sweeper_once_it_is_back(
     assert row == ("queued", True)
     fleet.start("w1", concurrency=1, LOOMFLOW_WORKER_HANDOFF_GRACE="0.5")
     assert run_agent.AsyncResult(request_id).get(timeout=60)["output"] == "done: recorded retried"
-    assert _counts(fleet.dsn) == {"retried": 1}
+    assert tool_counts(fleet.dsn) == {"retried": 1}
 
 
 # ---- bad input -----------------------------------------------------------------------------------
@@ -247,6 +248,7 @@ def test_metadata_holding_the_text_of_an_escape_is_stored_as_given(fleet: Fleet)
 # ---- dropping waiting work -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cancel_queued_drops_waiting_work_and_the_sessions_move_on(fleet: Fleet) -> None:
     dropped = [run_agent.delay(calls(f"drop{i}"), "s1", user_id=f"u{i % 2}") for i in range(3)]
     other_user = run_agent.delay(calls("keep-user"), "s1", user_id="u9")
@@ -273,10 +275,11 @@ def test_cancel_queued_drops_waiting_work_and_the_sessions_move_on(fleet: Fleet)
     for request in dropped:
         with pytest.raises(RunCancelled):
             request.get(timeout=30)
-    assert _counts(fleet.dsn) == {"after": 1, "keep-session": 1}
+    assert tool_counts(fleet.dsn) == {"after": 1, "keep-session": 1}
     wait_status(fleet.dsn, dropped[0].id, ("cancelled",))
 
 
+@pytest.mark.slow
 def test_cancel_needs_a_request_or_queued(fleet: Fleet) -> None:
     for args in ((), ("x", "--queued"), ("x", "--session", "s")):
         done = cli(fleet, "cancel", *args)
@@ -298,6 +301,7 @@ def _assert_no_result_stored(fleet: Fleet, request_id: str) -> None:
 def test_a_result_its_caller_ignores_is_never_stored_by_the_sweeper(
     fleet: Fleet, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
+    fleet.env.update(QUICK_RESULT_CHECK)
     fleet.start("w1", concurrency=2, pool="threads")
     if how == "apply_async":
         ignored = run_agent.apply_async((calls("f1"), "s"), ignore_result=True)
@@ -307,12 +311,13 @@ def test_a_result_its_caller_ignores_is_never_stored_by_the_sweeper(
     assert wait_status(fleet.dsn, ignored.id, ("succeeded",), timeout=30) == "succeeded"
     wait_swept(fleet, ignored.id)
     _assert_no_result_stored(fleet, ignored.id)
-    assert _counts(fleet.dsn) == {"f1": 1}
+    assert tool_counts(fleet.dsn) == {"f1": 1}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_a_forgotten_result_is_not_stored_again(fleet: Fleet, pool: str) -> None:
+    fleet.env.update(QUICK_RESULT_CHECK)
     fleet.start("w1", concurrency=2, pool=pool)
     done = run_agent.delay(calls("g1"), "s")
     assert done.get(timeout=30)["output"] == "done: recorded g1"

@@ -18,9 +18,8 @@ from loomflow_worker.runtime import InvalidInput
 from loomflow_worker.tasks import RunFailed, app, run_agent
 
 from .celery_harness import REDIS_URL, Fleet, ledger
-from .helpers import calls
-from .test_celery import _counts
-from .test_metrics import _free_port, _scrape
+from .helpers import calls, scrape, tool_counts
+from .services import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +83,7 @@ BAD_MESSAGES: list[tuple[Any, dict[str, Any], str]] = [
 def test_a_message_of_the_wrong_shape_is_dropped_and_the_worker_lives(
     fleet: Fleet, cli: bool
 ) -> None:
-    port = _free_port()
+    port = free_port()
     worker = fleet.start("w1", concurrency=1, cli=cli, pool="prefork",
                          LOOMFLOW_WORKER_METRICS_PORT=str(port))
     bad_ids = [str(uuid.uuid4()) for _ in BAD_MESSAGES]
@@ -98,14 +97,14 @@ def test_a_message_of_the_wrong_shape_is_dropped_and_the_worker_lives(
     assert valid.get(timeout=60)["output"] == "done: recorded after"
     assert worker.poll() is None, fleet.log_text()
     _wait_broker_empty(fleet)
-    assert _counts(fleet.dsn) == {"after": 1}
+    assert tool_counts(fleet.dsn) == {"after": 1}
     log = (fleet.logs / "w1.log").read_text()
     for (_, _, problem), task_id in zip(BAD_MESSAGES, bad_ids, strict=True):
         assert f"message {task_id} refused and dropped: {problem}" in log
     assert "its id is 100000 characters long" in log
     assert "its id must be a string, not NoneType" in log
     assert "Unrecoverable error" not in log
-    refused = _scrape(port)['loomflow_worker_messages_refused_total{reason="malformed"}']
+    refused = scrape(port)['loomflow_worker_messages_refused_total{reason="malformed"}']
     assert refused == len(BAD_MESSAGES) + 2
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         found = conn.execute("SELECT count(*) FROM runs").fetchone()
@@ -148,7 +147,7 @@ def _release(dsn: str, request_id: str) -> None:
 def test_a_message_reusing_a_request_id_never_runs_and_never_changes_its_row(
     fleet: Fleet, args: list[Any], kwargs: dict[str, Any], differ: str
 ) -> None:
-    port = _free_port()
+    port = free_port()
     fleet.start("w1", concurrency=1, LOOMFLOW_WORKER_METRICS_PORT=str(port),
                 LOOMFLOW_WORKER_HANDOFF_GRACE="0.5", LOOMFLOW_WORKER_SWEEP_INTERVAL="0.3")
     # Not ASCII: the prompt is compared by its hash, on both sides as UTF-8.
@@ -160,14 +159,14 @@ def test_a_message_reusing_a_request_id_never_runs_and_never_changes_its_row(
     # ended is the other message.
     fleet.wait_tasks_ended("w1", [alice.id])
     assert _row(fleet.dsn, alice.id) == before
-    assert _counts(fleet.dsn) == {}
+    assert tool_counts(fleet.dsn) == {}
     _wait_logged(fleet, "w1", f"message {alice.id} refused and dropped: {differ} from the "
                               "request the runs ledger holds under that id")
-    assert _scrape(port)['loomflow_worker_messages_refused_total{reason="mismatch"}'] == 1
+    assert scrape(port)['loomflow_worker_messages_refused_total{reason="mismatch"}'] == 1
 
     _release(fleet.dsn, alice.id)
     assert alice.get(timeout=60)["output"] == "done: recorded alicé ✓"
-    assert _counts(fleet.dsn) == {"alicé ✓": 1}
+    assert tool_counts(fleet.dsn) == {"alicé ✓": 1}
     assert ledger(fleet.dsn, alice.id)["status"] == "succeeded"
 
 
@@ -184,7 +183,7 @@ def test_a_message_reusing_a_finished_request_id_gets_nothing_and_changes_nothin
     _wait_broker_empty(fleet)
     assert _row(fleet.dsn, alice.id) == before
     assert run_agent.AsyncResult(alice.id).get(timeout=10)["output"] == "done: recorded alice"
-    assert _counts(fleet.dsn) == {"alice": 1}
+    assert tool_counts(fleet.dsn) == {"alice": 1}
 
 
 def _incompressible(length: int) -> str:

@@ -66,15 +66,32 @@ async def test_an_idle_process_stamps_its_row_and_marks_it_stopped_when_it_close
     settings = Settings(database_url=dsn, events=False, heartbeat_interval=0.2)  # type: ignore[arg-type]
     ctx = WorkerContext(settings, slots=3, node="n1@host")
     assert ctx.holder == f"n1@host:{os.getpid()}"
+    stamps = [0]
+    stamp = ctx._stamp
+
+    async def counted(runtime: Any, *, stopped: bool) -> None:
+        stamps[0] += 1
+        await stamp(runtime, stopped=stopped)
+
+    ctx._stamp = counted  # type: ignore[method-assign]
     try:
         await ctx.runtime()
-        await anyio.sleep(0.1)
-        assert await _worker_row(dsn, ctx.holder) == (os.getpid(), 0, True, False)
+        with anyio.fail_after(10):  # its first stamp
+            while True:
+                if (row := await _worker_row(dsn, ctx.holder)) is not None:
+                    break
+                await anyio.sleep(0.02)
+        assert row == (os.getpid(), 0, True, False)
         # The table gone (a failing stamp): logged once, and the process goes on.
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
             await conn.execute("ALTER TABLE workers RENAME TO workers_away")
         with caplog.at_level(logging.WARNING, logger="loomflow_worker.tasks"):
-            await anyio.sleep(0.7)
+            failing = stamps[0] + 3
+            with anyio.fail_after(10):  # three stamps, each failing
+                while True:
+                    if stamps[0] > failing:
+                        break
+                    await anyio.sleep(0.02)
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
             await conn.execute("ALTER TABLE workers_away RENAME TO workers")
         warned = [r for r in caplog.records if "could not stamp" in r.getMessage()]

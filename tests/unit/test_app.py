@@ -71,6 +71,7 @@ def _in_a_new_process(code: str, **env: str) -> str:
     return done.stdout.strip()
 
 
+@pytest.mark.slow
 def test_importing_the_package_makes_no_app_until_one_is_used() -> None:
     shown = _in_a_new_process(
         "import loomflow_worker.tasks as tasks\n"
@@ -81,6 +82,7 @@ def test_importing_the_package_makes_no_app_until_one_is_used() -> None:
     assert shown.splitlines() == ["True", "loomflow_worker.run_agent True True"]
 
 
+@pytest.mark.slow
 def test_settings_the_environment_gets_wrong_fail_when_used_not_at_import() -> None:
     shown = _in_a_new_process(
         "import loomflow_worker.tasks as tasks\n"
@@ -138,6 +140,7 @@ def test_a_worker_leaves_a_result_backend_other_than_redis_as_celery_makes_it() 
     assert type(plain.backend).__name__ == "DisabledBackend"
 
 
+@pytest.mark.slow
 def test_celery_config_module_options_apply_and_the_readme_names_those_that_never_do(
     tmp_path: Path,
 ) -> None:

@@ -772,6 +772,7 @@ def test_kubernetes_manifests_validate(version: str) -> None:
             pytest.fail(f"{where}: {exc.message}")
 
 
+@pytest.mark.slow
 def test_kustomize_builds_the_manifests() -> None:
     """Runs only where kubectl is installed (its built-in kustomize)."""
     kubectl = KUBECTL.require()

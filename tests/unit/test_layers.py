@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "loomflow_worker"
 NAME = "loomflow_worker"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "module", ["loomflow_worker", "loomflow_worker.runtime", "loomflow_worker.execution.execute"]
 )
@@ -155,6 +156,7 @@ def test_what_the_command_reads_before_parsing_imports_none_of_the_package(modul
     assert _graph()[module] == set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("package", [NAME, f"{NAME}.runtime"])
 def test_every_name_a_package_exports_on_first_use_is_there(package: str) -> None:
     code = (

@@ -65,6 +65,7 @@ def test_needs_something() -> None:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ci, code, outcome", [("", 0, "1 skipped"), ("true", 1, "1 failed")])
 def test_under_ci_true_a_skip_fails_the_run(
     tmp_path: Path, ci: str, code: int, outcome: str

@@ -35,7 +35,13 @@ def test_the_sql_functions_name_the_unfinished_and_finished_statuses() -> None:
     finished = _latest(r"FUNCTION loomflow_worker_finished.*?status IN \(([^)]*)\)")
     assert _names(unfinished) == {s.value for s in UNFINISHED}
     assert _names(finished) == {s.value for s in TERMINAL}
-    assert set(UNFINISHED) | set(TERMINAL) == set(Status)
+
+
+def test_the_partial_index_of_unfinished_requests_names_the_unfinished_statuses() -> None:
+    """The index keeps the literal list it was created with: a query asking
+    ``loomflow_worker_unfinished`` matches it only while the two lists agree."""
+    predicate = _latest(r"INDEX[^;]*runs_scope_open[^;]*WHERE\s*status IN \(([^)]*)\)")
+    assert _names(predicate) == {s.value for s in UNFINISHED}
 
 
 def test_no_query_spells_out_a_list_of_statuses() -> None:
