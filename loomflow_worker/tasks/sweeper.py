@@ -10,6 +10,9 @@ sweep:
 - dispatches again the oldest unfinished request of every session whose
   lock nobody holds: running (its worker died) or queued with a dispatch
   that looks lost;
+- stores, from the ledger, the results the result backend lacks: refused
+  while it was down, left unstored by a worker that died, or lost by the
+  backend since (see :mod:`.results`);
 - with ``retention`` set, prunes journal entries, checkpoints and finished
   requests older than it: right after taking the lead, then every few
   minutes, a short batch at a time and for a bounded time per sweep, so
@@ -38,6 +41,7 @@ from ..execution.ledger import Pending, Status
 from ..runtime.prune import Pruner, cutoff
 from ..runtime.sql import query
 from ..settings import Settings
+from .results import ResultRepair, ResultWatch, store_from_ledger
 
 log = logging.getLogger("loomflow_worker.sweeper")
 
@@ -60,17 +64,6 @@ FORGET_WORKERS_AFTER = 86400.0
 # late when the process is busy: the sweeper checks it only after this long
 # (one whose worker is gone, after HANDOFF_GRACE).
 RESULT_WAIT_ALIVE = 60.0
-
-
-@dataclass(frozen=True)
-class ResultRepair:
-    """How the sweeper reaches the result backend: ``missing(request_ids)``
-    says which of them have no outcome stored (in one round trip where the
-    backend allows), ``store(request_id, status, result, error)`` stores one
-    as the ledger has it."""
-
-    missing: Callable[[list[str]], set[str]]
-    store: Callable[[str, str, Any, str | None], None]
 
 
 @dataclass(frozen=True)
@@ -140,6 +133,8 @@ class Sweeper:
         # This sweep's actions, recorded at its end (record_actions).
         self.actions: list[Action] = []
         self._next_forget = 0.0
+        self._watch = (ResultWatch(results, lambda action, detail: self.actions.append(
+            Action(action, detail=detail))) if results is not None else None)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="loomflow-worker sweeper",
@@ -184,6 +179,7 @@ class Sweeper:
                         self.sweep_revoked(conn)
                         self.sweep(conn)
                         self.repair_results(conn)
+                        self.recheck_results(conn)
                         self.retain(conn)
                         self.forget_workers(conn)
                     else:
@@ -222,6 +218,8 @@ class Sweeper:
             self._pruner = None
             self._next_prune = 0.0
             self._next_forget = 0.0
+            if self._watch is not None:
+                self._watch.forget()
         conn.execute(query("leader_claim"), {"holder": self.holder})
         return True
 
@@ -293,37 +291,50 @@ class Sweeper:
             except Exception as exc:
                 self._backend_unreachable(exc)
                 break
-            # Outcomes are read only for what the backend lacks: a result can
-            # be large, and nearly every one is there.
-            rows = cur.execute(
-                query("request_outcomes"), {"request_ids": [i for i in ids if i in missing]}
-            ).fetchall() if missing else []
-            checked: list[str] = []
+            stored: list[tuple[str, str]] = []
             try:
-                for row in rows:
-                    request_id, status = row["request_id"], row["status"]
-                    self.results.store(request_id, status, row["result"], row["error"])
-                    repaired += 1
-                    checked.append(request_id)
-                    log.warning(
-                        "sweeper: stored the %s result of request %s, which its worker "
-                        "could not store", status, request_id,
-                        extra={"action": "sweeper_result", "request": request_id},
-                    )
-                    self.actions.append(Action(
-                        "result_stored", request_id,
-                        f"stored its {status} result, which its worker could not store"))
-                # The rest were there already, or their request is gone.
-                stored = set(checked)
-                checked += [i for i in ids if i not in stored]
+                store_from_ledger(conn, self.results, [i for i in ids if i in missing], stored)
+                # The rest were there already, their request is gone, or its
+                # result's lifetime is over.
+                checked = ids
                 self._backend_down = False
+            except psycopg.Error:
+                raise
             except Exception as exc:
+                checked = [request_id for request_id, _ in stored]
                 self._backend_unreachable(exc)
+            for request_id, status in stored:
+                log.warning(
+                    "sweeper: stored the %s result of request %s, which its worker "
+                    "could not store", status, request_id,
+                    extra={"action": "sweeper_result", "request": request_id},
+                )
+                self.actions.append(Action(
+                    "result_stored", request_id,
+                    f"stored its {status} result, which its worker could not store"))
+            repaired += len(stored)
             if checked:
                 conn.execute(query(done), {"request_ids": checked, "within": within})
             if self._backend_down:
                 break
         return repaired
+
+    def recheck_results(self, conn: psycopg.Connection[Any]) -> int:
+        """Store again, from the ledger, the results the backend lost after
+        they were stored (it restarted empty, say; see :mod:`.results`), for a
+        bounded time per sweep; returns how many. While the backend is down,
+        they wait for a later sweep."""
+        if self._watch is None:
+            return 0
+        try:
+            restored = self._watch.look(conn)
+        except psycopg.Error:
+            raise
+        except Exception as exc:
+            self._backend_unreachable(exc)
+            return 0
+        self._backend_down = False
+        return restored
 
     def _backend_unreachable(self, exc: Exception) -> None:
         """Results wait in the ledger while the backend is down: said once per outage."""

@@ -5,6 +5,7 @@ finished requests, a plan without the index would scan them all."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -53,6 +54,23 @@ def test_a_hot_query_finds_unfinished_requests_through_the_partial_index(
     with psycopg.connect(big_ledger, autocommit=True) as conn:
         plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + query(name), PARAMS))
     assert "runs_scope_open" in plan, plan
+
+
+def test_a_recheck_walks_the_finished_requests_in_their_index(big_ledger: str) -> None:
+    """A re-check of the result backend reads the finished requests a batch at
+    a time in the order they ended, each batch from the index (``runs_finished``),
+    not by sorting the ledger."""
+    params = {"at": datetime.now(UTC) - timedelta(days=1), "seq": -1, "until": None,
+              "limit": 200}
+    with psycopg.connect(big_ledger, autocommit=True) as conn:
+        plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN " + query("results_to_recheck"), params))
+        rows = conn.execute(query("results_to_recheck"), params).fetchall()
+        after = conn.execute(query("results_to_recheck"), {
+            **params, "at": rows[-1][1], "seq": rows[-1][2]}).fetchall()
+    assert "runs_finished" in plan and "Sort" not in plan, plan
+    assert len(rows) == len(after) == 200
+    assert not {r[0] for r in rows} & {r[0] for r in after}
 
 
 def test_every_way_a_request_ends_queues_one_result_check(dsn: str) -> None:

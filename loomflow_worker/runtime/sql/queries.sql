@@ -835,8 +835,11 @@ SELECT c.request_id FROM results_to_check c
  ORDER BY c.finished_at LIMIT %(limit)s;
 
 -- name: request_outcomes
--- What the result backend lacks for these finished requests, as the ledger has it.
-SELECT request_id, status, result, error, error_type FROM runs
+-- What the result backend lacks for these finished requests, as the ledger has
+-- it, and how long ago each ended (its result lives result_expires from then).
+SELECT request_id, status, result, error, error_type,
+       extract(epoch FROM now() - finished_at)::float8 AS age
+  FROM runs
  WHERE request_id = ANY(%(request_ids)s) AND loomflow_worker_finished(status);
 
 -- name: mark_result_checked
@@ -859,6 +862,35 @@ SELECT request_id FROM runs WHERE NOT result_stored ORDER BY finished_at LIMIT %
 -- name: mark_result_stored
 UPDATE runs SET result_stored = true
  WHERE request_id = ANY(%(request_ids)s);
+
+-- name: backend_watch
+-- What the sweeper's leader last knew of the result backend (see the table
+-- result_backend_watch), and the database's clock: the mark it leaves next.
+SELECT token, mark, evicted, recheck_at, recheck_seq, recheck_until, now() AS now
+  FROM result_backend_watch WHERE id = 1;
+
+-- name: backend_watched
+-- What the leader knows now of the result backend: the mark it left, the
+-- evictions counted, how far a re-check got (none: NULL); a re-check `widen`ed
+-- reaches the requests ended until now. The database's clock comes back, the
+-- mark it leaves next.
+UPDATE result_backend_watch
+   SET mark = %(mark)s, evicted = %(evicted)s,
+       recheck_at = %(recheck_at)s, recheck_seq = %(recheck_seq)s,
+       recheck_until = CASE WHEN %(recheck_at)s::timestamptz IS NULL THEN NULL
+                            WHEN %(widen)s THEN now() ELSE recheck_until END
+ WHERE id = 1
+RETURNING now(), recheck_until;
+
+-- name: results_to_recheck
+-- The next finished requests whose result is wanted, in the order they ended,
+-- after (`at`, `seq`) and until `until`: what a re-check of the result backend
+-- looks for, a batch at a time (through runs_finished).
+SELECT request_id, finished_at, seq FROM runs
+ WHERE finished_at IS NOT NULL AND NOT ignore_result
+   AND (finished_at, seq) > (%(at)s::timestamptz, %(seq)s::bigint)
+   AND finished_at <= coalesce(%(until)s::timestamptz, now())
+ ORDER BY finished_at, seq LIMIT %(limit)s;
 
 -- ---- lock connections shared by many runs -----------------------------------------------
 
