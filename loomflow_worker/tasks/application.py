@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import inspect
 import json
@@ -441,7 +442,7 @@ def _start_sweeper(sender: Any = None, **_: Any) -> None:
         except Exception:
             log.exception("the worker could not connect to Postgres yet; will retry per task")
     if settings().sweeper:
-        sweeper = Sweeper(settings(), _dispatch, _queue_lengths,
+        sweeper = Sweeper(settings(), _dispatch_many, _queue_lengths,
                           ResultRepair(_results_missing, _store_result,
                                        _probe_result_backend, _result_lifetime()),
                           revoked=_end_revoked_requests, held=_stamp_held)
@@ -768,18 +769,19 @@ class AgentTask(Task):
                 found[key] = getattr(value, "name", value)  # a kombu Queue or Exchange
         return found
 
-    def dispatch(self, pending: Pending) -> None:
+    def dispatch(self, pending: Pending, producer: Any = None) -> None:
         """Publish a request that already has its ledger row (a handoff, a
         redispatch) as its first message was: to its queue (its routing), with
         its eta, and with what that message carried once a worker took it (its
         chain, callbacks, chord and group, headers, priority, time limits), as
-        Celery's retry would."""
+        Celery's retry would; with ``producer``, over its connection."""
         task_args, task_kwargs = pending.task_args()
         options = {**(pending.routing or {}), **(pending.options or {}),
                    "retry_policy": DISPATCH_RETRY}
         if pending.not_before is not None:
             options["eta"] = pending.not_before
-        super().apply_async(task_args, task_kwargs, task_id=pending.request_id, **options)
+        super().apply_async(task_args, task_kwargs, task_id=pending.request_id,
+                            producer=producer, **options)
 
 
 #: The ``apply_async`` options that say where a message goes.
@@ -833,8 +835,20 @@ def _message_options(task: AgentTask, request: Any) -> dict[str, Any]:
     return plain
 
 
-def _dispatch(pending: Pending) -> None:
-    (resume_agent if pending.kind == "resume" else run_agent).dispatch(pending)
+def _dispatch(pending: Pending, producer: Any = None) -> None:
+    (resume_agent if pending.kind == "resume" else run_agent).dispatch(pending, producer)
+
+
+def _dispatch_many(pendings: list[Pending]) -> None:
+    """Publish these requests' messages (a batch of the sweeper's) over one
+    producer, on one broker connection acquired for the lot; on Redis in one
+    round trip, where kombu has publish batches. The broker's error is raised,
+    and then which of them went is unknown."""
+    with app.producer_or_acquire() as producer:
+        batch = getattr(producer, "batch", None)
+        with batch() if batch is not None else contextlib.nullcontext():
+            for pending in pendings:
+                _dispatch(pending, producer)
 
 
 def _dispatch_deferred(request_id: str, state: str, exc: BaseException) -> None:

@@ -9,7 +9,8 @@ sweep:
   than the lease (a frozen worker): that fences it and frees its session;
 - dispatches again the oldest unfinished request of every session whose
   lock nobody holds: running (its worker died) or queued with a dispatch
-  that looks lost;
+  that looks lost, and whose message no live worker says it holds; in
+  batches, so the hundreds of runs of a dead process go in one round trip;
 - stores, from the ledger, the results the result backend lacks: refused
   while it was down, left unstored by a worker that died, or lost by the
   backend since (see :mod:`.results`);
@@ -60,6 +61,17 @@ KEEP_ACTIONS = 1000
 KEEP_ACTIONS_FOR = 86400.0
 FORGET_WORKERS_AFTER = 86400.0
 
+# Recovery: orphans are read a page at a time, for up to RECOVER_BUDGET
+# seconds per sweep, and each page is dispatched as one batch (one ledger
+# statement, one broker connection).
+ORPHANS_PAGE = 500
+RECOVER_BUDGET = 5.0
+# The leader sweeps again when the next dead worker's runs become orphans
+# (DUE_MARGIN past their lease, on the database's clock), waiting at least
+# MIN_PAUSE, and no longer than the sweep interval.
+DUE_MARGIN = 0.02
+MIN_PAUSE = 0.05
+
 # A finished request whose worker process still lives stores its own result,
 # late when the process is busy: the sweeper checks it only after this long
 # (one whose worker is gone, after HANDOFF_GRACE).
@@ -103,7 +115,7 @@ class Sweeper:
     def __init__(
         self,
         settings: Settings,
-        dispatch: Callable[[Pending], None],
+        dispatch: Callable[[list[Pending]], None],
         queue_length: Callable[[list[str]], dict[str, int | None]] | None = None,
         results: ResultRepair | None = None,
         revoked: Callable[[list[str]], None] | None = None,
@@ -133,6 +145,8 @@ class Sweeper:
         # This sweep's actions, recorded at its end (record_actions).
         self.actions: list[Action] = []
         self._next_forget = 0.0
+        # When the runs of a worker that just died become orphans (monotonic).
+        self._next_orphan: float | None = None
         self._watch = (ResultWatch(results, lambda action, detail: self.actions.append(
             Action(action, detail=detail))) if results is not None else None)
 
@@ -168,7 +182,7 @@ class Sweeper:
 
     def _loop(self) -> None:
         backoff = self.settings.sweep_interval
-        while not self._stop.wait(backoff):
+        while not self._stop.wait(self._pause(backoff)):
             try:
                 if self._conn is None or self._conn.closed:
                     self._conn = self._connect()
@@ -194,6 +208,16 @@ class Sweeper:
             except Exception:
                 log.exception("sweeper failed", extra={"action": "sweeper_error"})
                 backoff = min(backoff * 2, 10.0)
+
+    def _pause(self, backoff: float) -> float:
+        """How long to wait before the next sweep: ``backoff``, or less when
+        the runs of a worker that just died are about to be orphans (the
+        leader sweeps the moment their lease runs out, not up to a sweep
+        interval later)."""
+        due, self._next_orphan = self._next_orphan, None
+        if due is None:
+            return backoff
+        return min(backoff, max(due - time.monotonic(), MIN_PAUSE))
 
     def _lead(self, conn: psycopg.Connection[Any]) -> bool:
         if not self.leader:
@@ -368,12 +392,80 @@ class Sweeper:
         return len(ids)
 
     def sweep(self, conn: psycopg.Connection[Any]) -> int:
-        """One sweep; returns how many requests it dispatched again."""
+        """One sweep: fence frozen workers, then dispatch again every orphan,
+        a page of them at a time (for up to RECOVER_BUDGET seconds), each page
+        as one batch; returns how many requests it dispatched again."""
+        self.fence(conn)
+        waiting = self._waiting(sorted(self.backlog(conn)))
+        deadline = time.monotonic() + RECOVER_BUDGET
+        suspects, self._suspects = self._suspects, {}
+        dispatched = 0
+        while True:
+            orphans = conn.cursor(row_factory=dict_row).execute(query("orphans"), {
+                "after": self.settings.redispatch_after,
+                "queued_after": self.settings.handoff_grace,
+                "queues": list(waiting), "waiting": list(waiting.values()),
+                "default_queue": self.settings.queue, "held_within": self.held_within,
+                "dead_after": 2 * self.settings.heartbeat_interval, "limit": ORPHANS_PAGE,
+            }).fetchall()
+            # A queued request that looks lost must look lost on two sweeps a
+            # moment apart: one a worker has just taken from the broker is
+            # counted nowhere until its attempt starts, milliseconds later.
+            chosen, still = confirm_lost(
+                [(Pending.of(row), str(row["status"])) for row in orphans], suspects,
+                time.monotonic(), max(2 * self.settings.sweep_interval, 1.0),
+            )
+            self._suspects.update(still)
+            if chosen:
+                self.redispatch(conn, chosen)
+            dispatched += len(chosen)
+            # Those dispatched are orphans no more: the next page comes after them.
+            if len(orphans) < ORPHANS_PAGE or not chosen or time.monotonic() > deadline:
+                self._next_orphan = self._orphan_due(conn)
+                return dispatched
+
+    def _orphan_due(self, conn: psycopg.Connection[Any]) -> float | None:
+        """When (on this host's monotonic clock) the next running request
+        whose lock nobody holds (its worker just died) becomes an orphan."""
+        row = conn.execute(query("next_orphan"),
+                           {"dead_after": 2 * self.settings.heartbeat_interval}).fetchone()
+        if row is None or row[0] is None:
+            return None
+        return time.monotonic() + float(row[0]) + DUE_MARGIN
+
+    def redispatch(self, conn: psycopg.Connection[Any], batch: list[tuple[Pending, str]]) -> None:
+        """Publish a batch of orphans again: one ledger statement marks them
+        dispatched, then their messages go over one broker connection (one
+        round trip on Redis). A broker that refuses the batch leaves all of
+        it for the next sweep (some may then go twice: harmless), and its
+        error is raised."""
+        ids = [pending.request_id for pending, _ in batch]
+        conn.execute(query("mark_swept"), {"request_ids": ids})
+        try:
+            self.dispatch([pending for pending, _ in batch])
+        except Exception:
+            conn.execute(query("mark_unswept"), {"request_ids": ids})
+            raise
+        meter = metrics.get()
+        if meter is not None:
+            meter.sweeper.labels("redispatch").inc(len(batch))
+        for pending, status in batch:
+            log.warning(
+                "sweeper: dispatched request %s again (it was %s with its session free)",
+                pending.request_id, status,
+                extra={"action": "sweeper_redispatch", "request": pending.request_id},
+            )
+            self.actions.append(Action(
+                "redispatch", pending.request_id, f"it was {status} with its session free"))
+
+    def fence(self, conn: psycopg.Connection[Any]) -> int:
+        """End the lock connections of running requests whose heartbeat is
+        older than the lease (a frozen worker): one connection carries many
+        runs, and is ended once for all of them. Returns how many requests."""
         frozen = conn.cursor(row_factory=dict_row).execute(
             query("frozen_holders"), {"lease": self.settings.lease}
         ).fetchall()
         meter = metrics.get()
-        # One lock connection carries many runs: it is ended once, for all of them.
         by_backend: dict[int, list[str]] = {}
         for row in frozen:
             by_backend.setdefault(row["pid"], []).append(row["request_id"])
@@ -395,34 +487,7 @@ class Sweeper:
                        f"no heartbeat for over {self.settings.lease:g}s; ended its worker's "
                        f"lock connection (pid {pid})")
                 for request_id in request_ids)
-        waiting = self._waiting(sorted(self.backlog(conn)))
-        orphans = conn.cursor(row_factory=dict_row).execute(
-            query("orphans"),
-            {"after": self.settings.redispatch_after, "queued_after": self.settings.handoff_grace,
-             "queues": list(waiting), "waiting": list(waiting.values()),
-             "default_queue": self.settings.queue, "held_within": self.held_within,
-             "dead_after": 2 * self.settings.heartbeat_interval, "limit": 500},
-        ).fetchall()
-        # A queued request that looks lost must look lost on two sweeps a moment
-        # apart: one a worker has just taken from the broker is counted nowhere
-        # until its attempt starts, milliseconds later.
-        chosen, self._suspects = confirm_lost(
-            [(Pending.of(row), str(row["status"])) for row in orphans], self._suspects,
-            time.monotonic(), max(2 * self.settings.sweep_interval, 1.0),
-        )
-        for pending, status in chosen:
-            conn.execute(query("mark_swept"), {"request_id": pending.request_id})
-            self.dispatch(pending)
-            if meter is not None:
-                meter.sweeper.labels("redispatch").inc()
-            log.warning(
-                "sweeper: dispatched request %s again (it was %s with its session free)",
-                pending.request_id, status,
-                extra={"action": "sweeper_redispatch", "request": pending.request_id},
-            )
-            self.actions.append(Action(
-                "redispatch", pending.request_id, f"it was {status} with its session free"))
-        return len(chosen)
+        return len(frozen)
 
     @property
     def held_within(self) -> float:

@@ -565,6 +565,22 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
           AND l.objid = (h.lock_key & 4294967295)::oid)
  LIMIT %(limit)s;
 
+-- name: next_orphan
+-- In how many seconds the next running request whose lock nobody holds (its
+-- worker died a moment ago) is dead_after past its last heartbeat, and so an
+-- orphan: the leader sweeps again then, not up to a sweep interval later.
+-- NULL: no such request.
+SELECT extract(epoch FROM min(r.heartbeat_at) - now())::float8 + %(dead_after)s
+  FROM runs r
+ WHERE r.status = 'running' AND r.lock_key IS NOT NULL
+   AND r.heartbeat_at >= now() - make_interval(secs => %(dead_after)s)
+   AND NOT EXISTS (
+       SELECT 1 FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND l.classid = ((r.lock_key >> 32) & 4294967295)::oid
+          AND l.objid = (r.lock_key & 4294967295)::oid);
+
 -- name: queued_queues
 -- The queues the queued requests' messages wait in (the default queue for a
 -- request with no routing), with how many requests are queued in each,
@@ -613,8 +629,18 @@ UPDATE runs SET dispatched_at = '-infinity'
  WHERE request_id = %(request_id)s AND status = 'queued' AND received_at IS NULL;
 
 -- name: mark_swept
+-- The sweeper publishes these requests again (one statement for its batch),
+-- or one is handed to a process of its own: dispatched now.
 UPDATE runs SET swept_at = now(), dispatched_at = greatest(dispatched_at, now())
- WHERE request_id = %(request_id)s;
+ WHERE request_id = ANY(%(request_ids)s::text[]);
+
+-- name: mark_unswept
+-- The broker refused the sweeper's batch (which of its messages went is
+-- unknown): each goes again on the next sweep the broker answers, a queued
+-- one first among its queue's, as if never published.
+UPDATE runs SET swept_at = NULL,
+       dispatched_at = CASE WHEN status = 'queued' THEN '-infinity' ELSE dispatched_at END
+ WHERE request_id = ANY(%(request_ids)s::text[]);
 
 -- ---- cancel and busy sessions -------------------------------------------------------------
 
