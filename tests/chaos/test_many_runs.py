@@ -229,6 +229,39 @@ def test_three_hundred_orphans_resume_in_seconds_dispatched_in_one_batch(fleet: 
     assert last < RESUMED_WITHIN, f"the last orphan resumed {last:.2f}s after its lease"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_a_deploy_whose_replacement_takes_the_runs_slowly_gets_no_second_dispatch(
+    fleet: Fleet, pool: str
+) -> None:
+    """A rolling deploy: the old worker, with 24 runs in flight, shuts down
+    (soft shutdown, then its runs are stopped and their messages requeued),
+    and its replacement, taking 6 at a time, works through them for seconds.
+    Their messages are in the broker or held by the replacement the whole
+    time: the sweeper dispatches none of them again, and each runs once more."""
+    env = {**FAST_RECOVERY, "LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT": "0.5"}
+    count = 24 if pool == "threads" else 8
+    # The old worker's runs wait on their model until it stops them; the
+    # replacement's take 1.5 s each, a quarter of them at a time.
+    fleet.start("w1", concurrency=count, cli=True, pool=pool, TEST_MODEL_LATENCY="60", **env)
+    sent = [run_agent.delay(f"hello {i}", f"s{i}", agent="slow-model") for i in range(count)]
+    ids = [r.id for r in sent]
+    _wait_running(fleet.dsn, ids)
+    fleet.start("w2", concurrency=count // 4, cli=True, pool=pool, TEST_MODEL_LATENCY="1.5",
+                **env)
+    fleet.terminate("w1", timeout=30)
+    for result in sent:
+        assert result.get(timeout=90)["output"]
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        dispatched = conn.execute(
+            "SELECT request_id, detail FROM sweeper_actions WHERE action = 'redispatch'"
+        ).fetchall()
+        attempts = conn.execute(
+            "SELECT count(*) FROM run_attempts WHERE request_id = ANY(%s)", (ids,)).fetchone()
+    assert dispatched == [], f"{len(dispatched)} dispatched again: {dispatched[:3]}"
+    assert attempts == (2 * count,), attempts
+
+
 def test_soft_shutdown_with_a_hundred_runs_in_flight_loses_none(fleet: Fleet) -> None:
     install_journal_audit(fleet.dsn)
     env = {**HUNDRED, "LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT": "1"}

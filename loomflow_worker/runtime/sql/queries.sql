@@ -328,6 +328,19 @@ UPDATE runs SET status = 'failed', error = %(error)s, error_type = %(error_type)
 UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(outcome)s
  WHERE request_id = %(request_id)s AND attempt = %(attempt)s;
 
+-- name: requeue_interrupted
+-- A worker stopped the request's attempt (a shutdown) and puts its message
+-- back in the broker: the attempt ends "interrupted" (no crash) and the
+-- request is queued again, its message in the broker from now on, so the
+-- sweeper counts it there, or held by the worker that takes it, and does not
+-- publish another (unless another attempt started since).
+WITH ended AS (
+    UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = 'interrupted'
+     WHERE request_id = %(request_id)s AND attempt = %(attempt)s
+)
+UPDATE runs SET status = 'queued', dispatched_at = now(), holder_pid = NULL
+ WHERE request_id = %(request_id)s AND status = 'running' AND attempts = %(attempt)s;
+
 -- name: retry_run
 UPDATE runs
    SET status = 'queued', failures = failures + 1, error = %(error)s, error_type = %(error_type)s,
