@@ -813,13 +813,13 @@ async def _run(
                           note=" at a step boundary")
         if isinstance(exc, asyncio.CancelledError) and lease.fenced is None:
             # Stopped from outside (a shutdown): this attempt was interrupted,
-            # which the next one must not count as a crash. Recorded under the
-            # lock, before the next attempt can start.
+            # which the next one must not count as a crash, and its message goes
+            # back to the broker (the request is queued again). Recorded under
+            # the lock, before the next attempt can start.
             attempt_no = started.attempt
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await lease.io(
-                    lambda conn: ledger.end_attempt(conn, request_id, attempt_no, "interrupted")
-                )
+                    lambda conn: ledger.requeue_interrupted(conn, request_id, attempt_no))
             log.info("request %s interrupted", request_id,
                      extra={"action": "interrupted", **log_fields})
         raise

@@ -611,6 +611,14 @@ async def end_attempt(conn: Conn, request_id: str, attempt: int, outcome: str) -
     )
 
 
+async def requeue_interrupted(conn: Conn, request_id: str, attempt: int) -> None:
+    """The worker stopped ``attempt`` (a shutdown) and puts its message back
+    in the broker: the attempt ends ``interrupted`` and the request is queued
+    again, so the sweeper finds its message there (or held by the worker that
+    takes it) and does not publish another."""
+    await conn.execute(query("requeue_interrupted"), {"request_id": request_id, "attempt": attempt})
+
+
 async def hand_off(conn: Conn, scope: str) -> Handoff | None:
     """Hand ``scope`` to its oldest unfinished request, unless it was handed
     already (then whoever handed it published it, or its message runs it)."""
@@ -806,7 +814,7 @@ def mark_interrupted(conn: psycopg.Connection[Any], node: str) -> None:
 async def mark_handed_alone(conn: Conn, request_id: str) -> None:
     """The request is handed to a process of its own (quarantine): the sweeper
     takes it for dispatched just now."""
-    await conn.execute(query("mark_swept"), {"request_id": request_id})
+    await conn.execute(query("mark_swept"), {"request_ids": [request_id]})
 
 
 async def mark_lost_now(conn: Conn, request_id: str, attempt: int | None, holder: str) -> None:

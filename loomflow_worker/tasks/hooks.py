@@ -35,14 +35,15 @@ from .admission import Admission
 from .alone import stop_alone
 from .application import current_app, settings
 from .connections import bound_worker_connections
-from .dispatch import RESUME_AGENT, RUN_AGENT, dispatch
+from .dispatch import RESUME_AGENT, RUN_AGENT, dispatch_many
 from .eta import arrival
 from .pool import REFUSED_POOLS, RunPool, pool_name, refused_threads_option
 from .queues import queue_lengths
-from .results import results_missing, store_result
+from .repair import ResultRepair
+from .results import probe_result_backend, result_lifetime, results_missing, store_result
 from .revoke import end_revoked_requests, end_revoked_soon
 from .state import PROCESS
-from .sweeper import ResultRepair, Sweeper
+from .sweeper import Sweeper
 from .task import AgentTask
 
 log = logging.getLogger("loomflow_worker.tasks")
@@ -187,8 +188,9 @@ def _start_sweeper(sender: Any = None, **_: Any) -> None:
         except Exception:
             log.exception("the worker could not connect to Postgres yet; will retry per task")
     if settings().sweeper:
-        sweeper = Sweeper(settings(), dispatch, queue_lengths,
-                          ResultRepair(results_missing, store_result),
+        sweeper = Sweeper(settings(), dispatch_many, queue_lengths,
+                          ResultRepair(results_missing, store_result,
+                                       probe_result_backend, result_lifetime()),
                           revoked=end_revoked_requests, held=_stamp_held)
         PROCESS.sweeper = sweeper
         sweeper.start()

@@ -4,10 +4,12 @@ to the sweeper, which stores a finished request's outcome from the ledger."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from ..execution.errors import RunCancelled, RunDead, RunFailed
 from .dispatch import dispatch_errors
+from .repair import BackendMark
 from .state import PROCESS
 
 log = logging.getLogger("loomflow_worker.tasks")
@@ -83,11 +85,57 @@ def results_missing(request_ids: list[str]) -> set[str]:
     return {rid for rid in request_ids if backend.get_state(rid) == "PENDING"}
 
 
-def store_result(request_id: str, status: str, result: Any, error: str | None) -> None:
-    """Store a finished request's outcome, as the ledger has it, in the result backend."""
+def store_result(request_id: str, status: str, result: Any, error: str | None,
+                 age: float = 0.0) -> bool:
+    """Store a finished request's outcome, as the ledger has it, in the result
+    backend, for what is left of its lifetime (``result_expires``, or
+    ``result_failure_expires``, from when it ended, ``age`` seconds ago); none
+    left: nothing stored, ``False``."""
+    from celery.backends.redis import RedisBackend
+
     backend = PROCESS.current_app().backend
-    if status == "succeeded":
-        backend.store_result(request_id, result, "SUCCESS")
+    state = "SUCCESS" if status == "succeeded" else "FAILURE"
+    lifetime = result_lifetime(state)
+    left = lifetime - age if lifetime else None
+    if left is not None and left <= 0:
+        return False
+    if state == "SUCCESS":
+        backend.store_result(request_id, result, state)
     else:
         failure = {"dead": RunDead, "cancelled": RunCancelled}.get(status, RunFailed)
-        backend.store_result(request_id, failure(error or status), "FAILURE")
+        backend.store_result(request_id, failure(error or status), state)
+    if left is not None and isinstance(backend, RedisBackend):
+        # Stored for a whole lifetime: it ends when the one it was stored for would.
+        backend.expire(backend.get_key_for_task(request_id), max(1, math.ceil(left)))
+    return True
+
+
+def result_lifetime(state: str | None = None) -> float | None:
+    """How long the result backend keeps a result of ``state`` (``None``: the
+    longer of a success's and a failure's), in seconds; ``None``: for ever."""
+    backend = PROCESS.current_app().backend
+    success = float(backend.expires or 0)
+    failure = float(getattr(backend, "failure_expires", success) or 0)
+    lifetimes = [success, failure] if state is None else [
+        failure if state == "FAILURE" else success]
+    return None if 0 in lifetimes else max(lifetimes)
+
+
+def probe_result_backend(token: str, stamp: float) -> BackendMark | None:
+    """Read the mark the sweeper left in the result backend under ``token``,
+    leave ``stamp`` in its place, and read how many keys the server has
+    evicted: one round trip. ``None`` for a backend other than Redis."""
+    from celery.backends.redis import RedisBackend
+
+    backend = PROCESS.current_app().backend
+    if not isinstance(backend, RedisBackend):
+        return None
+    key = f"{PROCESS.current_settings().redis_key_prefix}loomflow-worker:result-mark:{token}"
+    with backend.client.pipeline(transaction=False) as pipe:
+        pipe.get(key)
+        pipe.set(key, repr(stamp))
+        pipe.info("stats")
+        found, _, stats = pipe.execute()
+    evicted = stats.get("evicted_keys") if isinstance(stats, dict) else None
+    return BackendMark(None if found is None else float(found),
+                       None if evicted is None else int(evicted))

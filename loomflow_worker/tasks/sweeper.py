@@ -9,7 +9,11 @@ sweep:
   than the lease (a frozen worker): that fences it and frees its session;
 - dispatches again the oldest unfinished request of every session whose
   lock nobody holds: running (its worker died) or queued with a dispatch
-  that looks lost;
+  that looks lost, and whose message no live worker says it holds; in
+  batches, so the hundreds of runs of a dead process go in one round trip;
+- stores, from the ledger, the results the result backend lacks: refused
+  while it was down, left unstored by a worker that died, or lost by the
+  backend since (see :mod:`.results`);
 - with ``retention`` set, prunes journal entries, checkpoints and finished
   requests older than it: right after taking the lead, then every few
   minutes, a short batch at a time and for a bounded time per sweep, so
@@ -39,6 +43,7 @@ from ..execution.statuses import Status
 from ..runtime.prune import Pruner, cutoff
 from ..runtime.sql import query
 from ..settings import Settings
+from .repair import ResultRepair, ResultWatch, store_from_ledger
 
 log = logging.getLogger("loomflow_worker.sweeper")
 
@@ -57,21 +62,21 @@ KEEP_ACTIONS = 1000
 KEEP_ACTIONS_FOR = 86400.0
 FORGET_WORKERS_AFTER = 86400.0
 
+# Recovery: orphans are read a page at a time, for up to RECOVER_BUDGET
+# seconds per sweep, and each page is dispatched as one batch (one ledger
+# statement, one broker connection).
+ORPHANS_PAGE = 500
+RECOVER_BUDGET = 5.0
+# The leader sweeps again when the next dead worker's runs become orphans
+# (DUE_MARGIN past their lease, on the database's clock), waiting at least
+# MIN_PAUSE, and no longer than the sweep interval.
+DUE_MARGIN = 0.02
+MIN_PAUSE = 0.05
+
 # A finished request whose worker process still lives stores its own result,
 # late when the process is busy: the sweeper checks it only after this long
 # (one whose worker is gone, after HANDOFF_GRACE).
 RESULT_WAIT_ALIVE = 60.0
-
-
-@dataclass(frozen=True)
-class ResultRepair:
-    """How the sweeper reaches the result backend: ``missing(request_ids)``
-    says which of them have no outcome stored (in one round trip where the
-    backend allows), ``store(request_id, status, result, error)`` stores one
-    as the ledger has it."""
-
-    missing: Callable[[list[str]], set[str]]
-    store: Callable[[str, str, Any, str | None], None]
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,7 @@ class Sweeper:
     def __init__(
         self,
         settings: Settings,
-        dispatch: Callable[[Pending], None],
+        dispatch: Callable[[list[Pending]], None],
         queue_length: Callable[[list[str]], dict[str, int | None]] | None = None,
         results: ResultRepair | None = None,
         revoked: Callable[[list[str]], None] | None = None,
@@ -141,6 +146,10 @@ class Sweeper:
         # This sweep's actions, recorded at its end (record_actions).
         self.actions: list[Action] = []
         self._next_forget = 0.0
+        # When the runs of a worker that just died become orphans (monotonic).
+        self._next_orphan: float | None = None
+        self._watch = (ResultWatch(results, lambda action, detail: self.actions.append(
+            Action(action, detail=detail))) if results is not None else None)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="loomflow-worker sweeper",
@@ -174,7 +183,7 @@ class Sweeper:
 
     def _loop(self) -> None:
         backoff = self.settings.sweep_interval
-        while not self._stop.wait(backoff):
+        while not self._stop.wait(self._pause(backoff)):
             try:
                 if self._conn is None or self._conn.closed:
                     self._conn = self._connect()
@@ -185,6 +194,7 @@ class Sweeper:
                         self.sweep_revoked(conn)
                         self.sweep(conn)
                         self.repair_results(conn)
+                        self.recheck_results(conn)
                         self.retain(conn)
                         self.forget_workers(conn)
                     else:
@@ -199,6 +209,16 @@ class Sweeper:
             except Exception:
                 log.exception("sweeper failed", extra={"action": "sweeper_error"})
                 backoff = min(backoff * 2, 10.0)
+
+    def _pause(self, backoff: float) -> float:
+        """How long to wait before the next sweep: ``backoff``, or less when
+        the runs of a worker that just died are about to be orphans (the
+        leader sweeps the moment their lease runs out, not up to a sweep
+        interval later)."""
+        due, self._next_orphan = self._next_orphan, None
+        if due is None:
+            return backoff
+        return min(backoff, max(due - time.monotonic(), MIN_PAUSE))
 
     def _lead(self, conn: psycopg.Connection[Any]) -> bool:
         if not self.leader:
@@ -223,6 +243,8 @@ class Sweeper:
             self._pruner = None
             self._next_prune = 0.0
             self._next_forget = 0.0
+            if self._watch is not None:
+                self._watch.forget()
         conn.execute(query("leader_claim"), {"holder": self.holder})
         return True
 
@@ -294,37 +316,50 @@ class Sweeper:
             except Exception as exc:
                 self._backend_unreachable(exc)
                 break
-            # Outcomes are read only for what the backend lacks: a result can
-            # be large, and nearly every one is there.
-            rows = cur.execute(
-                query("request_outcomes"), {"request_ids": [i for i in ids if i in missing]}
-            ).fetchall() if missing else []
-            checked: list[str] = []
+            stored: list[tuple[str, str]] = []
             try:
-                for row in rows:
-                    request_id, status = row["request_id"], row["status"]
-                    self.results.store(request_id, status, row["result"], row["error"])
-                    repaired += 1
-                    checked.append(request_id)
-                    log.warning(
-                        "sweeper: stored the %s result of request %s, which its worker "
-                        "could not store", status, request_id,
-                        extra={"action": "sweeper_result", "request": request_id},
-                    )
-                    self.actions.append(Action(
-                        "result_stored", request_id,
-                        f"stored its {status} result, which its worker could not store"))
-                # The rest were there already, or their request is gone.
-                stored = set(checked)
-                checked += [i for i in ids if i not in stored]
+                store_from_ledger(conn, self.results, [i for i in ids if i in missing], stored)
+                # The rest were there already, their request is gone, or its
+                # result's lifetime is over.
+                checked = ids
                 self._backend_down = False
+            except psycopg.Error:
+                raise
             except Exception as exc:
+                checked = [request_id for request_id, _ in stored]
                 self._backend_unreachable(exc)
+            for request_id, status in stored:
+                log.warning(
+                    "sweeper: stored the %s result of request %s, which its worker "
+                    "could not store", status, request_id,
+                    extra={"action": "sweeper_result", "request": request_id},
+                )
+                self.actions.append(Action(
+                    "result_stored", request_id,
+                    f"stored its {status} result, which its worker could not store"))
+            repaired += len(stored)
             if checked:
                 conn.execute(query(done), {"request_ids": checked, "within": within})
             if self._backend_down:
                 break
         return repaired
+
+    def recheck_results(self, conn: psycopg.Connection[Any]) -> int:
+        """Store again, from the ledger, the results the backend lost after
+        they were stored (it restarted empty, say; see :mod:`.results`), for a
+        bounded time per sweep; returns how many. While the backend is down,
+        they wait for a later sweep."""
+        if self._watch is None:
+            return 0
+        try:
+            restored = self._watch.look(conn)
+        except psycopg.Error:
+            raise
+        except Exception as exc:
+            self._backend_unreachable(exc)
+            return 0
+        self._backend_down = False
+        return restored
 
     def _backend_unreachable(self, exc: Exception) -> None:
         """Results wait in the ledger while the backend is down: said once per outage."""
@@ -358,12 +393,80 @@ class Sweeper:
         return len(ids)
 
     def sweep(self, conn: psycopg.Connection[Any]) -> int:
-        """One sweep; returns how many requests it dispatched again."""
+        """One sweep: fence frozen workers, then dispatch again every orphan,
+        a page of them at a time (for up to RECOVER_BUDGET seconds), each page
+        as one batch; returns how many requests it dispatched again."""
+        self.fence(conn)
+        waiting = self._waiting(sorted(self.backlog(conn)))
+        deadline = time.monotonic() + RECOVER_BUDGET
+        suspects, self._suspects = self._suspects, {}
+        dispatched = 0
+        while True:
+            orphans = conn.cursor(row_factory=dict_row).execute(query("orphans"), {
+                "after": self.settings.redispatch_after,
+                "queued_after": self.settings.handoff_grace,
+                "queues": list(waiting), "waiting": list(waiting.values()),
+                "default_queue": self.settings.queue, "held_within": self.held_within,
+                "dead_after": 2 * self.settings.heartbeat_interval, "limit": ORPHANS_PAGE,
+            }).fetchall()
+            # A queued request that looks lost must look lost on two sweeps a
+            # moment apart: one a worker has just taken from the broker is
+            # counted nowhere until its attempt starts, milliseconds later.
+            chosen, still = confirm_lost(
+                [(Pending.of(row), str(row["status"])) for row in orphans], suspects,
+                time.monotonic(), max(2 * self.settings.sweep_interval, 1.0),
+            )
+            self._suspects.update(still)
+            if chosen:
+                self.redispatch(conn, chosen)
+            dispatched += len(chosen)
+            # Those dispatched are orphans no more: the next page comes after them.
+            if len(orphans) < ORPHANS_PAGE or not chosen or time.monotonic() > deadline:
+                self._next_orphan = self._orphan_due(conn)
+                return dispatched
+
+    def _orphan_due(self, conn: psycopg.Connection[Any]) -> float | None:
+        """When (on this host's monotonic clock) the next running request
+        whose lock nobody holds (its worker just died) becomes an orphan."""
+        row = conn.execute(query("next_orphan"),
+                           {"dead_after": 2 * self.settings.heartbeat_interval}).fetchone()
+        if row is None or row[0] is None:
+            return None
+        return time.monotonic() + float(row[0]) + DUE_MARGIN
+
+    def redispatch(self, conn: psycopg.Connection[Any], batch: list[tuple[Pending, str]]) -> None:
+        """Publish a batch of orphans again: one ledger statement marks them
+        dispatched, then their messages go over one broker connection (one
+        round trip on Redis). A broker that refuses the batch leaves all of
+        it for the next sweep (some may then go twice: harmless), and its
+        error is raised."""
+        ids = [pending.request_id for pending, _ in batch]
+        conn.execute(query("mark_swept"), {"request_ids": ids})
+        try:
+            self.dispatch([pending for pending, _ in batch])
+        except Exception:
+            conn.execute(query("mark_unswept"), {"request_ids": ids})
+            raise
+        meter = metrics.get()
+        if meter is not None:
+            meter.sweeper.labels("redispatch").inc(len(batch))
+        for pending, status in batch:
+            log.warning(
+                "sweeper: dispatched request %s again (it was %s with its session free)",
+                pending.request_id, status,
+                extra={"action": "sweeper_redispatch", "request": pending.request_id},
+            )
+            self.actions.append(Action(
+                "redispatch", pending.request_id, f"it was {status} with its session free"))
+
+    def fence(self, conn: psycopg.Connection[Any]) -> int:
+        """End the lock connections of running requests whose heartbeat is
+        older than the lease (a frozen worker): one connection carries many
+        runs, and is ended once for all of them. Returns how many requests."""
         frozen = conn.cursor(row_factory=dict_row).execute(
             query("frozen_holders"), {"lease": self.settings.lease}
         ).fetchall()
         meter = metrics.get()
-        # One lock connection carries many runs: it is ended once, for all of them.
         by_backend: dict[int, list[str]] = {}
         for row in frozen:
             by_backend.setdefault(row["pid"], []).append(row["request_id"])
@@ -385,34 +488,7 @@ class Sweeper:
                        f"no heartbeat for over {self.settings.lease:g}s; ended its worker's "
                        f"lock connection (pid {pid})")
                 for request_id in request_ids)
-        waiting = self._waiting(sorted(self.backlog(conn)))
-        orphans = conn.cursor(row_factory=dict_row).execute(
-            query("orphans"),
-            {"after": self.settings.redispatch_after, "queued_after": self.settings.handoff_grace,
-             "queues": list(waiting), "waiting": list(waiting.values()),
-             "default_queue": self.settings.queue, "held_within": self.held_within,
-             "dead_after": 2 * self.settings.heartbeat_interval, "limit": 500},
-        ).fetchall()
-        # A queued request that looks lost must look lost on two sweeps a moment
-        # apart: one a worker has just taken from the broker is counted nowhere
-        # until its attempt starts, milliseconds later.
-        chosen, self._suspects = confirm_lost(
-            [(Pending.of(row), str(row["status"])) for row in orphans], self._suspects,
-            time.monotonic(), max(2 * self.settings.sweep_interval, 1.0),
-        )
-        for pending, status in chosen:
-            conn.execute(query("mark_swept"), {"request_id": pending.request_id})
-            self.dispatch(pending)
-            if meter is not None:
-                meter.sweeper.labels("redispatch").inc()
-            log.warning(
-                "sweeper: dispatched request %s again (it was %s with its session free)",
-                pending.request_id, status,
-                extra={"action": "sweeper_redispatch", "request": pending.request_id},
-            )
-            self.actions.append(Action(
-                "redispatch", pending.request_id, f"it was {status} with its session free"))
-        return len(chosen)
+        return len(frozen)
 
     @property
     def held_within(self) -> float:

@@ -175,15 +175,16 @@ class AgentTask(Task):  # type: ignore[misc]
                 found[key] = getattr(value, "name", value)  # a kombu Queue or Exchange
         return found
 
-    def dispatch(self, pending: Pending) -> None:
+    def dispatch(self, pending: Pending, producer: Any = None) -> None:
         """Publish a request that already has its ledger row (a handoff, a
         redispatch) as its first message was: to its queue (its routing), with
         its eta, and with what that message carried once a worker took it (its
         chain, callbacks, chord and group, headers, priority, time limits), as
-        Celery's retry would."""
+        Celery's retry would; with ``producer``, over its connection."""
         task_args, task_kwargs = pending.task_args()
         options = {**(pending.routing or {}), **(pending.options or {}),
                    "retry_policy": DISPATCH_RETRY}
         if pending.not_before is not None:
             options["eta"] = pending.not_before
-        super().apply_async(task_args, task_kwargs, task_id=pending.request_id, **options)
+        super().apply_async(task_args, task_kwargs, task_id=pending.request_id,
+                            producer=producer, **options)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import signal
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import psycopg
 import pytest
 
+from loomflow_worker.tasks import run_agent
 from tests.chaos.checks import (
     Sent,
     assert_sound,
@@ -34,20 +35,24 @@ FAST_RECOVERY = {
 }
 
 
-def _running(dsn: str, sent: list[Sent]) -> int:
+def _ids(sent: list[Sent]) -> list[str]:
+    return [s.request_id for s in sent]
+
+
+def _running(dsn: str, ids: list[str]) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*) FROM runs WHERE request_id = ANY(%s) AND status = 'running'",
-            ([s.request_id for s in sent],),
+            (ids,),
         ).fetchone()
     assert row is not None
     return int(row[0])
 
 
-def _wait_running(dsn: str, sent: list[Sent], timeout: float = 60) -> None:
+def _wait_running(dsn: str, ids: list[str], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while _running(dsn, sent) < len(sent):
-        assert time.monotonic() < deadline, f"only {_running(dsn, sent)} running"
+    while _running(dsn, ids) < len(ids):
+        assert time.monotonic() < deadline, f"only {_running(dsn, ids)} running"
         time.sleep(0.05)
 
 
@@ -60,13 +65,14 @@ def _lock_backends(dsn: str) -> list[int]:
     return [int(r[0]) for r in rows]
 
 
-def _resumed(dsn: str, sent: list[Sent], after: datetime) -> list[datetime]:
+def _resumed(dsn: str, sent: list[Sent] | list[str], after: datetime) -> list[datetime]:
     """When each request's first attempt started after ``after``."""
+    ids = [s if isinstance(s, str) else s.request_id for s in sent]
     with psycopg.connect(dsn, autocommit=True) as conn:
         rows = conn.execute(
             "SELECT request_id, min(started_at) FROM run_attempts "
             "WHERE request_id = ANY(%s) AND started_at > %s GROUP BY request_id",
-            ([s.request_id for s in sent], after),
+            (ids, after),
         ).fetchall()
     return [r[1] for r in rows]
 
@@ -78,7 +84,7 @@ def _fill_one_process(
     returns them and the database's clock at that moment."""
     fleet.start("w1", concurrency=runs, cli=cli, pool="threads", **env)
     sent = [send(i, f"s{i}", "u", letters="abc") for i in range(runs)]
-    _wait_running(fleet.dsn, sent)
+    _wait_running(fleet.dsn, _ids(sent))
     fleet.start("w2", concurrency=runs, pool="threads", **env)
     with psycopg.connect(fleet.dsn, autocommit=True) as admin:
         row = admin.execute("SELECT clock_timestamp()").fetchone()
@@ -91,7 +97,7 @@ def test_fifty_runs_on_one_lock_connection_fenced_together(fleet: Fleet) -> None
     fleet.start("w1", concurrency=50, pool="threads",
                 LOOMFLOW_WORKER_LOCK_CONNECTIONS="1", **FAST_RECOVERY)
     sent = [send(i, f"s{i}", "u", letters="abc") for i in range(50)]
-    _wait_running(fleet.dsn, sent)
+    _wait_running(fleet.dsn, _ids(sent))
 
     # The 50 session locks live on one connection; the process needs a few in all.
     lock_backends = _lock_backends(fleet.dsn)
@@ -137,7 +143,7 @@ HUNDRED = {**FAST_RECOVERY, "TEST_TOOL_SLEEP": "2.5"}
 def test_a_process_killed_with_a_hundred_runs_in_flight(fleet: Fleet) -> None:
     install_journal_audit(fleet.dsn)
     sent, cut = _fill_one_process(fleet, 100, **HUNDRED)
-    assert _running(fleet.dsn, sent) == 100
+    assert _running(fleet.dsn, _ids(sent)) == 100
     fleet.kill("w1")
 
     wait_terminal(fleet.dsn, sent, timeout=180)
@@ -147,6 +153,105 @@ def test_a_process_killed_with_a_hundred_runs_in_flight(fleet: Fleet) -> None:
     assert len(resumed) == 100, v.summary()
     last = (max(resumed) - cut).total_seconds()
     print(f"the last of 100 runs resumed {last:.2f}s after the kill")
+
+
+#: Three hundred runs that wait on their model (and open no connection of
+#: their own), long enough that every one is still in flight once the spare
+#: worker is ready.
+ORPHANS = 300
+WAITING_ON_THE_MODEL = {**FAST_RECOVERY, "TEST_MODEL_LATENCY": "20"}
+
+#: How soon after their lease ran out (their last heartbeat, plus the two
+#: heartbeat intervals after which the sweeper takes a run whose lock is free
+#: for dead) the sweeper has dispatched every run of a SIGKILLed process (a
+#: sweep interval to notice, then one batch), and every one has resumed in the
+#: spare worker (which takes and starts 300 runs in 1 to 2.5 s on this 2-CPU
+#: machine, up to 4.5 s while other tests load it).
+DISPATCHED_WITHIN = 1.0
+RESUMED_WITHIN = 6.0
+
+
+@pytest.mark.slow
+def test_three_hundred_orphans_resume_in_seconds_dispatched_in_one_batch(fleet: Fleet) -> None:
+    """A process with 300 runs in flight is SIGKILLed: the sweeper dispatches
+    its orphans as one batch (one ledger statement, one round trip to the
+    broker), within DISPATCHED_WITHIN seconds of their lease running out (one
+    by one, at some 9 ms each, it took 2.6 s), the last resumes in the spare
+    worker within RESUMED_WITHIN seconds of it, and each is dispatched once."""
+    env = WAITING_ON_THE_MODEL
+    fleet.start("w1", concurrency=ORPHANS, pool="threads", **env)
+    sent = [run_agent.delay(f"hello {i}", f"s{i}", agent="slow-model") for i in range(ORPHANS)]
+    ids = [r.id for r in sent]
+    _wait_running(fleet.dsn, ids)
+    fleet.start("w2", concurrency=ORPHANS, pool="threads", **env)
+    assert _running(fleet.dsn, ids) == ORPHANS
+    fleet.kill("w1")
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT clock_timestamp(), max(heartbeat_at) FROM runs "
+                           "WHERE request_id = ANY(%s)", (ids,)).fetchone()
+    assert row is not None
+    killed, last_beat = row
+    lease_out = last_beat + timedelta(
+        seconds=2 * float(env["LOOMFLOW_WORKER_HEARTBEAT_INTERVAL"]))
+    deadline = time.monotonic() + 60
+    while len(resumed := _resumed(fleet.dsn, ids, killed)) < ORPHANS:
+        assert time.monotonic() < deadline, f"only {len(resumed)} resumed"
+        time.sleep(0.1)
+    for result in sent:
+        assert result.get(timeout=60)["output"]
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        swept = conn.execute("SELECT min(swept_at), max(swept_at) FROM runs "
+                             "WHERE request_id = ANY(%s)", (ids,)).fetchone()
+        dispatches = conn.execute(
+            "SELECT count(*), count(DISTINCT request_id) FROM sweeper_actions "
+            "WHERE action = 'redispatch' AND request_id = ANY(%s)", (ids,)).fetchone()
+        attempts = conn.execute(
+            "SELECT count(*), count(DISTINCT request_id) FROM run_attempts "
+            "WHERE request_id = ANY(%s) AND started_at > %s", (ids, killed)).fetchone()
+    assert swept is not None
+    first, last = ((at - lease_out).total_seconds() for at in (min(resumed), max(resumed)))
+    began, dispatched = ((at - lease_out).total_seconds() for at in swept)
+    print(f"\n{ORPHANS} orphans: the sweeper dispatched them {began:.2f}s to {dispatched:.2f}s "
+          f"after their lease ran out; the first resumed {first:.2f}s, the last {last:.2f}s "
+          f"after it ({(max(resumed) - killed).total_seconds():.2f}s after the kill)")
+    # Each dispatched again once, and started once more.
+    assert dispatches == (ORPHANS, ORPHANS) and attempts == (ORPHANS, ORPHANS), (
+        dispatches, attempts)
+    assert dispatched < DISPATCHED_WITHIN, f"dispatched {dispatched:.2f}s after the lease"
+    assert last < RESUMED_WITHIN, f"the last orphan resumed {last:.2f}s after its lease"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_a_deploy_whose_replacement_takes_the_runs_slowly_gets_no_second_dispatch(
+    fleet: Fleet, pool: str
+) -> None:
+    """A rolling deploy: the old worker, with 24 runs in flight, shuts down
+    (soft shutdown, then its runs are stopped and their messages requeued),
+    and its replacement, taking 6 at a time, works through them for seconds.
+    Their messages are in the broker or held by the replacement the whole
+    time: the sweeper dispatches none of them again, and each runs once more."""
+    env = {**FAST_RECOVERY, "LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT": "0.5"}
+    count = 24 if pool == "threads" else 8
+    # The old worker's runs wait on their model until it stops them; the
+    # replacement's take 1.5 s each, a quarter of them at a time.
+    fleet.start("w1", concurrency=count, cli=True, pool=pool, TEST_MODEL_LATENCY="60", **env)
+    sent = [run_agent.delay(f"hello {i}", f"s{i}", agent="slow-model") for i in range(count)]
+    ids = [r.id for r in sent]
+    _wait_running(fleet.dsn, ids)
+    fleet.start("w2", concurrency=count // 4, cli=True, pool=pool, TEST_MODEL_LATENCY="1.5",
+                **env)
+    fleet.terminate("w1", timeout=30)
+    for result in sent:
+        assert result.get(timeout=90)["output"]
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        dispatched = conn.execute(
+            "SELECT request_id, detail FROM sweeper_actions WHERE action = 'redispatch'"
+        ).fetchall()
+        attempts = conn.execute(
+            "SELECT count(*) FROM run_attempts WHERE request_id = ANY(%s)", (ids,)).fetchone()
+    assert dispatched == [], f"{len(dispatched)} dispatched again: {dispatched[:3]}"
+    assert attempts == (2 * count,), attempts
 
 
 def test_soft_shutdown_with_a_hundred_runs_in_flight_loses_none(fleet: Fleet) -> None:

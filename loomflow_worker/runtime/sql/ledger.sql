@@ -179,11 +179,10 @@ RETURNING handed_at IS NOT NULL;
 UPDATE runs SET dispatched_at = now() WHERE request_id = %(request_id)s;
 
 -- name: mark_swept
--- A request published again, by the sweeper or handed to a process of its own (quarantine):
--- swept now and dispatched no earlier than now, so the sweeper waits its grace (after,
--- queued_after) before it can look lost again.
+-- The sweeper publishes these requests again (one statement for its batch),
+-- or one is handed to a process of its own: dispatched now.
 UPDATE runs SET swept_at = now(), dispatched_at = greatest(dispatched_at, now())
- WHERE request_id = %(request_id)s;
+ WHERE request_id = ANY(%(request_ids)s::text[]);
 
 -- name: start_request
 -- Under the scope lock: read the request, look for an older unfinished one,
@@ -425,3 +424,16 @@ SELECT pg_advisory_unlock(%(key)s);
 -- "interrupted", so their next attempt does not count a crash.
 UPDATE run_attempts SET outcome = 'interrupted'
  WHERE starts_with(worker, %(node)s) AND ended_at IS NULL AND outcome IS NULL;
+
+-- name: requeue_interrupted
+-- A worker stopped the request's attempt (a shutdown) and puts its message
+-- back in the broker: the attempt ends "interrupted" (no crash) and the
+-- request is queued again, its message in the broker from now on, so the
+-- sweeper counts it there, or held by the worker that takes it, and does not
+-- publish another (unless another attempt started since).
+WITH ended AS (
+    UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = 'interrupted'
+     WHERE request_id = %(request_id)s AND attempt = %(attempt)s
+)
+UPDATE runs SET status = 'queued', dispatched_at = now(), holder_pid = NULL
+ WHERE request_id = %(request_id)s AND status = 'running' AND attempts = %(attempt)s;

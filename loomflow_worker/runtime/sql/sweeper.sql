@@ -174,8 +174,11 @@ SELECT c.request_id FROM results_to_check c
  ORDER BY c.finished_at LIMIT %(limit)s;
 
 -- name: request_outcomes
--- What the result backend lacks for these finished requests, as the ledger has it.
-SELECT request_id, status, result, error, error_type FROM runs
+-- What the result backend lacks for these finished requests, as the ledger has
+-- it, and how long ago each ended (its result lives result_expires from then).
+SELECT request_id, status, result, error, error_type,
+       extract(epoch FROM now() - finished_at)::float8 AS age
+  FROM runs
  WHERE request_id = ANY(%(request_ids)s) AND loomflow_worker_finished(status);
 
 -- name: mark_result_stored
@@ -210,3 +213,56 @@ WITH added AS (
 DELETE FROM sweeper_actions
  WHERE id <= (SELECT max(id) FROM added) - %(keep)s
     OR at < now() - make_interval(secs => %(keep_for)s);
+
+-- name: next_orphan
+-- In how many seconds the next running request whose lock nobody holds (its
+-- worker died a moment ago) is dead_after past its last heartbeat, and so an
+-- orphan: the leader sweeps again then, not up to a sweep interval later.
+-- NULL: no such request.
+SELECT extract(epoch FROM min(r.heartbeat_at) - now())::float8 + %(dead_after)s
+  FROM runs r
+ WHERE r.status = 'running' AND r.lock_key IS NOT NULL
+   AND r.heartbeat_at >= now() - make_interval(secs => %(dead_after)s)
+   AND NOT EXISTS (
+       SELECT 1 FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND l.classid = ((r.lock_key >> 32) & 4294967295)::oid
+          AND l.objid = (r.lock_key & 4294967295)::oid);
+
+-- name: mark_unswept
+-- The broker refused the sweeper's batch (which of its messages went is
+-- unknown): each goes again on the next sweep the broker answers, a queued
+-- one first among its queue's, as if never published.
+UPDATE runs SET swept_at = NULL,
+       dispatched_at = CASE WHEN status = 'queued' THEN '-infinity' ELSE dispatched_at END
+ WHERE request_id = ANY(%(request_ids)s::text[]);
+
+-- name: backend_watch
+-- What the sweeper's leader last knew of the result backend (see the table
+-- result_backend_watch), and the database's clock: the mark it leaves next.
+SELECT token, mark, evicted, recheck_at, recheck_seq, recheck_until, now() AS now
+  FROM result_backend_watch WHERE id = 1;
+
+-- name: backend_watched
+-- What the leader knows now of the result backend: the mark it left, the
+-- evictions counted, how far a re-check got (none: NULL); a re-check `widen`ed
+-- reaches the requests ended until now. The database's clock comes back, the
+-- mark it leaves next.
+UPDATE result_backend_watch
+   SET mark = %(mark)s, evicted = %(evicted)s,
+       recheck_at = %(recheck_at)s, recheck_seq = %(recheck_seq)s,
+       recheck_until = CASE WHEN %(recheck_at)s::timestamptz IS NULL THEN NULL
+                            WHEN %(widen)s THEN now() ELSE recheck_until END
+ WHERE id = 1
+RETURNING now(), recheck_until;
+
+-- name: results_to_recheck
+-- The next finished requests whose result is wanted, in the order they ended,
+-- after (`at`, `seq`) and until `until`: what a re-check of the result backend
+-- looks for, a batch at a time (through runs_finished).
+SELECT request_id, finished_at, seq FROM runs
+ WHERE finished_at IS NOT NULL AND NOT ignore_result
+   AND (finished_at, seq) > (%(at)s::timestamptz, %(seq)s::bigint)
+   AND finished_at <= coalesce(%(until)s::timestamptz, now())
+ ORDER BY finished_at, seq LIMIT %(limit)s;
