@@ -242,19 +242,19 @@ class WorkerContext:
         while True:
             await anyio.sleep(interval)
             now = loop.time()
-            lines = runtime.journal.live_connections()
-            for line in lines:
-                running = line.running()
+            lock_conns = runtime.journal.live_connections()
+            for lock_conn in lock_conns:
+                running = lock_conn.running()
                 if not running:
-                    line.stamped(now)
-                elif now - line.stamped_at > limit:
-                    line.fence(
-                        f"no heartbeat stamped its runs for {now - line.stamped_at:.1f}s "
+                    lock_conn.stamped(now)
+                elif now - lock_conn.stamped_at > limit:
+                    lock_conn.fence(
+                        f"no heartbeat stamped its runs for {now - lock_conn.stamped_at:.1f}s "
                         f"(the sweeper may end the connection after LEASE={self.settings.lease:g}s)"
                     )
-                elif line not in beating or beating[line].done():
-                    beating[line] = loop.create_task(_beat(line, running))
-            beating = {line: task for line, task in beating.items() if line in lines}
+                elif lock_conn not in beating or beating[lock_conn].done():
+                    beating[lock_conn] = loop.create_task(_beat(lock_conn, running))
+            beating = {conn: task for conn, task in beating.items() if conn in lock_conns}
 
     def _stalled(self, stall: Stall) -> None:
         """The loop was held (from the loop watch's thread): say by what."""
@@ -881,20 +881,20 @@ def fence_after(settings: Settings) -> float:
     return max(settings.lease - margin, settings.heartbeat_interval)
 
 
-async def _beat(line: LockConnection[Lease], running: list[Lease]) -> None:
-    """One heartbeat of the requests running on ``line``, ahead of every
+async def _beat(lock_conn: LockConnection[Lease], running: list[Lease]) -> None:
+    """One heartbeat of the requests running on ``lock_conn``, ahead of every
     statement queued there. A cancel request stops a run at its next step."""
     ids = [a.request_id for a in running if a.request_id is not None]
     sent = asyncio.get_running_loop().time()
     try:
-        cancelled = await line.run(lambda conn: ledger.heartbeat(conn, ids), urgent=True)
+        cancelled = await lock_conn.run(lambda conn: ledger.heartbeat(conn, ids), urgent=True)
     except LockLost:
         return
     except Exception as exc:
-        log.warning("a heartbeat on lock connection %d failed: %s", line.index, exc,
-                    extra={"action": "heartbeat_failed", "backend": line.backend_pid})
+        log.warning("a heartbeat on lock connection %d failed: %s", lock_conn.index, exc,
+                    extra={"action": "heartbeat_failed", "backend": lock_conn.backend_pid})
         return
-    line.stamped(sent)
+    lock_conn.stamped(sent)
     for lease in running:
         if lease.request_id in cancelled and lease.stop is None:
             lease.stop = RunStopped("cancelled while running")
