@@ -176,7 +176,8 @@ class RunDetail:
     attempts_count: int
     failures: int
     crashes: int
-    holder: str | None
+    # The worker running it now (node:pid), the ledger's `holder` column.
+    worker: str | None
     cancel_requested: bool
     result: Any
     error: str | None
@@ -202,8 +203,15 @@ class RunDetail:
     def prompt_cut(self) -> bool:
         return self.prompt_length > len(self.prompt)
 
+    @property
+    def holder(self) -> str | None:
+        """The old name of :attr:`worker`, kept for code that reads it."""
+        return self.worker
+
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
+        # `show --json` printed the worker as "holder" first: scripts read it.
+        data["holder"] = self.worker
         data["attempts"] = [asdict(a) for a in self.attempts]
         data["journal"] = [
             {**asdict(s), "name": s.name, "history": s.history()} for s in self.journal

@@ -93,7 +93,8 @@ class RequestRow:
     enqueued_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
-    holder: str | None
+    # The worker running it (node:pid), the ledger's `holder` column.
+    worker: str | None
 
     @property
     def prompt_cut(self) -> bool:
@@ -277,7 +278,7 @@ async def get_run(pool: Pool, request_id: str, *, full_prompt: bool = False) -> 
 
 @dataclass(frozen=True)
 class InFlight:
-    holder: str | None
+    worker: str | None
     running: int
     oldest_start: datetime | None
     last_heartbeat: datetime | None
@@ -320,7 +321,7 @@ class Connections:
 
 @dataclass(frozen=True)
 class Leader:
-    holder: str
+    worker: str
     backend_pid: int
     heartbeat_at: datetime
     age: timedelta

@@ -54,7 +54,7 @@ log = logging.getLogger("loomflow_worker.tasks")
 T = TypeVar("T")
 
 #: How long a request at the head of its session waits for its lock (the
-#: request before it releasing it, or a crashed holder's being freed)
+#: request before it releasing it, or the locks of a crashed worker being freed)
 #: before it parks.
 HANDOFF_LOCK_WAIT = 2.0
 
@@ -120,8 +120,9 @@ class WorkerContext:
         self.slots = slots
         self.alone = alone
         self.node = node or socket.gethostname()
-        # The process as its runs name their holder, and its ``workers`` row.
-        self.holder = f"{self.node}:{os.getpid()}"
+        # The process as the ledger names the worker running a request (its `holder`
+        # column), and its ``workers`` row.
+        self.worker = f"{self.node}:{os.getpid()}"
         self._runtime: PostgresRuntime | None = None
         self.events: EventPublisher | None = None
         self._agents: dict[str, Any] = {}
@@ -298,7 +299,7 @@ class WorkerContext:
         is only logged: the row is for the console, no run depends on it."""
         stored = [self._stored.popleft() for _ in range(len(self._stored))]
         beat = ledger.WorkerBeat(
-            worker=self.holder, hostname=socket.gethostname(), pid=os.getpid(),
+            worker=self.worker, hostname=socket.gethostname(), pid=os.getpid(),
             slots=self.slots, interval=self.settings.heartbeat_interval,
             runs=len(self._halts), stored=stored,
             loop_lag=self.watch.lag() if self.watch is not None else 0.0,
@@ -440,8 +441,8 @@ async def execute(
             return await _park_busy(runtime, request_id, req, options)
     outcome: Outcome | None = None
     try:
-        holder = f"{node or ctx.node}:{os.getpid()}"
-        outcome = await _run_holding(ctx, runtime, lease, request_id, req, holder, time_limit,
+        worker = f"{node or ctx.node}:{os.getpid()}"
+        outcome = await _run_holding(ctx, runtime, lease, request_id, req, worker, time_limit,
                                      options, pinned=pre.pinned if pre is not None else None)
     finally:
         # A request enqueued while this one finished may have parked on the
@@ -573,13 +574,13 @@ class Retry:
     countdown: float
 
 
-def ending_before_run(started: ledger.Started, settings: Settings, holder: str) -> Ending | None:
+def ending_before_run(started: ledger.Started, settings: Settings, worker: str) -> Ending | None:
     """A request that must end without running: its worker died too often, or
     it was cancelled while it waited."""
     if started.crashes >= settings.max_crashes:
         error = (
             f"the worker died {started.crashes} times while running this request "
-            f"(LOOMFLOW_WORKER_MAX_CRASHES={settings.max_crashes}); last attempt on {holder}"
+            f"(LOOMFLOW_WORKER_MAX_CRASHES={settings.max_crashes}); last attempt on {worker}"
         )
         return Ending("dead", error=error, error_type="WorkerDied", note=f": {error}")
     if started.lost_streak >= settings.max_lost:
@@ -587,7 +588,7 @@ def ending_before_run(started: ledger.Started, settings: Settings, holder: str) 
             f"its last {started.lost_streak} attempts lost their lock connection without "
             f"completing a step (LOOMFLOW_WORKER_MAX_LOST={settings.max_lost}): their process "
             "stopped heartbeating for longer than LEASE (a tool that holds the event loop? "
-            f"the worker log names it) or their connection kept failing; last attempt on {holder}"
+            f"the worker log names it) or their connection kept failing; last attempt on {worker}"
         )
         return Ending("dead", error=error, error_type="AttemptsLost", note=f": {error}")
     if started.cancel_requested:
@@ -624,7 +625,7 @@ async def _run_holding(
     lease: Lease,
     request_id: str,
     req: RunRequest,
-    holder: str,
+    worker: str,
     time_limit: float | None = None,
     options: MessageOptions | None = None,
     *,
@@ -637,13 +638,13 @@ async def _run_holding(
     try:
         started = await lease.io(
             lambda conn: ledger.start(
-                conn, request_id, req.scope, holder, ctx.settings.redispatch_after, opening
+                conn, request_id, req.scope, worker, ctx.settings.redispatch_after, opening
             )
         )
     except LockLost as exc:
         # The start may have committed (its attempt counted) before the answer
-        # was lost: this holder's open attempt is lost, not crashed.
-        raise AttemptLost(request_id, None, exc, holder) from exc
+        # was lost: this worker's open attempt is lost, not crashed.
+        raise AttemptLost(request_id, None, exc, worker) from exc
     if started.opened is not None:
         lease.prefetched = (opening, started.opened)
     if started.status in TERMINAL:
@@ -656,7 +657,7 @@ async def _run_holding(
         return Outcome("parked", dispatch=[started.older] if started.older_stale else [])
     assert started.epoch is not None
     try:
-        ending: Ending | Retry | None = ending_before_run(started, ctx.settings, holder)
+        ending: Ending | Retry | None = ending_before_run(started, ctx.settings, worker)
         if ending is None:
             ending = await _run(ctx, runtime, lease, request_id, req, started, time_limit)
         if isinstance(ending, Retry):
@@ -674,7 +675,7 @@ async def _run_holding(
         return await _conclude(ctx, lease, request_id, req, started, ending)
     except LockLost as exc:
         # Fenced while this worker lives: not a crash (see AttemptLost).
-        raise AttemptLost(request_id, started.attempt, exc, holder) from exc
+        raise AttemptLost(request_id, started.attempt, exc, worker) from exc
     except HandedBack:
         return Outcome("handed_back")
 
@@ -875,8 +876,8 @@ def _found(exc: BaseException, kind: type[E]) -> E | None:
 
 def fence_after(settings: Settings) -> float:
     """How long a lock connection's runs may go without a heartbeat before the
-    process fences them itself: well before the sweeper, which ends a holder
-    silent for ``LEASE``, may act, and never sooner than a heartbeat interval."""
+    process fences them itself: well before the sweeper, which ends the lock connections
+    of a worker silent for ``LEASE``, may act, and never sooner than a heartbeat interval."""
     margin = max(2 * settings.heartbeat_interval, settings.lease / 5)
     return max(settings.lease - margin, settings.heartbeat_interval)
 

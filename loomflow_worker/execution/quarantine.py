@@ -76,11 +76,11 @@ async def attempt(settings: Settings, job: dict[str, Any]) -> dict[str, Any]:
         # Recorded before this process ends: the next attempt may start at once.
         runtime = await ctx.runtime()
         async with runtime.pool.connection() as conn:
-            await ledger.mark_lost_now(conn, exc.request_id, exc.attempt, exc.holder)
+            await ledger.mark_lost_now(conn, exc.request_id, exc.attempt, exc.worker)
         cause = exc.__cause__
         scope, why = ((cause.scope, cause.cause) if isinstance(cause, LockLost)
                       else ("", str(exc)))
-        return {"lost": {"attempt": exc.attempt, "holder": exc.holder, "scope": scope,
+        return {"lost": {"attempt": exc.attempt, "worker": exc.worker, "scope": scope,
                          "cause": why}}
     except (LockLost, DatabaseUnavailable) as exc:
         return {"unavailable": f"{type(exc).__name__}: {exc}"}

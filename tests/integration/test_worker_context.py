@@ -65,11 +65,11 @@ async def test_an_idle_process_stamps_its_row_and_marks_it_stopped_when_it_close
 ) -> None:
     settings = Settings(database_url=dsn, events=False, heartbeat_interval=0.2)  # type: ignore[arg-type]
     ctx = WorkerContext(settings, slots=3, node="n1@host")
-    assert ctx.holder == f"n1@host:{os.getpid()}"
+    assert ctx.worker == f"n1@host:{os.getpid()}"
     try:
         await ctx.runtime()
         await anyio.sleep(0.1)
-        assert await _worker_row(dsn, ctx.holder) == (os.getpid(), 0, True, False)
+        assert await _worker_row(dsn, ctx.worker) == (os.getpid(), 0, True, False)
         # The table gone (a failing stamp): logged once, and the process goes on.
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
             await conn.execute("ALTER TABLE workers RENAME TO workers_away")
@@ -82,4 +82,4 @@ async def test_an_idle_process_stamps_its_row_and_marks_it_stopped_when_it_close
         assert ctx._presence is not None and not ctx._presence.done()
     finally:
         await ctx.aclose()
-    assert await _worker_row(dsn, ctx.holder) == (os.getpid(), 0, True, True)
+    assert await _worker_row(dsn, ctx.worker) == (os.getpid(), 0, True, True)

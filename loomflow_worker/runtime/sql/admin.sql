@@ -38,7 +38,7 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind,
        CASE WHEN %(prompt_chars)s::integer IS NULL THEN prompt
             ELSE left(prompt, %(prompt_chars)s) END AS prompt,
        length(prompt) AS prompt_length, metadata, status, epoch, attempts AS attempts_count,
-       failures, crashes, holder, cancel_requested, result, error, error_type, enqueued_at,
+       failures, crashes, holder AS worker, cancel_requested, result, error, error_type, enqueued_at,
        started_at, heartbeat_at, finished_at, not_before, now() AS now
   FROM runs WHERE request_id = %(request_id)s;
 
