@@ -241,7 +241,7 @@ def conninfo_problem(conninfo: str) -> str | None:
 
 
 # Schemes kombu and Celery have always known, accepted without importing them
-# (reading their tables loads Celery, which a command like `runs` never needs);
+# (reading their tables loads Celery, which a command like `requests` never needs);
 # any other scheme is looked up in their tables.
 COMMON_TRANSPORTS = frozenset({"redis", "rediss", "amqp", "amqps", "pyamqp"})
 COMMON_BACKENDS = frozenset({"redis", "rediss", "rpc"})

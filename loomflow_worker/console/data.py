@@ -3,7 +3,7 @@
 Every query is a ``console_*`` query of ``runtime/sql/console.sql``, run on a
 small pool of read-only connections; rows come back as the dataclasses below
 (psycopg's ``class_row``). A run's page reads what ``loomflow-worker show``
-reads, as its model (``admin.RunDetail``). A prompt leaves the database cut to
+reads, as its model (``admin.RequestDetail``). A prompt leaves the database cut to
 ``PROMPT_CHARS`` characters, except on a run's own page when asked for.
 """
 
@@ -241,15 +241,15 @@ async def session_scopes(pool: Pool, session_id: str) -> list[ScopeView]:
 # ---- a run ------------------------------------------------------------------------------------
 
 
-async def run_status(
+async def request_status(
     pool: Pool, request_id: str, *, full_prompt: bool = False
-) -> admin.RunDetail:
+) -> admin.RequestDetail:
     """The request's ledger row (``show``'s read model, without its attempts
     and journal), or :class:`~loomflow_worker.admin.RequestNotFound`."""
     check_id("request", request_id)
-    found = await _rows(pool, "get_run", admin.run_params(
+    found = await _rows(pool, "get_run", admin.request_params(
         request_id, prompt_chars=None if full_prompt else PROMPT_CHARS * 2,
-    ), admin.RunDetail)
+    ), admin.RequestDetail)
     if not found:
         raise admin.RequestNotFound(
             request_id, listed_by="the requests list shows the recent ones"
@@ -257,12 +257,14 @@ async def run_status(
     return found[0]
 
 
-async def get_run(pool: Pool, request_id: str, *, full_prompt: bool = False) -> admin.RunDetail:
+async def get_request(
+    pool: Pool, request_id: str, *, full_prompt: bool = False
+) -> admin.RequestDetail:
     """A request, its attempts and its journal, each entry with the attempt
     that executed it and those that replayed it: the queries ``loomflow-worker
-    show`` reads (``admin.get_run``), on the console's pool, the journal cut
+    show`` reads (``admin.get_request``), on the console's pool, the journal cut
     at ``MAX_JOURNAL`` entries."""
-    run = await run_status(pool, request_id, full_prompt=full_prompt)
+    run = await request_status(pool, request_id, full_prompt=full_prompt)
     run.attempts = await _rows(pool, "get_run_attempts", {"request_id": request_id},
                                admin.AttemptInfo)
     if run.epoch is None:

@@ -61,7 +61,10 @@ class RequestNotFound(InvalidInput, LookupError):
     for the recent ones (the console: its requests list)."""
 
     def __init__(
-        self, request_id: str, *, listed_by: str = "`loomflow-worker runs` lists the recent ones"
+        self,
+        request_id: str,
+        *,
+        listed_by: str = "`loomflow-worker requests` lists the recent ones",
     ) -> None:
         self.request_id = request_id
         super().__init__(
