@@ -309,7 +309,7 @@ def _story(
         redis_key_prefix=f"loomflow-demo-{run_tag}:",
         sweep_interval=0.5,
         heartbeat_interval=0.5,
-        lease=5,
+        lease_timeout=5,
     )
     from . import tasks
 

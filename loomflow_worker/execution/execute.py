@@ -251,7 +251,8 @@ class WorkerContext:
                 elif now - lock_conn.stamped_at > limit:
                     lock_conn.fence(
                         f"no heartbeat stamped its runs for {now - lock_conn.stamped_at:.1f}s "
-                        f"(the sweeper may end the connection after LEASE={self.settings.lease:g}s)"
+                        "(the sweeper may end the connection after "
+                        f"LEASE={self.settings.lease_timeout:g}s)"
                     )
                 elif lock_conn not in beating or beating[lock_conn].done():
                     beating[lock_conn] = loop.create_task(_beat(lock_conn, running))
@@ -878,8 +879,8 @@ def fence_after(settings: Settings) -> float:
     """How long a lock connection's runs may go without a heartbeat before the
     process fences them itself: well before the sweeper, which ends the lock connections
     of a worker silent for ``LEASE``, may act, and never sooner than a heartbeat interval."""
-    margin = max(2 * settings.heartbeat_interval, settings.lease / 5)
-    return max(settings.lease - margin, settings.heartbeat_interval)
+    margin = max(2 * settings.heartbeat_interval, settings.lease_timeout / 5)
+    return max(settings.lease_timeout - margin, settings.heartbeat_interval)
 
 
 async def _beat(lock_conn: LockConnection[Lease], running: list[Lease]) -> None:

@@ -1,13 +1,16 @@
-"""Public names that spoke of a "run" for the ledger's request, renamed to the
-README's words, keep working under their first names: applications and
-scripts call them."""
+"""Public names renamed to the README's words (a "run" that meant the ledger's
+request, a ``lease`` that meant the lease's timeout) keep working under their
+first names: applications, scripts and deployments use them."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
+import pytest
+
 import loomflow_worker
 from loomflow_worker import admin
+from loomflow_worker.settings import Settings
 
 
 def test_cancel_run_is_cancel_request() -> None:
@@ -37,3 +40,20 @@ def test_show_json_prints_the_worker_as_holder_too() -> None:
     assert detail.holder == "celery@h:12"
     shown = detail.as_json()
     assert (shown["worker"], shown["holder"]) == ("celery@h:12", "celery@h:12")
+
+
+def test_the_lease_timeout_is_still_read_from_loomflow_worker_lease(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LOOMFLOW_WORKER_LEASE", "12")
+    assert Settings().lease_timeout == 12.0
+    assert Settings(lease_timeout=8).lease_timeout == 8.0  # code overrides the environment
+    monkeypatch.delenv("LOOMFLOW_WORKER_LEASE")
+    monkeypatch.setenv("LOOMFLOW_WORKER_LEASE_TIMEOUT", "9")  # not a variable of its own
+    assert Settings().lease_timeout == 30.0
+
+
+def test_the_lease_timeout_keeps_its_first_name_in_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOOMFLOW_WORKER_LEASE", "12")
+    given = Settings(lease=7)
+    assert (given.lease_timeout, given.lease) == (7.0, 7.0)
