@@ -799,7 +799,8 @@ def mark_lost(
 def mark_interrupted(conn: psycopg.Connection[Any], node: str) -> None:
     """A worker shutting down (a deploy): its attempts still running end
     ``interrupted``, so their next attempt does not count a crash. ``node`` is
-    the worker's hostname; its attempts are recorded as ``hostname:pid``."""
+    the worker's Celery node name (``celery@host``); its processes' attempts
+    are recorded as ``node:pid``."""
     conn.execute(query("mark_interrupted"), {"node": f"{node}:"})
 
 
