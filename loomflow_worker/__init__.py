@@ -16,7 +16,7 @@ if TYPE_CHECKING:
         PostgresRuntime,
         SessionBusy,
     )
-    from .tasks.cancel import cancel_queued, cancel_run
+    from .tasks.cancel import cancel_queued, cancel_request, cancel_run
 
 __version__ = "0.1.0"
 
@@ -31,7 +31,8 @@ __getattr__ = exports(__name__, {
     "RequestNotFound": ".execution.errors",
     "SessionBusy": ".runtime.errors",
     "cancel_queued": ".tasks.cancel",
-    "cancel_run": ".tasks.cancel",
+    "cancel_request": ".tasks.cancel",
+    "cancel_run": ".tasks.cancel",  # cancel_request's first name, kept: applications call it
     "register_agent": ".execution.registry",
 })
 
@@ -46,6 +47,7 @@ __all__ = [
     "SessionBusy",
     "__version__",
     "cancel_queued",
+    "cancel_request",
     "cancel_run",
     "register_agent",
 ]

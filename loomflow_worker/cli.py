@@ -6,6 +6,7 @@ the help and the operator commands start at once."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -51,8 +52,8 @@ def main() -> None:
 
     \b
     Exit codes:
-      0  ok (the run succeeded; every doctor check passed)
-      1  the run failed, ended dead or was cancelled; a doctor check failed;
+      0  ok (the request succeeded; every doctor check passed)
+      1  the request failed, ended dead or was cancelled; a doctor check failed;
          or the operator declined a prompt
       2  usage error: bad arguments, input or settings
       3  Postgres, the broker or Redis unavailable, or the schema missing
@@ -315,7 +316,7 @@ def migrate_command() -> None:
               default="enqueue", show_default=True,
               help="When the session has an unfinished request: wait for it, refuse "
                    "(exit 5), or cancel it.")
-@click.option("--wait", is_flag=True, help="Wait for the run to end and print its result.")
+@click.option("--wait", is_flag=True, help="Wait for the request to end and print its result.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="With --wait: give up after this many seconds (exit 6).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -333,8 +334,8 @@ def enqueue(
 ) -> None:
     """Submit PROMPT to run in a session (PROMPT "-" reads it from stdin).
 
-    Prints the request id; with --wait, then the run's output (or, with
-    --json, one JSON object), and exits 0 if the run succeeded, 1 if not."""
+    Prints the request id; with --wait, then the request's output (or, with
+    --json, one JSON object), and exits 0 if the request succeeded, 1 if not."""
     import uuid
 
     if timeout is not None and not wait:
@@ -377,10 +378,10 @@ def enqueue(
     sys.exit(_STATUS_EXIT.get(outcome.status, EXIT_FAILED))
 
 
-# ---- runs, show -----------------------------------------------------------------------------
+# ---- requests, show -------------------------------------------------------------------------
 
 
-@main.command()
+@main.command("requests")
 @click.option("--session", "session_id", default=None, help="Only this session.")
 @click.option("--user", "user_id", default=None, help="Only this user.")
 @click.option("--status", "statuses", multiple=True, type=click.Choice(STATUSES),
@@ -393,7 +394,7 @@ def enqueue(
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, one object a line.")
 @handled
-def runs(
+def list_requests(
     session_id: str | None,
     user_id: str | None,
     statuses: tuple[str, ...],
@@ -406,7 +407,7 @@ def runs(
     from . import admin
 
     with admin.connect(_settings()) as conn:
-        found = admin.list_runs(
+        found = admin.list_requests(
             conn, session_id=session_id, user_id=user_id, statuses=statuses,
             older_than=older_than, newer_than=newer_than, limit=limit,
         )
@@ -428,6 +429,13 @@ def runs(
         click.echo(line)
 
 
+# `runs`, the command's first name, still lists requests (scripts call it); --help names
+# only `requests`.
+_runs = copy.copy(list_requests)
+_runs.hidden = True
+main.add_command(_runs, "runs")
+
+
 @main.command()
 @click.argument("request_id", metavar="REQUEST")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -438,7 +446,7 @@ def show(request_id: str, as_json: bool) -> None:
     from . import admin
 
     with admin.connect(_settings()) as conn:
-        detail = admin.get_run(conn, request_id)
+        detail = admin.get_request(conn, request_id)
     if as_json:
         _echo_json(detail.as_json())
         return
@@ -518,15 +526,15 @@ def _stream_pos(event_id: str) -> tuple[int, int]:
 @handled
 def tail(request_id: str, as_json: bool, idle_timeout: float | None) -> None:
     """Follow a request's live events from its start until it ends, one line an
-    event (time UTC, attempt, replay marker, kind, summary); exits 0 if the run
-    succeeded, 1 if not."""
+    event (time UTC, attempt, replay marker, kind, summary); exits 0 if the
+    request succeeded, 1 if not."""
     from . import admin
     from .events import iter_events
 
     settings = _settings()
     check_every = 2.0
     with admin.connect(settings) as conn:
-        status = admin.run_status(conn, request_id)
+        status = admin.request_status(conn, request_id)
         last = (0, -1)
         final: str | None = None
         quiet_since = time.monotonic()
@@ -553,7 +561,7 @@ def tail(request_id: str, as_json: bool, idle_timeout: float | None) -> None:
                            err=True)
                 final = status.status
                 break
-            status = admin.run_status(conn, request_id)
+            status = admin.request_status(conn, request_id)
             if idle_timeout is not None and time.monotonic() - quiet_since > idle_timeout:
                 raise TimeoutError(
                     f"no event of request {request_id} for {idle_timeout:g}s; it is "
@@ -604,10 +612,10 @@ def cancel(
     from . import admin
 
     with admin.connect(_settings()) as conn:
-        admin.run_status(conn, request_id)
-    from . import cancel_run
+        admin.request_status(conn, request_id)
+    from . import cancel_request
 
-    status = cancel_run(request_id)
+    status = cancel_request(request_id)
     click.echo(f"{request_id}: {status}")
 
 

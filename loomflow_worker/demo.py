@@ -309,7 +309,7 @@ def _story(
         redis_key_prefix=f"loomflow-demo-{run_tag}:",
         sweep_interval=0.5,
         heartbeat_interval=0.5,
-        lease=5,
+        lease_timeout=5,
     )
     from . import tasks
 
@@ -454,7 +454,7 @@ def _summary(
     _say("")
     _say("runs (steps = model calls and tool calls)")
     with admin.connect(settings, application_name="loomflow-worker demo") as conn:
-        details = {result.id: admin.get_run(conn, result.id) for _, _, result in requests}
+        details = {result.id: admin.get_request(conn, result.id) for _, _, result in requests}
     for session, _steps, result in requests:
         # From the journal, the record: which attempt executed each model call
         # and tool call, and which attempts replayed it.

@@ -75,11 +75,13 @@ class Settings(BaseSettings):
     broker_transport_options: dict[str, Any] = Field(default_factory=dict)
 
     # Recovery. A running request stamps a heartbeat every heartbeat_interval
-    # seconds; one silent for longer than lease (a frozen worker) has its lock
-    # connection ended by the sweeper, which also re-dispatches requests whose
-    # worker died. One sweeper leads the fleet at a time.
+    # seconds; one silent for longer than lease_timeout (a frozen worker) has
+    # its lock connection ended by the sweeper, which also re-dispatches
+    # requests whose worker died. One sweeper leads the fleet at a time.
     heartbeat_interval: float = Field(default=2.0, gt=0)
-    lease: float = Field(default=30.0, gt=0)
+    # The lease's timeout, read from LOOMFLOW_WORKER_LEASE, the variable's first
+    # name, which deployments set.
+    lease_timeout: float = Field(default=30.0, gt=0, validation_alias="LOOMFLOW_WORKER_LEASE")
     sweep_interval: float = Field(default=1.0, gt=0)
     sweeper: bool = True
     # A run longer than this (seconds) ends `failed` with a timeout; an agent
@@ -208,12 +210,33 @@ class Settings(BaseSettings):
                 "console_require_token is on but console_token is not set: set "
                 "LOOMFLOW_WORKER_CONSOLE_TOKEN, or nobody could open the console"
             )
-        if self.lease <= self.heartbeat_interval:
+        if self.lease_timeout <= self.heartbeat_interval:
             raise ValueError(
-                f"lease ({self.lease}s) must be longer than heartbeat_interval "
-                f"({self.heartbeat_interval}s), or live runs would look frozen"
+                f"lease_timeout (LOOMFLOW_WORKER_LEASE, {self.lease_timeout}s) must be longer "
+                f"than heartbeat_interval ({self.heartbeat_interval}s), or live runs would "
+                "look frozen"
             )
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lease_timeout_given_in_code(cls, data: Any) -> Any:
+        """``Settings(lease_timeout=...)``, or ``lease=``, the duration's first
+        name, sets :attr:`lease_timeout`, which is read from the variable of
+        another name (an unknown name would be ignored silently). Only
+        LOOMFLOW_WORKER_LEASE is read from the environment."""
+        if isinstance(data, dict) and ("lease_timeout" in data or "lease" in data):
+            # Under the variable's name, overriding the environment's value.
+            data = dict(data)
+            given = data.pop("lease_timeout", None)
+            first = data.pop("lease", None)
+            data["LOOMFLOW_WORKER_LEASE"] = given if given is not None else first
+        return data
+
+    @property
+    def lease(self) -> float:
+        """:attr:`lease_timeout` by its first name, for code that reads it."""
+        return self.lease_timeout
 
     @property
     def is_redis_broker(self) -> bool:
@@ -241,7 +264,7 @@ def conninfo_problem(conninfo: str) -> str | None:
 
 
 # Schemes kombu and Celery have always known, accepted without importing them
-# (reading their tables loads Celery, which a command like `runs` never needs);
+# (reading their tables loads Celery, which a command like `requests` never needs);
 # any other scheme is looked up in their tables.
 COMMON_TRANSPORTS = frozenset({"redis", "rediss", "amqp", "amqps", "pyamqp"})
 COMMON_BACKENDS = frozenset({"redis", "rediss", "rpc"})

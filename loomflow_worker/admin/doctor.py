@@ -44,8 +44,9 @@ def check_settings(settings: Settings, grace_period: float) -> list[Check]:
         ))
     checks.append(Check(
         "lease",
-        settings.lease > settings.heartbeat_interval,
-        f"lease {settings.lease:g}s vs heartbeat interval {settings.heartbeat_interval:g}s",
+        settings.lease_timeout > settings.heartbeat_interval,
+        f"lease timeout {settings.lease_timeout:g}s vs heartbeat interval "
+        f"{settings.heartbeat_interval:g}s",
         "raise LOOMFLOW_WORKER_LEASE above LOOMFLOW_WORKER_HEARTBEAT_INTERVAL, or live runs "
         "look frozen and are fenced",
     ))

@@ -27,7 +27,9 @@ TERMINAL = tuple(str(s) for s in ledger_statuses.TERMINAL)
 
 
 @dataclass(frozen=True)
-class RunRow:
+class RequestSummary:
+    """One request as `loomflow-worker requests` lists it."""
+
     request_id: str
     session_id: str
     user_id: str | None
@@ -41,7 +43,7 @@ class RunRow:
     not_before: datetime | None = None
 
 
-def list_runs(
+def list_requests(
     conn: Conn,
     *,
     session_id: str | None = None,
@@ -50,7 +52,7 @@ def list_runs(
     older_than: timedelta | None = None,
     newer_than: timedelta | None = None,
     limit: int = 50,
-) -> list[RunRow]:
+) -> list[RequestSummary]:
     """Requests, newest first, matching every filter given (ages by enqueue time)."""
     unknown = [s for s in statuses if s not in STATUSES]
     if unknown:
@@ -62,11 +64,11 @@ def list_runs(
             conn, session_id=session_id, user_id=user_id, statuses=statuses,
             older_than=older_than, newer_than=newer_than, limit=limit,
         )
-    return [RunRow(**row) for row in rows]
+    return [RequestSummary(**row) for row in rows]
 
 
 @dataclass(frozen=True)
-class RunStatus:
+class RequestStatus:
     status: str
     result: Any
     error: str | None
@@ -77,22 +79,22 @@ class RunStatus:
         return self.status in TERMINAL
 
 
-def run_status(conn: Conn, request_id: str) -> RunStatus:
+def request_status(conn: Conn, request_id: str) -> RequestStatus:
     """The request's status and outcome, or :class:`RequestNotFound`."""
     with translated("query"):
         row = ledger_reads.request_status(conn, request_id)
     if row is None:
         raise RequestNotFound(request_id)
-    return RunStatus(**row)
+    return RequestStatus(**row)
 
 
 def wait_for(
     conn: Conn, request_id: str, *, timeout: float | None = None, poll: float = 0.05
-) -> RunStatus:
+) -> RequestStatus:
     """Poll the ledger until the request is finished; ``TimeoutError`` after ``timeout``."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        status = run_status(conn, request_id)
+        status = request_status(conn, request_id)
         if status.finished:
             return status
         if deadline is not None and time.monotonic() >= deadline:
@@ -154,7 +156,7 @@ class StepInfo:
 
 
 @dataclass
-class RunDetail:
+class RequestDetail:
     """One request as the ledger has it, its attempts and its journal (each
     entry with the attempt that executed it and those that replayed it): what
     ``show`` prints and the console's run page draws."""
@@ -176,7 +178,8 @@ class RunDetail:
     attempts_count: int
     failures: int
     crashes: int
-    holder: str | None
+    # The worker running it now (node:pid), the ledger's `holder` column.
+    worker: str | None
     cancel_requested: bool
     result: Any
     error: str | None
@@ -202,8 +205,15 @@ class RunDetail:
     def prompt_cut(self) -> bool:
         return self.prompt_length > len(self.prompt)
 
+    @property
+    def holder(self) -> str | None:
+        """The old name of :attr:`worker`, kept for code that reads it."""
+        return self.worker
+
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
+        # `show --json` printed the worker as "holder" first: scripts read it.
+        data["holder"] = self.worker
         data["attempts"] = [asdict(a) for a in self.attempts]
         data["journal"] = [
             {**asdict(s), "name": s.name, "history": s.history()} for s in self.journal
@@ -218,15 +228,15 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def get_run(conn: Conn, request_id: str) -> RunDetail:
+def get_request(conn: Conn, request_id: str) -> RequestDetail:
     """The request, its attempts and its journal (with what each attempt
     executed or replayed), or :class:`RequestNotFound`. The console reads the
-    same three queries on its own pool (``console.data.get_run``)."""
+    same three queries on its own pool (``console.data.get_request``)."""
     with translated("query"):
-        row = ledger_reads.request_row(conn, run_params(request_id))
+        row = ledger_reads.request_row(conn, request_params(request_id))
         if row is None:
             raise RequestNotFound(request_id)
-        detail = RunDetail(**row)
+        detail = RequestDetail(**row)
         detail.attempts = [
             AttemptInfo(**attempt) for attempt in ledger_reads.request_attempts(conn, request_id)
         ]
@@ -238,13 +248,13 @@ def get_run(conn: Conn, request_id: str) -> RunDetail:
     return detail
 
 
-def run_params(request_id: str, *, prompt_chars: int | None = None) -> dict[str, Any]:
+def request_params(request_id: str, *, prompt_chars: int | None = None) -> dict[str, Any]:
     """The ``get_run`` query's parameters: the prompt cut to ``prompt_chars``
     characters (``None``: whole)."""
     return {"request_id": request_id, "prompt_chars": prompt_chars}
 
 
-def journal_params(detail: RunDetail, *, limit: int | None = None) -> dict[str, Any]:
+def journal_params(detail: RequestDetail, *, limit: int | None = None) -> dict[str, Any]:
     """The ``get_run_journal`` query's parameters for the run's namespace: at
     most ``limit`` entries (one more, to tell that some were left out)."""
     ns = str(detail.epoch)
@@ -253,7 +263,7 @@ def journal_params(detail: RunDetail, *, limit: int | None = None) -> dict[str, 
 
 
 def add_journal(
-    detail: RunDetail, rows: Sequence[Mapping[str, Any]], *, limit: int | None = None
+    detail: RequestDetail, rows: Sequence[Mapping[str, Any]], *, limit: int | None = None
 ) -> None:
     """Give ``detail`` the journal ``get_run_journal`` read (``rows``), each
     entry with the attempts that executed and replayed it."""
@@ -408,3 +418,13 @@ def _text(value: Any) -> str:
 def shorten(text: str, width: int) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+# The first names of the reads above, which spoke of a "run" for the ledger's request: kept
+# for the code that calls them.
+RunRow = RequestSummary
+RunStatus = RequestStatus
+RunDetail = RequestDetail
+list_runs = list_requests
+run_status = request_status
+get_run = get_request

@@ -1,7 +1,7 @@
 """The console's web application (Starlette, Jinja2 templates, no build step).
 
 Read only, but for one action: cancelling a request from its page, which
-calls :func:`loomflow_worker.cancel_run` and always needs the console token,
+calls :func:`loomflow_worker.cancel_request` and always needs the console token,
 sent in the form (a cross-site page cannot know it; a cookie would not do).
 Who may look at all (the hosts it answers, loopback, the token, the login
 cookie and its logout) is :mod:`.access`. Every text a page shows passes
@@ -186,7 +186,7 @@ def create_app(
     """The console over ``settings``' database and events, answering to
     loopback names, ``host`` (the address it listens on) and
     ``settings.console_hosts``. ``cancel`` (default
-    :func:`loomflow_worker.cancel_run`) and ``broker_depth`` (default: the
+    :func:`loomflow_worker.cancel_request`) and ``broker_depth`` (default: the
     Celery app's count of the queue's messages) run in a thread."""
     token = settings.console_token.get_secret_value() if settings.console_token else None
     gate = Gate(token, settings)
@@ -196,9 +196,9 @@ def create_app(
 
     if cancel is None:
         def cancel(request_id: str) -> str:
-            from .. import cancel_run
+            from .. import cancel_request
 
-            result: str = cancel_run(request_id)
+            result: str = cancel_request(request_id)
             return result
 
     if broker_depth is None:
@@ -237,7 +237,7 @@ def create_app(
     async def run_page(request: Request) -> Response:
         request_id = request.path_params["request_id"]
         full = request.query_params.get("prompt") == "full"
-        run = await data.get_run(db.pool, request_id, full_prompt=full)
+        run = await data.get_request(db.pool, request_id, full_prompt=full)
         timeline = layout(run.attempts, run.journal, now=run.now,
                           running=run.status == "running")
         return pages.render(
@@ -254,7 +254,7 @@ def create_app(
         presented = request.headers.get("x-console-token") or form.get("token")
         if not gate.accepts(presented):
             return pages.error(403, "Wrong or missing console token: nothing was cancelled.")
-        await data.get_run(db.pool, request_id)  # a 404 for an unknown request
+        await data.get_request(db.pool, request_id)  # a 404 for an unknown request
         status = await run_in_threadpool(cancel, request_id)
         log.info("console: cancel of request %s: %s", request_id, status,
                  extra={"action": "console_cancel", "request": request_id})
@@ -268,7 +268,7 @@ def create_app(
         after = request.headers.get("last-event-id", "0-0")
         if not _stream_id(after):
             after = "0-0"
-        run = await data.run_status(db.pool, request_id)
+        run = await data.request_status(db.pool, request_id)
 
         async def stream() -> AsyncIterator[str]:
             last, follow = after, not run.finished
@@ -283,7 +283,7 @@ def create_app(
                     }, pages.mask)
                     if event.is_end:
                         return
-                now = await data.run_status(db.pool, request_id)
+                now = await data.request_status(db.pool, request_id)
                 if not follow or now.finished:
                     # No end event (the stream expired, or Redis dropped it):
                     # the ledger has the word.

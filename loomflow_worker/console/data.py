@@ -4,7 +4,7 @@ The ledger is read through :mod:`~loomflow_worker.execution.ledger_views`
 (its gateway), the rest by the ``console_*`` queries of ``runtime/sql/console.sql``,
 on a small pool of read-only connections; rows come back as the dataclasses
 below (psycopg's ``class_row``). A run's page reads what ``loomflow-worker show``
-reads, as its model (``admin.RunDetail``). A prompt leaves the database cut to
+reads, as its model (``admin.RequestDetail``). A prompt leaves the database cut to
 ``PROMPT_CHARS`` characters, except on a run's own page when asked for.
 """
 
@@ -98,7 +98,8 @@ class RequestRow:
     enqueued_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
-    holder: str | None
+    # The worker running it (node:pid), the ledger's `holder` column.
+    worker: str | None
 
     @property
     def prompt_cut(self) -> bool:
@@ -247,18 +248,18 @@ async def session_scopes(pool: Pool, session_id: str) -> list[ScopeView]:
 # ---- a run ------------------------------------------------------------------------------------
 
 
-async def run_status(
+async def request_status(
     pool: Pool, request_id: str, *, full_prompt: bool = False
-) -> admin.RunDetail:
+) -> admin.RequestDetail:
     """The request's ledger row (``show``'s read model, without its attempts
     and journal), or :class:`~loomflow_worker.admin.RequestNotFound`."""
     async with pool.connection() as conn:
-        return await _run_status(conn, request_id, full_prompt=full_prompt)
+        return await _request_row(conn, request_id, full_prompt=full_prompt)
 
 
-async def _run_status(conn: Conn, request_id: str, *, full_prompt: bool) -> admin.RunDetail:
+async def _request_row(conn: Conn, request_id: str, *, full_prompt: bool) -> admin.RequestDetail:
     check_id("request", request_id)
-    found = await ledger_views.request_row(conn, admin.RunDetail, admin.run_params(
+    found = await ledger_views.request_row(conn, admin.RequestDetail, admin.request_params(
         request_id, prompt_chars=None if full_prompt else PROMPT_CHARS * 2,
     ))
     if found is None:
@@ -268,13 +269,15 @@ async def _run_status(conn: Conn, request_id: str, *, full_prompt: bool) -> admi
     return found
 
 
-async def get_run(pool: Pool, request_id: str, *, full_prompt: bool = False) -> admin.RunDetail:
+async def get_request(
+    pool: Pool, request_id: str, *, full_prompt: bool = False
+) -> admin.RequestDetail:
     """A request, its attempts and its journal, each entry with the attempt
     that executed it and those that replayed it: the queries ``loomflow-worker
-    show`` reads (``admin.get_run``), on the console's pool, the journal cut
+    show`` reads (``admin.get_request``), on the console's pool, the journal cut
     at ``MAX_JOURNAL`` entries."""
     async with pool.connection() as conn:
-        run = await _run_status(conn, request_id, full_prompt=full_prompt)
+        run = await _request_row(conn, request_id, full_prompt=full_prompt)
         run.attempts = await ledger_views.request_attempts(conn, admin.AttemptInfo, request_id)
         if run.epoch is None:
             return run
@@ -291,7 +294,7 @@ async def get_run(pool: Pool, request_id: str, *, full_prompt: bool = False) -> 
 
 @dataclass(frozen=True)
 class InFlight:
-    holder: str | None
+    worker: str | None
     running: int
     oldest_start: datetime | None
     last_heartbeat: datetime | None
@@ -334,7 +337,7 @@ class Connections:
 
 @dataclass(frozen=True)
 class Leader:
-    holder: str
+    worker: str
     backend_pid: int
     heartbeat_at: datetime
     age: timedelta

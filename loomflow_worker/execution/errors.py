@@ -29,13 +29,13 @@ class AttemptLost(LoomflowWorkerError):
     crash: :func:`~.ledger.mark_lost` records it so."""
 
     def __init__(
-        self, request_id: str, attempt: int | None, cause: LockLost, holder: str = ""
+        self, request_id: str, attempt: int | None, cause: LockLost, worker: str = ""
     ) -> None:
-        """``attempt``: ``None`` when it was lost while it started (``holder``'s
+        """``attempt``: ``None`` when it was lost while it started (``worker``'s
         open attempt, if the start committed)."""
         self.request_id = request_id
         self.attempt = attempt
-        self.holder = holder
+        self.worker = worker
         super().__init__(str(cause))
 
 
@@ -61,7 +61,10 @@ class RequestNotFound(InvalidInput, LookupError):
     for the recent ones (the console: its requests list)."""
 
     def __init__(
-        self, request_id: str, *, listed_by: str = "`loomflow-worker runs` lists the recent ones"
+        self,
+        request_id: str,
+        *,
+        listed_by: str = "`loomflow-worker requests` lists the recent ones",
     ) -> None:
         self.request_id = request_id
         super().__init__(

@@ -54,7 +54,7 @@ log = logging.getLogger("loomflow_worker.tasks")
 T = TypeVar("T")
 
 #: How long a request at the head of its session waits for its lock (the
-#: request before it releasing it, or a crashed holder's being freed)
+#: request before it releasing it, or the locks of a crashed worker being freed)
 #: before it parks.
 HANDOFF_LOCK_WAIT = 2.0
 
@@ -120,8 +120,9 @@ class WorkerContext:
         self.slots = slots
         self.alone = alone
         self.node = node or socket.gethostname()
-        # The process as its runs name their holder, and its ``workers`` row.
-        self.holder = f"{self.node}:{os.getpid()}"
+        # The process as the ledger names the worker running a request (its `holder`
+        # column), and its ``workers`` row.
+        self.worker = f"{self.node}:{os.getpid()}"
         self._runtime: PostgresRuntime | None = None
         self.events: EventPublisher | None = None
         self._agents: dict[str, Any] = {}
@@ -242,19 +243,20 @@ class WorkerContext:
         while True:
             await anyio.sleep(interval)
             now = loop.time()
-            lines = runtime.journal.live_connections()
-            for line in lines:
-                running = line.running()
+            lock_conns = runtime.journal.live_connections()
+            for lock_conn in lock_conns:
+                running = lock_conn.running()
                 if not running:
-                    line.stamped(now)
-                elif now - line.stamped_at > limit:
-                    line.fence(
-                        f"no heartbeat stamped its runs for {now - line.stamped_at:.1f}s "
-                        f"(the sweeper may end the connection after LEASE={self.settings.lease:g}s)"
+                    lock_conn.stamped(now)
+                elif now - lock_conn.stamped_at > limit:
+                    lock_conn.fence(
+                        f"no heartbeat stamped its runs for {now - lock_conn.stamped_at:.1f}s "
+                        "(the sweeper may end the connection after "
+                        f"LEASE={self.settings.lease_timeout:g}s)"
                     )
-                elif line not in beating or beating[line].done():
-                    beating[line] = loop.create_task(_beat(line, running))
-            beating = {line: task for line, task in beating.items() if line in lines}
+                elif lock_conn not in beating or beating[lock_conn].done():
+                    beating[lock_conn] = loop.create_task(_beat(lock_conn, running))
+            beating = {conn: task for conn, task in beating.items() if conn in lock_conns}
 
     def _stalled(self, stall: Stall) -> None:
         """The loop was held (from the loop watch's thread): say by what."""
@@ -298,7 +300,7 @@ class WorkerContext:
         is only logged: the row is for the console, no run depends on it."""
         stored = [self._stored.popleft() for _ in range(len(self._stored))]
         beat = ledger.WorkerBeat(
-            worker=self.holder, hostname=socket.gethostname(), pid=os.getpid(),
+            worker=self.worker, hostname=socket.gethostname(), pid=os.getpid(),
             slots=self.slots, interval=self.settings.heartbeat_interval,
             runs=len(self._halts), stored=stored,
             loop_lag=self.watch.lag() if self.watch is not None else 0.0,
@@ -440,8 +442,8 @@ async def execute(
             return await _park_busy(runtime, request_id, req, options)
     outcome: Outcome | None = None
     try:
-        holder = f"{node or ctx.node}:{os.getpid()}"
-        outcome = await _run_holding(ctx, runtime, lease, request_id, req, holder, time_limit,
+        worker = f"{node or ctx.node}:{os.getpid()}"
+        outcome = await _run_holding(ctx, runtime, lease, request_id, req, worker, time_limit,
                                      options, pinned=pre.pinned if pre is not None else None)
     finally:
         # A request enqueued while this one finished may have parked on the
@@ -573,13 +575,13 @@ class Retry:
     countdown: float
 
 
-def ending_before_run(started: ledger.Started, settings: Settings, holder: str) -> Ending | None:
+def ending_before_run(started: ledger.Started, settings: Settings, worker: str) -> Ending | None:
     """A request that must end without running: its worker died too often, or
     it was cancelled while it waited."""
     if started.crashes >= settings.max_crashes:
         error = (
             f"the worker died {started.crashes} times while running this request "
-            f"(LOOMFLOW_WORKER_MAX_CRASHES={settings.max_crashes}); last attempt on {holder}"
+            f"(LOOMFLOW_WORKER_MAX_CRASHES={settings.max_crashes}); last attempt on {worker}"
         )
         return Ending("dead", error=error, error_type="WorkerDied", note=f": {error}")
     if started.lost_streak >= settings.max_lost:
@@ -587,7 +589,7 @@ def ending_before_run(started: ledger.Started, settings: Settings, holder: str) 
             f"its last {started.lost_streak} attempts lost their lock connection without "
             f"completing a step (LOOMFLOW_WORKER_MAX_LOST={settings.max_lost}): their process "
             "stopped heartbeating for longer than LEASE (a tool that holds the event loop? "
-            f"the worker log names it) or their connection kept failing; last attempt on {holder}"
+            f"the worker log names it) or their connection kept failing; last attempt on {worker}"
         )
         return Ending("dead", error=error, error_type="AttemptsLost", note=f": {error}")
     if started.cancel_requested:
@@ -624,7 +626,7 @@ async def _run_holding(
     lease: Lease,
     request_id: str,
     req: RunRequest,
-    holder: str,
+    worker: str,
     time_limit: float | None = None,
     options: MessageOptions | None = None,
     *,
@@ -637,13 +639,13 @@ async def _run_holding(
     try:
         started = await lease.io(
             lambda conn: ledger.start(
-                conn, request_id, req.scope, holder, ctx.settings.redispatch_after, opening
+                conn, request_id, req.scope, worker, ctx.settings.redispatch_after, opening
             )
         )
     except LockLost as exc:
         # The start may have committed (its attempt counted) before the answer
-        # was lost: this holder's open attempt is lost, not crashed.
-        raise AttemptLost(request_id, None, exc, holder) from exc
+        # was lost: this worker's open attempt is lost, not crashed.
+        raise AttemptLost(request_id, None, exc, worker) from exc
     if started.opened is not None:
         lease.prefetched = (opening, started.opened)
     if started.status in TERMINAL:
@@ -656,7 +658,7 @@ async def _run_holding(
         return Outcome("parked", dispatch=[started.older] if started.older_stale else [])
     assert started.epoch is not None
     try:
-        ending: Ending | Retry | None = ending_before_run(started, ctx.settings, holder)
+        ending: Ending | Retry | None = ending_before_run(started, ctx.settings, worker)
         if ending is None:
             ending = await _run(ctx, runtime, lease, request_id, req, started, time_limit)
         if isinstance(ending, Retry):
@@ -674,7 +676,7 @@ async def _run_holding(
         return await _conclude(ctx, lease, request_id, req, started, ending)
     except LockLost as exc:
         # Fenced while this worker lives: not a crash (see AttemptLost).
-        raise AttemptLost(request_id, started.attempt, exc, holder) from exc
+        raise AttemptLost(request_id, started.attempt, exc, worker) from exc
     except HandedBack:
         return Outcome("handed_back")
 
@@ -875,26 +877,26 @@ def _found(exc: BaseException, kind: type[E]) -> E | None:
 
 def fence_after(settings: Settings) -> float:
     """How long a lock connection's runs may go without a heartbeat before the
-    process fences them itself: well before the sweeper, which ends a holder
-    silent for ``LEASE``, may act, and never sooner than a heartbeat interval."""
-    margin = max(2 * settings.heartbeat_interval, settings.lease / 5)
-    return max(settings.lease - margin, settings.heartbeat_interval)
+    process fences them itself: well before the sweeper, which ends the lock connections
+    of a worker silent for ``LEASE``, may act, and never sooner than a heartbeat interval."""
+    margin = max(2 * settings.heartbeat_interval, settings.lease_timeout / 5)
+    return max(settings.lease_timeout - margin, settings.heartbeat_interval)
 
 
-async def _beat(line: LockConnection[Lease], running: list[Lease]) -> None:
-    """One heartbeat of the requests running on ``line``, ahead of every
+async def _beat(lock_conn: LockConnection[Lease], running: list[Lease]) -> None:
+    """One heartbeat of the requests running on ``lock_conn``, ahead of every
     statement queued there. A cancel request stops a run at its next step."""
     ids = [a.request_id for a in running if a.request_id is not None]
     sent = asyncio.get_running_loop().time()
     try:
-        cancelled = await line.run(lambda conn: ledger.heartbeat(conn, ids), urgent=True)
+        cancelled = await lock_conn.run(lambda conn: ledger.heartbeat(conn, ids), urgent=True)
     except LockLost:
         return
     except Exception as exc:
-        log.warning("a heartbeat on lock connection %d failed: %s", line.index, exc,
-                    extra={"action": "heartbeat_failed", "backend": line.backend_pid})
+        log.warning("a heartbeat on lock connection %d failed: %s", lock_conn.index, exc,
+                    extra={"action": "heartbeat_failed", "backend": lock_conn.backend_pid})
         return
-    line.stamped(sent)
+    lock_conn.stamped(sent)
     for lease in running:
         if lease.request_id in cancelled and lease.stop is None:
             lease.stop = RunStopped("cancelled while running")

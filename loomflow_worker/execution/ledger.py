@@ -522,7 +522,7 @@ async def start(
     conn: Conn,
     request_id: str,
     scope: str,
-    holder: str,
+    worker: str,
     stale_after: float,
     opening: OpenChoice | None = None,
 ) -> Started:
@@ -533,7 +533,7 @@ async def start(
     for a resume). With ``opening``, the run's open query follows in the same
     round trip (one pipeline; Postgres runs it after the start), its rows in
     ``opened`` for the lease to use when it opens that epoch."""
-    params = {"request_id": request_id, "scope": scope, "holder": holder, "pid": os.getpid(),
+    params = {"request_id": request_id, "scope": scope, "worker": worker, "pid": os.getpid(),
               "stale": stale_after}
     opened: list[DictRow] | None = None
     if opening is None:
@@ -796,18 +796,19 @@ def end_revoked(
 
 
 def mark_lost(
-    conn: psycopg.Connection[Any], request_id: str, attempt: int | None, holder: str
+    conn: psycopg.Connection[Any], request_id: str, attempt: int | None, worker: str
 ) -> None:
-    """Record that ``attempt`` (``None``: ``holder``'s open attempt, lost while
+    """Record that ``attempt`` (``None``: ``worker``'s open attempt, lost while
     it started) lost its lock connection while its worker lived."""
     conn.execute(query("mark_attempt_lost"),
-                 {"request_id": request_id, "attempt": attempt, "holder": holder})
+                 {"request_id": request_id, "attempt": attempt, "worker": worker})
 
 
 def mark_interrupted(conn: psycopg.Connection[Any], node: str) -> None:
     """A worker shutting down (a deploy): its attempts still running end
     ``interrupted``, so their next attempt does not count a crash. ``node`` is
-    the worker's hostname; its attempts are recorded as ``hostname:pid``."""
+    the worker's Celery node name (``celery@host``); its processes' attempts
+    are recorded as ``node:pid``."""
     conn.execute(query("mark_interrupted"), {"node": f"{node}:"})
 
 
@@ -817,10 +818,10 @@ async def mark_handed_alone(conn: Conn, request_id: str) -> None:
     await conn.execute(query("mark_swept"), {"request_ids": [request_id]})
 
 
-async def mark_lost_now(conn: Conn, request_id: str, attempt: int | None, holder: str) -> None:
+async def mark_lost_now(conn: Conn, request_id: str, attempt: int | None, worker: str) -> None:
     """:func:`mark_lost`, on an async connection."""
     await conn.execute(query("mark_attempt_lost"),
-                       {"request_id": request_id, "attempt": attempt, "holder": holder})
+                       {"request_id": request_id, "attempt": attempt, "worker": worker})
 
 
 async def clear_suspicion(conn: Conn, request_id: str) -> None:

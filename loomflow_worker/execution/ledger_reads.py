@@ -51,7 +51,7 @@ def request_status(conn: Conn, request_id: str) -> DictRow | None:
 
 def request_row(conn: Conn, params: Mapping[str, Any]) -> DictRow | None:
     """The request's whole row (its attempt count as ``attempts_count``, its
-    prompt cut as ``params`` say: ``admin.run_params``); ``None`` when the
+    prompt cut as ``params`` say: ``admin.request_params``); ``None`` when the
     ledger has no such request."""
     return _row(conn, "get_run", params)
 

@@ -61,7 +61,7 @@ async def session_requests(
 
 
 async def request_row(conn: AsyncConn, row: type[Row], params: Mapping[str, Any]) -> Row | None:
-    """The request's whole row, as ``show`` reads it (``admin.run_params``
+    """The request's whole row, as ``show`` reads it (``admin.request_params``
     says how much of the prompt); ``None`` when the ledger has no such
     request."""
     return next(iter(await _rows(conn, row, "get_run", params)), None)

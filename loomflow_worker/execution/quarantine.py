@@ -82,7 +82,7 @@ async def attempt(settings: Settings, job: dict[str, Any]) -> dict[str, Any]:
         cause = exc.__cause__
         scope, why = ((cause.scope, cause.cause) if isinstance(cause, LockLost)
                       else ("", str(exc)))
-        return {"lost": {"attempt": exc.attempt, "holder": exc.holder, "scope": scope,
+        return {"lost": {"attempt": exc.attempt, "worker": exc.worker, "scope": scope,
                          "cause": why}}
     except (LockLost, DatabaseUnavailable) as exc:
         return {"unavailable": f"{type(exc).__name__}: {exc}"}
@@ -99,7 +99,7 @@ async def _mark_lost(ctx: WorkerContext, lost: AttemptLost) -> None:
     try:
         runtime = await ctx.runtime()
         async with runtime.pool.connection() as conn:
-            await ledger.mark_lost_now(conn, lost.request_id, lost.attempt, lost.holder)
+            await ledger.mark_lost_now(conn, lost.request_id, lost.attempt, lost.worker)
     except (psycopg.Error, PoolTimeout, DatabaseUnavailable) as exc:
         log.warning("request %s: could not record its lost attempt yet (%s); its worker "
                     "records it", lost.request_id, exc,

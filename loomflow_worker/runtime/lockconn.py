@@ -333,20 +333,20 @@ class _Watchdog:
     a tool that blocked it): the answer may be waiting unread, so the
     statement gets another turn of the loop, as long as the loop stays late."""
 
-    def __init__(self, line: LockConnection[Any], loop: asyncio.AbstractEventLoop) -> None:
-        self._line = line
+    def __init__(self, lock_conn: LockConnection[Any], loop: asyncio.AbstractEventLoop) -> None:
+        self._lock_conn = lock_conn
         self._loop = loop
-        self._due = loop.time() + line.io_timeout
+        self._due = loop.time() + lock_conn.io_timeout
         self._handle = loop.call_at(self._due, self._expire)
 
     def _expire(self) -> None:
         late = self._loop.time() - self._due
         if late > LATE:
-            self._due = self._loop.time() + min(late, self._line.io_timeout)
+            self._due = self._loop.time() + min(late, self._lock_conn.io_timeout)
             self._handle = self._loop.call_at(self._due, self._expire)
             return
-        silent = f"no answer within {self._line.io_timeout:g}s"
-        self._line.fence(silent, TimeoutError(silent))
+        silent = f"no answer within {self._lock_conn.io_timeout:g}s"
+        self._lock_conn.fence(silent, TimeoutError(silent))
 
     def cancel(self) -> None:
         self._handle.cancel()

@@ -186,10 +186,10 @@ class Lease:
     opened, kept in memory so a replayed step costs no round trip."""
 
     def __init__(
-        self, store: PostgresJournalStore, line: LockConnection[Lease], scope: str
+        self, store: PostgresJournalStore, lock_conn: LockConnection[Lease], scope: str
     ) -> None:
         self.store = store
-        self.line = line
+        self.lock_conn = lock_conn
         self.scope = scope
         self.lock_key = scope_lock_key(scope)
         self.fenced: LockLost | None = None
@@ -220,7 +220,7 @@ class Lease:
 
     @property
     def backend_pid(self) -> int:
-        return self.line.backend_pid
+        return self.lock_conn.backend_pid
 
     async def executed(self) -> None:
         """A step of the run was executed and journaled."""
@@ -239,7 +239,7 @@ class Lease:
         """Run ``fn`` in a turn on the lock connection; its loss fences the run."""
         if self.fenced is not None:
             raise self.fenced
-        return await self.line.run(fn)
+        return await self.lock_conn.run(fn)
 
     # ---- reading -----------------------------------------------------------
 
@@ -353,7 +353,7 @@ class Lease:
             mark = self.store._encode(last_run, LAST_RUN_KEY)
             assert mark is not None
             rows = [*rows, JournalRow("steps", self.scope, LAST_RUN_KEY, mark)]
-        await self.line.write(rows)
+        await self.lock_conn.write(rows)
         if last_run is not None:
             self.pending_last_run = None
             self.last_run = last_run
@@ -454,7 +454,7 @@ class PostgresJournalStore:
         self._owns_pool = owns_pool
         self.lock_connections = lock_connections
         # The lock connections open now; a lost one is replaced on demand.
-        self._lines: list[LockConnection[Lease]] = []
+        self._lock_conns: list[LockConnection[Lease]] = []
         self._opened = 0
         self._opening: asyncio.Lock | None = None
         # Scope lock keys held (or being taken) by this process, and the
@@ -473,11 +473,11 @@ class PostgresJournalStore:
     def live_connections(self) -> list[LockConnection[Lease]]:
         """The lock connections open and not fenced (a copy: one may be lost or
         opened meanwhile)."""
-        return [line for line in self._lines if line.fenced is None]
+        return [lock_conn for lock_conn in self._lock_conns if lock_conn.fenced is None]
 
     def queue_depth(self) -> int:
         """Statements waiting for the lock connections."""
-        return sum(line.depth for line in self._lines)
+        return sum(lock_conn.depth for lock_conn in self._lock_conns)
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -487,13 +487,13 @@ class PostgresJournalStore:
 
     async def aclose(self) -> None:
         self._closed = True
-        lines, self._lines = self._lines, []
-        for line in lines:
-            await line.aclose()
+        lock_conns, self._lock_conns = self._lock_conns, []
+        for lock_conn in lock_conns:
+            await lock_conn.aclose()
         if self._owns_pool:
             await self.pool.close()
 
-    async def _open_line(self) -> LockConnection[Lease]:
+    async def _open_lock_connection(self) -> LockConnection[Lease]:
         s = self.lock_settings
         with translated(CONNECT, self.conninfo):
             conn: Conn = await AsyncConnection.connect(
@@ -514,17 +514,17 @@ class PostgresJournalStore:
             await conn.close()
             raise
         self._opened += 1
-        line: LockConnection[Lease] = LockConnection(
+        lock_conn: LockConnection[Lease] = LockConnection(
             conn, io_timeout=s.io_timeout, index=self._opened
         )
-        line.start()
-        return line
+        lock_conn.start()
+        return lock_conn
 
-    async def _line(self) -> LockConnection[Lease]:
+    async def _lock_connection(self) -> LockConnection[Lease]:
         """The least loaded lock connection, opening one while there are fewer
         than ``lock_connections`` and every open one carries a run."""
         live = self.live_connections()
-        idle = min(live, key=lambda line: line.load, default=None)
+        idle = min(live, key=lambda lock_conn: lock_conn.load, default=None)
         if idle is not None and (idle.load == 0 or len(live) >= self.lock_connections):
             return idle
         if self._opening is None:
@@ -533,9 +533,9 @@ class PostgresJournalStore:
             if self._closed:
                 raise DatabaseUnavailable("the runtime is closed")
             if len(self.live_connections()) < self.lock_connections:
-                line = await self._open_line()
-                self._lines = [*self.live_connections(), line]
-            return min(self.live_connections(), key=lambda line: line.load)
+                lock_conn = await self._open_lock_connection()
+                self._lock_conns = [*self.live_connections(), lock_conn]
+            return min(self.live_connections(), key=lambda lock_conn: lock_conn.load)
 
     # ---- leases (one per outermost run) ----------------------------------------
 
@@ -573,7 +573,7 @@ class PostgresJournalStore:
         deadline = None if wait is None else time.monotonic() + wait
         pause = WAIT_POLL_MIN
         while True:
-            line = await self._line()
+            lock_conn = await self._lock_connection()
             may_lock = key not in self._held
             if may_lock:
                 self._held[key] = None  # taken here while the statement runs
@@ -581,17 +581,17 @@ class PostgresJournalStore:
             # polling a busy scope reads nothing.
             try_open = opening if gate is None and may_lock and pause == WAIT_POLL_MIN else None
             try:
-                tried, opened = await line.run(_try_lock(gate, key, may_lock, scope, try_open))
+                tried, opened = await lock_conn.run(_try_lock(gate, key, may_lock, scope, try_open))
             except BaseException:
                 if may_lock:
                     self._forget(key)
                 raise
             if tried and may_lock:
-                lease = Lease(self, line, scope)
+                lease = Lease(self, lock_conn, scope)
                 if try_open is not None and opened is not None:
                     lease.prefetched = (try_open, opened)
                 self._held[key] = lease
-                line.attach(lease)
+                lock_conn.attach(lease)
                 return lease
             if may_lock:
                 self._forget(key)
@@ -635,19 +635,19 @@ class PostgresJournalStore:
         if lease.released:
             return None
         lease.released = True
-        line = lease.line
+        lock_conn = lease.lock_conn
         if then is not None and before:
             raise InvalidInput("release(): `then` and `before` do not go together")
         failed: list[BaseException] = []
         followed: list[DictRow] | None = None
         try:
-            if lease.fenced is None and line.fenced is None:
+            if lease.fenced is None and lock_conn.fenced is None:
                 with anyio.CancelScope(shield=True):
                     try:
                         if then is None:
-                            row = await line.run(_unlock_after(before, lease.lock_key, failed))
+                            row = await lock_conn.run(_unlock_after(before, lease.lock_key, failed))
                         else:
-                            row, followed = await line.run(_unlock_then(then, lease.lock_key))
+                            row, followed = await lock_conn.run(_unlock_then(then, lease.lock_key))
                     except LockLost as exc:
                         # The connection is gone, and its locks with it; what
                         # was to be committed first may not have been.
@@ -660,12 +660,12 @@ class PostgresJournalStore:
                             "its lock connection", lease.scope,
                             extra={"action": "unlock_mismatch", "scope": lease.scope},
                         )
-                        line.fence(f"the lock of scope {lease.scope!r} was not released")
+                        lock_conn.fence(f"the lock of scope {lease.scope!r} was not released")
                         followed = None
             elif before:
-                failed.append(lease.fenced or line.fenced or LockLost(lease.scope, "fenced"))
+                failed.append(lease.fenced or lock_conn.fenced or LockLost(lease.scope, "fenced"))
         finally:
-            line.detach(lease)
+            lock_conn.detach(lease)
             if self._held.get(lease.lock_key) is lease:
                 self._forget(lease.lock_key)
         if failed:

@@ -79,7 +79,7 @@ def run_alone(
     if "lost" in reply:
         lost = reply["lost"]
         raise AttemptLost(request_id, lost["attempt"], LockLost(lost["scope"], lost["cause"]),
-                          lost["holder"])
+                          lost["worker"])
     if "unavailable" in reply:
         raise DatabaseUnavailable(reply["unavailable"])
     return decode_outcome(reply)

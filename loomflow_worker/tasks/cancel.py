@@ -9,7 +9,7 @@ from .dispatch import dispatch_recorded
 from .state import PROCESS
 
 
-def cancel_run(request_id: str) -> str:
+def cancel_request(request_id: str) -> str:
     """Cancel a request: a queued one never starts, a running one stops at its
     next step boundary; it ends ``cancelled`` and its session moves on.
 
@@ -23,6 +23,10 @@ def cancel_run(request_id: str) -> str:
         # A worker picks it up now, stores its result and hands the session on.
         dispatch_recorded(pending, f"{status} (cancel requested)")
     return str(status)
+
+
+#: The first name of :func:`cancel_request`, kept: applications call it.
+cancel_run = cancel_request
 
 
 def cancel_queued(session_id: str | None = None, user_id: str | None = None) -> list[str]:

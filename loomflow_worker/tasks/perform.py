@@ -215,7 +215,7 @@ def mark_lost(lost: AttemptLost) -> None:
 
     def attempt() -> bool:
         with PROCESS.ledger_connection() as conn:
-            ledger.mark_lost(conn, lost.request_id, lost.attempt, lost.holder)
+            ledger.mark_lost(conn, lost.request_id, lost.attempt, lost.worker)
         return True
 
     if retry_within(MARK_LOST_WITHIN, attempt) is None:

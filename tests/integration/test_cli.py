@@ -82,7 +82,7 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
     third_id = enqueued(fleet, calls("d"), "s2")
     wait_status(fleet.dsn, third_id, ("succeeded",))
 
-    table = cli(fleet, "runs", "--session", "s1")
+    table = cli(fleet, "requests", "--session", "s1")
     assert table.returncode == 0, table.stderr
     header, *rows = lines(table.stdout)
     assert header.split() == ["REQUEST", "SESSION", "USER", "AGENT", "STATUS", "ATTEMPTS",
@@ -91,15 +91,16 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
     for row in rows:
         cells = row.split()
         assert cells[1:6] == ["s1", "u1", "default", "succeeded", "1"]
-        assert ":" in cells[-1]  # the worker, host:pid
+        assert ":" in cells[-1]  # the worker, node:pid
 
+    # `runs`, the command's first name, lists them too.
     as_json = [json.loads(line) for line in lines(cli(fleet, "runs", "--json").stdout)]
     assert [r["request_id"] for r in as_json] == [third_id, second_id, first_id]
     assert {r["status"] for r in as_json} == {"succeeded"}
-    assert cli(fleet, "runs", "--status", "failed", "--status", "dead").stdout == ""
-    assert len(lines(cli(fleet, "runs", "--newer-than", "1h", "--limit", "2").stdout)) == 3
-    assert cli(fleet, "runs", "--older-than", "1h").stdout == ""
-    assert lines(cli(fleet, "runs", "--user", "u1", "--json").stdout).__len__() == 2
+    assert cli(fleet, "requests", "--status", "failed", "--status", "dead").stdout == ""
+    assert len(lines(cli(fleet, "requests", "--newer-than", "1h", "--limit", "2").stdout)) == 3
+    assert cli(fleet, "requests", "--older-than", "1h").stdout == ""
+    assert lines(cli(fleet, "requests", "--user", "u1", "--json").stdout).__len__() == 2
 
     shown = cli(fleet, "show", first_id)
     assert shown.returncode == 0, shown.stderr

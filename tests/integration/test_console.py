@@ -1,6 +1,6 @@
 """The run console without a browser: who may look, who may cancel, what a page
 shows of a prompt, bad filters, the command's refusals, and the list query's
-plan on a ledger of many requests (real Postgres, the real cancel_run)."""
+plan on a ledger of many requests (real Postgres, the real cancel_request)."""
 
 from __future__ import annotations
 
@@ -540,7 +540,7 @@ def test_the_fleet_page_shows_workers_by_heartbeat_and_the_sweepers_actions(
 def test_show_and_the_run_page_read_one_model_of_a_request(
     fleet: Fleet, client: TestClient
 ) -> None:
-    """`show` and the console read a request as one model (admin.RunDetail): the
+    """`show` and the console read a request as one model (admin.RequestDetail): the
     same row, attempts and journal, each entry with the attempts that ran and
     replayed it; here of a run whose first worker died mid-run."""
     fleet.start("w1", concurrency=1, **FAST)
@@ -554,11 +554,11 @@ def test_show_and_the_run_page_read_one_model_of_a_request(
     assert done.returncode == 0, done.stderr
     shown = json.loads(done.stdout)
 
-    async def read() -> admin.RunDetail:
+    async def read() -> admin.RequestDetail:
         pool = data.make_pool(_settings(fleet))
         await pool.open()
         try:
-            return await data.get_run(pool, killed.id)
+            return await data.get_request(pool, killed.id)
         finally:
             await pool.close()
 

@@ -87,7 +87,7 @@ def test_a_killed_run_shows_two_attempts_and_its_replayed_steps(
     assert killed.get(timeout=60)["output"].startswith("done: recorded b0")
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         # What `loomflow-worker show` computes, to compare the picture with.
-        detail = admin.get_run(conn, killed.id)
+        detail = admin.get_request(conn, killed.id)
     assert len(detail.attempts) == 2
     executed_first = sorted(s.name for s in detail.journal if s.executed_in == 1)
     replayed_second = sorted(s.name for s in detail.journal if 2 in s.replayed_in)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from loomflow_worker import cancel_run
+from loomflow_worker import cancel_request
 from loomflow_worker.runtime import SessionBusy
 from loomflow_worker.tasks import RunCancelled, RunFailed, run_agent
 
@@ -23,7 +23,7 @@ def test_cancel_a_queued_request_it_never_starts(fleet: Fleet) -> None:
     queued = run_agent.delay(calls("never"), "s")
     after = run_agent.delay(calls("after"), "s")
     wait_for_execution(fleet.dsn, "first1")
-    assert cancel_run(queued.id) == "cancelled"
+    assert cancel_request(queued.id) == "cancelled"
     with pytest.raises(RunCancelled):
         queued.get(timeout=30)
     assert first.get(timeout=30)["output"] == "done: recorded first1, recorded first2"
@@ -40,7 +40,7 @@ def test_cancel_a_running_request_it_stops_at_the_next_step(fleet: Fleet) -> Non
     running = run_agent.delay(calls("c1", "c2", "c3", "c4"), "s")
     after = run_agent.delay(calls("next"), "s")
     wait_for_execution(fleet.dsn, "c1")
-    assert cancel_run(running.id) == "running"
+    assert cancel_request(running.id) == "running"
     with pytest.raises(RunCancelled, match="cancelled while running"):
         running.get(timeout=30)
     assert after.get(timeout=30)["output"] == "done: recorded next"
@@ -49,7 +49,7 @@ def test_cancel_a_running_request_it_stops_at_the_next_step(fleet: Fleet) -> Non
     row = ledger(fleet.dsn, running.id)
     assert row["status"] == "cancelled" and row["epoch"] == 0
     assert ledger(fleet.dsn, after.id)["epoch"] == 1  # the epoch advanced past it
-    assert cancel_run(running.id) == "cancelled"  # cancelling again changes nothing
+    assert cancel_request(running.id) == "cancelled"  # cancelling again changes nothing
 
 
 def test_cancel_of_an_unknown_request_is_a_clear_error(fleet: Fleet) -> None:
@@ -57,7 +57,7 @@ def test_cancel_of_an_unknown_request_is_a_clear_error(fleet: Fleet) -> None:
 
     # The one not-found error: what `show` exits 4 with and the console answers 404 with.
     with pytest.raises(RequestNotFound, match="no request 'nope' in the runs ledger") as info:
-        cancel_run("nope")
+        cancel_request("nope")
     assert isinstance(info.value, InvalidInput)
 
 

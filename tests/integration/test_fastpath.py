@@ -19,10 +19,10 @@ from .helpers import calls, make_agent
 pytestmark = pytest.mark.anyio
 
 
-def _count_turns(line: LockConnection[Any]) -> dict[str, int]:
-    """Count the exclusive turns and the journal writes sent to ``line`` from now on."""
+def _count_turns(lock_conn: LockConnection[Any]) -> dict[str, int]:
+    """Count the exclusive turns and the journal writes sent to ``lock_conn`` from now on."""
     counts = {"turns": 0, "writes": 0}
-    run, write = line.run, line.write
+    run, write = lock_conn.run, lock_conn.write
 
     async def counted_run(fn: Callable[[Any], Awaitable[Any]]) -> Any:
         counts["turns"] += 1
@@ -32,8 +32,8 @@ def _count_turns(line: LockConnection[Any]) -> dict[str, int]:
         counts["writes"] += 1
         await write(rows)
 
-    line.run = counted_run  # type: ignore[method-assign]
-    line.write = counted_write  # type: ignore[method-assign]
+    lock_conn.run = counted_run  # type: ignore[method-assign]
+    lock_conn.write = counted_write  # type: ignore[method-assign]
     return counts
 
 

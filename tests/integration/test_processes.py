@@ -691,7 +691,7 @@ async def test_frozen_lock_connection_fences_the_run(dsn: str, proxy: FreezableP
             )
             assert await cur.fetchall() == [("loomflow-worker lock",)]
             assert not await lock_is_free(admin, key)
-            # What an operator (or a sweeper) does about a frozen holder.
+            # What an operator (or a sweeper) does about a frozen worker.
             cur = await admin.execute("SELECT pg_terminate_backend(%s, 5000)", (frozen["pid"],))
             assert await cur.fetchone() == (True,)
             await wait_lock_free(admin, key, within=5)

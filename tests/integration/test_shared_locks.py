@@ -237,7 +237,7 @@ async def test_a_late_loop_is_not_a_silent_server(dsn: str) -> None:
             tg.start_soon(lease.io, answered_at_once)
             await anyio.sleep(0.02)  # the statement is on its way
             time.sleep(2.5)  # the loop held, past the 1 s I/O timeout
-        assert lease.fenced is None and lease.line.fenced is None
+        assert lease.fenced is None and lease.lock_conn.fenced is None
 
         async def silent(conn: Any) -> Any:
             cur = await conn.execute("SELECT pg_sleep(3)")

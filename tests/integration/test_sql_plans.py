@@ -15,7 +15,7 @@ from loomflow_worker.runtime.sql import query
 
 PARAMS: dict[str, Any] = {
     "scope": "scope-7", "request_id": "r-7", "stale": 5, "key": 1, "may_lock": False,
-    "holder": "h", "pid": 1, "attempt": 1, "new_epoch": 2, "epoch_value": b"LJ12",
+    "worker": "h", "pid": 1, "attempt": 1, "new_epoch": 2, "epoch_value": b"LJ12",
     "status": "succeeded", "result": None, "error": None, "error_type": None,
     "before": 0.0, "cutoff": None, "batch": 1000, "shared": True,
     "kind": "run", "session_id": "scope-7", "user_id": None, "agent": "a",

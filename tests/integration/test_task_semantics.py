@@ -12,7 +12,7 @@ import pytest
 import redis
 from pydantic import SecretStr
 
-from loomflow_worker import InvalidInput, cancel_queued, cancel_run
+from loomflow_worker import InvalidInput, cancel_queued, cancel_request
 from loomflow_worker import tasks as tasks_module
 from loomflow_worker.execution.ledger import EnqueuePool
 from loomflow_worker.execution.registry import import_agent_modules
@@ -232,7 +232,7 @@ def test_a_task_id_postgres_cannot_store_is_refused_with_nothing_written(fleet: 
         with pytest.raises(InvalidInput, match="task_id"):
             run_agent.apply_async(("p", "s1"), task_id=task_id)
         with pytest.raises(InvalidInput, match="request_id"):
-            cancel_run(task_id)
+            cancel_request(task_id)
     assert _rows(fleet.dsn) == []
 
 

@@ -65,7 +65,7 @@ async def test_an_idle_process_stamps_its_row_and_marks_it_stopped_when_it_close
 ) -> None:
     settings = Settings(database_url=dsn, events=False, heartbeat_interval=0.2)  # type: ignore[arg-type]
     ctx = WorkerContext(settings, slots=3, node="n1@host")
-    assert ctx.holder == f"n1@host:{os.getpid()}"
+    assert ctx.worker == f"n1@host:{os.getpid()}"
     stamps = [0]
     stamp = ctx._stamp
 
@@ -78,7 +78,7 @@ async def test_an_idle_process_stamps_its_row_and_marks_it_stopped_when_it_close
         await ctx.runtime()
         with anyio.fail_after(10):  # its first stamp
             while True:
-                if (row := await _worker_row(dsn, ctx.holder)) is not None:
+                if (row := await _worker_row(dsn, ctx.worker)) is not None:
                     break
                 await anyio.sleep(0.02)
         assert row == (os.getpid(), 0, True, False)
@@ -99,4 +99,4 @@ async def test_an_idle_process_stamps_its_row_and_marks_it_stopped_when_it_close
         assert ctx._presence is not None and not ctx._presence.done()
     finally:
         await ctx.aclose()
-    assert await _worker_row(dsn, ctx.holder) == (os.getpid(), 0, True, True)
+    assert await _worker_row(dsn, ctx.worker) == (os.getpid(), 0, True, True)

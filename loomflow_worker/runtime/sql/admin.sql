@@ -1,5 +1,5 @@
 -- Operating the fleet (loomflow_worker.admin, the CLI): the doctor's checks and the reads
--- behind `loomflow-worker runs`, `show` and the commands that wait for a request.
+-- behind `loomflow-worker requests`, `show` and the commands that wait for a request.
 -- send_signal is in signals.sql, and schema_versions in migrate.sql.
 
 -- name: admin_server_version
@@ -12,7 +12,7 @@ SELECT current_setting('server_version');
 SELECT to_regclass('loomflow_worker_schema') IS NOT NULL;
 
 -- name: admin_list_runs
--- `loomflow-worker runs`: requests newest first (seq) matching every filter given (NULL:
+-- `loomflow-worker requests`: requests newest first (seq) matching every filter given (NULL:
 -- none), ages by enqueue time on the database's clock, at most `limit`.
 SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
        holder AS worker, not_before
@@ -38,7 +38,7 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind,
        CASE WHEN %(prompt_chars)s::integer IS NULL THEN prompt
             ELSE left(prompt, %(prompt_chars)s) END AS prompt,
        length(prompt) AS prompt_length, metadata, status, epoch, attempts AS attempts_count,
-       failures, crashes, holder, cancel_requested, result, error, error_type, enqueued_at,
+       failures, crashes, holder AS worker, cancel_requested, result, error, error_type, enqueued_at,
        started_at, heartbeat_at, finished_at, not_before, now() AS now
   FROM runs WHERE request_id = %(request_id)s;
 

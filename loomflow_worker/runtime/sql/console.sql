@@ -9,7 +9,7 @@
 -- seq of the page shown).
 SELECT request_id, seq, session_id, user_id, agent, kind, status, attempts, crashes,
        left(prompt, %(prompt_chars)s) AS prompt, length(prompt) AS prompt_length,
-       enqueued_at, started_at, finished_at, holder
+       enqueued_at, started_at, finished_at, holder AS worker
   FROM runs
  WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
    AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
@@ -37,7 +37,7 @@ SELECT request_id, seq, session_id, user_id, agent, kind, status, attempts, cras
 -- the request's scope lock is held by the backend the request recorded.
 SELECT r.request_id, r.seq, r.session_id, r.user_id, r.agent, r.kind, r.status, r.attempts, r.crashes,
        left(r.prompt, %(prompt_chars)s) AS prompt, length(r.prompt) AS prompt_length,
-       r.enqueued_at, r.started_at, r.finished_at, r.holder, r.cancel_requested,
+       r.enqueued_at, r.started_at, r.finished_at, r.holder AS worker, r.cancel_requested,
        (r.status = 'running' AND EXISTS (
            SELECT 1 FROM pg_locks l
             WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
@@ -59,8 +59,9 @@ SELECT count(*) FILTER (WHERE status = 'queued' AND dispatched_at <= now()) AS r
   FROM runs WHERE loomflow_worker_unfinished(status);
 
 -- name: console_in_flight
--- console: running requests by the worker process that holds them (node:pid).
-SELECT holder, count(*) AS running, min(started_at) AS oldest_start,
+-- console: running requests by the worker process running them (node:pid, stored in the
+-- ledger's holder column, which keeps its old name).
+SELECT holder AS worker, count(*) AS running, min(started_at) AS oldest_start,
        max(heartbeat_at) AS last_heartbeat, min(heartbeat_at) AS stalest_heartbeat
   FROM runs WHERE status = 'running'
  GROUP BY holder ORDER BY holder;
@@ -103,8 +104,9 @@ SELECT application_name, client_addr::text AS client_addr, count(*) AS connectio
  GROUP BY application_name, client_addr ORDER BY application_name, client_addr;
 
 -- name: console_leader
--- console: the sweeper's leader and whether its connection is still there.
-SELECT holder, backend_pid, heartbeat_at, now() - heartbeat_at AS age,
+-- console: the sweeper's leader (the worker process leading, in the holder column) and
+-- whether its connection is still there.
+SELECT holder AS worker, backend_pid, heartbeat_at, now() - heartbeat_at AS age,
        EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = l.backend_pid) AS connected
   FROM sweeper_leader l WHERE id = 1;
 

@@ -3,7 +3,9 @@
 -- through runs_scope_open, the partial index (scope, seq) of queued and running requests:
 -- loomflow_worker_unfinished(status) is inlined, so the planner uses it
 -- (tests/integration/test_sql_plans.py). Statuses are named by the SQL functions of
--- 0014_vocabulary.sql, never spelled out as a list here.
+-- 0014_vocabulary.sql, never spelled out as a list here. The worker running a request
+-- (node:pid) is stored in runs.holder: the column keeps its old name, since renaming it
+-- would break workers of the previous release during a rolling deploy.
 
 -- name: enqueue_lock
 -- Enqueues on one scope take turns: a transaction-level lock on the scope's enqueue key (not
@@ -226,7 +228,7 @@ WITH r AS (
                AND coalesce(p.outcome IS NULL AND NOT p.shared, true))::int,
            suspicion = u.suspicion + coalesce(p.shared, false)::int,
            lost_streak = u.lost_streak + coalesce(p.outcome = 'lost', false)::int,
-           holder = %(holder)s,
+           holder = %(worker)s,
            holder_pid = pg_backend_pid(),
            started_at = now(),
            heartbeat_at = now()
@@ -236,7 +238,7 @@ WITH r AS (
     RETURNING u.epoch, u.attempts, u.crashes, u.failures, u.suspicion, u.lost_streak
 ), attempt_row AS (
     INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch)
-    SELECT %(request_id)s, attempts, %(holder)s, %(pid)s, epoch FROM started
+    SELECT %(request_id)s, attempts, %(worker)s, %(pid)s, epoch FROM started
     ON CONFLICT (request_id, attempt) DO NOTHING
 )
 SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
@@ -366,10 +368,10 @@ UPDATE runs SET result_stored = false
 -- name: mark_attempt_lost
 -- A worker whose attempt lost its lock connection (a Postgres restart, a
 -- network blip) and lived: the attempt ended "lost", not crashed. With no
--- attempt number (lost while it started), this holder's open attempt.
+-- attempt number (lost while it started), this worker's open attempt.
 UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = 'lost'
  WHERE request_id = %(request_id)s AND ended_at IS NULL
-   AND (attempt = %(attempt)s OR (%(attempt)s::int IS NULL AND worker = %(holder)s));
+   AND (attempt = %(attempt)s OR (%(attempt)s::int IS NULL AND worker = %(worker)s));
 
 -- name: revoked_request
 -- A request Celery revoked, let expire or killed: its scope, status, pinned epoch and lock
