@@ -32,6 +32,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from ..execution import results_ledger
 from ..runtime.sql import query
 
 log = logging.getLogger("loomflow_worker.sweeper")
@@ -128,12 +129,10 @@ def store_from_ledger(conn: psycopg.Connection[Any], results: ResultRepair,
     what the backend lacks: a result can be large."""
     if not request_ids:
         return
-    rows = conn.cursor(row_factory=dict_row).execute(
-        query("request_outcomes"), {"request_ids": request_ids}).fetchall()
-    for row in rows:
-        if results.store(row["request_id"], row["status"], row["result"], row["error"],
-                         float(row["age"])):
-            stored.append((row["request_id"], row["status"]))
+    for outcome in results_ledger.outcomes(conn, request_ids):
+        if results.store(outcome.request_id, outcome.status, outcome.result, outcome.error,
+                         outcome.age):
+            stored.append((outcome.request_id, outcome.status))
 
 
 @dataclass(frozen=True)
@@ -216,15 +215,13 @@ class ResultWatch:
         stored, and the backend's error that stopped it, if one did."""
         deadline = time.monotonic() + budget
         restored = 0
-        cur = conn.cursor(row_factory=dict_row)
         while True:
-            rows = cur.execute(query("results_to_recheck"), {
-                "at": recheck.at, "seq": recheck.seq, "until": recheck.until,
-                "limit": RECHECK_BATCH}).fetchall()
+            rows = results_ledger.finished_after(conn, recheck.at, recheck.seq, recheck.until,
+                                                 RECHECK_BATCH)
             if not rows:
                 self._ended()
                 return restored, None
-            ids = [str(row["request_id"]) for row in rows]
+            ids = [row.request_id for row in rows]
             stored: list[tuple[str, str]] = []
             try:
                 missing = self.results.missing(ids)
@@ -237,7 +234,7 @@ class ResultWatch:
             restored += len(stored)
             self._restored += len(stored)
             self._checked += len(ids)
-            recheck = replace(recheck, at=rows[-1]["finished_at"], seq=int(rows[-1]["seq"]))
+            recheck = replace(recheck, at=rows[-1].finished_at, seq=rows[-1].seq)
             assert self._known is not None
             self._known = replace(self._known, recheck=recheck)
             if len(rows) < RECHECK_BATCH or time.monotonic() >= deadline:

@@ -34,10 +34,10 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
 
 from .. import metrics
 from ..durations import format_duration
+from ..execution import recovery, results_ledger
 from ..execution.ledger import Pending
 from ..execution.statuses import Status
 from ..runtime.prune import Pruner, cutoff
@@ -77,6 +77,10 @@ MIN_PAUSE = 0.05
 # late when the process is busy: the sweeper checks it only after this long
 # (one whose worker is gone, after HANDOFF_GRACE).
 RESULT_WAIT_ALIVE = 60.0
+# Results are repaired this many at a time, for requests that ended within
+# RESULTS_WITHIN seconds.
+RESULTS_BATCH = 200
+RESULTS_WITHIN = 3600.0
 
 
 @dataclass(frozen=True)
@@ -280,9 +284,7 @@ class Sweeper:
         """The queued requests of each queue, parked or not (the fleet's
         backlog, reported as a gauge for autoscalers): every queue the
         sweeper counts the messages of."""
-        rows = conn.execute(query("queued_queues"),
-                            {"default_queue": self.settings.queue}).fetchall()
-        queued = {str(queue): int(count) for queue, count in rows}
+        queued = recovery.queued_by_queue(conn, self.settings.queue)
         metrics.report_backlog(queued)
         return queued
 
@@ -295,54 +297,61 @@ class Sweeper:
         their worker stored (a caller may have forgotten them since)."""
         if self.results is None:
             return 0
-        repaired = 0
-        within = 3600
         # A worker that stored a result says so with its next stamp, within a
         # heartbeat interval: only a result still unchecked after that is looked for.
         after = max(self.settings.handoff_grace, 2 * self.settings.heartbeat_interval)
-        cur = conn.cursor(row_factory=dict_row)
-        for name, params, check, done in (
-            ("unstored_results", {"limit": 200}, False, "mark_result_stored"),
-            ("unchecked_results",
-             {"after": after, "alive_after": max(after, RESULT_WAIT_ALIVE), "within": within,
-              "limit": 200}, True,
-             "mark_result_checked"),
-        ):
-            ids = [row["request_id"] for row in cur.execute(query(name), params).fetchall()]
+        batches: list[tuple[Callable[[], list[str]], bool, Callable[[list[str]], None]]] = [
+            (lambda: results_ledger.unstored(conn, RESULTS_BATCH), False,
+             lambda ids: results_ledger.mark_stored(conn, ids)),
+            (lambda: results_ledger.unchecked(
+                conn, after=after, alive_after=max(after, RESULT_WAIT_ALIVE),
+                within=RESULTS_WITHIN, limit=RESULTS_BATCH), True,
+             lambda ids: results_ledger.mark_checked(conn, ids, RESULTS_WITHIN)),
+        ]
+        repaired = 0
+        for read, check, mark in batches:
+            ids = read()
             if not ids:
                 continue
-            try:
-                missing = self.results.missing(ids) if check else set(ids)
-            except Exception as exc:
-                self._backend_unreachable(exc)
-                break
-            stored: list[tuple[str, str]] = []
-            try:
-                store_from_ledger(conn, self.results, [i for i in ids if i in missing], stored)
-                # The rest were there already, their request is gone, or its
-                # result's lifetime is over.
-                checked = ids
-                self._backend_down = False
-            except psycopg.Error:
-                raise
-            except Exception as exc:
-                checked = [request_id for request_id, _ in stored]
-                self._backend_unreachable(exc)
-            for request_id, status in stored:
-                log.warning(
-                    "sweeper: stored the %s result of request %s, which its worker "
-                    "could not store", status, request_id,
-                    extra={"action": "sweeper_result", "request": request_id},
-                )
-                self.actions.append(Action(
-                    "result_stored", request_id,
-                    f"stored its {status} result, which its worker could not store"))
-            repaired += len(stored)
-            if checked:
-                conn.execute(query(done), {"request_ids": checked, "within": within})
+            repaired += self._repair(conn, ids, check, mark)
             if self._backend_down:
                 break
         return repaired
+
+    def _repair(self, conn: psycopg.Connection[Any], ids: list[str], check: bool,
+                mark: Callable[[list[str]], None]) -> int:
+        """Store those of ``ids`` the backend lacks (all of them unless
+        ``check``), then ``mark`` those done; returns how many it stored."""
+        assert self.results is not None
+        try:
+            missing = self.results.missing(ids) if check else set(ids)
+        except Exception as exc:
+            self._backend_unreachable(exc)
+            return 0
+        stored: list[tuple[str, str]] = []
+        try:
+            store_from_ledger(conn, self.results, [i for i in ids if i in missing], stored)
+            # The rest were there already, their request is gone, or its
+            # result's lifetime is over.
+            checked = ids
+            self._backend_down = False
+        except psycopg.Error:
+            raise
+        except Exception as exc:
+            checked = [request_id for request_id, _ in stored]
+            self._backend_unreachable(exc)
+        for request_id, status in stored:
+            log.warning(
+                "sweeper: stored the %s result of request %s, which its worker "
+                "could not store", status, request_id,
+                extra={"action": "sweeper_result", "request": request_id},
+            )
+            self.actions.append(Action(
+                "result_stored", request_id,
+                f"stored its {status} result, which its worker could not store"))
+        if checked:
+            mark(checked)
+        return len(stored)
 
     def recheck_results(self, conn: psycopg.Connection[Any]) -> int:
         """Store again, from the ledger, the results the backend lost after
@@ -383,8 +392,7 @@ class Sweeper:
         self._revoked_seen = revoked
         if not fresh:
             return 0
-        rows = conn.execute(query("unfinished_among"), {"request_ids": fresh}).fetchall()
-        ids = [str(r[0]) for r in rows]
+        ids = recovery.unfinished_among(conn, fresh)
         if ids:
             self.end_revoked(ids)
             self.actions.extend(
@@ -402,18 +410,16 @@ class Sweeper:
         suspects, self._suspects = self._suspects, {}
         dispatched = 0
         while True:
-            orphans = conn.cursor(row_factory=dict_row).execute(query("orphans"), {
-                "after": self.settings.redispatch_after,
-                "queued_after": self.settings.handoff_grace,
-                "queues": list(waiting), "waiting": list(waiting.values()),
-                "default_queue": self.settings.queue, "held_within": self.held_within,
-                "dead_after": 2 * self.settings.heartbeat_interval, "limit": ORPHANS_PAGE,
-            }).fetchall()
+            orphans = recovery.orphans(
+                conn, waiting=waiting, default_queue=self.settings.queue,
+                after=self.settings.redispatch_after, queued_after=self.settings.handoff_grace,
+                held_within=self.held_within, dead_after=2 * self.settings.heartbeat_interval,
+                limit=ORPHANS_PAGE)
             # A queued request that looks lost must look lost on two sweeps a
             # moment apart: one a worker has just taken from the broker is
             # counted nowhere until its attempt starts, milliseconds later.
             chosen, still = confirm_lost(
-                [(Pending.of(row), str(row["status"])) for row in orphans], suspects,
+                orphans, suspects,
                 time.monotonic(), max(2 * self.settings.sweep_interval, 1.0),
             )
             self._suspects.update(still)
@@ -428,11 +434,8 @@ class Sweeper:
     def _orphan_due(self, conn: psycopg.Connection[Any]) -> float | None:
         """When (on this host's monotonic clock) the next running request
         whose lock nobody holds (its worker just died) becomes an orphan."""
-        row = conn.execute(query("next_orphan"),
-                           {"dead_after": 2 * self.settings.heartbeat_interval}).fetchone()
-        if row is None or row[0] is None:
-            return None
-        return time.monotonic() + float(row[0]) + DUE_MARGIN
+        due = recovery.next_orphan_in(conn, 2 * self.settings.heartbeat_interval)
+        return None if due is None else time.monotonic() + due + DUE_MARGIN
 
     def redispatch(self, conn: psycopg.Connection[Any], batch: list[tuple[Pending, str]]) -> None:
         """Publish a batch of orphans again: one ledger statement marks them
@@ -441,11 +444,11 @@ class Sweeper:
         it for the next sweep (some may then go twice: harmless), and its
         error is raised."""
         ids = [pending.request_id for pending, _ in batch]
-        conn.execute(query("mark_swept"), {"request_ids": ids})
+        recovery.mark_swept(conn, ids)
         try:
             self.dispatch([pending for pending, _ in batch])
         except Exception:
-            conn.execute(query("mark_unswept"), {"request_ids": ids})
+            recovery.mark_unswept(conn, ids)
             raise
         meter = metrics.get()
         if meter is not None:
@@ -463,17 +466,12 @@ class Sweeper:
         """End the lock connections of running requests whose heartbeat is
         older than the lease (a frozen worker): one connection carries many
         runs, and is ended once for all of them. Returns how many requests."""
-        frozen = conn.cursor(row_factory=dict_row).execute(
-            query("frozen_holders"), {"lease": self.settings.lease}
-        ).fetchall()
+        by_backend = recovery.frozen(conn, self.settings.lease)
         meter = metrics.get()
-        by_backend: dict[int, list[str]] = {}
-        for row in frozen:
-            by_backend.setdefault(row["pid"], []).append(row["request_id"])
         for pid, request_ids in by_backend.items():
             conn.execute(query("terminate_backend"), {"pid": pid})
             # Stalled, not crashed: their next attempts must not count a crash.
-            conn.execute(query("mark_frozen_lost"), {"request_ids": request_ids})
+            recovery.mark_frozen_lost(conn, request_ids)
             if meter is not None:
                 meter.sweeper.labels("fence").inc(len(request_ids))
             log.warning(
@@ -488,7 +486,7 @@ class Sweeper:
                        f"no heartbeat for over {self.settings.lease:g}s; ended its worker's "
                        f"lock connection (pid {pid})")
                 for request_id in request_ids)
-        return len(frozen)
+        return sum(len(request_ids) for request_ids in by_backend.values())
 
     @property
     def held_within(self) -> float:
