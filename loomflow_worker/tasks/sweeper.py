@@ -75,7 +75,9 @@ class Sweeper:
         # Stamps the requests this worker holds unstarted (a rate limit, an
         # eta, a prefetch) on every turn, leader or not; returns how many.
         self.held = held
-        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        # This worker process, as the leader's row and the actions name it
+        # (the column sweeper_leader.holder keeps its stored name).
+        self.worker = f"{socket.gethostname()}:{os.getpid()}"
         # This sweep's actions, recorded at its end (record_actions).
         self.actions: list[Action] = []
         self.recovery = Recovery(settings, dispatch, self.actions.append,
@@ -171,13 +173,13 @@ class Sweeper:
             if not self.leader:
                 self._end_stale_leader(conn)
                 return False
-            log.info("sweeper: leading the fleet from %s", self.holder,
+            log.info("sweeper: leading the fleet from %s", self.worker,
                      extra={"action": "sweeper_leader"})
-            self.actions.append(Action("lead", detail=f"leading the fleet from {self.holder}"))
+            self.actions.append(Action("lead", detail=f"leading the fleet from {self.worker}"))
             self.retention.lead()
             if self.repair is not None:
                 self.repair.watch.forget()
-        conn.execute(query("leader_claim"), {"holder": self.holder})
+        conn.execute(query("leader_claim"), {"worker": self.worker})
         return True
 
     def _end_stale_leader(self, conn: Conn) -> None:
@@ -220,7 +222,7 @@ class Sweeper:
             return
         try:
             conn.execute(query("record_sweeper_actions"), {
-                "worker": self.holder,
+                "worker": self.worker,
                 "actions": [a.action for a in actions],
                 "request_ids": [a.request_id for a in actions],
                 "details": [a.detail for a in actions],

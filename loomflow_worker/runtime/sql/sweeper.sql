@@ -25,10 +25,10 @@ SELECT backend_pid FROM sweeper_leader
 SELECT pg_terminate_backend(%(pid)s);
 
 -- name: leader_claim
--- The leader's lease stamped on each sweep in the one sweeper_leader row (its holder name
--- and backend pid): the console shows it, and followers take a stale one for a frozen
--- leader.
-INSERT INTO sweeper_leader (id, holder, backend_pid) VALUES (1, %(holder)s, pg_backend_pid())
+-- The leader's lease stamped on each sweep in the one sweeper_leader row (its worker
+-- process, in the column named holder, and its backend pid): the console shows it, and
+-- followers take a stale one for a frozen leader.
+INSERT INTO sweeper_leader (id, holder, backend_pid) VALUES (1, %(worker)s, pg_backend_pid())
 ON CONFLICT (id) DO UPDATE
    SET holder = EXCLUDED.holder, backend_pid = EXCLUDED.backend_pid, heartbeat_at = now();
 
