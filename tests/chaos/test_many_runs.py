@@ -272,7 +272,7 @@ def test_a_frozen_process_is_fenced_as_a_whole(fleet: Fleet) -> None:
     # Tool calls as long as HUNDRED's: every run is still in flight once the
     # spare worker is ready, however slowly it starts.
     sent, cut = _fill_one_process(fleet, 30, **HUNDRED)
-    assert _running(fleet.dsn, sent) == 30
+    assert _running(fleet.dsn, _ids(sent)) == 30
     frozen = fleet.workers["w1"]
     os.killpg(frozen.pid, signal.SIGSTOP)
     try:
