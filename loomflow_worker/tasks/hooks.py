@@ -39,7 +39,7 @@ from .dispatch import RESUME_AGENT, RUN_AGENT, dispatch_many
 from .eta import arrival
 from .pool import REFUSED_POOLS, RunPool, pool_name, refused_threads_option
 from .queues import queue_lengths
-from .repair import ResultRepair
+from .result_watch import ResultRepair
 from .results import probe_result_backend, result_lifetime, results_missing, store_result
 from .revoke import end_revoked_requests, end_revoked_soon
 from .state import PROCESS

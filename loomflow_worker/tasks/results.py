@@ -9,7 +9,7 @@ from typing import Any
 
 from ..execution.errors import RunCancelled, RunDead, RunFailed
 from .dispatch import dispatch_errors
-from .repair import BackendMark
+from .result_watch import BackendMark
 from .state import PROCESS
 
 log = logging.getLogger("loomflow_worker.tasks")

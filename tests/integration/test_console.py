@@ -597,8 +597,8 @@ def test_the_sweeper_keeps_its_actions_and_the_workers_table_short(
             "INSERT INTO workers (worker, hostname, pid, slots, heartbeat_interval, seen_at) "
             "VALUES ('old@h:1', 'h', 1, 1, 2, now() - interval '2 days'), "
             "('new@h:2', 'h', 2, 1, 2, now())")
-        assert made.forget_workers(conn) == 1
-        assert made.forget_workers(conn) == 0  # not again before PRUNE_EVERY
+        assert made.retention.forget_workers(conn) == 1
+        assert made.retention.forget_workers(conn) == 0  # not again before PRUNE_EVERY
         for batch in range(3):
             made.actions.extend(sweeper.Action("redispatch", f"r{batch}-{i}") for i in range(7))
             made.record_actions(conn)

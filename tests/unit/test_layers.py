@@ -186,9 +186,6 @@ def test_each_layer_defines_its_errors_in_its_errors_module() -> None:
 
 #: A statement on the ``runs`` ledger: it names one of the ledger's tables.
 LEDGER_TABLES = re.compile(r"\b(?:FROM|JOIN|UPDATE|INTO)\s+(?:runs|run_attempts)\b", re.IGNORECASE)
-#: Modules that still run ledger statements themselves, until they move
-#: behind ``execution`` functions like the rest.
-LEDGER_NOT_YET = {f"{NAME}.tasks.sweeper", f"{NAME}.tasks.repair"}
 #: Pruning deletes from every table by age: the runtime's job, below the ledger's layer.
 LEDGER_PRUNED_BY = f"{NAME}.runtime.prune"
 
@@ -199,9 +196,7 @@ def test_the_ledger_is_reached_only_through_execution() -> None:
     ledger = {name for name, text in queries().items() if LEDGER_TABLES.search(text)}
     wrong = []
     for module, (path, _) in sorted(_modules().items()):
-        if module.startswith(f"{NAME}.execution.") or module in LEDGER_NOT_YET | {
-            LEDGER_PRUNED_BY
-        }:
+        if module.startswith(f"{NAME}.execution.") or module == LEDGER_PRUNED_BY:
             continue
         named = {
             arg.value

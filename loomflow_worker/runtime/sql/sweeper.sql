@@ -1,7 +1,9 @@
 -- The sweeper (tasks.sweeper): every worker process runs one; the one holding the leader
 -- lock leads the fleet and finds what the fleet lost: frozen holders, requests whose worker
--- or message is gone, results the result backend lacks. It reaches the ledger with these,
--- and with mark_swept (ledger.sql).
+-- or message is gone, results the result backend lacks. Its own tables (sweeper_leader,
+-- sweeper_actions, workers, result_backend_watch) it reaches itself; the ledger only
+-- through execution.recovery (these statements on runs, and mark_swept of ledger.sql) and
+-- execution.results_ledger.
 
 -- name: leader_lock
 -- The fleet's one leading sweeper is the one whose connection holds this session advisory
@@ -23,10 +25,10 @@ SELECT backend_pid FROM sweeper_leader
 SELECT pg_terminate_backend(%(pid)s);
 
 -- name: leader_claim
--- The leader's lease stamped on each sweep in the one sweeper_leader row (its holder name
--- and backend pid): the console shows it, and followers take a stale one for a frozen
--- leader.
-INSERT INTO sweeper_leader (id, holder, backend_pid) VALUES (1, %(holder)s, pg_backend_pid())
+-- The leader's lease stamped on each sweep in the one sweeper_leader row (its worker
+-- process, in the column named holder, and its backend pid): the console shows it, and
+-- followers take a stale one for a frozen leader.
+INSERT INTO sweeper_leader (id, holder, backend_pid) VALUES (1, %(worker)s, pg_backend_pid())
 ON CONFLICT (id) DO UPDATE
    SET holder = EXCLUDED.holder, backend_pid = EXCLUDED.backend_pid, heartbeat_at = now();
 

@@ -1,0 +1,95 @@
+"""The ``runs`` ledger as the sweeper's leader reads and marks it to recover
+what the fleet lost: frozen holders, orphans (requests whose worker died or
+whose message is gone), requests revoked while their message waited.
+
+The sweeper (``tasks``) reaches the ledger only through these functions, as
+workers do through :mod:`.ledger`: a change to the ledger's tables meets
+every statement on them in this layer. Sync, on the sweeper's autocommit
+psycopg 3 connection; driver errors go up as they are. The statements are in
+``runtime/sql/sweeper.sql`` (``mark_swept`` in ledger.sql)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from ..runtime.sql import query
+from .ledger import Pending
+
+Conn = psycopg.Connection[Any]
+
+
+def frozen(conn: Conn, lease: float) -> dict[int, list[str]]:
+    """The running requests whose heartbeat is older than ``lease`` seconds
+    while their scope's lock is still held, by the backend pid of the lock
+    connection that holds it (one connection carries many runs)."""
+    by_backend: dict[int, list[str]] = {}
+    for request_id, pid in conn.execute(query("frozen_holders"), {"lease": lease}).fetchall():
+        by_backend.setdefault(int(pid), []).append(str(request_id))
+    return by_backend
+
+
+def mark_frozen_lost(conn: Conn, request_ids: list[str]) -> None:
+    """Their lock connection was ended because they stopped heartbeating
+    (stalled, not crashed): their attempts end ``lost``, so the next ones
+    count no crash."""
+    conn.execute(query("mark_frozen_lost"), {"request_ids": request_ids})
+
+
+def queued_by_queue(conn: Conn, default_queue: str) -> dict[str, int]:
+    """How many requests are queued in each queue, parked or not (a request
+    with no routing counts in ``default_queue``)."""
+    rows = conn.execute(query("queued_queues"), {"default_queue": default_queue}).fetchall()
+    return {str(queue): int(count) for queue, count in rows}
+
+
+def orphans(
+    conn: Conn,
+    *,
+    waiting: dict[str, int | None],
+    default_queue: str,
+    after: float,
+    queued_after: float,
+    held_within: float,
+    dead_after: float,
+    limit: int,
+) -> list[tuple[Pending, str]]:
+    """Up to ``limit`` orphans with their status: the oldest unfinished
+    request of each scope whose lock nobody holds, running with its worker
+    dead, or queued with its message gone (``waiting``: how many messages
+    the broker holds for each queue, ``None`` when unknown). The statement
+    ``orphans`` in sweeper.sql says each threshold's part."""
+    rows = conn.cursor(row_factory=dict_row).execute(query("orphans"), {
+        "after": after, "queued_after": queued_after,
+        "queues": list(waiting), "waiting": list(waiting.values()),
+        "default_queue": default_queue, "held_within": held_within,
+        "dead_after": dead_after, "limit": limit,
+    }).fetchall()
+    return [(Pending.of(row), str(row["status"])) for row in rows]
+
+
+def next_orphan_in(conn: Conn, dead_after: float) -> float | None:
+    """In how many seconds (on the database's clock) the next running request
+    whose lock nobody holds (its worker just died) becomes an orphan;
+    ``None``: there is none."""
+    row = conn.execute(query("next_orphan"), {"dead_after": dead_after}).fetchone()
+    return None if row is None or row[0] is None else float(row[0])
+
+
+def mark_swept(conn: Conn, request_ids: list[str]) -> None:
+    """These orphans are being dispatched again now."""
+    conn.execute(query("mark_swept"), {"request_ids": request_ids})
+
+
+def mark_unswept(conn: Conn, request_ids: list[str]) -> None:
+    """The broker refused these orphans' batch: each goes again on the next
+    sweep, a queued one as if never published."""
+    conn.execute(query("mark_unswept"), {"request_ids": request_ids})
+
+
+def unfinished_among(conn: Conn, request_ids: list[str]) -> list[str]:
+    """Those of ``request_ids`` the ledger has unfinished."""
+    rows = conn.execute(query("unfinished_among"), {"request_ids": request_ids}).fetchall()
+    return [str(row[0]) for row in rows]

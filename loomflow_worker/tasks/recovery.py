@@ -1,0 +1,226 @@
+"""The sweeper's recovery: what the fleet lost, found in the ledger and sent
+again, in seconds, whatever the broker's visibility timeout.
+
+- a running request whose heartbeat is older than the lease (a frozen
+  worker) has its lock connection ended: that fences it and frees its scope;
+- the oldest unfinished request of every scope whose lock nobody holds,
+  running (its worker died) or queued with a dispatch that looks lost, and
+  whose message no live worker says it holds, is dispatched again; in
+  batches, so the hundreds of runs of a dead process go in one round trip;
+- a request Celery revoked while its message waited is ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from .. import metrics
+from ..execution import recovery as ledger_recovery
+from ..execution.ledger import Pending
+from ..execution.statuses import Status
+from ..runtime.sql import query
+from ..settings import Settings
+from .actions import Action, Note
+
+log = logging.getLogger("loomflow_worker.sweeper")
+
+# Orphans are read a page at a time, for up to RECOVER_BUDGET seconds per
+# sweep, and each page is dispatched as one batch (one ledger statement, one
+# broker connection).
+ORPHANS_PAGE = 500
+RECOVER_BUDGET = 5.0
+# The next dead worker's runs are due DUE_MARGIN past their lease (on the
+# database's clock).
+DUE_MARGIN = 0.02
+
+Conn = psycopg.Connection[Any]
+
+
+def confirm_lost(
+    orphans: list[tuple[Pending, str]],
+    suspects: dict[str, float],
+    now: float,
+    confirm: float,
+) -> tuple[list[tuple[Pending, str]], dict[str, float]]:
+    """Which orphans to dispatch again, and the suspects to remember.
+
+    A running orphan (its worker died) goes at once. A queued one whose
+    message looks lost must have looked lost since ``confirm`` seconds ago
+    (``suspects``: request id -> first seen): one a worker has just taken
+    from the broker is counted nowhere until its attempt starts."""
+    chosen: list[tuple[Pending, str]] = []
+    still: dict[str, float] = {}
+    for pending, status in orphans:
+        if status == Status.QUEUED:
+            since = suspects.get(pending.request_id, now)
+            if now - since < confirm:
+                still[pending.request_id] = since
+                continue
+        chosen.append((pending, status))
+    return chosen, still
+
+
+class Recovery:
+    """The leader's recovery (see the module's docstring): ``dispatch``
+    publishes a batch, ``queue_length`` counts each queue's messages in the
+    broker, ``revoked`` ends requests revoked while their message waited,
+    ``note`` records what it did."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        dispatch: Callable[[list[Pending]], None],
+        note: Note,
+        queue_length: Callable[[list[str]], dict[str, int | None]] | None = None,
+        revoked: Callable[[list[str]], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.dispatch = dispatch
+        self.note = note
+        self.queue_length = queue_length
+        self.end_revoked = revoked
+        self._revoked_seen: set[str] = set()
+        # Queued requests that looked lost on the last sweep, since when.
+        self._suspects: dict[str, float] = {}
+        # When the runs of a worker that just died become orphans (monotonic),
+        # as the last sweep found.
+        self.next_orphan: float | None = None
+
+    def sweep(self, conn: Conn) -> int:
+        """One sweep: fence frozen workers, then dispatch again every orphan,
+        a page of them at a time (for up to RECOVER_BUDGET seconds), each page
+        as one batch; returns how many requests it dispatched again."""
+        self.fence(conn)
+        waiting = self._waiting(sorted(self.backlog(conn)))
+        deadline = time.monotonic() + RECOVER_BUDGET
+        suspects, self._suspects = self._suspects, {}
+        dispatched = 0
+        while True:
+            orphans = ledger_recovery.orphans(
+                conn, waiting=waiting, default_queue=self.settings.queue,
+                after=self.settings.redispatch_after, queued_after=self.settings.handoff_grace,
+                held_within=self.held_within, dead_after=2 * self.settings.heartbeat_interval,
+                limit=ORPHANS_PAGE)
+            # A queued request that looks lost must look lost on two sweeps a
+            # moment apart: one a worker has just taken from the broker is
+            # counted nowhere until its attempt starts, milliseconds later.
+            chosen, still = confirm_lost(
+                orphans, suspects,
+                time.monotonic(), max(2 * self.settings.sweep_interval, 1.0),
+            )
+            self._suspects.update(still)
+            if chosen:
+                self.redispatch(conn, chosen)
+            dispatched += len(chosen)
+            # Those dispatched are orphans no more: the next page comes after them.
+            if len(orphans) < ORPHANS_PAGE or not chosen or time.monotonic() > deadline:
+                self.next_orphan = self._orphan_due(conn)
+                return dispatched
+
+    def _waiting(self, queues: list[str]) -> dict[str, int | None]:
+        """How many messages the broker holds for each of ``queues`` (``None``:
+        unknown). Only a queue's queued requests beyond that many can have lost
+        their message; the others wait their turn in a backlog."""
+        if self.queue_length is None or not queues:
+            return dict.fromkeys(queues)
+        try:
+            return self.queue_length(queues)
+        except Exception:
+            return dict.fromkeys(queues)
+
+    def backlog(self, conn: Conn) -> dict[str, int]:
+        """The queued requests of each queue, parked or not (the fleet's
+        backlog, reported as a gauge for autoscalers): every queue the
+        sweeper counts the messages of."""
+        queued = ledger_recovery.queued_by_queue(conn, self.settings.queue)
+        metrics.report_backlog(queued)
+        return queued
+
+    def _orphan_due(self, conn: Conn) -> float | None:
+        """When (on this host's monotonic clock) the next running request
+        whose lock nobody holds (its worker just died) becomes an orphan."""
+        due = ledger_recovery.next_orphan_in(conn, 2 * self.settings.heartbeat_interval)
+        return None if due is None else time.monotonic() + due + DUE_MARGIN
+
+    def redispatch(self, conn: Conn, batch: list[tuple[Pending, str]]) -> None:
+        """Publish a batch of orphans again: one ledger statement marks them
+        dispatched, then their messages go over one broker connection (one
+        round trip on Redis). A broker that refuses the batch leaves all of
+        it for the next sweep (some may then go twice: harmless), and its
+        error is raised."""
+        ids = [pending.request_id for pending, _ in batch]
+        ledger_recovery.mark_swept(conn, ids)
+        try:
+            self.dispatch([pending for pending, _ in batch])
+        except Exception:
+            ledger_recovery.mark_unswept(conn, ids)
+            raise
+        meter = metrics.get()
+        if meter is not None:
+            meter.sweeper.labels("redispatch").inc(len(batch))
+        for pending, status in batch:
+            log.warning(
+                "sweeper: dispatched request %s again (it was %s with its session free)",
+                pending.request_id, status,
+                extra={"action": "sweeper_redispatch", "request": pending.request_id},
+            )
+            self.note(Action(
+                "redispatch", pending.request_id, f"it was {status} with its session free"))
+
+    def fence(self, conn: Conn) -> int:
+        """End the lock connections of running requests whose heartbeat is
+        older than the lease (a frozen worker): one connection carries many
+        runs, and is ended once for all of them. Returns how many requests."""
+        by_backend = ledger_recovery.frozen(conn, self.settings.lease)
+        meter = metrics.get()
+        for pid, request_ids in by_backend.items():
+            conn.execute(query("terminate_backend"), {"pid": pid})
+            # Stalled, not crashed: their next attempts must not count a crash.
+            ledger_recovery.mark_frozen_lost(conn, request_ids)
+            if meter is not None:
+                meter.sweeper.labels("fence").inc(len(request_ids))
+            log.warning(
+                "sweeper: %d running request(s) stopped their heartbeat for over %gs (%s); "
+                "ended their worker's lock connection (pid %s)", len(request_ids),
+                self.settings.lease, ", ".join(request_ids[:5]) + (
+                    ", ..." if len(request_ids) > 5 else ""), pid,
+                extra={"action": "sweeper_fence", "requests": request_ids, "backend": pid},
+            )
+            for request_id in request_ids:
+                self.note(Action(
+                    "fence", request_id,
+                    f"no heartbeat for over {self.settings.lease:g}s; ended its worker's "
+                    f"lock connection (pid {pid})"))
+        return sum(len(request_ids) for request_ids in by_backend.values())
+
+    @property
+    def held_within(self) -> float:
+        """How long a worker's word that it holds a message lasts: a few of
+        its turns (it says so on each), so a worker that died stops counting."""
+        return max(3 * self.settings.sweep_interval, 2 * self.settings.heartbeat_interval)
+
+    def sweep_revoked(self, conn: Conn) -> int:
+        """End the unfinished requests whose ids Celery revoked (workers learn
+        of a revoke at once, but discard its message only when it comes, which
+        in a backlog may be much later); returns how many."""
+        if self.end_revoked is None:
+            return 0
+        from celery.worker import state
+
+        revoked = set(state.revoked)
+        fresh = list(revoked - self._revoked_seen)
+        # Only ids Celery still keeps (it forgets old ones): a bounded set.
+        self._revoked_seen = revoked
+        if not fresh:
+            return 0
+        ids = ledger_recovery.unfinished_among(conn, fresh)
+        if ids:
+            self.end_revoked(ids)
+            for request_id in ids:
+                self.note(Action("revoked", request_id, "revoked while its message waited"))
+        return len(ids)
