@@ -176,7 +176,7 @@ class Recovery:
         """End the lock connections of running requests whose heartbeat is
         older than the lease (a frozen worker): one connection carries many
         runs, and is ended once for all of them. Returns how many requests."""
-        by_backend = ledger_recovery.frozen(conn, self.settings.lease)
+        by_backend = ledger_recovery.frozen(conn, self.settings.lease_timeout)
         meter = metrics.get()
         for pid, request_ids in by_backend.items():
             conn.execute(query("terminate_backend"), {"pid": pid})
@@ -187,14 +187,14 @@ class Recovery:
             log.warning(
                 "sweeper: %d running request(s) stopped their heartbeat for over %gs (%s); "
                 "ended their worker's lock connection (pid %s)", len(request_ids),
-                self.settings.lease, ", ".join(request_ids[:5]) + (
+                self.settings.lease_timeout, ", ".join(request_ids[:5]) + (
                     ", ..." if len(request_ids) > 5 else ""), pid,
                 extra={"action": "sweeper_fence", "requests": request_ids, "backend": pid},
             )
             for request_id in request_ids:
                 self.note(Action(
                     "fence", request_id,
-                    f"no heartbeat for over {self.settings.lease:g}s; ended its worker's "
+                    f"no heartbeat for over {self.settings.lease_timeout:g}s; ended its worker's "
                     f"lock connection (pid {pid})"))
         return sum(len(request_ids) for request_ids in by_backend.values())
 
