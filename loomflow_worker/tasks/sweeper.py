@@ -185,7 +185,8 @@ class Sweeper:
     def _end_stale_leader(self, conn: Conn) -> None:
         """End the leader's connection when it stopped stamping its lease (a
         frozen worker), so another can lead."""
-        stale = conn.execute(query("leader_stale"), {"lease": self.settings.lease_timeout}).fetchone()
+        stale = conn.execute(
+            query("leader_stale"), {"lease": self.settings.lease_timeout}).fetchone()
         if stale is None:
             return
         conn.execute(query("terminate_backend"), {"pid": stale[0]})
