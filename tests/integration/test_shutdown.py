@@ -45,6 +45,20 @@ def _wait_idle(fleet: Fleet, name: str, timeout: float = 30) -> None:
         time.sleep(0.1)
 
 
+def _wait_scheduled(fleet: Fleet, name: str, request_id: str, timeout: float = 60) -> None:
+    """Wait until worker ``name`` reports ``request_id`` among the messages it
+    holds for their eta (it logs the message received a moment before)."""
+    node = f"{name}-{fleet.queue}@{os.uname().nodename}"
+    inspect = app.control.inspect(destination=[node], timeout=2)
+    deadline = time.monotonic() + timeout
+    while True:
+        scheduled = (inspect.scheduled() or {}).get(node) or []
+        if any(entry.get("request", {}).get("id") == request_id for entry in scheduled):
+            return
+        assert time.monotonic() < deadline, f"worker {name} holds no {request_id}: {scheduled}"
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_an_idle_worker_stops_at_once_on_sigterm(fleet: Fleet, pool: str) -> None:
     fleet.start("w1", concurrency=2, cli=True, pool=pool,
@@ -86,10 +100,7 @@ def test_a_worker_holding_a_message_for_its_eta_gives_it_the_soft_shutdown(
                 LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT="2")
     result = run_agent.apply_async((calls("later"), "s1"),
                                    eta=datetime.now(UTC) + timedelta(seconds=600))
-    deadline = time.monotonic() + 60
-    while f"Task loomflow_worker.run_agent[{result.id}] received" not in _log(fleet, "w1"):
-        assert time.monotonic() < deadline, "the worker never received the message"
-        time.sleep(0.05)
+    _wait_scheduled(fleet, "w1", result.id)
     fleet.terminate("w1", timeout=60)
     log = _log(fleet, "w1")
     assert "Initiating Soft Shutdown" in log and IDLE not in log, log[-3000:]
