@@ -241,7 +241,10 @@ def test_revoke_and_cancel_stop_requests_running_alone_and_their_sessions_move_o
     _wait_running(fleet.dsn, both, 2, timeout=90, attempt=3)
     log = fleet.logs / "w1.log"
     for request_id in both:
-        assert f"request {request_id}: running alone" in log.read_text(), fleet.log_text()
+        deadline = time.monotonic() + 30
+        while f"request {request_id}: running alone" not in log.read_text():
+            assert time.monotonic() < deadline, fleet.log_text()
+            time.sleep(0.1)
 
     # A cancel stops one at its next step boundary, in its own process, as it
     # stops a run of the shared process.
