@@ -70,6 +70,14 @@ def orphans(
     return [(Pending.of(row), str(row["status"])) for row in rows]
 
 
+def next_orphan_in(conn: Conn, dead_after: float) -> float | None:
+    """In how many seconds (on the database's clock) the next running request
+    whose lock nobody holds (its worker just died) becomes an orphan;
+    ``None``: there is none."""
+    row = conn.execute(query("next_orphan"), {"dead_after": dead_after}).fetchone()
+    return None if row is None or row[0] is None else float(row[0])
+
+
 def mark_swept(conn: Conn, request_ids: list[str]) -> None:
     """These orphans are being dispatched again now."""
     conn.execute(query("mark_swept"), {"request_ids": request_ids})

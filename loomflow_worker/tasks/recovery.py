@@ -34,6 +34,9 @@ log = logging.getLogger("loomflow_worker.sweeper")
 # broker connection).
 ORPHANS_PAGE = 500
 RECOVER_BUDGET = 5.0
+# The next dead worker's runs are due DUE_MARGIN past their lease (on the
+# database's clock).
+DUE_MARGIN = 0.02
 
 Conn = psycopg.Connection[Any]
 
@@ -84,6 +87,9 @@ class Recovery:
         self._revoked_seen: set[str] = set()
         # Queued requests that looked lost on the last sweep, since when.
         self._suspects: dict[str, float] = {}
+        # When the runs of a worker that just died become orphans (monotonic),
+        # as the last sweep found.
+        self.next_orphan: float | None = None
 
     def sweep(self, conn: Conn) -> int:
         """One sweep: fence frozen workers, then dispatch again every orphan,
@@ -113,6 +119,7 @@ class Recovery:
             dispatched += len(chosen)
             # Those dispatched are orphans no more: the next page comes after them.
             if len(orphans) < ORPHANS_PAGE or not chosen or time.monotonic() > deadline:
+                self.next_orphan = self._orphan_due(conn)
                 return dispatched
 
     def _waiting(self, queues: list[str]) -> dict[str, int | None]:
@@ -133,6 +140,12 @@ class Recovery:
         queued = ledger_recovery.queued_by_queue(conn, self.settings.queue)
         metrics.report_backlog(queued)
         return queued
+
+    def _orphan_due(self, conn: Conn) -> float | None:
+        """When (on this host's monotonic clock) the next running request
+        whose lock nobody holds (its worker just died) becomes an orphan."""
+        due = ledger_recovery.next_orphan_in(conn, 2 * self.settings.heartbeat_interval)
+        return None if due is None else time.monotonic() + due + DUE_MARGIN
 
     def redispatch(self, conn: Conn, batch: list[tuple[Pending, str]]) -> None:
         """Publish a batch of orphans again: one ledger statement marks them

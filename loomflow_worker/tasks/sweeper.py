@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,9 @@ LEADER_KEY = 0x6C66_7773_7765_6570  # "lfwsweep"
 KEEP_ACTIONS = 1000
 KEEP_ACTIONS_FOR = 86400.0
 
+# The leader sweeps again when the next dead worker's runs become orphans,
+# waiting at least MIN_PAUSE, and no longer than the sweep interval.
+MIN_PAUSE = 0.05
 
 Conn = psycopg.Connection[Any]
 
@@ -85,6 +89,8 @@ class Sweeper:
         self._thread: threading.Thread | None = None
         self._conn: Conn | None = None
         self.leader = False
+        # When the runs of a worker that just died become orphans (monotonic).
+        self._next_orphan: float | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="loomflow-worker sweeper",
@@ -118,7 +124,7 @@ class Sweeper:
 
     def _loop(self) -> None:
         backoff = self.settings.sweep_interval
-        while not self._stop.wait(backoff):
+        while not self._stop.wait(self._pause(backoff)):
             try:
                 if self._conn is None or self._conn.closed:
                     self._conn = self._connect()
@@ -139,6 +145,7 @@ class Sweeper:
             if self._lead(conn):
                 self.recovery.sweep_revoked(conn)
                 self.recovery.sweep(conn)
+                self._next_orphan = self.recovery.next_orphan
                 if self.repair is not None:
                     self.repair.repair(conn)
                     self.repair.recheck(conn)
@@ -148,6 +155,16 @@ class Sweeper:
                 metrics.report_backlog({})  # the leader reports it
         finally:
             self.record_actions(conn)
+
+    def _pause(self, backoff: float) -> float:
+        """How long to wait before the next sweep: ``backoff``, or less when
+        the runs of a worker that just died are about to be orphans (the
+        leader sweeps the moment their lease runs out, not up to a sweep
+        interval later)."""
+        due, self._next_orphan = self._next_orphan, None
+        if due is None:
+            return backoff
+        return min(backoff, max(due - time.monotonic(), MIN_PAUSE))
 
     def _lead(self, conn: Conn) -> bool:
         if not self.leader:

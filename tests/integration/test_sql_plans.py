@@ -129,3 +129,27 @@ def test_a_result_nobody_wants_or_its_worker_stored_is_never_checked(dsn: str) -
         assert waiting() == ["kept"]
         conn.execute(query("worker_stopped"), {"worker": "w:1", "stored": ["kept"]})
         assert waiting() == []
+
+
+def test_the_next_orphan_is_due_when_its_lease_runs_out(dsn: str) -> None:
+    """``next_orphan`` says in how long the next running request whose lock
+    nobody holds (its worker just died) is an orphan, so the leader sweeps
+    then; a request whose lock is held, or already an orphan, does not count."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        def due() -> float | None:
+            row = conn.execute(query("next_orphan"), {"dead_after": 4.0}).fetchone()
+            assert row is not None
+            return None if row[0] is None else float(row[0])
+
+        assert due() is None
+        for rid, key, beat in (("dead", 71, 1.0), ("older", 72, 9.0), ("held", 73, 3.0)):
+            conn.execute("INSERT INTO runs (request_id, scope, session_id, agent, prompt,"
+                         " status, lock_key, heartbeat_at) VALUES (%s, %s, %s, 'a', 'p',"
+                         " 'running', %s, now() - make_interval(secs => %s))",
+                         (rid, rid, rid, key, beat))
+        conn.execute("SELECT pg_advisory_lock(73)")
+        found = due()
+        assert found is not None and 2.9 < found <= 3.0, found
+        conn.execute("SELECT pg_advisory_unlock(73)")
+        found = due()
+        assert found is not None and 0.9 < found <= 1.0, found

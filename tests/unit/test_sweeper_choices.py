@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
+from pydantic import SecretStr
+
 from loomflow_worker.execution.ledger import Pending
+from loomflow_worker.settings import Settings
 from loomflow_worker.tasks.recovery import confirm_lost
+from loomflow_worker.tasks.sweeper import MIN_PAUSE, Sweeper
 
 
 def pending(request_id: str) -> Pending:
@@ -33,3 +39,16 @@ def test_a_suspect_that_turned_up_is_forgotten() -> None:
     # ... and if it looks lost again later, the wait starts over.
     chosen, suspects = confirm_lost([(pending("q"), "queued")], suspects, now=20.0, confirm=1.0)
     assert chosen == [] and suspects == {"q": 20.0}
+
+
+def test_the_leader_sweeps_when_the_next_orphan_is_due() -> None:
+    made = Sweeper(Settings(database_url=SecretStr("postgresql://h/db")), lambda _: None)
+    assert made._pause(1.0) == 1.0
+    made._next_orphan = time.monotonic() + 0.3
+    assert 0.2 < made._pause(1.0) <= 0.3
+    # Once: the sweep after it computes the next one.
+    assert made._pause(1.0) == 1.0
+    made._next_orphan = time.monotonic() + 5.0
+    assert made._pause(1.0) == 1.0
+    made._next_orphan = time.monotonic() - 1.0
+    assert made._pause(1.0) == MIN_PAUSE

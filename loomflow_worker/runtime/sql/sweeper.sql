@@ -216,6 +216,22 @@ DELETE FROM sweeper_actions
  WHERE id <= (SELECT max(id) FROM added) - %(keep)s
     OR at < now() - make_interval(secs => %(keep_for)s);
 
+-- name: next_orphan
+-- In how many seconds the next running request whose lock nobody holds (its
+-- worker died a moment ago) is dead_after past its last heartbeat, and so an
+-- orphan: the leader sweeps again then, not up to a sweep interval later.
+-- NULL: no such request.
+SELECT extract(epoch FROM min(r.heartbeat_at) - now())::float8 + %(dead_after)s
+  FROM runs r
+ WHERE r.status = 'running' AND r.lock_key IS NOT NULL
+   AND r.heartbeat_at >= now() - make_interval(secs => %(dead_after)s)
+   AND NOT EXISTS (
+       SELECT 1 FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND l.classid = ((r.lock_key >> 32) & 4294967295)::oid
+          AND l.objid = (r.lock_key & 4294967295)::oid);
+
 -- name: mark_unswept
 -- The broker refused the sweeper's batch (which of its messages went is
 -- unknown): each goes again on the next sweep the broker answers, a queued
