@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
@@ -64,6 +65,10 @@ STOP_STAMP_WAIT = 2.0
 #: How many results stored by this process wait for its next stamp at most
 #: (more, while Postgres is away, are left to the sweeper's check).
 MAX_STORED_WAITING = 10_000
+
+#: How often a start whose request's previous attempt may still be running
+#: looks again (at most: half a heartbeat interval when that is shorter).
+PREVIOUS_POLL = 0.25
 
 
 @dataclass
@@ -637,11 +642,7 @@ async def _run_holding(
     start pins now), and the run opens from what it read."""
     opening = OpenChoice(pinned, req.kind == "resume")
     try:
-        started = await lease.io(
-            lambda conn: ledger.start(
-                conn, request_id, req.scope, worker, ctx.settings.redispatch_after, opening
-            )
-        )
+        started = await _start(ctx, lease, request_id, req, worker, opening)
     except LockLost as exc:
         # The start may have committed (its attempt counted) before the answer
         # was lost: this worker's open attempt is lost, not crashed.
@@ -679,6 +680,49 @@ async def _run_holding(
         raise AttemptLost(request_id, started.attempt, exc, worker) from exc
     except HandedBack:
         return Outcome("handed_back")
+
+
+async def _start(
+    ctx: WorkerContext,
+    lease: Lease,
+    request_id: str,
+    req: RunRequest,
+    worker: str,
+    opening: OpenChoice,
+) -> ledger.Started:
+    """Start the attempt under the scope lock, once the request's previous
+    attempt has ended. Holding the lock is not enough: when a lock connection
+    alone ends (a Postgres restart, a killed backend), its worker learns it at
+    its next statement or heartbeat and may be in the middle of a tool call
+    until then, while a duplicate of the message already holds the freed
+    lock. The start waits until that attempt records its end, or its worker
+    is seen gone (see ``start_request``), so two attempts of one request
+    never run at once."""
+    settings = ctx.settings
+    waited: float | None = None
+    while True:
+        started = await lease.io(
+            lambda conn: ledger.start(
+                conn, request_id, req.scope, worker, settings.redispatch_after, opening,
+                lease=settings.lease_timeout, interval=settings.heartbeat_interval,
+            )
+        )
+        if started.status != ledger.WAITING:
+            if waited is not None:
+                log.info("request %s: its previous attempt ended after %.1fs; starting",
+                         request_id, time.monotonic() - waited,
+                         extra={"action": "previous_ended", **_log_fields(request_id, req)})
+            return started
+        if waited is None:
+            waited = time.monotonic()
+            log.info(
+                "request %s: its previous attempt may still be running on %s (its lock "
+                "connection ended before it stopped); waiting for it to end",
+                request_id, started.previous_worker,
+                extra={"action": "previous_running", "worker": started.previous_worker,
+                       **_log_fields(request_id, req)},
+            )
+        await anyio.sleep(min(PREVIOUS_POLL, settings.heartbeat_interval / 2))
 
 
 def _log_fields(request_id: str, req: RunRequest) -> dict[str, Any]:

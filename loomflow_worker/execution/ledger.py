@@ -490,6 +490,11 @@ async def precheck(
                     row["pinned"], bool(row["quarantine"]), tuple(row["differ"]))
 
 
+#: :attr:`Started.status` of a request whose previous attempt may still be
+#: running on a worker that lives: it starts once that attempt has ended.
+WAITING = "waiting"
+
+
 @dataclass(frozen=True)
 class Started:
     """What the ledger said when an attempt took its scope."""
@@ -516,6 +521,8 @@ class Started:
     lost_streak: int = 0
     # The rows of the run's open query, when it was sent with the start.
     opened: list[DictRow] | None = field(default=None, compare=False)
+    # Status "waiting": the worker whose attempt of the request may still run.
+    previous_worker: str | None = None
 
 
 async def start(
@@ -525,16 +532,22 @@ async def start(
     worker: str,
     stale_after: float,
     opening: OpenChoice | None = None,
+    *,
+    lease: float,
+    interval: float,
 ) -> Started:
     """Under the scope lock, in one statement: a duplicate of a finished request
-    gets its stored outcome; a request behind an unfinished older one parks;
-    otherwise the attempt is counted and the request marked running, its epoch
+    gets its stored outcome; a request behind an unfinished older one parks; a
+    request whose previous attempt may still be running (its worker lives, see
+    ``start_request``) waits (``interval``: this worker's heartbeat interval,
+    ``lease``: the lease's timeout); otherwise the attempt is counted and the
+    request marked running, its epoch
     pinned on the first attempt (the scope's current one, or its last run's
     for a resume). With ``opening``, the run's open query follows in the same
     round trip (one pipeline; Postgres runs it after the start), its rows in
     ``opened`` for the lease to use when it opens that epoch."""
     params = {"request_id": request_id, "scope": scope, "worker": worker, "pid": os.getpid(),
-              "stale": stale_after}
+              "stale": stale_after, "lease": lease, "interval": interval}
     opened: list[DictRow] | None = None
     if opening is None:
         row = await _fetchone(conn, "start_request", params)
@@ -555,6 +568,8 @@ async def start(
     older = _pending(row)
     if older is not None:
         return Started("parked", seq, older=older, older_stale=bool(row["stale"]))
+    if row["previous_worker"] is not None:
+        return Started(WAITING, seq, previous_worker=row["previous_worker"])
     return Started(
         Status.RUNNING, seq, row["epoch"], row["attempts"], row["crashes"], row["failures"],
         cancel_requested=bool(row["cancel_requested"]),

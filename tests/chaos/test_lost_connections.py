@@ -93,3 +93,44 @@ def test_a_connection_lost_while_a_request_starts_is_no_crash(
         ["lost", "succeeded"] if when == "after" else ["succeeded"]), fleet.log_text()
     log = (fleet.logs / "w1.log").read_text()
     assert f"request {first.id}: " in log and "retrying in" in log, log
+
+
+def _attempts(dsn: str, request_id: str) -> list[tuple[int, str, object, object, str | None]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT attempt, worker, started_at, ended_at, outcome FROM run_attempts"
+            " WHERE request_id = %s ORDER BY attempt",
+            (request_id,),
+        ).fetchall()
+
+
+def test_a_duplicate_waits_for_the_attempt_whose_lock_connection_alone_ended(
+    fleet: Fleet,
+) -> None:
+    # G3. w1's lock connection alone ends while its tool runs: Postgres frees
+    # the lock at once, but w1 learns of it only at its next heartbeat (up to
+    # 2 s later) and runs its tool until then. A duplicate of the request's
+    # message reaches w2 at once and takes the freed lock: its attempt must not
+    # start before w1's attempt has stopped and recorded its end.
+    from loomflow_worker.execution.ledger import Pending
+
+    env = {"TEST_TOOL_SLEEP": "3", "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "2"}
+    fleet.start("w1", concurrency=1, pool="threads", **env)
+    prompt = calls("d1", "d2")
+    result = run_agent.delay(prompt, "s")
+    wait_until(partial(_in_a_tool, fleet.dsn, result.id, 1), "attempt 1 never started a tool")
+    fleet.start("w2", concurrency=1, pool="threads", **env)
+    with psycopg.connect(fleet.dsn, autocommit=True) as admin:
+        ended = admin.execute(
+            "SELECT pg_terminate_backend(holder_pid, 5000) FROM runs WHERE request_id = %s",
+            (result.id,),
+        ).fetchone()
+    assert ended == (True,)
+    run_agent.dispatch(Pending(result.id, "run", "s", None, "default", prompt, {}))
+    assert result.get(timeout=60)["output"] == "done: recorded d1, recorded d2"
+    attempts = _attempts(fleet.dsn, result.id)
+    first, second = attempts[0], attempts[1]
+    assert first[1].startswith("w1-") and first[4] == "lost", (attempts, fleet.log_text())
+    assert first[3] is not None and second[2] >= first[3], (attempts, fleet.log_text())
+    assert ledger(fleet.dsn, result.id)["crashes"] == 0
+    fleet.wait_logged(f"request {result.id}: its previous attempt may still be running")

@@ -195,6 +195,12 @@ UPDATE runs SET swept_at = now(), dispatched_at = greatest(dispatched_at, now())
 -- lived) does not count as a crash, and neither does one that died with
 -- other runs of its process (shared): that raises the request's suspicion
 -- instead. A lost one lengthens its streak of lost attempts.
+-- A previous attempt that may still be running (its lock connection ended
+-- but its worker lives and has not yet stopped its step) is waited for: the
+-- request does not start, and `previous_worker` names that worker, until the
+-- attempt records how it ended, its worker stops stamping its row in
+-- `workers` (dead, or stopped) for three of its heartbeat intervals, or the
+-- request's heartbeat is older than the lease (see `previous_open`).
 WITH r AS (
     SELECT request_id, seq, scope, status, epoch, kind, attempts, cancel_requested,
            result, error, error_type, heartbeat_at, enqueued_at
@@ -205,6 +211,17 @@ WITH r AS (
     SELECT p.outcome, p.shared
       FROM r, loomflow_worker_last_attempt(r.request_id, r.attempts) p
      WHERE r.status = 'running'
+), previous_open AS (
+    SELECT a.worker
+      FROM r JOIN run_attempts a ON a.request_id = r.request_id AND a.attempt = r.attempts
+      LEFT JOIN workers w ON w.worker = a.worker
+     WHERE r.status = 'running' AND a.ended_at IS NULL
+       AND r.heartbeat_at > now() - make_interval(secs => %(lease)s)
+       AND CASE WHEN w.worker IS NULL
+                THEN r.heartbeat_at > now() - make_interval(secs => 3 * %(interval)s)
+                ELSE w.stopped_at IS NULL
+                     AND w.seen_at > now() - make_interval(secs => 3 * w.heartbeat_interval)
+           END
 ), older AS (
     SELECT o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
            o.not_before, CASE WHEN o.status = 'queued' THEN o.options END AS options, o.routing,
@@ -234,7 +251,7 @@ WITH r AS (
            heartbeat_at = now()
       FROM r CROSS JOIN marks m LEFT JOIN prev p ON true
      WHERE u.request_id = r.request_id AND loomflow_worker_unfinished(r.status)
-       AND NOT EXISTS (SELECT 1 FROM older)
+       AND NOT EXISTS (SELECT 1 FROM older) AND NOT EXISTS (SELECT 1 FROM previous_open)
     RETURNING u.epoch, u.attempts, u.crashes, u.failures, u.suspicion, u.lost_streak
 ), attempt_row AS (
     INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch)
@@ -250,7 +267,8 @@ SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
          WHERE p.scope = r.scope AND p.seq < r.seq AND p.finished_at > r.enqueued_at
          ORDER BY p.seq DESC LIMIT 1) AS since_handoff,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
-       o.not_before, o.options, o.routing, o.stale
+       o.not_before, o.options, o.routing, o.stale,
+       (SELECT worker FROM previous_open) AS previous_worker
   FROM r
   LEFT JOIN started s ON true
   LEFT JOIN older o ON true;
