@@ -641,6 +641,76 @@ def signal_command(session_id: str, name: str, payload: Any, user_id: str | None
     click.echo(f"signal {name!r} sent to {to} (id {signal_id})")
 
 
+# ---- limits ---------------------------------------------------------------------------------
+
+
+@main.group(invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, one object a line.")
+@click.pass_context
+def limits(ctx: click.Context, as_json: bool) -> None:
+    """List the fleet's model-call budgets (requests and tokens per minute by
+    model key) and any pause a provider asked for; `limits set` changes them
+    at run time. Workers write LOOMFLOW_WORKER_MODEL_LIMITS at their start."""
+    if ctx.invoked_subcommand is not None:
+        return
+    _list_limits(as_json)
+
+
+@handled
+def _list_limits(as_json: bool) -> None:
+    from . import admin
+    from .execution import pacing
+
+    with admin.connect(_settings()) as conn:
+        rows = pacing.read_limits(conn)
+    if as_json:
+        for row in rows:
+            _echo_json(asdict(row))
+        return
+    if not rows:
+        click.echo("no model limits: set LOOMFLOW_WORKER_MODEL_LIMITS or `limits set KEY`")
+        return
+    for line in _table(
+        ["MODEL KEY", "RPM", "TPM", "PAUSED", "CHANGED"],
+        [[row.key, "-" if row.rpm is None else str(row.rpm),
+          "-" if row.tpm is None else str(row.tpm),
+          f"{row.paused_for:.1f}s" if row.paused_for > 0 else "-", _when(row.updated_at)]
+         for row in rows],
+    ):
+        click.echo(line)
+
+
+@limits.command(name="set")
+@click.argument("key")
+@click.option("--rpm", type=click.IntRange(min=1), default=None,
+              help="Model calls a minute for the whole fleet.")
+@click.option("--tpm", type=click.IntRange(min=1), default=None,
+              help="Tokens (input and output) a minute for the whole fleet.")
+@click.option("--none", "unlimited", is_flag=True, help="Remove both limits.")
+@handled
+def limits_set(key: str, rpm: int | None, tpm: int | None, unlimited: bool) -> None:
+    """Set the model key KEY's limits at run time: every worker books its calls
+    by them within seconds, until a worker starts with other
+    LOOMFLOW_WORKER_MODEL_LIMITS."""
+    from .settings import check_key
+
+    if unlimited == (rpm is not None or tpm is not None):
+        raise click.UsageError("give --rpm, --tpm or both, or --none")
+    try:
+        check_key(key)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="KEY") from None
+    from . import admin
+    from .execution import pacing
+
+    with admin.connect(_settings()) as conn:
+        pacing.write_limits(conn, key, rpm, tpm)
+    click.echo(f"model key {key!r}: "
+               + (", ".join(part for part in (f"{rpm} requests a minute" if rpm else "",
+                                             f"{tpm} tokens a minute" if tpm else "") if part)
+                  or "no limit"))
+
+
 # ---- prune ----------------------------------------------------------------------------------
 
 _PLURAL = {

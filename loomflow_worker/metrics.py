@@ -41,6 +41,8 @@ class Metrics:
     refused: Any
     signals_dropped: Any
     backlog: Any
+    model_waits: Any
+    model_wait_seconds: Any
 
 
 _metrics: Metrics | None = None
@@ -130,6 +132,17 @@ def setup() -> Metrics:
                 "set by the sweeper's leader each sweep, 0 on every other worker "
                 "(sum or max it across workers)",
                 ["queue"], multiprocess_mode="liveall",
+            ),
+            model_waits=Counter(
+                "loomflow_worker_model_waits",
+                "Model calls that waited: for their key's budget (budget), or because the "
+                "provider answered 429 or 529 (provider)",
+                ["model_key", "reason"],
+            ),
+            model_wait_seconds=Counter(
+                "loomflow_worker_model_wait_seconds",
+                "Seconds model calls waited, by model key and reason",
+                ["model_key", "reason"],
             ),
         )
     return _metrics

@@ -8,6 +8,8 @@ from typing import Annotated, Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from pydantic import (
+    BaseModel,
+    ConfigDict,
     Field,
     SecretStr,
     ValidationError,
@@ -22,6 +24,35 @@ MIN_TOKEN_LENGTH = 16
 #: A host as the Host header names it, without its port: a DNS name or an IPv4
 #: address, or an IPv6 address in brackets.
 HOST_NAME = re.compile(r"[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?\.?|\[[0-9a-f:.]+\]", re.I)
+
+
+#: The longest model key, fairness key or limit name, in bytes.
+MAX_KEY_BYTES = 64
+
+
+class ModelLimit(BaseModel):
+    """A model key's budget for the whole fleet: requests and tokens (input
+    and output) per minute; either may be left out, not both."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rpm: int | None = Field(default=None, gt=0)
+    tpm: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> ModelLimit:
+        if self.rpm is None and self.tpm is None:
+            raise ValueError("give rpm (requests per minute), tpm (tokens per minute) or both")
+        return self
+
+
+def check_key(key: str, what: str = "model key") -> str:
+    """A model key, fairness key or limit name: 1 to 64 bytes, printable."""
+    if not isinstance(key, str) or not key.strip() or not key.isprintable():
+        raise ValueError(f"a {what} is a non-empty printable name")
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise ValueError(f"a {what} is at most {MAX_KEY_BYTES} bytes")
+    return key
 
 
 class Settings(BaseSettings):
@@ -129,6 +160,13 @@ class Settings(BaseSettings):
     admission_queue: int = Field(default=200, ge=1)
     loop_stall_warning: float = Field(default=1.0, gt=0)
 
+    # Model-call budgets for the whole fleet, by model key (an agent's
+    # register_agent(model_key=...), else its model's name), as JSON: e.g.
+    # {"anthropic": {"rpm": 300, "tpm": 400000}}. Written to the database at
+    # each worker's start; `loomflow-worker limits` changes them at run time.
+    # A 429 or 529 from the provider pauses the key's calls in every case.
+    model_limits: dict[str, ModelLimit] = Field(default_factory=dict)
+
     # The run console (`loomflow-worker console`): the token a request from
     # anywhere but loopback must present, and any cancel from its pages.
     console_token: SecretStr | None = None
@@ -150,6 +188,13 @@ class Settings(BaseSettings):
     def _split_agents(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("model_limits")
+    @classmethod
+    def _check_model_keys(cls, value: dict[str, ModelLimit]) -> dict[str, ModelLimit]:
+        for key in value:
+            check_key(key)
         return value
 
     @field_validator("console_hosts", mode="before")

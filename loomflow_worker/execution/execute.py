@@ -46,7 +46,8 @@ from .errors import AttemptLost, HandedBack
 from .errors import RunCancelled as RunCancelled
 from .errors import RunDead as RunDead
 from .errors import RunFailed as RunFailed
-from .registry import agent_factory, agent_time_limit
+from .pacing import Budgets, pace, set_model_limits
+from .registry import agent_factory, agent_model_key, agent_time_limit
 from .request import Kind, RunRequest, check_request, refuse_message
 from .statuses import TERMINAL
 
@@ -69,6 +70,9 @@ MAX_STORED_WAITING = 10_000
 #: How often a start whose request's previous attempt may still be running
 #: looks again (at most: half a heartbeat interval when that is shorter).
 PREVIOUS_POLL = 0.25
+
+#: How soon a failed stamp of the process's ``workers`` row is tried again.
+RESTAMP_AFTER = 0.05
 
 
 @dataclass
@@ -131,6 +135,8 @@ class WorkerContext:
         self._runtime: PostgresRuntime | None = None
         self.events: EventPublisher | None = None
         self._agents: dict[str, Any] = {}
+        # The fleet's model-call budgets, once the runtime is up.
+        self.budgets: Budgets | None = None
         self._connect_lock = anyio.Lock()
         self._beating: asyncio.Task[None] | None = None
         self._presence: asyncio.Task[None] | None = None
@@ -170,10 +176,12 @@ class WorkerContext:
                 )
                 try:
                     await runtime.init_schema()
+                    await set_model_limits(runtime.pool, self.settings)
                 except BaseException:
                     await runtime.aclose()
                     raise
                 self._runtime = runtime
+                self.budgets = Budgets(runtime.pool)
                 # loomflow runs a synchronous tool in a worker thread, so it never
                 # blocks the other runs; anyio's default of 40 such threads at once
                 # would make the runs of a busy process queue for them.
@@ -210,6 +218,8 @@ class WorkerContext:
     async def agent(self, name: str) -> Any:
         if name not in self._agents:
             agent = agent_factory(name)(await self.runtime())
+            assert self.budgets is not None
+            pace(agent, agent_model_key(name), self.budgets)
             if type(getattr(agent, "_memory", None)) is InMemoryMemory:
                 log.warning(
                     "agent %r keeps its memory in this process (loomflow's default): each "
@@ -296,13 +306,20 @@ class WorkerContext:
         interval = self.settings.heartbeat_interval
         peers = sockets.peer_ports(self.settings)
         while True:
-            await self._stamp(runtime, stopped=False)
+            if not await self._stamp(runtime, stopped=False):
+                # Once more at once, on another connection: a new attempt of one
+                # of its requests takes the process for dead when its row goes
+                # unstamped for two intervals (see start_request).
+                await anyio.sleep(RESTAMP_AFTER)
+                await self._stamp(runtime, stopped=False)
             metrics.observe_connections(peers)
             await anyio.sleep(interval)
 
-    async def _stamp(self, runtime: PostgresRuntime, *, stopped: bool) -> None:
-        """One stamp of the process's row (``stopped``: it closes). A failure
-        is only logged: the row is for the console, no run depends on it."""
+    async def _stamp(self, runtime: PostgresRuntime, *, stopped: bool) -> bool:
+        """One stamp of the process's row (``stopped``: it closes); whether it
+        was written. A failure is logged once per outage: the row is for the
+        console, and says to a new attempt of one of its requests that the
+        process lives (see ``start_request``)."""
         stored = [self._stored.popleft() for _ in range(len(self._stored))]
         beat = ledger.WorkerBeat(
             worker=self.worker, hostname=socket.gethostname(), pid=os.getpid(),
@@ -326,8 +343,9 @@ class WorkerContext:
                 log.warning("could not stamp this worker's row in the workers table: %s",
                             exc, extra={"action": "worker_stamp", "worker": beat.worker})
             self._unseen = True
-            return
+            return False
         self._unseen = False
+        return True
 
     async def aclose(self) -> None:
         if self.watch is not None:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from ..runtime.errors import InvalidInput
+from ..settings import check_key
 
 AgentFactory = Callable[[Any], Any]
 F = TypeVar("F", bound=AgentFactory)
@@ -15,29 +16,35 @@ DEFAULT_AGENT = "default"
 
 _factories: dict[str, AgentFactory] = {}
 _time_limits: dict[str, float] = {}
+_model_keys: dict[str, str] = {}
 _imported: set[str] = set()
 
 
 def register_agent(
-    name: str = DEFAULT_AGENT, *, time_limit: float | None = None
+    name: str = DEFAULT_AGENT, *, time_limit: float | None = None, model_key: str | None = None
 ) -> Callable[[F], F]:
     """Register ``build(runtime) -> loomflow.Agent`` under ``name``.
 
     Workers call the factory inside their event loop with the runtime they
     own; build the agent there (no connections opened at import).
     ``time_limit`` (seconds) overrides ``LOOMFLOW_WORKER_RUN_TIME_LIMIT``
-    for this agent's runs."""
+    for this agent's runs. ``model_key`` names the budget its model calls
+    share with every agent of the same key (``LOOMFLOW_WORKER_MODEL_LIMITS``;
+    e.g. the provider key they use); by default, its model's name."""
     if not isinstance(name, str) or not name.strip():
         raise InvalidInput("register_agent needs a non-empty agent name")
     if time_limit is not None and time_limit <= 0:
         raise InvalidInput(f"time_limit must be positive seconds, not {time_limit}")
+    if model_key is not None:
+        try:
+            check_key(model_key)
+        except ValueError as exc:
+            raise InvalidInput(f"model_key {model_key!r}: {exc}") from None
 
     def decorate(factory: F) -> F:
         _factories[name] = factory
-        if time_limit is not None:
-            _time_limits[name] = time_limit
-        else:
-            _time_limits.pop(name, None)
+        _set(_time_limits, name, time_limit)
+        _set(_model_keys, name, model_key)
         return factory
 
     return decorate
@@ -70,6 +77,18 @@ def agent_factory(name: str) -> AgentFactory:
 
 def agent_time_limit(name: str) -> float | None:
     return _time_limits.get(name)
+
+
+def agent_model_key(name: str) -> str | None:
+    """The model key ``register_agent`` gave the agent, if any."""
+    return _model_keys.get(name)
+
+
+def _set(table: dict[str, Any], name: str, value: Any) -> None:
+    if value is None:
+        table.pop(name, None)
+    else:
+        table[name] = value
 
 
 def registered_agents() -> list[str]:

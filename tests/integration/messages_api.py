@@ -10,10 +10,13 @@ It records every request, so the tests count the model calls actually sent.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import string
 import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -65,11 +68,13 @@ class Received:
 
 
 class Rejected(Exception):
-    def __init__(self, status: int, kind: str, message: str) -> None:
+    def __init__(self, status: int, kind: str, message: str,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
         self.message = message
+        self.retry_after = retry_after
 
 
 def _text_of(content: str | list[dict[str, Any]]) -> str:
@@ -206,6 +211,14 @@ class MessagesAPI:
     ``done: <every tool result of this run>``."""
 
     received: list[Received] = field(default_factory=list)
+    # Metered as a provider meters a key: at most ``per_window`` requests in
+    # any ``window`` seconds; past that, 429 with the retry-after that frees a
+    # place (rounded up to whole seconds, as Anthropic sends it).
+    per_window: int | None = None
+    window: float = 60.0
+    # The first ``overloaded`` requests get 529 (overloaded_error), no retry-after.
+    overloaded: int = 0
+    _admitted: list[float] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _server: ThreadingHTTPServer | None = None
 
@@ -260,6 +273,7 @@ class MessagesAPI:
                 raise Rejected(404, "not_found_error", f"Not found: {handler.path}")
             if api_key != API_KEY or not handler.headers.get("anthropic-version"):
                 raise Rejected(401, "authentication_error", "invalid x-api-key")
+            self._meter()
             _check_tool_pairing(messages)
             prompt = _text_of(messages[prompt_at]["content"]) if prompt_at >= 0 else ""
             message = self._reply(body, plan(prompt), turn, this_run)
@@ -274,6 +288,7 @@ class MessagesAPI:
                     "type": "error",
                     "error": {"type": rejected.kind, "message": rejected.message},
                 },
+                retry_after=rejected.retry_after,
             )
             return
         minted = tuple(b["id"] for b in message["content"] if b["type"] == "tool_use")
@@ -329,10 +344,34 @@ class MessagesAPI:
             },
         }
 
+    def admitted(self) -> list[float]:
+        """When (monotonic) each metered request was let through."""
+        with self._lock:
+            return list(self._admitted)
+
+    def _meter(self) -> None:
+        with self._lock:
+            if self.overloaded > 0:
+                self.overloaded -= 1
+                raise Rejected(529, "overloaded_error", "Overloaded")
+            if self.per_window is None:
+                return
+            now = time.monotonic()
+            recent = [t for t in self._admitted if t > now - self.window]
+            if len(recent) >= self.per_window:
+                wait = recent[-self.per_window] + self.window - now
+                raise Rejected(429, "rate_limit_error",
+                               "This request would exceed the rate limit for your organization",
+                               retry_after=max(1, math.ceil(wait)))
+            self._admitted.append(now)
+
     @staticmethod
-    def _send_json(handler: BaseHTTPRequestHandler, status: int, payload: dict[str, Any]) -> None:
+    def _send_json(handler: BaseHTTPRequestHandler, status: int, payload: dict[str, Any],
+                   retry_after: int | None = None) -> None:
         data = json.dumps(payload).encode()
         handler.send_response(status)
+        if retry_after is not None:
+            handler.send_header("retry-after", str(retry_after))
         handler.send_header("content-type", "application/json")
         handler.send_header("content-length", str(len(data)))
         handler.send_header("request-id", _new_id("req_01"))
@@ -353,3 +392,14 @@ class MessagesAPI:
             handler.wfile.flush()
         handler.wfile.write(b"0\r\n\r\n")
         handler.wfile.flush()
+
+
+@contextmanager
+def serving() -> Iterator[MessagesAPI]:
+    """A local Messages API for the time of the block."""
+    server = MessagesAPI()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -23,7 +23,7 @@ from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet, ledger
 from .helpers import steps_journaled_twice, tool_counts
-from .messages_api import ANSWER, API_KEY, PROMPT, MessagesAPI
+from .messages_api import ANSWER, API_KEY, PROMPT, MessagesAPI, serving
 
 pytestmark = pytest.mark.slow
 
@@ -33,12 +33,8 @@ TOOL_SLEEP = "1.0"
 
 @pytest.fixture
 def api() -> Iterator[MessagesAPI]:
-    server = MessagesAPI()
-    server.start()
-    try:
+    with serving() as server:
         yield server
-    finally:
-        server.stop()
 
 
 def _start_worker(fleet: Fleet, name: str, api: MessagesAPI, instructions: str) -> None:

@@ -199,8 +199,9 @@ UPDATE runs SET swept_at = now(), dispatched_at = greatest(dispatched_at, now())
 -- but its worker lives and has not yet stopped its step) is waited for: the
 -- request does not start, and `previous_worker` names that worker, until the
 -- attempt records how it ended, its worker stops stamping its row in
--- `workers` (dead, or stopped) for three of its heartbeat intervals, or the
--- request's heartbeat is older than the lease (see `previous_open`).
+-- `workers` (dead, or stopped) for two of its heartbeat intervals (when the
+-- sweeper takes its runs for orphans too), or the request's heartbeat is older
+-- than the lease (see `previous_open`).
 WITH r AS (
     SELECT request_id, seq, scope, status, epoch, kind, attempts, cancel_requested,
            result, error, error_type, heartbeat_at, enqueued_at
@@ -218,9 +219,9 @@ WITH r AS (
      WHERE r.status = 'running' AND a.ended_at IS NULL
        AND r.heartbeat_at > now() - make_interval(secs => %(lease)s)
        AND CASE WHEN w.worker IS NULL
-                THEN r.heartbeat_at > now() - make_interval(secs => 3 * %(interval)s)
+                THEN r.heartbeat_at > now() - make_interval(secs => 2 * %(interval)s)
                 ELSE w.stopped_at IS NULL
-                     AND w.seen_at > now() - make_interval(secs => 3 * w.heartbeat_interval)
+                     AND w.seen_at > now() - make_interval(secs => 2 * w.heartbeat_interval)
            END
 ), older AS (
     SELECT o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,

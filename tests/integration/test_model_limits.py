@@ -1,0 +1,132 @@
+"""Model-call budgets and provider rate limits, on real Celery workers.
+
+The workers' "claude" agent drives loomflow's real ``AnthropicModel`` against
+the local Messages API of ``messages_api``, which meters requests as a
+provider meters a key: past its limit it answers 429 with ``retry-after``.
+A 429 or 529 must make the model call wait, never fail the run, count a
+retry or replay a journal; a fleet-wide budget keeps the calls under the
+provider's limit so it never has to say so.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from loomflow_worker.tasks import run_agent
+
+from .celery_harness import Fleet
+from .helpers import calls, cli, steps_journaled_twice
+from .messages_api import API_KEY, MODEL, MessagesAPI, serving
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def api() -> Iterator[MessagesAPI]:
+    with serving() as server:
+        yield server
+
+
+def _start(fleet: Fleet, name: str, api: MessagesAPI, concurrency: int, **env: str) -> None:
+    fleet.start(name, concurrency=concurrency, pool="threads", ANTHROPIC_BASE_URL=api.url,
+                ANTHROPIC_API_KEY=API_KEY, **env)
+
+
+def _send(count: int) -> list[str]:
+    """``count`` requests of three model calls each, every one on a session of its own."""
+    return [run_agent.delay(calls(f"t{i}a", f"t{i}b"), f"s{i}", agent="claude").id
+            for i in range(count)]
+
+
+def _rows(dsn: str, ids: list[str]) -> list[tuple[str, int, int, int]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT status, attempts, failures, crashes FROM runs WHERE request_id = ANY(%s)",
+            (ids,),
+        ).fetchall()
+
+
+def _wait_all(fleet: Fleet, ids: list[str], timeout: float = 120) -> None:
+    for request_id in ids:
+        run_agent.AsyncResult(request_id).get(timeout=timeout)
+    rows = _rows(fleet.dsn, ids)
+    # Every request ran once to its end: no failure, no retry, no second
+    # attempt replaying a journal.
+    assert rows == [("succeeded", 1, 0, 0)] * len(ids), (rows, fleet.log_text())
+    assert steps_journaled_twice(fleet.dsn) == []
+
+
+def _most_in_window(times: list[float], window: float) -> int:
+    return max(sum(1 for t in times if start <= t < start + window) for start in times)
+
+
+def test_a_provider_rate_limit_makes_the_calls_wait_and_no_run_fail(
+    fleet: Fleet, api: MessagesAPI
+) -> None:
+    # 6 requests a 3 s window (120 a minute) against 8 runs of 3 calls at once,
+    # and the first two calls answered 529 (overloaded).
+    api.per_window, api.window, api.overloaded = 6, 3.0, 2
+    _start(fleet, "w1", api, concurrency=8)
+    ids = _send(8)
+    _wait_all(fleet, ids)
+    statuses = api.statuses()
+    assert statuses.count(200) == 24, statuses  # each call answered once
+    assert statuses.count(429) > 0 and statuses.count(529) == 2, statuses
+    log = fleet.log_text()
+    assert "was rate limited or overloaded by its provider" in log, log
+    assert _most_in_window(api.admitted(), 3.0) <= 6
+
+
+def test_a_fleet_wide_budget_keeps_two_workers_under_the_providers_limit(
+    fleet: Fleet, api: MessagesAPI
+) -> None:
+    # The provider allows 6 requests per 3 s (120 a minute); the fleet's budget
+    # for the model is 110 a minute, shared by two worker processes.
+    api.per_window, api.window = 6, 3.0
+    limits = json.dumps({MODEL: {"rpm": 110}})
+    for name in ("w1", "w2"):
+        _start(fleet, name, api, concurrency=4, LOOMFLOW_WORKER_MODEL_LIMITS=limits)
+    ids = _send(8)
+    _wait_all(fleet, ids)
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        budgets = conn.execute("SELECT key, rpm, tpm FROM model_budgets").fetchall()
+    assert budgets == [(MODEL, 110, None)]
+    statuses = api.statuses()
+    admitted = sorted(api.admitted())
+    # The provider never had to refuse one.
+    assert statuses == [200] * 24, (statuses, admitted, fleet.log_text())
+    # Paced, not merely lucky: 24 calls at 110 a minute take about 12.5 s.
+    assert admitted[-1] - admitted[0] >= 23 * 60 / 110 - 0.5, admitted
+    assert {fleet.worker_of(pid) for pid in _pids(fleet.dsn)} == {"w1", "w2"}
+
+
+def _pids(dsn: str) -> set[int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return {pid for (pid,) in conn.execute("SELECT DISTINCT pid FROM run_attempts")}
+
+
+def test_limits_are_listed_and_changed_at_run_time_and_bad_ones_refused(fleet: Fleet) -> None:
+    listed = cli(fleet, "limits")
+    assert listed.returncode == 0 and "no model limits" in listed.stdout, listed
+    done = cli(fleet, "limits", "set", "anthropic", "--rpm", "300", "--tpm", "400000")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        "model key 'anthropic': 300 requests a minute, 400000 tokens a minute")
+    table = cli(fleet, "limits").stdout.splitlines()
+    assert table[0].split() == ["MODEL", "KEY", "RPM", "TPM", "PAUSED", "CHANGED"]
+    assert table[1].split()[:4] == ["anthropic", "300", "400000", "-"]
+    for bad, says in [(("--rpm", "0"), "--rpm"), (("--tpm", "-5"), "--tpm"), ((), "--none")]:
+        refused = cli(fleet, "limits", "set", "anthropic", *bad)
+        assert refused.returncode == 2 and says in refused.stderr, refused
+        assert "Traceback" not in refused.stderr
+    too_long = cli(fleet, "limits", "set", "k" * 65, "--rpm", "5")
+    assert too_long.returncode == 2 and "at most 64 bytes" in too_long.stderr, too_long
+    rows = [json.loads(line) for line in cli(fleet, "limits", "--json").stdout.splitlines()]
+    assert [(r["key"], r["rpm"], r["tpm"]) for r in rows] == [("anthropic", 300, 400000)]
+    assert cli(fleet, "limits", "set", "anthropic", "--none").returncode == 0
+    rows = [json.loads(line) for line in cli(fleet, "limits", "--json").stdout.splitlines()]
+    assert [(r["key"], r["rpm"], r["tpm"]) for r in rows] == [("anthropic", None, None)]
