@@ -57,3 +57,20 @@ def build_agent(runtime: Any) -> Agent:
         memory=NoMemory(),
         auto_extract=False,
     )
+
+
+@register_agent("claude")
+def build_claude(runtime: Any) -> Agent:
+    """loomflow's real AnthropicModel, pointed by ANTHROPIC_BASE_URL at a local
+    Messages API (``bench_model_limits.py``)."""
+    from loomflow.model.anthropic import AnthropicModel
+
+    return Agent(
+        "bench agent",
+        model=AnthropicModel("claude-sonnet-4-6", api_key=os.environ.get("ANTHROPIC_API_KEY"),
+                             request_timeout_s=30),
+        tools=[record_tool()],
+        runtime=runtime,
+        memory=NoMemory(),
+        auto_extract=False,
+    )

@@ -671,9 +671,9 @@ def _list_limits(as_json: bool) -> None:
         click.echo("no model limits: set LOOMFLOW_WORKER_MODEL_LIMITS or `limits set KEY`")
         return
     for line in _table(
-        ["MODEL KEY", "RPM", "TPM", "PAUSED", "CHANGED"],
+        ["MODEL KEY", "RPM", "TPM", "BURST", "PAUSED", "CHANGED"],
         [[row.key, "-" if row.rpm is None else str(row.rpm),
-          "-" if row.tpm is None else str(row.tpm),
+          "-" if row.tpm is None else str(row.tpm), f"{row.burst:g}s",
           f"{row.paused_for:.1f}s" if row.paused_for > 0 else "-", _when(row.updated_at)]
          for row in rows],
     ):
@@ -686,9 +686,13 @@ def _list_limits(as_json: bool) -> None:
               help="Model calls a minute for the whole fleet.")
 @click.option("--tpm", type=click.IntRange(min=1), default=None,
               help="Tokens (input and output) a minute for the whole fleet.")
+@click.option("--burst", type=click.FloatRange(min=0, max=3600), default=60.0,
+              show_default=True,
+              help="Seconds' worth of the limits that may go at once after a quiet spell.")
 @click.option("--none", "unlimited", is_flag=True, help="Remove both limits.")
 @handled
-def limits_set(key: str, rpm: int | None, tpm: int | None, unlimited: bool) -> None:
+def limits_set(key: str, rpm: int | None, tpm: int | None, burst: float, unlimited: bool
+               ) -> None:
     """Set the model key KEY's limits at run time: every worker books its calls
     by them within seconds, until a worker starts with other
     LOOMFLOW_WORKER_MODEL_LIMITS."""
@@ -702,9 +706,11 @@ def limits_set(key: str, rpm: int | None, tpm: int | None, unlimited: bool) -> N
         raise click.BadParameter(str(exc), param_hint="KEY") from None
     from . import admin
     from .execution import pacing
+    from .settings import ModelLimit
 
+    limit = None if unlimited else ModelLimit(rpm=rpm, tpm=tpm, burst=burst)
     with admin.connect(_settings()) as conn:
-        pacing.write_limits(conn, key, rpm, tpm)
+        pacing.write_limits(conn, key, limit)
     click.echo(f"model key {key!r}: "
                + (", ".join(part for part in (f"{rpm} requests a minute" if rpm else "",
                                              f"{tpm} tokens a minute" if tpm else "") if part)

@@ -32,12 +32,16 @@ MAX_KEY_BYTES = 64
 
 class ModelLimit(BaseModel):
     """A model key's budget for the whole fleet: requests and tokens (input
-    and output) per minute; either may be left out, not both."""
+    and output) per minute, either may be left out, not both; and how much of
+    it may go at once."""
 
     model_config = ConfigDict(extra="forbid")
 
     rpm: int | None = Field(default=None, gt=0)
     tpm: int | None = Field(default=None, gt=0)
+    # Seconds' worth of the limits that may go at once after a quiet spell: a
+    # minute, as providers meter a key (a token bucket of a minute's capacity).
+    burst: float = Field(default=60.0, ge=0, le=3600)
 
     @model_validator(mode="after")
     def _some_limit(self) -> ModelLimit:

@@ -37,7 +37,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .. import metrics
 from ..runtime.sql import query
-from ..settings import Settings
+from ..settings import ModelLimit, Settings
 
 log = logging.getLogger("loomflow_worker.execution")
 
@@ -181,7 +181,7 @@ class Budgets:
                 rows = await cur.fetchall()
             now = self._clock()
             self._keys = {key: KeyState(rpm, tpm, now + paused_for)
-                          for key, rpm, tpm, paused_for, _ in rows}
+                          for key, rpm, tpm, _, paused_for, _ in rows}
             self._read_at = now
 
     def _fresh(self) -> bool:
@@ -313,8 +313,7 @@ async def set_model_limits(pool: AsyncConnectionPool[Any], settings: Settings) -
         return
     async with pool.connection() as conn:
         for key, limit in sorted(settings.model_limits.items()):
-            await conn.execute(query("set_model_limits"),
-                               {"key": key, "rpm": limit.rpm, "tpm": limit.tpm})
+            await conn.execute(query("set_model_limits"), _limit_params(key, limit))
 
 
 @dataclass(frozen=True)
@@ -324,6 +323,7 @@ class KeyLimits:
     key: str
     rpm: int | None
     tpm: int | None
+    burst: float
     paused_for: float
     updated_at: Any
 
@@ -334,7 +334,12 @@ def read_limits(conn: psycopg.Connection[Any]) -> list[KeyLimits]:
     return [KeyLimits(*row) for row in rows]
 
 
-def write_limits(conn: psycopg.Connection[Any], key: str, rpm: int | None, tpm: int | None) -> None:
-    """Set ``key``'s limits for the whole fleet at once (``None``: no such
-    limit); every process reads them within :data:`REFRESH` seconds."""
-    conn.execute(query("set_model_limits"), {"key": key, "rpm": rpm, "tpm": tpm})
+def write_limits(conn: psycopg.Connection[Any], key: str, limit: ModelLimit | None) -> None:
+    """Set ``key``'s limits for the whole fleet at once (``None``: none);
+    every process reads them within :data:`REFRESH` seconds."""
+    conn.execute(query("set_model_limits"), _limit_params(key, limit))
+
+
+def _limit_params(key: str, limit: ModelLimit | None) -> dict[str, Any]:
+    limit = limit or ModelLimit.model_construct(rpm=None, tpm=None, burst=60.0)
+    return {"key": key, "rpm": limit.rpm, "tpm": limit.tpm, "burst": limit.burst}

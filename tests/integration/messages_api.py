@@ -211,11 +211,13 @@ class MessagesAPI:
     ``done: <every tool result of this run>``."""
 
     received: list[Received] = field(default_factory=list)
-    # Metered as a provider meters a key: at most ``per_window`` requests in
-    # any ``window`` seconds; past that, 429 with the retry-after that frees a
-    # place (rounded up to whole seconds, as Anthropic sends it).
+    # Metered as Anthropic meters a key, a token bucket: ``per_window``
+    # requests at most at once, refilled at ``per_window`` per ``window``
+    # seconds; past that, 429 with the retry-after that frees a place (whole
+    # seconds, rounded up, as Anthropic sends it).
     per_window: int | None = None
     window: float = 60.0
+    _bucket: tuple[float, float] | None = None  # (requests left, when)
     # The first ``overloaded`` requests get 529 (overloaded_error), no retry-after.
     overloaded: int = 0
     _admitted: list[float] = field(default_factory=list)
@@ -357,12 +359,15 @@ class MessagesAPI:
             if self.per_window is None:
                 return
             now = time.monotonic()
-            recent = [t for t in self._admitted if t > now - self.window]
-            if len(recent) >= self.per_window:
-                wait = recent[-self.per_window] + self.window - now
+            rate = self.per_window / self.window
+            left, then = self._bucket or (float(self.per_window), now)
+            left = min(float(self.per_window), left + (now - then) * rate)
+            if left < 1.0:
+                self._bucket = (left, now)
                 raise Rejected(429, "rate_limit_error",
                                "This request would exceed the rate limit for your organization",
-                               retry_after=max(1, math.ceil(wait)))
+                               retry_after=max(1, math.ceil((1.0 - left) / rate)))
+            self._bucket = (left - 1.0, now)
             self._admitted.append(now)
 
     @staticmethod

@@ -60,10 +60,6 @@ def _wait_all(fleet: Fleet, ids: list[str], timeout: float = 120) -> None:
     assert steps_journaled_twice(fleet.dsn) == []
 
 
-def _most_in_window(times: list[float], window: float) -> int:
-    return max(sum(1 for t in times if start <= t < start + window) for start in times)
-
-
 def test_a_provider_rate_limit_makes_the_calls_wait_and_no_run_fail(
     fleet: Fleet, api: MessagesAPI
 ) -> None:
@@ -78,16 +74,16 @@ def test_a_provider_rate_limit_makes_the_calls_wait_and_no_run_fail(
     assert statuses.count(429) > 0 and statuses.count(529) == 2, statuses
     log = fleet.log_text()
     assert "was rate limited or overloaded by its provider" in log, log
-    assert _most_in_window(api.admitted(), 3.0) <= 6
 
 
 def test_a_fleet_wide_budget_keeps_two_workers_under_the_providers_limit(
     fleet: Fleet, api: MessagesAPI
 ) -> None:
-    # The provider allows 6 requests per 3 s (120 a minute); the fleet's budget
-    # for the model is 110 a minute, shared by two worker processes.
+    # The provider allows 6 requests at once, refilled at 6 per 3 s (120 a
+    # minute); the fleet's budget for the model is 110 a minute, 3 s of it at
+    # once, shared by two worker processes.
     api.per_window, api.window = 6, 3.0
-    limits = json.dumps({MODEL: {"rpm": 110}})
+    limits = json.dumps({MODEL: {"rpm": 110, "burst": 3}})
     for name in ("w1", "w2"):
         _start(fleet, name, api, concurrency=4, LOOMFLOW_WORKER_MODEL_LIMITS=limits)
     ids = _send(8)
@@ -99,8 +95,8 @@ def test_a_fleet_wide_budget_keeps_two_workers_under_the_providers_limit(
     admitted = sorted(api.admitted())
     # The provider never had to refuse one.
     assert statuses == [200] * 24, (statuses, admitted, fleet.log_text())
-    # Paced, not merely lucky: 24 calls at 110 a minute take about 12.5 s.
-    assert admitted[-1] - admitted[0] >= 23 * 60 / 110 - 0.5, admitted
+    # Paced, not merely lucky: 5 calls at once, then 19 at 110 a minute.
+    assert admitted[-1] - admitted[0] >= 19 * 60 / 110 - 0.5, admitted
     assert {fleet.worker_of(pid) for pid in _pids(fleet.dsn)} == {"w1", "w2"}
 
 
@@ -117,8 +113,8 @@ def test_limits_are_listed_and_changed_at_run_time_and_bad_ones_refused(fleet: F
     assert done.stdout.strip() == (
         "model key 'anthropic': 300 requests a minute, 400000 tokens a minute")
     table = cli(fleet, "limits").stdout.splitlines()
-    assert table[0].split() == ["MODEL", "KEY", "RPM", "TPM", "PAUSED", "CHANGED"]
-    assert table[1].split()[:4] == ["anthropic", "300", "400000", "-"]
+    assert table[0].split() == ["MODEL", "KEY", "RPM", "TPM", "BURST", "PAUSED", "CHANGED"]
+    assert table[1].split()[:5] == ["anthropic", "300", "400000", "60s", "-"]
     for bad, says in [(("--rpm", "0"), "--rpm"), (("--tpm", "-5"), "--tpm"), ((), "--none")]:
         refused = cli(fleet, "limits", "set", "anthropic", *bad)
         assert refused.returncode == 2 and says in refused.stderr, refused

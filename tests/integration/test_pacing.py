@@ -27,9 +27,11 @@ async def pool(dsn: str) -> AsyncIterator[AsyncConnectionPool]:
         yield opened
 
 
-async def _limit(pool: AsyncConnectionPool, key: str, rpm: int | None, tpm: int | None) -> None:
+async def _limit(pool: AsyncConnectionPool, key: str, rpm: int | None, tpm: int | None,
+                 burst: float = 0.0) -> None:
     async with pool.connection() as conn:
-        await conn.execute(query("set_model_limits"), {"key": key, "rpm": rpm, "tpm": tpm})
+        await conn.execute(query("set_model_limits"),
+                           {"key": key, "rpm": rpm, "tpm": tpm, "burst": burst})
 
 
 async def test_calls_of_a_limited_key_are_booked_a_share_of_the_minute_apart(
@@ -38,6 +40,15 @@ async def test_calls_of_a_limited_key_are_booked_a_share_of_the_minute_apart(
     await _limit(pool, "k", 120, None)  # one call each half second
     waits = [await Budgets(pool).take("k", 10) for _ in range(5)]
     for booked, expected in zip(waits, [0.0, 0.5, 1.0, 1.5, 2.0], strict=True):
+        assert abs(booked - expected) < 0.2, waits
+
+
+async def test_a_burst_of_a_keys_budget_goes_at_once_after_a_quiet_spell(
+    pool: AsyncConnectionPool,
+) -> None:
+    await _limit(pool, "k", 120, None, burst=1.0)  # two calls' worth at once
+    waits = [await Budgets(pool).take("k", 10) for _ in range(4)]
+    for booked, expected in zip(waits, [0.0, 0.0, 0.5, 1.0], strict=True):
         assert abs(booked - expected) < 0.2, waits
 
 

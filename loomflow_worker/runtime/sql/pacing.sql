@@ -2,40 +2,41 @@
 -- model_budgets. Each statement is one round trip on a pooled connection.
 
 -- name: set_model_limits
--- A key's limits in requests and tokens per minute (NULL: none), as a
--- worker's settings give them at its start or `loomflow-worker limits` sets
--- them; its schedule and pause are kept.
-INSERT INTO model_budgets (key, rpm, tpm) VALUES (%(key)s, %(rpm)s, %(tpm)s)
-ON CONFLICT (key) DO UPDATE SET rpm = EXCLUDED.rpm, tpm = EXCLUDED.tpm, updated_at = now();
+-- A key's limits in requests and tokens per minute (NULL: none) and its
+-- burst, as a worker's settings give them at its start or `loomflow-worker
+-- limits` sets them; its schedule and pause are kept.
+INSERT INTO model_budgets (key, rpm, tpm, burst)
+VALUES (%(key)s, %(rpm)s, %(tpm)s, %(burst)s)
+ON CONFLICT (key) DO UPDATE
+   SET rpm = EXCLUDED.rpm, tpm = EXCLUDED.tpm, burst = EXCLUDED.burst, updated_at = now();
 
 -- name: model_budgets
 -- Every key's limits, and for how many more seconds the provider asked it to
--- pause: a process reserves the calls of these keys only (read every few
+-- pause: a process books the calls of these keys only (read every few
 -- seconds), and `loomflow-worker limits` lists them.
-SELECT key, rpm, tpm,
+SELECT key, rpm, tpm, burst,
        extract(epoch FROM greatest(paused_until, now()) - now())::float8 AS paused_for,
        updated_at
   FROM model_budgets ORDER BY key;
 
 -- name: take_model_call
 -- One model call's place in its key's schedule, booked for the whole fleet:
--- it starts once the calls booked before it have had their share of the
--- minute (60/rpm seconds each; tokens*60/tpm seconds of the token budget)
--- and the provider's pause is over. Every SET reads the row as it was, so
--- the slot is the later of the two schedules, the pause and now; the row
--- lock makes concurrent bookings queue. Returns how long the call waits.
-UPDATE model_budgets
-   SET next_request = CASE WHEN rpm IS NULL THEN next_request
-           ELSE greatest(next_request, next_token, paused_until, now())
-                + make_interval(secs => 60.0 / rpm) END,
-       next_token = CASE WHEN tpm IS NULL THEN next_token
-           ELSE greatest(next_request, next_token, paused_until, now())
-                + make_interval(secs => 60.0 * %(tokens)s / tpm) END
- WHERE key = %(key)s
-RETURNING greatest(extract(epoch FROM
-           CASE WHEN rpm IS NOT NULL THEN next_request - make_interval(secs => 60.0 / rpm)
-                WHEN tpm IS NOT NULL THEN next_token - make_interval(secs => 60.0 * %(tokens)s / tpm)
-                ELSE greatest(paused_until, now()) END - now()), 0)::float8 AS wait;
+-- its slot (loomflow_worker_model_slot, read under the row's lock, so
+-- concurrent bookings queue) and each schedule moved on by the call's share
+-- of the minute (60/rpm seconds; tokens*60/tpm seconds). Returns how many
+-- seconds the call waits for its slot.
+WITH b AS (
+    SELECT key, loomflow_worker_model_slot(model_budgets, %(tokens)s) AS slot
+      FROM model_budgets WHERE key = %(key)s FOR UPDATE
+)
+UPDATE model_budgets m
+   SET next_request = CASE WHEN m.rpm IS NULL THEN m.next_request
+           ELSE greatest(m.next_request, b.slot) + make_interval(secs => 60.0 / m.rpm) END,
+       next_token = CASE WHEN m.tpm IS NULL THEN m.next_token
+           ELSE greatest(m.next_token, b.slot)
+                + make_interval(secs => 60.0 * %(tokens)s / m.tpm) END
+  FROM b WHERE m.key = b.key
+RETURNING greatest(extract(epoch FROM b.slot - now()), 0)::float8 AS wait;
 
 -- name: charge_model_tokens
 -- A call's tokens beyond (or short of, when negative) what its booking
