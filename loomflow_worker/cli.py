@@ -456,6 +456,8 @@ def show(request_id: str, as_json: bool) -> None:
         f" ({detail.error_type})" if detail.error_type and detail.status != "succeeded" else ""))
     click.echo(f"run       {detail.kind} of agent {detail.agent} in {who}")
     click.echo(f"epoch     {detail.epoch if detail.epoch is not None else '- (not started)'}")
+    if detail.waiting_for:
+        click.echo(f"waits     {detail.waiting_for}, until {_when(detail.not_before)}")
     not_before = (f", not before {_when(detail.not_before)}"
                   if detail.not_before is not None else "")
     click.echo(f"times     enqueued {_when(detail.enqueued_at)}{not_before}, started "

@@ -170,6 +170,10 @@ class Settings(BaseSettings):
     # each worker's start; `loomflow-worker limits` changes them at run time.
     # A 429 or 529 from the provider pauses the key's calls in every case.
     model_limits: dict[str, ModelLimit] = Field(default_factory=dict)
+    # A run whose model call must wait longer than this (seconds) for its
+    # key's budget or its provider gives its slot back and is resumed then,
+    # from its journal, on any worker (0: it always waits in its slot).
+    park_after: float = Field(default=30.0, ge=0)
 
     # The run console (`loomflow-worker console`): the token a request from
     # anywhere but loopback must present, and any cancel from its pages.

@@ -192,6 +192,9 @@ class RequestDetail:
     not_before: datetime | None
     # The database's clock when it was read.
     now: datetime
+    # Why a queued request waits, when it gave its slot back (e.g. "waiting for
+    # model key 'anthropic' (its budget)").
+    waiting_for: str | None = None
     attempts: list[AttemptInfo] = field(default_factory=list)
     journal: list[StepInfo] = field(default_factory=list)
     # The journal holds more entries than the reader's limit, which were left out.

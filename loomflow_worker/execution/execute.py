@@ -46,7 +46,7 @@ from .errors import AttemptLost, HandedBack
 from .errors import RunCancelled as RunCancelled
 from .errors import RunDead as RunDead
 from .errors import RunFailed as RunFailed
-from .pacing import Budgets, pace, set_model_limits
+from .pacing import Budgets, Paused, RunPacing, pace, pacing_run, set_model_limits
 from .registry import agent_factory, agent_model_key, agent_time_limit
 from .request import Kind, RunRequest, check_request, refuse_message
 from .statuses import TERMINAL
@@ -80,8 +80,10 @@ class Outcome:
     # "quarantine": the request must run alone, in a process of its own.
     # "handed_back": it ran alone until it completed a step; run it again here.
     # "refused": the message is not its request's own; nothing ran, nothing changed.
+    # "paused": it gave its slot back to wait for its model key; publish it again
+    # ``countdown`` seconds from now.
     kind: Literal["succeeded", "failed", "dead", "cancelled", "parked", "retry", "quarantine",
-                  "handed_back", "refused"]
+                  "handed_back", "refused", "paused"]
     result: dict[str, Any] | None = None
     error: str | None = None
     countdown: float = 0.0
@@ -137,6 +139,10 @@ class WorkerContext:
         self._agents: dict[str, Any] = {}
         # The fleet's model-call budgets, once the runtime is up.
         self.budgets: Budgets | None = None
+        # Whether a run that would wait long for its model key gives its slot
+        # back (a Celery worker, which publishes it again; not an in-process
+        # caller, nor a request running alone).
+        self.parks = not alone
         self._connect_lock = anyio.Lock()
         self._beating: asyncio.Task[None] | None = None
         self._presence: asyncio.Task[None] | None = None
@@ -677,9 +683,11 @@ async def _run_holding(
         return Outcome("parked", dispatch=[started.older] if started.older_stale else [])
     assert started.epoch is not None
     try:
-        ending: Ending | Retry | None = ending_before_run(started, ctx.settings, worker)
+        ending: Ending | Retry | Paused | None = ending_before_run(started, ctx.settings, worker)
         if ending is None:
             ending = await _run(ctx, runtime, lease, request_id, req, started, time_limit)
+        if isinstance(ending, Paused):
+            return await _pause(lease, request_id, req, started, ending)
         if isinstance(ending, Retry):
             retry, attempt_no = ending, started.attempt
             await lease.io(
@@ -743,6 +751,21 @@ async def _start(
         await anyio.sleep(min(PREVIOUS_POLL, settings.heartbeat_interval / 2))
 
 
+async def _pause(
+    lease: Lease, request_id: str, req: RunRequest, started: ledger.Started, paused: Paused
+) -> Outcome:
+    """The run gives its slot back until its model key can take its call (see
+    :class:`.pacing.Paused`); the place its call booked goes to its next attempt."""
+    attempt_no = started.attempt
+    await lease.io(lambda conn: ledger.pause(
+        conn, request_id, attempt_no, paused.wait, paused.reason,
+        paused.key if paused.booked else None, paused.wait if paused.booked else None))
+    log.info("request %s gives its slot back for %.1fs, %s; it resumes then from its journal",
+             request_id, paused.wait, paused.reason,
+             extra={"action": "paused", "model_key": paused.key, **_log_fields(request_id, req)})
+    return Outcome("paused", error=paused.reason, countdown=paused.wait)
+
+
 def _log_fields(request_id: str, req: RunRequest) -> dict[str, Any]:
     return {"request": request_id, "session": req.session_id, "user": req.user_id}
 
@@ -787,9 +810,9 @@ async def _run(
     req: RunRequest,
     started: ledger.Started,
     call_limit: float | None = None,
-) -> Ending | Retry:
-    """Run the agent; what happened, as an ending or a retry. A lost lock
-    raises :class:`LockLost`; an outside stop (a shutdown) is re-raised
+) -> Ending | Retry | Paused:
+    """Run the agent; what happened, as an ending, a retry or a pause. A lost
+    lock raises :class:`LockLost`; an outside stop (a shutdown) is re-raised
     once the attempt is recorded as interrupted."""
     assert started.epoch is not None
     log_fields = _log_fields(request_id, req)
@@ -840,7 +863,11 @@ async def _run(
     ctx._halts[request_id] = stop_now
     try:
         try:
-            with fence, halt, run_options(lease=lease, epoch=started.epoch), deadline:
+            pacing = RunPacing(request_id, ctx.settings.park_after if ctx.parks else None)
+            if started.booked_key is not None and started.booked_in is not None:
+                pacing.booked[started.booked_key] = time.monotonic() + started.booked_in
+            with fence, halt, run_options(lease=lease, epoch=started.epoch), deadline, \
+                    pacing_run(pacing):
                 emit = _emitter(ctx, request_id, started.attempt, lease)
                 if req.kind == "resume":
                     with resuming_last_run():
@@ -871,6 +898,9 @@ async def _run(
             log.info("request %s cleared running alone; handed back", request_id,
                      extra={"action": "handed_back", **log_fields})
             raise HandedBack() from exc
+        paused = _found(exc, Paused)
+        if paused is not None and lease.fenced is None:
+            return paused
         stopped = _found(exc, RunStopped)
         if stopped is not None:
             return Ending("cancelled", error=stopped.reason, error_type="Cancelled",

@@ -523,6 +523,10 @@ class Started:
     opened: list[DictRow] | None = field(default=None, compare=False)
     # Status "waiting": the worker whose attempt of the request may still run.
     previous_worker: str | None = None
+    # The place a paused attempt's model call booked in its key's schedule
+    # (the key, and in how many seconds), for this attempt to take.
+    booked_key: str | None = None
+    booked_in: float | None = None
 
 
 async def start(
@@ -576,7 +580,7 @@ async def start(
         since_heartbeat=row["since_heartbeat"],
         since_handoff=row["since_handoff"],
         suspicion=row["suspicion"], lost_streak=row["lost_streak"],
-        opened=opened,
+        opened=opened, booked_key=row["booked_key"], booked_in=row["booked_in"],
     )
 
 
@@ -618,6 +622,17 @@ async def schedule_retry(
             query("end_attempt"),
             {"request_id": request_id, "attempt": attempt, "outcome": "retry"},
         )
+
+
+async def pause(
+    conn: Conn, request_id: str, attempt: int, countdown: float, reason: str,
+    booked_key: str | None, booked_in: float | None,
+) -> None:
+    """The attempt gives its slot back until ``countdown`` seconds from now
+    (see ``pause_request``)."""
+    await conn.execute(query("pause_request"), {
+        "request_id": request_id, "attempt": attempt, "countdown": countdown,
+        "reason": reason, "booked_key": booked_key, "booked_in": booked_in})
 
 
 async def end_attempt(conn: Conn, request_id: str, attempt: int, outcome: str) -> None:

@@ -24,8 +24,10 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -102,6 +104,46 @@ def estimate_tokens(messages: Any) -> int:
         for call in getattr(message, "tool_calls", ()) or ():
             chars += len(str(getattr(call, "arguments", "")))
     return max(1, chars // 4)
+
+
+class Paused(BaseException):
+    """Raised out of a run whose model call would wait longer than
+    ``PARK_AFTER`` for its key: the run gives its slot back and its request
+    resumes in ``wait`` seconds (a BaseException, so that no ``except
+    Exception`` of the agent's takes it for the call's error)."""
+
+    def __init__(self, key: str, wait: float, reason: str, booked: bool) -> None:
+        super().__init__(reason)
+        self.key = key
+        self.wait = wait
+        self.reason = reason
+        # Whether the call booked its place (which the next attempt takes).
+        self.booked = booked
+
+
+@dataclass
+class RunPacing:
+    """What the paced model knows of the run it serves (a context variable
+    the worker sets around the run): its request, for the logs; how long a
+    call may wait in the run's slot (``None``: always, outside a worker); and
+    the places an earlier attempt booked, by key (monotonic times)."""
+
+    request_id: str
+    park_after: float | None = None
+    booked: dict[str, float] = field(default_factory=dict)
+
+
+_run: ContextVar[RunPacing | None] = ContextVar("loomflow_worker_run_pacing", default=None)
+
+
+@contextmanager
+def pacing_run(pacing: RunPacing) -> Iterator[None]:
+    """Model calls made inside are ``pacing``'s run's."""
+    token = _run.set(pacing)
+    try:
+        yield
+    finally:
+        _run.reset(token)
 
 
 @dataclass(frozen=True)
@@ -199,13 +241,10 @@ class PacedModel:
     and wait out a provider's rate limit or overload instead of failing.
     Every other attribute is the wrapped model's."""
 
-    def __init__(self, inner: Any, key: str, budgets: Budgets,
-                 describe: Callable[[], str] | None = None) -> None:
+    def __init__(self, inner: Any, key: str, budgets: Budgets) -> None:
         self._inner = inner
         self.key = key
         self._budgets = budgets
-        # Which request the call belongs to, for the logs.
-        self._describe = describe or (lambda: "a run")
 
     @property
     def name(self) -> str:
@@ -253,24 +292,40 @@ class PacedModel:
         await self._charge(usage, booked)
 
     async def _wait_for_place(self, tokens: int) -> None:
-        wait = await self._budgets.take(self.key, tokens)
-        if wait > 0:
-            _count_wait(self.key, "budget", wait)
-            await anyio.sleep(wait)
+        run = _run.get()
+        booked = run.booked.pop(self.key, None) if run is not None else None
+        if booked is not None:
+            # The place an earlier attempt of the run booked: no second booking.
+            wait = max(0.0, booked - time.monotonic())
+        else:
+            wait = await self._budgets.take(self.key, tokens)
+        if wait <= 0:
+            return
+        _count_wait(self.key, "budget", wait)
+        self._park_if_long(run, wait, f"model key {self.key!r} (its budget)", booked=True)
+        await anyio.sleep(wait)
 
     async def _later(self, exc: Exception, attempt: int) -> None:
         wait = provider_wait(exc, attempt)
         if wait is None:
             raise exc
+        run = _run.get()
         log.warning(
-            "%s: model key %r was rate limited or overloaded by its provider (%s); the call "
-            "waits %.1fs and is made again (the run goes on, no retry counted)",
-            self._describe(), self.key, type(exc).__name__, wait,
-            extra={"action": "model_wait", "model_key": self.key, "wait": round(wait, 3)},
+            "request %s: model key %r was rate limited or overloaded by its provider (%s); "
+            "the call waits %.1fs and is made again (the run goes on, no retry counted)",
+            run.request_id if run is not None else "(none)", self.key, type(exc).__name__,
+            wait, extra={"action": "model_wait", "model_key": self.key, "wait": round(wait, 3),
+                         "request": run.request_id if run is not None else None},
         )
         _count_wait(self.key, "provider", wait)
         await self._budgets.pause(self.key, wait)
+        self._park_if_long(run, wait, f"model key {self.key!r} (its provider)", booked=False)
         await anyio.sleep(wait)
+
+    def _park_if_long(self, run: RunPacing | None, wait: float, what: str, *, booked: bool
+                      ) -> None:
+        if run is not None and run.park_after is not None and 0 < run.park_after < wait:
+            raise Paused(self.key, wait, f"waiting for {what}", booked)
 
     async def _charge(self, usage: Any, booked: int) -> None:
         if usage is None:

@@ -141,6 +141,10 @@ def _celery_outcome(task: AgentTask, outcome: Outcome) -> Any:
         raise Ignore()
     if outcome.kind == "retry":
         raise task.retry(exc=RunFailed(outcome.error or "retry"), countdown=outcome.countdown)
+    if outcome.kind == "paused":
+        # Its slot given back, not a failure: Celery's retry publishes it again
+        # for then (its state RETRY meanwhile), and no retry is counted.
+        raise task.retry(countdown=outcome.countdown)
     if outcome.kind == "dead":
         raise RunDead(outcome.error or "dead")
     if outcome.kind == "cancelled":

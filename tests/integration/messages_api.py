@@ -347,7 +347,7 @@ class MessagesAPI:
         }
 
     def admitted(self) -> list[float]:
-        """When (monotonic) each metered request was let through."""
+        """When (monotonic) each request was let through its meter."""
         with self._lock:
             return list(self._admitted)
 
@@ -356,9 +356,10 @@ class MessagesAPI:
             if self.overloaded > 0:
                 self.overloaded -= 1
                 raise Rejected(529, "overloaded_error", "Overloaded")
-            if self.per_window is None:
-                return
             now = time.monotonic()
+            if self.per_window is None:
+                self._admitted.append(now)
+                return
             rate = self.per_window / self.window
             left, then = self._bucket or (float(self.per_window), now)
             left = min(float(self.per_window), left + (now - then) * rate)

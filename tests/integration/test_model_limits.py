@@ -10,7 +10,9 @@ provider's limit so it never has to say so.
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -126,3 +128,40 @@ def test_limits_are_listed_and_changed_at_run_time_and_bad_ones_refused(fleet: F
     assert cli(fleet, "limits", "set", "anthropic", "--none").returncode == 0
     rows = [json.loads(line) for line in cli(fleet, "limits", "--json").stdout.splitlines()]
     assert [(r["key"], r["rpm"], r["tpm"]) for r in rows] == [("anthropic", None, None)]
+
+
+def test_a_run_that_would_wait_long_for_its_budget_gives_its_slot_back(
+    fleet: Fleet, api: MessagesAPI
+) -> None:
+    # One model call each 10 s for the fleet, and one slot: the second and
+    # third requests would each hold the slot 10 s waiting for their place.
+    # They give it back (PARK_AFTER 2 s) and resume at their place, so the
+    # request behind them, on an agent with no budget, runs at once.
+    limits = json.dumps({MODEL: {"rpm": 6, "burst": 0}})
+    _start(fleet, "w1", api, concurrency=1, LOOMFLOW_WORKER_MODEL_LIMITS=limits,
+           LOOMFLOW_WORKER_PARK_AFTER="2")
+    paced = [run_agent.delay(f"hello {i}", f"s{i}", agent="claude").id for i in range(3)]
+    sent = time.monotonic()
+    behind = run_agent.delay(calls("q"), "s-free")
+    assert behind.get(timeout=30)["output"] == "done: recorded q"
+    assert time.monotonic() - sent < 8, fleet.log_text()
+    shown = cli(fleet, "show", paced[2])
+    assert f"waits     waiting for model key '{MODEL}' (its budget), until " in shown.stdout, shown
+    for request_id in paced:
+        run_agent.AsyncResult(request_id).get(timeout=60)
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT r.request_id, r.status, r.failures, r.crashes, r.waiting_for,"
+            " array_agg(a.outcome ORDER BY a.attempt)"
+            " FROM runs r JOIN run_attempts a USING (request_id)"
+            " WHERE r.request_id = ANY(%s) GROUP BY 1, 2, 3, 4, 5", (paced,)).fetchall()
+    outcomes = sorted(row[5] for row in rows)
+    assert outcomes == [["paused", "succeeded"]] * 2 + [["succeeded"]], rows
+    assert {row[1:5] for row in rows} == {("succeeded", 0, 0, None)}, rows
+    # Each resumed call took the place it booked: 10 s apart, not booked again
+    # at the end of the schedule when it resumed.
+    admitted = sorted(api.admitted())
+    assert len(admitted) == 3 and api.statuses() == [200] * 3, api.statuses()
+    gaps = [later - earlier for earlier, later in itertools.pairwise(admitted)]
+    assert all(9 <= gap <= 12 for gap in gaps), gaps
+    assert "gives its slot back" in fleet.log_text()

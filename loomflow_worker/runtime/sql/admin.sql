@@ -39,7 +39,8 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind,
             ELSE left(prompt, %(prompt_chars)s) END AS prompt,
        length(prompt) AS prompt_length, metadata, status, epoch, attempts AS attempts_count,
        failures, crashes, holder AS worker, cancel_requested, result, error, error_type, enqueued_at,
-       started_at, heartbeat_at, finished_at, not_before, now() AS now
+       started_at, heartbeat_at, finished_at, not_before, now() AS now,
+       CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for
   FROM runs WHERE request_id = %(request_id)s;
 
 -- name: get_run_attempts

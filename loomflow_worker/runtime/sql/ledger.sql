@@ -204,7 +204,7 @@ UPDATE runs SET swept_at = now(), dispatched_at = greatest(dispatched_at, now())
 -- than the lease (see `previous_open`).
 WITH r AS (
     SELECT request_id, seq, scope, status, epoch, kind, attempts, cancel_requested,
-           result, error, error_type, heartbeat_at, enqueued_at
+           result, error, error_type, heartbeat_at, enqueued_at, booked_key, booked_at
       FROM runs WHERE request_id = %(request_id)s FOR UPDATE
 ), prev AS (
     -- The previous attempt, if the request was running: how it ended, and
@@ -249,7 +249,8 @@ WITH r AS (
            holder = %(worker)s,
            holder_pid = pg_backend_pid(),
            started_at = now(),
-           heartbeat_at = now()
+           heartbeat_at = now(),
+           waiting_for = NULL, booked_key = NULL, booked_at = NULL
       FROM r CROSS JOIN marks m LEFT JOIN prev p ON true
      WHERE u.request_id = r.request_id AND loomflow_worker_unfinished(r.status)
        AND NOT EXISTS (SELECT 1 FROM older) AND NOT EXISTS (SELECT 1 FROM previous_open)
@@ -269,7 +270,10 @@ SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
          ORDER BY p.seq DESC LIMIT 1) AS since_handoff,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
        o.not_before, o.options, o.routing, o.stale,
-       (SELECT worker FROM previous_open) AS previous_worker
+       (SELECT worker FROM previous_open) AS previous_worker,
+       CASE WHEN s.attempts IS NOT NULL THEN r.booked_key END AS booked_key,
+       CASE WHEN s.attempts IS NOT NULL
+            THEN extract(epoch FROM r.booked_at - now())::float8 END AS booked_in
   FROM r
   LEFT JOIN started s ON true
   LEFT JOIN older o ON true;
@@ -322,6 +326,25 @@ UPDATE runs
    SET status = 'queued', failures = failures + 1, error = %(error)s, error_type = %(error_type)s,
        dispatched_at = now() + make_interval(secs => %(countdown)s),
        not_before = now() + make_interval(secs => %(countdown)s), holder_pid = NULL
+ WHERE request_id = %(request_id)s AND status = 'running';
+
+-- name: pause_request
+-- A run whose model call would wait long for its key (its budget, or its
+-- provider's pause) gives its slot back: the attempt ends "paused" (no crash,
+-- no failure) and the request is queued again until `countdown` seconds from
+-- now (its message published with that eta), saying why in waiting_for and
+-- keeping the place its call booked (booked_key, booked_at) for its next
+-- attempt. Only while running: ended meanwhile, it stays ended.
+WITH ended AS (
+    UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = 'paused'
+     WHERE request_id = %(request_id)s AND attempt = %(attempt)s
+)
+UPDATE runs
+   SET status = 'queued', holder_pid = NULL, waiting_for = %(reason)s,
+       dispatched_at = now() + make_interval(secs => %(countdown)s),
+       not_before = now() + make_interval(secs => %(countdown)s),
+       booked_key = %(booked_key)s,
+       booked_at = now() + make_interval(secs => %(booked_in)s)
  WHERE request_id = %(request_id)s AND status = 'running';
 
 -- name: end_attempt
