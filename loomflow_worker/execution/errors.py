@@ -54,6 +54,22 @@ class HandedBack(BaseException):
         super().__init__("cleared of suspicion: handed back to the shared process")
 
 
+class Paused(BaseException):
+    """Raised out of a run whose model call would wait longer than
+    ``PARK_AFTER`` for its key (see :mod:`.pacing`): the run gives its slot
+    back and its request resumes in ``wait`` seconds (a BaseException, so
+    that no ``except Exception`` of the agent's takes it for the call's
+    error)."""
+
+    def __init__(self, key: str, wait: float, reason: str, booked: bool) -> None:
+        super().__init__(reason)
+        self.key = key
+        self.wait = wait
+        self.reason = reason
+        # Whether the call booked its place (which the next attempt takes).
+        self.booked = booked
+
+
 class RequestNotFound(InvalidInput, LookupError):
     """No request with this id in the runs ledger: what ``show``, ``tail`` and
     ``cancel`` exit 4 with, what the console answers 404 with, and what

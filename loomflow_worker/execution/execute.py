@@ -39,14 +39,14 @@ from ..runtime.loopwatch import LoopWatch, Stall
 from ..runtime.store import Conn, Lease, OpenChoice
 from ..settings import Settings
 from . import ledger
-from .errors import AttemptLost, HandedBack
+from .errors import AttemptLost, HandedBack, Paused
 
 # Failures stored by earlier versions name this module as their error's: it
 # still offers them (Celery's result backend looks them up here).
 from .errors import RunCancelled as RunCancelled
 from .errors import RunDead as RunDead
 from .errors import RunFailed as RunFailed
-from .pacing import Budgets, Paused, RunPacing, pace, pacing_run, set_model_limits
+from .pacing import Budgets, RunPacing, pace, pacing_run, set_model_limits
 from .registry import agent_factory, agent_model_key, agent_time_limit
 from .request import Kind, RunRequest, check_request, refuse_message
 from .statuses import TERMINAL

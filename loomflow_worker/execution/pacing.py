@@ -40,6 +40,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from .. import metrics
 from ..runtime.sql import query
 from ..settings import ModelLimit, Settings
+from .errors import Paused
 
 log = logging.getLogger("loomflow_worker.execution")
 
@@ -104,21 +105,6 @@ def estimate_tokens(messages: Any) -> int:
         for call in getattr(message, "tool_calls", ()) or ():
             chars += len(str(getattr(call, "arguments", "")))
     return max(1, chars // 4)
-
-
-class Paused(BaseException):
-    """Raised out of a run whose model call would wait longer than
-    ``PARK_AFTER`` for its key: the run gives its slot back and its request
-    resumes in ``wait`` seconds (a BaseException, so that no ``except
-    Exception`` of the agent's takes it for the call's error)."""
-
-    def __init__(self, key: str, wait: float, reason: str, booked: bool) -> None:
-        super().__init__(reason)
-        self.key = key
-        self.wait = wait
-        self.reason = reason
-        # Whether the call booked its place (which the next attempt takes).
-        self.booked = booked
 
 
 @dataclass
