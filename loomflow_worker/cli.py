@@ -457,7 +457,11 @@ def show(request_id: str, as_json: bool) -> None:
     click.echo(f"run       {detail.kind} of agent {detail.agent} in {who}")
     click.echo(f"epoch     {detail.epoch if detail.epoch is not None else '- (not started)'}")
     if detail.waiting_for:
-        click.echo(f"waits     {detail.waiting_for}, until {_when(detail.not_before)}")
+        why = (f"for a slot of {detail.waiting_for}" if detail.waiting_for.startswith("limit ")
+               else detail.waiting_for)
+        until = (f", until {_when(detail.not_before)}"
+                 if detail.not_before is not None and detail.not_before > detail.now else "")
+        click.echo(f"waits     {why}{until}")
     not_before = (f", not before {_when(detail.not_before)}"
                   if detail.not_before is not None else "")
     click.echo(f"times     enqueued {_when(detail.enqueued_at)}{not_before}, started "
@@ -650,9 +654,11 @@ def signal_command(session_id: str, name: str, payload: Any, user_id: str | None
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, one object a line.")
 @click.pass_context
 def limits(ctx: click.Context, as_json: bool) -> None:
-    """List the fleet's model-call budgets (requests and tokens per minute by
-    model key) and any pause a provider asked for; `limits set` changes them
-    at run time. Workers write LOOMFLOW_WORKER_MODEL_LIMITS at their start."""
+    """List the fleet's concurrency limits (runs in flight, and requests
+    waiting on each) and model-call budgets (requests and tokens per minute
+    by model key, and any pause a provider asked for); `limits concurrency`
+    and `limits set` change them at run time. Workers write
+    LOOMFLOW_WORKER_LIMITS and LOOMFLOW_WORKER_MODEL_LIMITS at their start."""
     if ctx.invoked_subcommand is not None:
         return
     _list_limits(as_json)
@@ -661,14 +667,24 @@ def limits(ctx: click.Context, as_json: bool) -> None:
 @handled
 def _list_limits(as_json: bool) -> None:
     from . import admin
+    from .execution import limits as concurrency
     from .execution import pacing
 
     with admin.connect(_settings()) as conn:
         rows = pacing.read_limits(conn)
+        sizes = concurrency.read(conn)
     if as_json:
         for row in rows:
-            _echo_json(asdict(row))
+            _echo_json({"kind": "model", **asdict(row)})
+        for size in sizes:
+            _echo_json({"kind": "concurrency", **asdict(size)})
         return
+    if sizes:
+        for line in _table(["LIMIT", "RUNS", "WAITING", "CHANGED"],
+                           [[size.name, str(size.max_runs), str(size.waiting),
+                             _when(size.updated_at)] for size in sizes]):
+            click.echo(line)
+        click.echo("")
     if not rows:
         click.echo("no model limits: set LOOMFLOW_WORKER_MODEL_LIMITS or `limits set KEY`")
         return
@@ -717,6 +733,32 @@ def limits_set(key: str, rpm: int | None, tpm: int | None, burst: float, unlimit
                + (", ".join(part for part in (f"{rpm} requests a minute" if rpm else "",
                                              f"{tpm} tokens a minute" if tpm else "") if part)
                   or "no limit"))
+
+
+@limits.command(name="concurrency")
+@click.argument("name")
+@click.argument("max_runs", metavar="[RUNS]", type=click.IntRange(min=1), required=False)
+@click.option("--none", "unlimited", is_flag=True, help="Remove the limit.")
+@handled
+def limits_concurrency(name: str, max_runs: int | None, unlimited: bool) -> None:
+    """Set the concurrency limit NAME to at most RUNS requests in flight for
+    the whole fleet: per_key (each fairness key apart), agent:AGENT, or a name
+    agents share (register_agent(limits=[...])). Every worker applies it
+    within seconds, until a worker starts with other LOOMFLOW_WORKER_LIMITS."""
+    from .settings import check_limit_name
+
+    if unlimited == (max_runs is not None):
+        raise click.UsageError("give RUNS (at least 1), or --none")
+    try:
+        check_limit_name(name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="NAME") from None
+    from . import admin
+    from .execution import limits as concurrency
+
+    with admin.connect(_settings()) as conn:
+        concurrency.write(conn, name, max_runs)
+    click.echo(f"limit {name!r}: " + (f"at most {max_runs} runs" if max_runs else "none"))
 
 
 # ---- prune ----------------------------------------------------------------------------------

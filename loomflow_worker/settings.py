@@ -12,6 +12,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    StrictInt,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -57,6 +58,15 @@ def check_key(key: str, what: str = "model key") -> str:
     if len(key.encode()) > MAX_KEY_BYTES:
         raise ValueError(f"a {what} is at most {MAX_KEY_BYTES} bytes")
     return key
+
+
+def check_limit_name(name: str) -> str:
+    """A concurrency limit's name: ``per_key``, ``agent:NAME`` or a shared name."""
+    if name.startswith("agent:"):
+        check_key(name.removeprefix("agent:"), "agent name")
+    else:
+        check_key(name, "limit name")
+    return name
 
 
 class Settings(BaseSettings):
@@ -170,6 +180,12 @@ class Settings(BaseSettings):
     # each worker's start; `loomflow-worker limits` changes them at run time.
     # A 429 or 529 from the provider pauses the key's calls in every case.
     model_limits: dict[str, ModelLimit] = Field(default_factory=dict)
+    # Concurrency limits for the whole fleet, as JSON: at most N requests in
+    # flight per fairness key ("per_key"), per agent ("agent:NAME"), or per
+    # name agents share (register_agent(limits=[...])): e.g. {"per_key": 20,
+    # "anthropic": 200}. Written at each worker's start; `loomflow-worker
+    # limits concurrency` changes them at run time.
+    limits: dict[str, StrictInt] = Field(default_factory=dict)
     # A run whose model call must wait longer than this (seconds) for its
     # key's budget or its provider gives its slot back and is resumed then,
     # from its journal, on any worker (0: it always waits in its slot).
@@ -196,6 +212,15 @@ class Settings(BaseSettings):
     def _split_agents(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("limits")
+    @classmethod
+    def _check_limits(cls, value: dict[str, int]) -> dict[str, int]:
+        for name, max_runs in value.items():
+            check_limit_name(name)
+            if max_runs < 1:
+                raise ValueError(f"limit {name!r}: at most how many runs, a positive integer")
         return value
 
     @field_validator("model_limits")

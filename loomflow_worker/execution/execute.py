@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -46,6 +47,8 @@ from .errors import AttemptLost, HandedBack, Paused
 from .errors import RunCancelled as RunCancelled
 from .errors import RunDead as RunDead
 from .errors import RunFailed as RunFailed
+from .limits import Bound, Limits, set_limits
+from .limits import take as take_limits
 from .pacing import Budgets, RunPacing, pace, pacing_run, set_model_limits
 from .registry import agent_factory, agent_model_key, agent_time_limit
 from .request import Kind, RunRequest, check_request, refuse_message
@@ -137,8 +140,10 @@ class WorkerContext:
         self._runtime: PostgresRuntime | None = None
         self.events: EventPublisher | None = None
         self._agents: dict[str, Any] = {}
-        # The fleet's model-call budgets, once the runtime is up.
+        # The fleet's model-call budgets and concurrency limits, once the
+        # runtime is up.
         self.budgets: Budgets | None = None
+        self.limits: Limits | None = None
         # Whether a run that would wait long for its model key gives its slot
         # back (a Celery worker, which publishes it again; not an in-process
         # caller, nor a request running alone).
@@ -183,11 +188,13 @@ class WorkerContext:
                 try:
                     await runtime.init_schema()
                     await set_model_limits(runtime.pool, self.settings)
+                    await set_limits(runtime.pool, self.settings)
                 except BaseException:
                     await runtime.aclose()
                     raise
                 self._runtime = runtime
                 self.budgets = Budgets(runtime.pool)
+                self.limits = Limits(runtime.pool)
                 # loomflow runs a synchronous tool in a worker thread, so it never
                 # blocks the other runs; anyio's default of 40 such threads at once
                 # would make the runs of a busy process queue for them.
@@ -470,10 +477,17 @@ async def execute(
         except SessionBusy:
             return await _park_busy(runtime, request_id, req, options)
     outcome: Outcome | None = None
+    bounds: list[Bound] = []
     try:
         worker = f"{node or ctx.node}:{os.getpid()}"
-        outcome = await _run_holding(ctx, runtime, lease, request_id, req, worker, time_limit,
-                                     options, pinned=pre.pinned if pre is not None else None)
+        bounds = await ctx.limits.bounds(req) if ctx.limits is not None else []
+        full = await take_limits(functools.partial(runtime.journal.take_slot, lease), bounds)
+        if full is not None:
+            outcome = await _park_on_limit(lease.io, request_id, req, full, options)
+        else:
+            outcome = await _run_holding(ctx, runtime, lease, request_id, req, worker,
+                                         time_limit, options,
+                                         pinned=pre.pinned if pre is not None else None)
     finally:
         # A request enqueued while this one finished may have parked on the
         # lock after the finish chose no one: look once more, unlocked (in the
@@ -490,9 +504,29 @@ async def execute(
                 handoff = await ledger.hand_off(conn, req.scope)
         if handoff is not None:
             outcome.dispatch.extend(handoff.dispatch)
+    freed = [bound for bound in bounds if set(bound.slots) & set(lease.slots)]
+    if freed:
+        # Each slot it held goes to the oldest request parked on its limit.
+        async with runtime.pool.connection() as conn:
+            for bound in freed:
+                outcome.dispatch.extend(await ledger.next_on_limit(conn, bound.reason, 1))
     if ctx.events is not None:
         await ctx.events.flush()
     return outcome
+
+
+async def _park_on_limit(
+    io: Io, request_id: str, req: RunRequest, full: Bound, options: MessageOptions | None
+) -> Outcome:
+    """Park the request: its limit ``full`` has no free slot. It holds no
+    worker slot and counts no retry while it waits; a run that frees a slot
+    of that limit publishes it again (or the sweeper does)."""
+    kept = options() if options is not None else None
+    await io(lambda conn: ledger.park_on_limit(conn, request_id, kept, full.reason, full.slots))
+    _count_parked("limit")
+    log.info("request %s parked: %s full", request_id, full.reason,
+             extra={"action": "parked", "limit": full.instance, **_log_fields(request_id, req)})
+    return Outcome("parked")
 
 
 class Io(Protocol):

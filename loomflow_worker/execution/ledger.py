@@ -624,6 +624,22 @@ async def schedule_retry(
         )
 
 
+async def park_on_limit(
+    conn: Conn, request_id: str, options: dict[str, Any] | None, reason: str, slots: list[int]
+) -> None:
+    """Park the request: a concurrency limit of it is full (see ``park_on_limit``)."""
+    await conn.execute(query("park_on_limit"), {
+        "request_id": request_id, "options": _jsonb(options), "reason": reason,
+        "slots": slots})
+
+
+async def next_on_limit(conn: Conn, reason: str, count: int) -> list[Pending]:
+    """The requests parked on the limit ``reason`` names, to publish again."""
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(query("next_on_limit"), {"reason": reason, "count": count})
+    return [Pending.of(row) for row in await cur.fetchall()]
+
+
 async def pause(
     conn: Conn, request_id: str, attempt: int, countdown: float, reason: str,
     booked_key: str | None, booked_in: float | None,

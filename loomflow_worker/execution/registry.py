@@ -17,11 +17,16 @@ DEFAULT_AGENT = "default"
 _factories: dict[str, AgentFactory] = {}
 _time_limits: dict[str, float] = {}
 _model_keys: dict[str, str] = {}
+_limits: dict[str, tuple[str, ...]] = {}
 _imported: set[str] = set()
 
 
 def register_agent(
-    name: str = DEFAULT_AGENT, *, time_limit: float | None = None, model_key: str | None = None
+    name: str = DEFAULT_AGENT,
+    *,
+    time_limit: float | None = None,
+    model_key: str | None = None,
+    limits: Iterable[str] = (),
 ) -> Callable[[F], F]:
     """Register ``build(runtime) -> loomflow.Agent`` under ``name``.
 
@@ -30,7 +35,10 @@ def register_agent(
     ``time_limit`` (seconds) overrides ``LOOMFLOW_WORKER_RUN_TIME_LIMIT``
     for this agent's runs. ``model_key`` names the budget its model calls
     share with every agent of the same key (``LOOMFLOW_WORKER_MODEL_LIMITS``;
-    e.g. the provider key they use); by default, its model's name."""
+    e.g. the provider key they use); by default, its model's name.
+    ``limits`` names the concurrency limits its runs count toward with every
+    agent that names them (``LOOMFLOW_WORKER_LIMITS``), besides ``per_key``
+    and its own ``agent:NAME``."""
     if not isinstance(name, str) or not name.strip():
         raise InvalidInput("register_agent needs a non-empty agent name")
     if time_limit is not None and time_limit <= 0:
@@ -41,10 +49,22 @@ def register_agent(
         except ValueError as exc:
             raise InvalidInput(f"model_key {model_key!r}: {exc}") from None
 
+    if isinstance(limits, str):
+        raise InvalidInput(f"limits is a list of limit names, not the string {limits!r}")
+    shared = tuple(limits)
+    for limit in shared:
+        try:
+            check_key(limit, "limit name")
+        except ValueError as exc:
+            raise InvalidInput(f"limits: {limit!r}: {exc}") from None
+        if limit == "per_key" or limit.startswith("agent:"):
+            raise InvalidInput(f"limits: {limit!r} applies by itself; name shared limits only")
+
     def decorate(factory: F) -> F:
         _factories[name] = factory
         _set(_time_limits, name, time_limit)
         _set(_model_keys, name, model_key)
+        _set(_limits, name, shared or None)
         return factory
 
     return decorate
@@ -77,6 +97,11 @@ def agent_factory(name: str) -> AgentFactory:
 
 def agent_time_limit(name: str) -> float | None:
     return _time_limits.get(name)
+
+
+def agent_limits(name: str) -> tuple[str, ...]:
+    """The shared concurrency limits ``register_agent`` gave the agent."""
+    return _limits.get(name, ())
 
 
 def agent_model_key(name: str) -> str | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -61,6 +62,7 @@ T = TypeVar("T")
 EPOCH_KEY = "__run_epoch__"
 LAST_RUN_KEY = "__last_run_epoch__"
 _LOCK_SALT = b"loomflow-worker/scope/"
+_SLOT_SALT = b"loomflow-worker/slot/"
 
 #: A run waiting for a scope another process holds tries its lock again after
 #: 1, 2, 4, 8, then every 10 ms (one short statement on a shared connection
@@ -73,6 +75,15 @@ def scope_lock_key(scope: str) -> int:
     """The advisory lock key (a signed bigint) of a journal scope."""
     digest = hashlib.blake2b(_LOCK_SALT + scope.encode("utf-8", "surrogatepass"), digest_size=8)
     return int.from_bytes(digest.digest(), "big", signed=True)
+
+
+def slot_lock_keys(limit: str, count: int) -> list[int]:
+    """The advisory lock keys of the ``count`` slots of a concurrency limit
+    (one instance of it: ``per_key:alice``): a run of the limit holds one of
+    them, on its lock connection, for as long as it runs."""
+    salt = _SLOT_SALT + limit.encode("utf-8", "surrogatepass") + b"\0"
+    return [int.from_bytes(hashlib.blake2b(salt + str(i).encode(), digest_size=8).digest(),
+                           "big", signed=True) for i in range(count)]
 
 
 class IdleCheck:
@@ -217,6 +228,9 @@ class Lease:
         self.prefetched: tuple[OpenChoice, list[DictRow]] | None = None
         # Called once, after the run's next executed (not replayed) step.
         self.on_executed: Callable[[], Awaitable[Any]] | None = None
+        # The concurrency limit slots the run holds (advisory lock keys on its
+        # lock connection), released with its scope.
+        self.slots: list[int] = []
 
     @property
     def backend_pid(self) -> int:
@@ -462,6 +476,9 @@ class PostgresJournalStore:
         # on its connection, so this process must never take one twice.
         self._held: dict[int, Lease | None] = {}
         self._freed: dict[int, asyncio.Event] = {}
+        # Concurrency limit slots held (or being taken) by this process's runs:
+        # reentrant too, so never tried twice here.
+        self._slots: set[int] = set()
         self._closed = False
         # Called with the seconds each journal write of a run took (metrics).
         self.on_write: Callable[[float], None] | None = None
@@ -605,6 +622,24 @@ class PostgresJournalStore:
                 await asyncio.wait_for(freed.wait(), pause if left is None else min(pause, left))
             pause = min(pause * 2, WAIT_POLL_MAX)
 
+    async def take_slot(self, lease: Lease, keys: Sequence[int]) -> bool:
+        """Take one free slot of a concurrency limit, one of ``keys``, for
+        ``lease`` (on its lock connection, in one statement that stops at the
+        first it gets); ``False`` when every slot is held, here or elsewhere."""
+        free = [key for key in keys if key not in self._slots]
+        if not free:
+            return False
+        self._slots.update(free)  # taken here while the statement runs
+        got: int | None = None
+        try:
+            got = await lease.io(functools.partial(_take_one, free))
+        finally:
+            self._slots.difference_update(key for key in free if key != got)
+        if got is None:
+            return False
+        lease.slots.append(got)
+        return True
+
     def _forget(self, key: int) -> None:
         self._held.pop(key, None)
         freed = self._freed.pop(key, None)
@@ -644,6 +679,8 @@ class PostgresJournalStore:
             if lease.fenced is None and lock_conn.fenced is None:
                 with anyio.CancelScope(shield=True):
                     try:
+                        if lease.slots:
+                            await lock_conn.run(functools.partial(_unlock_slots, lease.slots))
                         if then is None:
                             row = await lock_conn.run(_unlock_after(before, lease.lock_key, failed))
                         else:
@@ -666,6 +703,7 @@ class PostgresJournalStore:
                 failed.append(lease.fenced or lock_conn.fenced or LockLost(lease.scope, "fenced"))
         finally:
             lock_conn.detach(lease)
+            self._slots.difference_update(lease.slots)
             if self._held.get(lease.lock_key) is lease:
                 self._forget(lease.lock_key)
         if failed:
@@ -941,6 +979,16 @@ def _try_lock(
             raise
 
     return try_lock
+
+
+async def _take_one(keys: list[int], conn: Conn) -> int | None:
+    cur = await conn.execute(query("take_slot"), {"keys": keys})
+    row = await cur.fetchone()
+    return None if row is None else int(row[0])
+
+
+async def _unlock_slots(keys: list[int], conn: Conn) -> None:
+    await conn.execute(query("unlock_slots"), {"keys": keys})
 
 
 def _journal_call(scope: str, key: str, blob: bytes) -> fastpath.Call:

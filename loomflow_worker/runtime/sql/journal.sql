@@ -223,3 +223,13 @@ SELECT payload::text AS payload FROM checkpoints WHERE session_id = %(session_id
 SELECT checkpoint_id, turn, created_at FROM checkpoints
  WHERE session_id = %(session_id)s
  ORDER BY created_at DESC, checkpoint_id DESC LIMIT %(limit)s;
+
+-- name: take_slot
+-- One free slot of a concurrency limit for a run, on its lock connection: the
+-- keys are tried in order and the scan stops at the first lock it gets (no
+-- ORDER BY, which would try them all), so the run holds at most one.
+SELECT k FROM unnest(%(keys)s::bigint[]) AS k WHERE pg_try_advisory_lock(k) LIMIT 1;
+
+-- name: unlock_slots
+-- A run's concurrency limit slots released with its scope, on the same connection.
+SELECT pg_advisory_unlock(k) FROM unnest(%(keys)s::bigint[]) AS k;

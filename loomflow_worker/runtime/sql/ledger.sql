@@ -174,6 +174,36 @@ UPDATE runs SET received_at = now(), options = coalesce(%(options)s::jsonb, opti
  WHERE request_id = %(request_id)s
 RETURNING handed_at IS NOT NULL;
 
+-- name: park_on_limit
+-- A worker parks the request whose message it took because a concurrency
+-- limit of it is full: as park_request, saying which limit (waiting_for) and
+-- the slots it waits for (waiting_slots), so that the run that frees one, or
+-- the sweeper once one is free, publishes it again. A request still marked
+-- running (its last attempt's worker died) parks too, its options kept for a
+-- queued one only (see park_request).
+UPDATE runs SET received_at = now(), waiting_for = %(reason)s,
+       waiting_slots = %(slots)s::bigint[],
+       options = CASE WHEN status = 'queued' THEN coalesce(%(options)s::jsonb, options)
+                      ELSE options END
+ WHERE request_id = %(request_id)s AND loomflow_worker_unfinished(status);
+
+-- name: next_on_limit
+-- A run freed a slot of a concurrency limit: the oldest requests parked on it
+-- (as many as slots were freed), stamped dispatched so that nothing else
+-- publishes them before their grace; their messages go out again.
+WITH next AS (
+    SELECT request_id FROM runs
+     WHERE waiting_slots IS NOT NULL AND waiting_for = %(reason)s
+       AND loomflow_worker_unfinished(status) AND received_at >= dispatched_at
+     ORDER BY enqueued_at LIMIT %(count)s
+       FOR UPDATE SKIP LOCKED
+)
+UPDATE runs r SET dispatched_at = now()
+  FROM next WHERE r.request_id = next.request_id
+RETURNING r.request_id, r.kind, r.session_id, r.user_id, r.agent, r.prompt, r.metadata,
+          r.not_before, CASE WHEN r.status = 'queued' THEN r.options END AS options,
+          r.routing;
+
 -- name: mark_dispatched
 -- The request ahead of a parking one looked stale (its message unseen for `stale` seconds)
 -- and the parker publishes it again: stamped dispatched now, so neither the next parker nor
@@ -250,7 +280,7 @@ WITH r AS (
            holder_pid = pg_backend_pid(),
            started_at = now(),
            heartbeat_at = now(),
-           waiting_for = NULL, booked_key = NULL, booked_at = NULL
+           waiting_for = NULL, waiting_slots = NULL, booked_key = NULL, booked_at = NULL
       FROM r CROSS JOIN marks m LEFT JOIN prev p ON true
      WHERE u.request_id = r.request_id AND loomflow_worker_unfinished(r.status)
        AND NOT EXISTS (SELECT 1 FROM older) AND NOT EXISTS (SELECT 1 FROM previous_open)

@@ -51,3 +51,23 @@ INSERT INTO model_budgets (key, paused_until)
 VALUES (%(key)s, now() + make_interval(secs => %(seconds)s))
 ON CONFLICT (key) DO UPDATE
    SET paused_until = greatest(model_budgets.paused_until, EXCLUDED.paused_until);
+
+-- name: set_concurrency_limit
+-- A concurrency limit's size, as a worker's settings give it at its start or
+-- `loomflow-worker limits concurrency` sets it.
+INSERT INTO concurrency_limits (name, max_runs) VALUES (%(name)s, %(max_runs)s)
+ON CONFLICT (name) DO UPDATE SET max_runs = EXCLUDED.max_runs, updated_at = now();
+
+-- name: drop_concurrency_limit
+-- A concurrency limit removed: its runs take no slot from now on.
+DELETE FROM concurrency_limits WHERE name = %(name)s;
+
+-- name: concurrency_limits
+-- Every concurrency limit, with how many requests wait parked on each of its
+-- instances (per_key has one per fairness key).
+SELECT c.name, c.max_runs, c.updated_at,
+       (SELECT count(*) FROM runs r
+         WHERE r.waiting_slots IS NOT NULL AND r.status = 'queued'
+           AND (r.waiting_for = 'limit ' || c.name
+                OR starts_with(r.waiting_for, 'limit ' || c.name || ':'))) AS waiting
+  FROM concurrency_limits c ORDER BY c.name;

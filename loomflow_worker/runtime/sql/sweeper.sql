@@ -89,6 +89,10 @@ SELECT coalesce(routing->>'queue', %(default_queue)s) AS queue, count(*) AS queu
 -- message held by a worker until then, counted in no queue: it is in no
 -- count, and gone no sooner than queued_after past its not_before (unless its
 -- publish failed: then it is published at once, with its eta).
+-- A request parked on a full concurrency limit (waiting_slots; queued, or
+-- running when its last attempt's worker died) is published again only once
+-- the limit has a free slot, only as many of a limit's parked requests (the
+-- oldest) as it has free slots, and then after queued_after like any other.
 WITH in_broker AS (
     SELECT request_id, dispatched_at, coalesce(routing->>'queue', %(default_queue)s) AS queue,
            row_number() OVER (PARTITION BY coalesce(routing->>'queue', %(default_queue)s)
@@ -110,10 +114,28 @@ WITH in_broker AS (
            not_before, CASE WHEN status = 'queued' THEN options END AS options, routing, status,
            dispatched_at, swept_at, started_at, heartbeat_at, lock_key,
            coalesce(held_at > dispatched_at
-                    AND held_at > now() - make_interval(secs => %(held_within)s), false) AS held
+                    AND held_at > now() - make_interval(secs => %(held_within)s), false) AS held,
+           waiting_for, waiting_slots, enqueued_at
       FROM runs
      WHERE loomflow_worker_unfinished(status)
      ORDER BY scope, seq
+), locks AS MATERIALIZED (
+    SELECT classid, objid FROM pg_locks
+     WHERE locktype = 'advisory' AND granted AND objsubid = 1
+       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+), room AS (
+    SELECT w.waiting_for, count(*) AS free
+      FROM (SELECT DISTINCT waiting_for, waiting_slots FROM heads
+             WHERE waiting_slots IS NOT NULL) w
+     CROSS JOIN unnest(w.waiting_slots) AS k
+     WHERE NOT EXISTS (SELECT 1 FROM locks l
+                        WHERE l.classid = ((k >> 32) & 4294967295)::oid
+                          AND l.objid = (k & 4294967295)::oid)
+     GROUP BY w.waiting_for
+), waiting AS (
+    SELECT request_id, waiting_for,
+           row_number() OVER (PARTITION BY waiting_for ORDER BY enqueued_at) AS place
+      FROM heads WHERE waiting_slots IS NOT NULL
 )
 SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata,
        h.not_before, h.options, h.routing, h.status
@@ -121,7 +143,13 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
   LEFT JOIN in_broker b USING (request_id)
   LEFT JOIN budget g ON g.queue = b.queue
  WHERE h.lock_key IS NOT NULL
-   AND CASE WHEN h.status = 'running' THEN
+   AND CASE WHEN h.waiting_slots IS NOT NULL THEN
+            EXISTS (SELECT 1 FROM waiting w JOIN room m USING (waiting_for)
+                     WHERE w.request_id = h.request_id AND w.place <= m.free)
+            AND h.dispatched_at < now() - make_interval(secs => %(queued_after)s)
+            AND (h.swept_at IS NULL
+                 OR h.swept_at < now() - make_interval(secs => %(queued_after)s))
+       WHEN h.status = 'running' THEN
             h.heartbeat_at < now() - make_interval(secs => %(dead_after)s)
             AND (h.swept_at IS NULL OR h.swept_at < h.started_at
                  OR h.swept_at < now() - make_interval(secs => %(after)s))

@@ -1,0 +1,142 @@
+"""Concurrency limits for the whole fleet: at most N requests in flight per
+fairness key, per agent, or per name that agents share.
+
+A limit is a row of ``concurrency_limits`` (``LOOMFLOW_WORKER_LIMITS`` at a
+worker's start, ``loomflow-worker limits concurrency`` at run time):
+
+- ``per_key``: each fairness key apart (a request's user; its session when it
+  has none), so one tenant's backlog takes at most N runs of the fleet;
+- ``agent:NAME``: the runs of one agent;
+- any other name: the runs of every agent registered with it
+  (``register_agent(..., limits=["anthropic"])``).
+
+An instance of a limit (``per_key:alice``, ``agent:research``, ``anthropic``)
+has N slots, advisory locks in Postgres: a run takes one of each of its
+limits on its lock connection before it starts, and holds it until it ends,
+so a crash frees it at once and no count can drift. A request whose limit is
+full parks (its message acked: it holds no worker slot and counts no retry),
+and the run that frees a slot publishes the oldest request parked there; the
+sweeper publishes a parked request whose limit has a free slot when that
+handoff was lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from ..runtime.sql import query
+from ..runtime.store import slot_lock_keys
+from ..settings import Settings
+from .registry import agent_limits
+from .request import RunRequest
+
+#: How often a process reads the limits again.
+REFRESH = 2.0
+#: The limit that applies to each fairness key apart.
+PER_KEY = "per_key"
+
+
+def fairness_key(req: RunRequest) -> str:
+    """A request's fairness key: its user, else its session."""
+    return req.user_id if req.user_id is not None else req.session_id
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One limit instance a request runs under: its name and its slots."""
+
+    instance: str
+    slots: list[int]
+
+    @property
+    def reason(self) -> str:
+        return f"limit {self.instance}"
+
+
+class Limits:
+    """The fleet's concurrency limits as one process reads them."""
+
+    def __init__(self, pool: AsyncConnectionPool[Any],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self._clock = clock
+        self._sizes: dict[str, int] = {}
+        self._read_at: float | None = None
+        self._reading = anyio.Lock()
+
+    async def bounds(self, req: RunRequest) -> list[Bound]:
+        """The limit instances ``req`` runs under now (none: no limit applies)."""
+        await self._refresh()
+        if not self._sizes:
+            return []
+        names = [(PER_KEY, f"{PER_KEY}:{fairness_key(req)}"), (f"agent:{req.agent}", None)]
+        names += [(name, None) for name in agent_limits(req.agent)]
+        found = []
+        for name, instance in names:
+            size = self._sizes.get(name)
+            if size is not None:
+                found.append(Bound(instance or name, slot_lock_keys(instance or name, size)))
+        return found
+
+    async def _refresh(self) -> None:
+        if self._read_at is not None and self._clock() - self._read_at < REFRESH:
+            return
+        async with self._reading:
+            if self._read_at is not None and self._clock() - self._read_at < REFRESH:
+                return
+            async with self.pool.connection() as conn:
+                cur = await conn.execute(query("concurrency_limits"))
+                rows = await cur.fetchall()
+            self._sizes = {name: max_runs for name, max_runs, _, _ in rows}
+            self._read_at = self._clock()
+
+
+async def take(take_slot: Callable[[list[int]], Awaitable[bool]], bounds: list[Bound]
+               ) -> Bound | None:
+    """Take a slot of each of ``bounds`` with ``take_slot``; the first that is
+    full, if any (the slots taken before it are released with the lease)."""
+    for bound in bounds:
+        if not await take_slot(bound.slots):
+            return bound
+    return None
+
+
+async def set_limits(pool: AsyncConnectionPool[Any], settings: Settings) -> None:
+    """Write the concurrency limits ``settings`` give (``LIMITS``), as a worker
+    starts: a deploy's sizes replace those set at run time."""
+    if not settings.limits:
+        return
+    async with pool.connection() as conn:
+        for name, max_runs in sorted(settings.limits.items()):
+            await conn.execute(query("set_concurrency_limit"),
+                               {"name": name, "max_runs": max_runs})
+
+
+@dataclass(frozen=True)
+class LimitRow:
+    """A concurrency limit as ``loomflow-worker limits`` lists it."""
+
+    name: str
+    max_runs: int
+    updated_at: Any
+    waiting: int
+
+
+def read(conn: psycopg.Connection[Any]) -> list[LimitRow]:
+    return [LimitRow(*row) for row in conn.execute(query("concurrency_limits")).fetchall()]
+
+
+def write(conn: psycopg.Connection[Any], name: str, max_runs: int | None) -> None:
+    """Set (``None``: remove) the limit ``name`` for the whole fleet; every
+    process reads it within :data:`REFRESH` seconds."""
+    if max_runs is None:
+        conn.execute(query("drop_concurrency_limit"), {"name": name})
+    else:
+        conn.execute(query("set_concurrency_limit"), {"name": name, "max_runs": max_runs})

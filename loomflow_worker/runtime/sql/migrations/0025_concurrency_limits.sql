@@ -1,0 +1,16 @@
+-- Concurrency limits shared by the fleet: at most max_runs requests in flight
+-- per limit: "per_key" (each fairness key, by default the request's user,
+-- apart), "agent:NAME" (an agent's runs), or a name agents share
+-- (register_agent(limits=[...])). A run holds one of its limit's slots (an
+-- advisory lock on its lock connection) while it runs; a request whose limit
+-- is full parks, saying which in waiting_for, with the slots it waits for in
+-- waiting_slots, and is published again when a slot frees (by the run that
+-- frees it, or by the sweeper).
+CREATE TABLE IF NOT EXISTS concurrency_limits (
+    name TEXT PRIMARY KEY CHECK (octet_length(name) BETWEEN 1 AND 72),
+    max_runs INTEGER NOT NULL CHECK (max_runs > 0),
+    updated_at TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_slots BIGINT[];
+CREATE INDEX IF NOT EXISTS runs_waiting_for ON runs (waiting_for, enqueued_at)
+    WHERE waiting_slots IS NOT NULL;

@@ -1,0 +1,116 @@
+"""Concurrency limits on real Celery workers: a tenant's runs across the
+fleet stay within its limit, the requests over it park (no slot, no retry)
+and start as slots free, and other tenants run meanwhile."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import psycopg
+import pytest
+
+from loomflow_worker.tasks import run_agent
+
+from .celery_harness import Fleet, wait_sweeps_for
+from .helpers import calls, cli, tool_executions, wait_until
+
+pytestmark = pytest.mark.slow
+
+FAST = {"LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5", "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+        "LOOMFLOW_WORKER_HANDOFF_GRACE": "1"}
+
+
+def _most_at_once(spans: list[tuple[datetime, datetime]]) -> int:
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    most = running = 0
+    for _, step in edges:
+        running += step
+        most = max(most, running)
+    return most
+
+
+def _spans(dsn: str, prefix: str) -> list[tuple[datetime, datetime]]:
+    return [(started, finished) for tag, _, started, finished in tool_executions(dsn)
+            if tag.startswith(prefix) and finished is not None]
+
+
+def _rows(dsn: str, ids: list[str]) -> list[tuple[str, int, int]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute("SELECT status, failures, crashes FROM runs WHERE request_id = ANY(%s)",
+                            (ids,)).fetchall()
+
+
+def _swept(dsn: str, request_id: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT swept_at IS NOT NULL FROM runs WHERE request_id = %s",
+                           (request_id,)).fetchone()
+    assert row is not None
+    return bool(row[0])
+
+
+def test_a_limit_per_key_holds_across_three_workers_while_other_keys_run(fleet: Fleet) -> None:
+    env = {**FAST, "TEST_TOOL_SLEEP": "0.6", "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 2})}
+    for name in ("w1", "w2", "w3"):
+        fleet.start(name, concurrency=3, pool="threads", **env)
+    alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(9)]
+    bob = [run_agent.delay(calls(f"bob{i}"), f"b{i}", user_id="bob").id for i in range(2)]
+    for request_id in alice + bob:
+        run_agent.AsyncResult(request_id).get(timeout=90)
+    assert _rows(fleet.dsn, alice + bob) == [("succeeded", 0, 0)] * 11
+    # Nine slots in the fleet, but never more than two of alice's runs at once,
+    # and her limit reached.
+    assert _most_at_once(_spans(fleet.dsn, "alice")) == 2, tool_executions(fleet.dsn)
+    # Bob is not queued behind her backlog: both of his ran before her last.
+    last_alice = max(end for _, end in _spans(fleet.dsn, "alice"))
+    assert all(end < last_alice for _, end in _spans(fleet.dsn, "bob"))
+    log = fleet.log_text()
+    assert "parked: limit per_key:alice full" in log, log
+    listed = cli(fleet, "limits")
+    assert listed.stdout.splitlines()[1].split()[:3] == ["per_key", "2", "0"], listed.stdout
+
+
+def test_a_slot_freed_by_a_killed_worker_goes_to_a_parked_request(fleet: Fleet) -> None:
+    # One run of alice's at a time. Her first request's worker is killed mid-
+    # run: no run ends to hand its slot on. The sweeper sees the slot free and
+    # publishes the parked request at once (within HANDOFF_GRACE), well before
+    # the killed one is taken for dead (two heartbeats of 2 s) and resumed.
+    env = {**FAST, "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "2", "TEST_TOOL_SLEEP": "4",
+           "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 1})}
+    fleet.start("w1", concurrency=2, pool="threads", **env)
+    first = run_agent.delay(calls("first"), "a0", user_id="alice")
+    wait_until(lambda: any(tag == "first" for tag, *_ in tool_executions(fleet.dsn)),
+               "the first request never ran its tool")
+    second = run_agent.delay(calls("second"), "a1", user_id="alice")
+    fleet.wait_logged(f"request {second.id} parked: limit per_key:alice full")
+    # While the limit is full the sweeper leaves the parked request alone
+    # (past its grace of 1 s, it would publish a parked request it thought lost).
+    wait_sweeps_for(fleet, 1.5)
+    assert _swept(fleet.dsn, second.id) is False
+    fleet.kill("w1")
+    fleet.start("w2", concurrency=2, pool="threads", **env)
+    assert second.get(timeout=60)["output"] == "done: recorded second"
+    assert first.get(timeout=60)["output"] == "done: recorded first"
+    assert _swept(fleet.dsn, second.id) is True, fleet.log_text()
+    assert _rows(fleet.dsn, [second.id]) == [("succeeded", 0, 0)]
+    assert _rows(fleet.dsn, [first.id]) == [("succeeded", 0, 1)]  # its worker died
+    # The killed run's tool ran until the kill; every finished one ran alone.
+    assert _most_at_once(_spans(fleet.dsn, "")) == 1, tool_executions(fleet.dsn)
+
+
+def test_bad_limits_are_refused_with_nothing_written(fleet: Fleet) -> None:
+    for args, says in [(("per_key", "0"), "RUNS"), (("per_key",), "give RUNS"),
+                       (("agent:" + "x" * 65, "3"), "at most 64 bytes"),
+                       (("", "3"), "non-empty")]:
+        refused = cli(fleet, "limits", "concurrency", *args)
+        assert refused.returncode == 2 and says in refused.stderr, (args, refused)
+    assert cli(fleet, "limits", "concurrency", "anthropic", "200").returncode == 0
+    assert cli(fleet, "limits", "concurrency", "per_key", "5").returncode == 0
+    rows = [json.loads(line) for line in cli(fleet, "limits", "--json").stdout.splitlines()]
+    assert [(r["name"], r["max_runs"]) for r in rows if r["kind"] == "concurrency"] == [
+        ("anthropic", 200), ("per_key", 5)]
+    assert cli(fleet, "limits", "concurrency", "anthropic", "--none").returncode == 0
+    rows = [json.loads(line) for line in cli(fleet, "limits", "--json").stdout.splitlines()]
+    assert [r["name"] for r in rows if r["kind"] == "concurrency"] == ["per_key"]
+    bad = cli(fleet, "worker", LOOMFLOW_WORKER_LIMITS='{"per_key": 0}')
+    assert bad.returncode != 0 and "limit 'per_key'" in bad.stderr, bad

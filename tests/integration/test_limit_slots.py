@@ -1,0 +1,54 @@
+"""Concurrency limit slots: advisory locks a run holds on its lock connection."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from loomflow_worker.runtime import PostgresRuntime
+from loomflow_worker.runtime.store import slot_lock_keys
+
+pytestmark = pytest.mark.anyio
+
+
+def _held(dsn: str, keys: list[int]) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks l, unnest(%s::bigint[]) k"
+            " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+            " AND l.classid = ((k >> 32) & 4294967295)::oid"
+            " AND l.objid = (k & 4294967295)::oid", (keys,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_runs_of_one_process_take_one_slot_each_until_none_is_left(dsn: str) -> None:
+    keys = slot_lock_keys("per_key:alice", 3)
+    assert len(set(keys)) == 3 and keys == slot_lock_keys("per_key:alice", 3)
+    # Every run of the process on one lock connection: a session lock taken
+    # twice there would succeed, so the process must not try one it holds.
+    runtime = await PostgresRuntime.connect(dsn, lock_wait_timeout=0, lock_connections=1)
+    other = await PostgresRuntime.connect(dsn, lock_wait_timeout=0, lock_connections=1)
+    try:
+        leases = [await runtime.journal.acquire(f"s{i}", wait=0) for i in range(4)]
+        taken = [await runtime.journal.take_slot(lease, keys) for lease in leases[:3]]
+        assert taken == [True, True, True]
+        assert sorted(k for lease in leases[:3] for k in lease.slots) == sorted(keys)
+        assert _held(dsn, keys) == 3
+        assert not await runtime.journal.take_slot(leases[3], keys)
+        # Another process finds them all held too.
+        stranger = await other.journal.acquire("t", wait=0)
+        assert not await other.journal.take_slot(stranger, keys)
+        await runtime.journal.release(leases[0])
+        assert _held(dsn, keys) == 2
+        assert await other.journal.take_slot(stranger, keys)
+        assert stranger.slots == leases[0].slots
+        assert not await runtime.journal.take_slot(leases[3], keys)
+        await other.journal.release(stranger)
+        assert await runtime.journal.take_slot(leases[3], keys)
+        for lease in leases[1:]:
+            await runtime.journal.release(lease)
+        assert _held(dsn, keys) == 0
+    finally:
+        await runtime.aclose()
+        await other.aclose()

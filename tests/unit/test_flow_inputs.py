@@ -1,0 +1,52 @@
+"""Bad flow-control input is refused with a clear error and nothing registered."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from loomflow_worker import register_agent
+from loomflow_worker.execution.registry import agent_limits, agent_model_key
+from loomflow_worker.runtime.errors import InvalidInput
+from loomflow_worker.settings import Settings
+
+
+@pytest.mark.parametrize(("kwargs", "says"), [
+    ({"limits": "anthropic"}, "a list of limit names"),
+    ({"limits": ["per_key"]}, "applies by itself"),
+    ({"limits": ["agent:x"]}, "applies by itself"),
+    ({"limits": ["x" * 65]}, "at most 64 bytes"),
+    ({"limits": [""]}, "non-empty"),
+    ({"model_key": "k" * 65}, "at most 64 bytes"),
+    ({"model_key": " "}, "non-empty"),
+])
+def test_register_agent_refuses_bad_limits_and_model_keys(kwargs: dict[str, object],
+                                                          says: str) -> None:
+    with pytest.raises(InvalidInput, match=says):
+        register_agent("flow-input-check", **kwargs)  # type: ignore[arg-type]
+    assert agent_limits("flow-input-check") == ()
+
+
+def test_register_agent_keeps_its_limits_and_model_key() -> None:
+    register_agent("flow-input-kept", limits=["anthropic"], model_key="anthropic")(
+        lambda runtime: None)
+    assert agent_limits("flow-input-kept") == ("anthropic",)
+    assert agent_model_key("flow-input-kept") == "anthropic"
+
+
+@pytest.mark.parametrize(("variable", "value", "says"), [
+    ("LOOMFLOW_WORKER_LIMITS", '{"per_key": 0}', "positive integer"),
+    ("LOOMFLOW_WORKER_LIMITS", '{"per_key": true}', "valid integer"),
+    ("LOOMFLOW_WORKER_LIMITS", '{"per_key": "5"}', "valid integer"),
+    ("LOOMFLOW_WORKER_LIMITS", '{"agent:": 3}', "agent name"),
+    ("LOOMFLOW_WORKER_MODEL_LIMITS", '{"k": {}}', "give rpm"),
+    ("LOOMFLOW_WORKER_MODEL_LIMITS", '{"k": {"rpm": -1}}', "greater than 0"),
+    ("LOOMFLOW_WORKER_MODEL_LIMITS", '{"k": {"rpm": 1, "burst": -1}}', "greater than or equal"),
+    ("LOOMFLOW_WORKER_MODEL_LIMITS", '{"k": {"rpm": 1, "per": 2}}', "Extra inputs"),
+    ("LOOMFLOW_WORKER_PARK_AFTER", "-1", "greater than or equal"),
+])
+def test_settings_refuse_bad_limits(monkeypatch: pytest.MonkeyPatch, variable: str, value: str,
+                                    says: str) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValidationError, match=says):
+        Settings()
