@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields
@@ -19,7 +20,7 @@ from psycopg_pool import ConnectionPool
 
 from ..runtime.errors import InvalidInput, SessionBusy, translated
 from ..runtime.sql import query
-from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice, scope_lock_key
+from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice, scope_lock_key, slot_lock_keys
 from ..runtime.validate import MAX_ID_BYTES, MAX_ID_LENGTH
 from .errors import RequestNotFound
 from .request import RunRequest, task_args
@@ -127,6 +128,10 @@ def _row_params(
         "prompt": req.prompt,
         "metadata": Jsonb(req.metadata),
         "lock_key": scope_lock_key(req.scope),
+        "fairness_key": req.fairness_key,
+        "hold_after": None,
+        "slots": None,
+        "options": None,
     }
 
 
@@ -155,6 +160,9 @@ class Enqueued:
     duplicate: bool = False
     # When the request may start, as the ledger recorded it (None: at once).
     not_before: datetime | None = None
+    # Held back on its fairness key's limit: not to be published now (the run
+    # that frees a slot of the limit, or the sweeper, publishes it).
+    held: bool = False
 
 
 def _same_as_recorded(conn: psycopg.Connection[Any], request_id: str, req: RunRequest) -> bool:
@@ -185,10 +193,18 @@ def differing(row: Mapping[str, Any], values: Mapping[str, Any]) -> list[str]:
 def _insert_new(
     conn: psycopg.Connection[Any], request_id: str, req: RunRequest, start: StartAt | None,
     ignore_result: bool, routing: dict[str, Any] | None,
+    options: dict[str, Any] | None = None,
 ) -> Enqueued:
     """Insert the request's row; a duplicate when the ledger had it already
-    (the same request: :func:`_same_as_recorded` checks)."""
+    (the same request: :func:`_same_as_recorded` checks). Held back when its
+    fairness key has as many out as the per_key limit allows (and its message
+    ``options`` are known)."""
     params = _row_params(request_id, req, start, ignore_result, routing)
+    params["options"] = _jsonb(options)
+    per_key = PER_KEY_LIMIT.size(conn) if options is not None else None
+    if per_key is not None:
+        params["hold_after"] = per_key
+        params["slots"] = slot_lock_keys(f"per_key:{req.fairness_key}", per_key)
     row = conn.execute(query("insert_run"), params).fetchone()
     if row is None:
         if _same_as_recorded(conn, request_id, req):
@@ -197,7 +213,29 @@ def _insert_new(
         row = conn.execute(query("insert_run"), params).fetchone()
         if row is None:
             return Enqueued(duplicate=True)
-    return Enqueued(not_before=row[0])
+    return Enqueued(not_before=row[0], held=bool(row[1]))
+
+
+class _PerKeyLimit:
+    """The per_key concurrency limit's size as enqueues read it (every few seconds)."""
+
+    def __init__(self, every: float = 2.0) -> None:
+        self.every = every
+        self._read: tuple[float, int | None] | None = None
+        self._lock = threading.Lock()
+
+    def size(self, conn: psycopg.Connection[Any]) -> int | None:
+        with self._lock:
+            if self._read is not None and time.monotonic() - self._read[0] < self.every:
+                return self._read[1]
+        row = conn.execute(query("per_key_limit")).fetchone()
+        size = int(row[0]) if row is not None else None
+        with self._lock:
+            self._read = (time.monotonic(), size)
+        return size
+
+
+PER_KEY_LIMIT = _PerKeyLimit()
 
 
 class EnqueuePool:
@@ -259,18 +297,22 @@ class EnqueuePool:
         start: StartAt | None = None,
         ignore_result: bool = False,
         routing: dict[str, Any] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> Enqueued:
         """Record the request (to start no sooner than ``start`` says;
         ``ignore_result``: its caller wants no result, Celery's
         ``ignore_result``, so the sweeper never stores one; ``routing``: where
-        its messages go, see :attr:`Pending.routing`).
+        its messages go, see :attr:`Pending.routing`; ``options``: what its
+        message carries besides, kept for a message published later when the
+        request is held back on its fairness key's limit, which it is not
+        when they are ``None``).
         ``request_id`` is an idempotency key: when the ledger has it already,
         with the same arguments, nothing is written and the result says it is
         a duplicate; with other arguments, :class:`InvalidInput` names them."""
         with (translated("record the request in", dsn, then="nothing was enqueued"),
               self.connection(dsn, connect_timeout) as conn):
             if on_busy == "enqueue":
-                return _insert_new(conn, request_id, req, start, ignore_result, routing)
+                return _insert_new(conn, request_id, req, start, ignore_result, routing, options)
             with conn.transaction():
                 if _same_as_recorded(conn, request_id, req):
                     return Enqueued(duplicate=True)
@@ -284,8 +326,10 @@ class EnqueuePool:
                             detail=f"request {busy[0]['request_id']} is "
                             f"{busy[0]['status']} on it and on_busy=\"reject\" was asked",
                         )
-                    return _insert_new(conn, request_id, req, start, ignore_result, routing)
-                enqueued = _insert_new(conn, request_id, req, start, ignore_result, routing)
+                    return _insert_new(conn, request_id, req, start, ignore_result, routing,
+                                       options)
+                enqueued = _insert_new(conn, request_id, req, start, ignore_result, routing,
+                                       options)
                 if enqueued.duplicate:
                     return enqueued
                 rows = _rows(

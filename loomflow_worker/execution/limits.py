@@ -43,11 +43,6 @@ REFRESH = 2.0
 PER_KEY = "per_key"
 
 
-def fairness_key(req: RunRequest) -> str:
-    """A request's fairness key: its user, else its session."""
-    return req.user_id if req.user_id is not None else req.session_id
-
-
 @dataclass(frozen=True)
 class Bound:
     """One limit instance a request runs under: its name and its slots."""
@@ -76,7 +71,7 @@ class Limits:
         await self._refresh()
         if not self._sizes:
             return []
-        names = [(PER_KEY, f"{PER_KEY}:{fairness_key(req)}"), (f"agent:{req.agent}", None)]
+        names = [(PER_KEY, f"{PER_KEY}:{req.fairness_key}"), (f"agent:{req.agent}", None)]
         names += [(name, None) for name in agent_limits(req.agent)]
         found = []
         for name, instance in names:

@@ -33,6 +33,12 @@ class RunRequest:
     def scope(self) -> str:
         return journal_scope(self.session_id, self.user_id)
 
+    @property
+    def fairness_key(self) -> str:
+        """Whose request it is, for concurrency limits per key: its user, else
+        its session."""
+        return self.user_id if self.user_id is not None else self.session_id
+
     def metadata_json(self) -> str:
         return json.dumps(self.metadata, separators=(",", ":"))
 

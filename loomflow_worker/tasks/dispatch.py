@@ -5,6 +5,7 @@ the queue of record)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from typing import Any
@@ -28,6 +29,15 @@ DISPATCH_RETRY = {"max_retries": 2, "interval_start": 0.1, "interval_step": 0.3,
 #: How long a result backend that answered a PING is taken to be up: enqueues
 #: within it send none.
 BACKEND_CHECK_EVERY = 1.0
+
+
+def options_json(options: dict[str, Any]) -> dict[str, Any]:
+    """A message's options as JSON, encoded as kombu encodes a message (so
+    that what a message decodes to is encoded back the same way)."""
+    from kombu.utils import json as kombu_json
+
+    plain: dict[str, Any] = json.loads(kombu_json.dumps(options))  # type: ignore[no-untyped-call]
+    return plain
 
 
 def dispatch(pending: Pending, producer: Any = None) -> None:

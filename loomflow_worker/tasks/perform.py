@@ -7,13 +7,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import json
 import logging
 from typing import Any
 
 import psycopg
 from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
-from kombu.utils import json as kombu_json
 
 from ..execution import ledger
 from ..execution.errors import AttemptLost, DiedAlone, RunCancelled, RunDead, RunFailed
@@ -22,7 +20,7 @@ from ..execution.registry import DEFAULT_AGENT
 from ..execution.request import Kind
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
 from .alone import run_alone
-from .dispatch import dispatch_recorded
+from .dispatch import dispatch_recorded, options_json
 from .eta import arrival
 from .retry import retry_within
 from .state import PROCESS
@@ -208,8 +206,7 @@ def _message_options(task: AgentTask, request: Any) -> dict[str, Any]:
     so what the message decoded to is encoded back the same way)."""
     options = task.signature_from_request(request).options
     kept = {k: v for k, v in options.items() if v is not None and k != "task_id"}
-    plain: dict[str, Any] = json.loads(kombu_json.dumps(kept))  # type: ignore[no-untyped-call]
-    return plain
+    return options_json(kept)
 
 
 def mark_lost(lost: AttemptLost) -> None:

@@ -24,6 +24,7 @@ from .dispatch import (
     dispatch_deferred,
     dispatch_errors,
     dispatch_recorded,
+    options_json,
 )
 from .eta import start_at
 from .results import ResultStore
@@ -32,6 +33,23 @@ from .state import PROCESS
 
 #: The ``apply_async`` options that say where a message goes.
 ROUTING = ("queue", "exchange", "routing_key", "priority")
+
+
+#: The ``apply_async`` options a request held back at enqueue keeps for the
+#: message published later (what its message would have carried).
+HELD_OPTIONS = ("link", "link_error", "headers", "priority", "expires", "time_limit",
+                "soft_time_limit", "chord", "chain", "group_id", "group_index", "root_id",
+                "parent_id", "shadow", "reply_to")
+
+
+def held_options(options: dict[str, Any]) -> dict[str, Any] | None:
+    """``options`` as JSON for a request held back at enqueue; ``None`` when
+    one of them is not JSON (the request is then published at once)."""
+    kept = {k: v for k, v in options.items() if k in HELD_OPTIONS and v is not None}
+    try:
+        return options_json(kept)
+    except (TypeError, ValueError):
+        return None
 
 
 class AgentTask(Task):  # type: ignore[misc]
@@ -110,10 +128,15 @@ class AgentTask(Task):  # type: ignore[misc]
             *PROCESS.database(), task_id, request, on_busy, start,
             ignore_result=bool(options.get("ignore_result", self.ignore_result)),
             routing=self._routing(request.task_args(), options),
+            options=held_options(options),
         )
-        if enqueued.duplicate:
+        if enqueued.duplicate or enqueued.held:
             # The same request sent again under its id: it is recorded and was
-            # published already, so this publishes nothing.
+            # published already, so this publishes nothing. Or held back on its
+            # fairness key's limit: the run that frees a slot of it publishes it
+            # (or the sweeper does), with the options recorded with it.
+            for pending in enqueued.cancelled:
+                dispatch_recorded(pending, "cancelled")
             return self.AsyncResult(task_id)
         # The request is accepted: its row is the record, and the sweeper
         # publishes a queued request whose message looks lost. A publish that

@@ -5,6 +5,7 @@ and start as slots free, and other tenants run meanwhile."""
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime
 
 import psycopg
@@ -41,6 +42,13 @@ def _rows(dsn: str, ids: list[str]) -> list[tuple[str, int, int]]:
                             (ids,)).fetchall()
 
 
+def _waiting(dsn: str, request_id: str) -> str | None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT waiting_for FROM runs WHERE request_id = %s"
+                           " AND waiting_slots IS NOT NULL", (request_id,)).fetchone()
+    return None if row is None else str(row[0])
+
+
 def _swept(dsn: str, request_id: str) -> bool:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT swept_at IS NOT NULL FROM runs WHERE request_id = %s",
@@ -64,8 +72,6 @@ def test_a_limit_per_key_holds_across_three_workers_while_other_keys_run(fleet: 
     # Bob is not queued behind her backlog: both of his ran before her last.
     last_alice = max(end for _, end in _spans(fleet.dsn, "alice"))
     assert all(end < last_alice for _, end in _spans(fleet.dsn, "bob"))
-    log = fleet.log_text()
-    assert "parked: limit per_key:alice full" in log, log
     listed = cli(fleet, "limits")
     assert listed.stdout.splitlines()[1].split()[:3] == ["per_key", "2", "0"], listed.stdout
 
@@ -82,7 +88,8 @@ def test_a_slot_freed_by_a_killed_worker_goes_to_a_parked_request(fleet: Fleet) 
     wait_until(lambda: any(tag == "first" for tag, *_ in tool_executions(fleet.dsn)),
                "the first request never ran its tool")
     second = run_agent.delay(calls("second"), "a1", user_id="alice")
-    fleet.wait_logged(f"request {second.id} parked: limit per_key:alice full")
+    # Held back at its enqueue: it waits in the ledger for her slot.
+    assert _waiting(fleet.dsn, second.id) == "limit per_key:alice"
     # While the limit is full the sweeper leaves the parked request alone
     # (past its grace of 1 s, it would publish a parked request it thought lost).
     wait_sweeps_for(fleet, 1.5)
@@ -114,3 +121,41 @@ def test_bad_limits_are_refused_with_nothing_written(fleet: Fleet) -> None:
     assert [r["name"] for r in rows if r["kind"] == "concurrency"] == ["per_key"]
     bad = cli(fleet, "worker", LOOMFLOW_WORKER_LIMITS='{"per_key": 0}')
     assert bad.returncode != 0 and "limit 'per_key'" in bad.stderr, bad
+
+
+def test_a_tenants_backlog_waits_in_the_ledger_and_another_tenant_starts_at_once(
+    fleet: Fleet,
+) -> None:
+    # Alice sends 60 requests at once, limited to 3 runs at a time: the rest
+    # of her backlog is held back in the ledger at enqueue, not queued in the
+    # broker, so bob's one request, sent after all of hers, is taken next.
+    env = {**FAST, "TEST_TOOL_SLEEP": "0.3", "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 3})}
+    fleet.start("w1", concurrency=6, pool="threads", **env)
+    alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(60)]
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM runs WHERE request_id = ANY(%s)"
+                           " AND waiting_slots IS NOT NULL", (alice,)).fetchone()
+    assert row is not None and row[0] >= 50, row
+    sent = time.monotonic()
+    bob = run_agent.delay(calls("bob"), "b0", user_id="bob")
+    assert bob.get(timeout=30)["output"] == "done: recorded bob"
+    assert time.monotonic() - sent < 3.0
+    for request_id in alice:
+        run_agent.AsyncResult(request_id).get(timeout=120)
+    assert _rows(fleet.dsn, alice) == [("succeeded", 0, 0)] * 60
+    assert _most_at_once(_spans(fleet.dsn, "alice")) == 3
+
+
+def test_requests_published_before_their_limit_was_set_park_on_the_worker(fleet: Fleet) -> None:
+    # Sent while no limit was set, all six are in the broker; the limit is set
+    # at run time, then a worker takes them: two run, four park, and each run
+    # that ends hands its slot to the next.
+    alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(6)]
+    assert cli(fleet, "limits", "concurrency", "per_key", "2").returncode == 0
+    fleet.start("w1", concurrency=6, pool="threads", **FAST, TEST_TOOL_SLEEP="0.4")
+    for request_id in alice:
+        run_agent.AsyncResult(request_id).get(timeout=60)
+    assert _rows(fleet.dsn, alice) == [("succeeded", 0, 0)] * 6
+    assert _most_at_once(_spans(fleet.dsn, "alice")) == 2
+    log = (fleet.logs / "w1.log").read_text()
+    assert log.count("parked: limit per_key:alice full") == 4, log

@@ -27,18 +27,34 @@ SELECT request_id, status FROM runs
 
 -- name: insert_run
 -- A request recorded queued (an enqueue, or a message that came with no row); no row back
--- when the id is taken (recorded_request says by whom), else its not_before. A countdown is
--- measured on the database's clock, an eta is a moment.
+-- when the id is taken (recorded_request says by whom), else its not_before and whether it
+-- was held back. A countdown is measured on the database's clock, an eta is a moment.
+-- With hold_after (the per_key concurrency limit), a request whose fairness key has that
+-- many unfinished requests already out (published, running, or waiting for their session:
+-- runs_fairness_open) is held back, parked on its key's limit as a worker would park it,
+-- and not published: the broker then holds a handful of one tenant's backlog, not all of
+-- it, and the others' requests are not queued behind it.
 INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
-                  lock_key, not_before, ignore_result, routing)
-VALUES (%(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind)s,
-        %(prompt)s, %(metadata)s, %(lock_key)s,
-        CASE WHEN %(countdown)s::float8 IS NOT NULL
-             THEN now() + make_interval(secs => %(countdown)s::float8)
-             ELSE %(eta)s::timestamptz END,
-        %(ignore_result)s, %(routing)s::jsonb)
+                  lock_key, not_before, ignore_result, routing, fairness_key, waiting_for,
+                  waiting_slots, received_at, options)
+SELECT %(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind)s,
+       %(prompt)s, %(metadata)s, %(lock_key)s,
+       CASE WHEN %(countdown)s::float8 IS NOT NULL
+            THEN now() + make_interval(secs => %(countdown)s::float8)
+            ELSE %(eta)s::timestamptz END,
+       %(ignore_result)s, %(routing)s::jsonb, %(fairness_key)s::text,
+       CASE WHEN h.held THEN 'limit per_key:' || %(fairness_key)s::text END,
+       CASE WHEN h.held THEN %(slots)s::bigint[] END,
+       CASE WHEN h.held THEN now() END,
+       CASE WHEN h.held THEN %(options)s::jsonb END
+  FROM (SELECT %(hold_after)s::integer IS NOT NULL
+               AND (SELECT count(*) FROM (
+                       SELECT 1 FROM runs
+                        WHERE fairness_key = %(fairness_key)s::text
+                          AND loomflow_worker_unfinished(status) AND waiting_slots IS NULL
+                        LIMIT %(hold_after)s::integer) o) >= %(hold_after)s::integer AS held) h
 ON CONFLICT (request_id) DO NOTHING
-RETURNING not_before;
+RETURNING not_before, waiting_slots IS NOT NULL AS held;
 
 -- name: cancel_requests
 -- Cancel one request (request_id), or every unfinished request of a scope

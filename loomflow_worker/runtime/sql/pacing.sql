@@ -71,3 +71,8 @@ SELECT c.name, c.max_runs, c.updated_at,
            AND (r.waiting_for = 'limit ' || c.name
                 OR starts_with(r.waiting_for, 'limit ' || c.name || ':'))) AS waiting
   FROM concurrency_limits c ORDER BY c.name;
+
+-- name: per_key_limit
+-- The per_key concurrency limit's size, if it is set: an enqueue holds back a
+-- request whose fairness key has that many out (see insert_run).
+SELECT max_runs FROM concurrency_limits WHERE name = 'per_key';

@@ -14,3 +14,9 @@ CREATE TABLE IF NOT EXISTS concurrency_limits (
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_slots BIGINT[];
 CREATE INDEX IF NOT EXISTS runs_waiting_for ON runs (waiting_for, enqueued_at)
     WHERE waiting_slots IS NOT NULL;
+-- A request's fairness key (its user, or its session when it has none), and
+-- the requests of a key that are out: published, running, or waiting for
+-- their session (not held back on the key's limit), which an enqueue counts.
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS fairness_key TEXT;
+CREATE INDEX IF NOT EXISTS runs_fairness_open ON runs (fairness_key)
+    WHERE loomflow_worker_unfinished(status) AND waiting_slots IS NULL;
