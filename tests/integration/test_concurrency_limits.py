@@ -159,3 +159,27 @@ def test_requests_published_before_their_limit_was_set_park_on_the_worker(fleet:
     assert _most_at_once(_spans(fleet.dsn, "alice")) == 2
     log = (fleet.logs / "w1.log").read_text()
     assert log.count("parked: limit per_key:alice full") == 4, log
+
+
+def test_a_chain_whose_head_is_held_back_at_enqueue_runs_to_its_end(fleet: Fleet) -> None:
+    # The chain's head is alice's while her one slot is taken: held back in the
+    # ledger, it is published later with what its message would have carried
+    # (the rest of the chain, and a callback), so the chain goes on after it.
+    from celery import chain
+
+    env = {**FAST, "TEST_TOOL_SLEEP": "0.5", "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 1})}
+    fleet.start("w1", concurrency=4, pool="threads", **env)
+    busy = run_agent.delay(calls("busy"), "a0", user_id="alice")
+    wait_until(lambda: any(tag == "busy" for tag, *_ in tool_executions(fleet.dsn)),
+               "alice's first request never ran its tool")
+    head = run_agent.si(calls("A"), "a1", user_id="alice")
+    head.link(run_agent.si(calls("linked"), "c1", user_id="carol"))
+    flow = chain(head, run_agent.si(calls("B"), "b1", user_id="bob")).apply_async()
+    assert flow.parent is not None
+    assert _waiting(fleet.dsn, flow.parent.id) == "limit per_key:alice"
+    assert flow.get(timeout=30)["output"] == "done: recorded B"
+    assert busy.get(timeout=5)["output"] == "done: recorded busy"
+    wait_until(lambda: any(tag == "linked" for tag, _, _, end in tool_executions(fleet.dsn)
+                           if end is not None), "the head's callback never ran")
+    tags = sorted(tag for tag, *_ in tool_executions(fleet.dsn))
+    assert tags == ["A", "B", "busy", "linked"], tags
