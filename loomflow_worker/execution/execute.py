@@ -480,7 +480,8 @@ async def execute(
     bounds: list[Bound] = []
     try:
         worker = f"{node or ctx.node}:{os.getpid()}"
-        bounds = await ctx.limits.bounds(req) if ctx.limits is not None else []
+        bounds = (await ctx.limits.bounds(req, pre.fairness_key if pre is not None else None)
+                  if ctx.limits is not None else [])
         full = await take_limits(functools.partial(runtime.journal.take_slot, lease), bounds)
         if full is not None:
             outcome = await _park_on_limit(lease.io, request_id, req, full, options)

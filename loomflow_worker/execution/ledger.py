@@ -194,6 +194,7 @@ def _insert_new(
     conn: psycopg.Connection[Any], request_id: str, req: RunRequest, start: StartAt | None,
     ignore_result: bool, routing: dict[str, Any] | None,
     options: dict[str, Any] | None = None,
+    fairness_key: str | None = None,
 ) -> Enqueued:
     """Insert the request's row; a duplicate when the ledger had it already
     (the same request: :func:`_same_as_recorded` checks). Held back when its
@@ -201,10 +202,11 @@ def _insert_new(
     ``options`` are known)."""
     params = _row_params(request_id, req, start, ignore_result, routing)
     params["options"] = _jsonb(options)
+    key = params["fairness_key"] = fairness_key or req.fairness_key
     per_key = PER_KEY_LIMIT.size(conn) if options is not None else None
     if per_key is not None:
         params["hold_after"] = per_key
-        params["slots"] = slot_lock_keys(f"per_key:{req.fairness_key}", per_key)
+        params["slots"] = slot_lock_keys(f"per_key:{key}", per_key)
     row = conn.execute(query("insert_run"), params).fetchone()
     if row is None:
         if _same_as_recorded(conn, request_id, req):
@@ -298,6 +300,7 @@ class EnqueuePool:
         ignore_result: bool = False,
         routing: dict[str, Any] | None = None,
         options: dict[str, Any] | None = None,
+        fairness_key: str | None = None,
     ) -> Enqueued:
         """Record the request (to start no sooner than ``start`` says;
         ``ignore_result``: its caller wants no result, Celery's
@@ -305,14 +308,16 @@ class EnqueuePool:
         its messages go, see :attr:`Pending.routing`; ``options``: what its
         message carries besides, kept for a message published later when the
         request is held back on its fairness key's limit, which it is not
-        when they are ``None``).
+        when they are ``None``; ``fairness_key``: whose request it is for
+        concurrency limits, by default its user, else its session).
         ``request_id`` is an idempotency key: when the ledger has it already,
         with the same arguments, nothing is written and the result says it is
         a duplicate; with other arguments, :class:`InvalidInput` names them."""
         with (translated("record the request in", dsn, then="nothing was enqueued"),
               self.connection(dsn, connect_timeout) as conn):
             if on_busy == "enqueue":
-                return _insert_new(conn, request_id, req, start, ignore_result, routing, options)
+                return _insert_new(conn, request_id, req, start, ignore_result, routing, options,
+                                   fairness_key)
             with conn.transaction():
                 if _same_as_recorded(conn, request_id, req):
                     return Enqueued(duplicate=True)
@@ -327,9 +332,9 @@ class EnqueuePool:
                             f"{busy[0]['status']} on it and on_busy=\"reject\" was asked",
                         )
                     return _insert_new(conn, request_id, req, start, ignore_result, routing,
-                                       options)
+                                       options, fairness_key)
                 enqueued = _insert_new(conn, request_id, req, start, ignore_result, routing,
-                                       options)
+                                       options, fairness_key)
                 if enqueued.duplicate:
                     return enqueued
                 rows = _rows(
@@ -501,6 +506,8 @@ class Precheck:
     quarantine: bool = False
     # The message's arguments that differ from the row (then nothing is tried).
     differ: tuple[str, ...] = ()
+    # Whose request it is for concurrency limits, as its enqueue recorded it.
+    fairness_key: str | None = None
 
 
 async def precheck(
@@ -531,7 +538,8 @@ async def precheck(
         return None
     return Precheck(row["status"], row["result"], row["error"], _pending(row),
                     bool(row["stale"]), None if row["locked"] is None else bool(row["locked"]),
-                    row["pinned"], bool(row["quarantine"]), tuple(row["differ"]))
+                    row["pinned"], bool(row["quarantine"]), tuple(row["differ"]),
+                    row["fairness_key"])
 
 
 #: :attr:`Started.status` of a request whose previous attempt may still be

@@ -66,12 +66,13 @@ class Limits:
         self._read_at: float | None = None
         self._reading = anyio.Lock()
 
-    async def bounds(self, req: RunRequest) -> list[Bound]:
-        """The limit instances ``req`` runs under now (none: no limit applies)."""
+    async def bounds(self, req: RunRequest, key: str | None = None) -> list[Bound]:
+        """The limit instances ``req`` runs under now (none: no limit applies);
+        ``key``: its fairness key as recorded at enqueue (else its default)."""
         await self._refresh()
         if not self._sizes:
             return []
-        names = [(PER_KEY, f"{PER_KEY}:{req.fairness_key}"), (f"agent:{req.agent}", None)]
+        names = [(PER_KEY, f"{PER_KEY}:{key or req.fairness_key}"), (f"agent:{req.agent}", None)]
         names += [(name, None) for name in agent_limits(req.agent)]
         found = []
         for name, instance in names:

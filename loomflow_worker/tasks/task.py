@@ -18,6 +18,7 @@ from ..execution.registry import import_agent_modules
 from ..execution.request import Kind, check_request
 from ..runtime.errors import InvalidInput
 from ..runtime.validate import check_id
+from ..settings import check_key
 from .dispatch import (
     DISPATCH_RETRY,
     check_result_backend,
@@ -50,6 +51,22 @@ def held_options(options: dict[str, Any]) -> dict[str, Any] | None:
         return options_json(kept)
     except (TypeError, ValueError):
         return None
+
+
+def checked_fairness_key(given: Any, options: dict[str, Any]) -> str | None:
+    """The request's fairness key: the ``fairness_key`` keyword, else its
+    message's ``fairness_key`` header; :class:`InvalidInput` when it is not a
+    name of 1 to 64 bytes."""
+    headers = options.get("headers")
+    if given is None and isinstance(headers, dict):
+        given = headers.get("fairness_key")
+    if given is None:
+        return None
+    try:
+        return check_key(given, "fairness key")
+    except ValueError as exc:
+        shown = given if isinstance(given, str) and len(given) <= 80 else type(given).__name__
+        raise InvalidInput(f"fairness_key {shown!r}: {exc}") from None
 
 
 class AgentTask(Task):  # type: ignore[misc]
@@ -115,6 +132,7 @@ class AgentTask(Task):  # type: ignore[misc]
             return self._publish_retry(args, kwargs, task_id, options)
         kwargs = dict(kwargs or {})
         on_busy = kwargs.pop("on_busy", on_busy)
+        fairness_key = checked_fairness_key(kwargs.pop("fairness_key", None), options)
         if on_busy not in ON_BUSY:
             raise InvalidInput(f"on_busy must be one of {', '.join(ON_BUSY)}, not {on_busy!r}")
         current = PROCESS.current_settings()
@@ -128,7 +146,7 @@ class AgentTask(Task):  # type: ignore[misc]
             *PROCESS.database(), task_id, request, on_busy, start,
             ignore_result=bool(options.get("ignore_result", self.ignore_result)),
             routing=self._routing(request.task_args(), options),
-            options=held_options(options),
+            options=held_options(options), fairness_key=fairness_key,
         )
         if enqueued.duplicate or enqueued.held:
             # The same request sent again under its id: it is recorded and was

@@ -11,6 +11,7 @@ from datetime import datetime
 import psycopg
 import pytest
 
+from loomflow_worker.runtime.errors import InvalidInput
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet, wait_sweeps_for
@@ -183,3 +184,30 @@ def test_a_chain_whose_head_is_held_back_at_enqueue_runs_to_its_end(fleet: Fleet
                            if end is not None), "the head's callback never ran")
     tags = sorted(tag for tag, *_ in tool_executions(fleet.dsn))
     assert tags == ["A", "B", "busy", "linked"], tags
+
+
+def test_a_fairness_key_given_per_call_decides_whose_limit_a_request_counts_toward(
+    fleet: Fleet,
+) -> None:
+    # Three users of one tenant, "acme", named as the fairness key by the
+    # message's header or by the keyword: one limit of 1 for all three.
+    env = {**FAST, "TEST_TOOL_SLEEP": "0.4", "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 1})}
+    fleet.start("w1", concurrency=3, pool="threads", **env)
+    sent = [
+        run_agent.apply_async((calls("acme0"), "s0"), {"user_id": "u0"},
+                              headers={"fairness_key": "acme"}),
+        run_agent.apply_async((calls("acme1"), "s1"), {"user_id": "u1"},
+                              headers={"fairness_key": "acme"}),
+        run_agent.apply_async((calls("acme2"), "s2"), {"user_id": "u2", "fairness_key": "acme"}),
+    ]
+    for result in sent:
+        result.get(timeout=30)
+    assert _most_at_once(_spans(fleet.dsn, "acme")) == 1
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        keys = conn.execute("SELECT DISTINCT fairness_key FROM runs").fetchall()
+    assert keys == [("acme",)]
+    for bad in ("k" * 65, "", 7):
+        with pytest.raises(InvalidInput, match="fairness_key"):
+            run_agent.apply_async((calls("x"), "s-bad"), {"fairness_key": bad})
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM runs").fetchone() == (3,)

@@ -142,7 +142,7 @@ UPDATE runs SET status = 'failed', error = %(error)s, error_type = %(error_type)
 -- (`quarantine`).
 SELECT r.status, r.result, r.error, r.epoch AS pinned, m.differ,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
-       o.not_before, o.options, o.routing, o.stale, q.quarantine,
+       o.not_before, o.options, o.routing, o.stale, q.quarantine, r.fairness_key,
        CASE WHEN loomflow_worker_unfinished(r.status) AND o.request_id IS NULL
                  AND cardinality(m.differ) = 0 AND NOT q.quarantine
             THEN CASE WHEN %(may_lock)s THEN pg_try_advisory_lock(%(key)s) ELSE false END
