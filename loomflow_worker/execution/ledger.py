@@ -132,6 +132,7 @@ def _row_params(
         "hold_after": None,
         "slots": None,
         "options": None,
+        "priority_rank": 0,
     }
 
 
@@ -195,6 +196,7 @@ def _insert_new(
     ignore_result: bool, routing: dict[str, Any] | None,
     options: dict[str, Any] | None = None,
     fairness_key: str | None = None,
+    priority_rank: int = 0,
 ) -> Enqueued:
     """Insert the request's row; a duplicate when the ledger had it already
     (the same request: :func:`_same_as_recorded` checks). Held back when its
@@ -202,6 +204,7 @@ def _insert_new(
     ``options`` are known)."""
     params = _row_params(request_id, req, start, ignore_result, routing)
     params["options"] = _jsonb(options)
+    params["priority_rank"] = priority_rank
     key = params["fairness_key"] = fairness_key or req.fairness_key
     per_key = PER_KEY_LIMIT.size(conn) if options is not None else None
     if per_key is not None:
@@ -301,6 +304,7 @@ class EnqueuePool:
         routing: dict[str, Any] | None = None,
         options: dict[str, Any] | None = None,
         fairness_key: str | None = None,
+        priority_rank: int = 0,
     ) -> Enqueued:
         """Record the request (to start no sooner than ``start`` says;
         ``ignore_result``: its caller wants no result, Celery's
@@ -309,7 +313,9 @@ class EnqueuePool:
         message carries besides, kept for a message published later when the
         request is held back on its fairness key's limit, which it is not
         when they are ``None``; ``fairness_key``: whose request it is for
-        concurrency limits, by default its user, else its session).
+        concurrency limits, by default its user, else its session;
+        ``priority_rank``: where its Celery priority puts it among requests
+        waiting on a limit, lowest first).
         ``request_id`` is an idempotency key: when the ledger has it already,
         with the same arguments, nothing is written and the result says it is
         a duplicate; with other arguments, :class:`InvalidInput` names them."""
@@ -317,7 +323,7 @@ class EnqueuePool:
               self.connection(dsn, connect_timeout) as conn):
             if on_busy == "enqueue":
                 return _insert_new(conn, request_id, req, start, ignore_result, routing, options,
-                                   fairness_key)
+                                   fairness_key, priority_rank)
             with conn.transaction():
                 if _same_as_recorded(conn, request_id, req):
                     return Enqueued(duplicate=True)
@@ -332,9 +338,9 @@ class EnqueuePool:
                             f"{busy[0]['status']} on it and on_busy=\"reject\" was asked",
                         )
                     return _insert_new(conn, request_id, req, start, ignore_result, routing,
-                                       options, fairness_key)
+                                       options, fairness_key, priority_rank)
                 enqueued = _insert_new(conn, request_id, req, start, ignore_result, routing,
-                                       options, fairness_key)
+                                       options, fairness_key, priority_rank)
                 if enqueued.duplicate:
                     return enqueued
                 rows = _rows(

@@ -34,6 +34,8 @@ from .state import PROCESS
 
 #: The ``apply_async`` options that say where a message goes.
 ROUTING = ("queue", "exchange", "routing_key", "priority")
+#: Broker URL schemes of Redis, whose priorities run from 0 (first) up.
+REDIS_SCHEMES = ("redis", "rediss", "sentinel", "redis+socket")
 
 
 #: The ``apply_async`` options a request held back at enqueue keeps for the
@@ -51,6 +53,16 @@ def held_options(options: dict[str, Any]) -> dict[str, Any] | None:
         return options_json(kept)
     except (TypeError, ValueError):
         return None
+
+
+def priority_rank(routing: dict[str, Any] | None, broker_url: str) -> int:
+    """Where a request's Celery priority puts it among the requests waiting on
+    a limit in the ledger, lowest first, as its broker orders messages: on
+    Redis 0 goes first, on RabbitMQ (AMQP) the highest."""
+    priority = (routing or {}).get("priority")
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        return 0
+    return priority if broker_url.split(":", 1)[0] in REDIS_SCHEMES else -priority
 
 
 def checked_fairness_key(given: Any, options: dict[str, Any]) -> str | None:
@@ -142,11 +154,13 @@ class AgentTask(Task):  # type: ignore[misc]
             check_id("task_id", task_id)
         task_id = task_id or str(uuid.uuid4())
         start = start_at(options.get("countdown"), options.get("eta"), self.app.conf.timezone)
+        routing = self._routing(request.task_args(), options)
         enqueued = PROCESS.enqueue.insert(
             *PROCESS.database(), task_id, request, on_busy, start,
             ignore_result=bool(options.get("ignore_result", self.ignore_result)),
-            routing=self._routing(request.task_args(), options),
+            routing=routing,
             options=held_options(options), fairness_key=fairness_key,
+            priority_rank=priority_rank(routing, current.broker_url.get_secret_value()),
         )
         if enqueued.duplicate or enqueued.held:
             # The same request sent again under its id: it is recorded and was

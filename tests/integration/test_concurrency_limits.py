@@ -211,3 +211,24 @@ def test_a_fairness_key_given_per_call_decides_whose_limit_a_request_counts_towa
             run_agent.apply_async((calls("x"), "s-bad"), {"fairness_key": bad})
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM runs").fetchone() == (3,)
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"], indirect=True)
+def test_requests_waiting_on_a_limit_start_in_the_order_of_their_priority(
+    fleet: Fleet, broker: str
+) -> None:
+    # Held back behind alice's one running request, in the order 9, 0, 5:
+    # they start as their broker would order them (Redis: 0 first; RabbitMQ:
+    # the highest first), not in the order they came.
+    env = {**FAST, "TEST_TOOL_SLEEP": "0.3", "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 1})}
+    fleet.start("w1", concurrency=4, pool="threads", **env)
+    busy = run_agent.delay(calls("busy"), "a0", user_id="alice")
+    wait_until(lambda: any(tag == "busy" for tag, *_ in tool_executions(fleet.dsn)),
+               "alice's first request never ran its tool")
+    waiting = [run_agent.apply_async((calls(f"p{p}"), f"a-p{p}"), {"user_id": "alice"},
+                                     priority=p) for p in (9, 0, 5)]
+    for result in [busy, *waiting]:
+        result.get(timeout=30)
+    order = [tag for tag, _, started, _ in sorted(tool_executions(fleet.dsn),
+                                                  key=lambda e: e[2]) if tag != "busy"]
+    assert order == (["p0", "p5", "p9"] if broker == "redis" else ["p9", "p5", "p0"]), order

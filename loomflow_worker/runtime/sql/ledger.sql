@@ -36,7 +36,7 @@ SELECT request_id, status FROM runs
 -- it, and the others' requests are not queued behind it.
 INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
                   lock_key, not_before, ignore_result, routing, fairness_key, waiting_for,
-                  waiting_slots, received_at, options)
+                  waiting_slots, received_at, options, priority_rank)
 SELECT %(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind)s,
        %(prompt)s, %(metadata)s, %(lock_key)s,
        CASE WHEN %(countdown)s::float8 IS NOT NULL
@@ -46,7 +46,7 @@ SELECT %(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind
        CASE WHEN h.held THEN 'limit per_key:' || %(fairness_key)s::text END,
        CASE WHEN h.held THEN %(slots)s::bigint[] END,
        CASE WHEN h.held THEN now() END,
-       CASE WHEN h.held THEN %(options)s::jsonb END
+       CASE WHEN h.held THEN %(options)s::jsonb END, %(priority_rank)s
   FROM (SELECT %(hold_after)s::integer IS NOT NULL
                AND (SELECT count(*) FROM (
                        SELECT 1 FROM runs
@@ -205,13 +205,14 @@ UPDATE runs SET received_at = now(), waiting_for = %(reason)s,
 
 -- name: next_on_limit
 -- A run freed a slot of a concurrency limit: the oldest requests parked on it
--- (as many as slots were freed), stamped dispatched so that nothing else
--- publishes them before their grace; their messages go out again.
+-- (as many as slots were freed; by priority, then age), stamped dispatched so
+-- that nothing else publishes them before their grace; their messages go out
+-- again.
 WITH next AS (
     SELECT request_id FROM runs
      WHERE waiting_slots IS NOT NULL AND waiting_for = %(reason)s
        AND loomflow_worker_unfinished(status) AND received_at >= dispatched_at
-     ORDER BY enqueued_at LIMIT %(count)s
+     ORDER BY priority_rank, enqueued_at LIMIT %(count)s
        FOR UPDATE SKIP LOCKED
 )
 UPDATE runs r SET dispatched_at = now()

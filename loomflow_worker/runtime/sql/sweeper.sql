@@ -115,7 +115,7 @@ WITH in_broker AS (
            dispatched_at, swept_at, started_at, heartbeat_at, lock_key,
            coalesce(held_at > dispatched_at
                     AND held_at > now() - make_interval(secs => %(held_within)s), false) AS held,
-           waiting_for, waiting_slots, enqueued_at
+           waiting_for, waiting_slots, enqueued_at, priority_rank
       FROM runs
      WHERE loomflow_worker_unfinished(status)
      ORDER BY scope, seq
@@ -134,7 +134,8 @@ WITH in_broker AS (
      GROUP BY w.waiting_for
 ), waiting AS (
     SELECT request_id, waiting_for,
-           row_number() OVER (PARTITION BY waiting_for ORDER BY enqueued_at) AS place
+           row_number() OVER (PARTITION BY waiting_for ORDER BY priority_rank, enqueued_at)
+           AS place
       FROM heads WHERE waiting_slots IS NOT NULL
 )
 SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata,

@@ -12,7 +12,11 @@ CREATE TABLE IF NOT EXISTS concurrency_limits (
     updated_at TIMESTAMPTZ NOT NULL DEFAULT now()
 );
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_slots BIGINT[];
-CREATE INDEX IF NOT EXISTS runs_waiting_for ON runs (waiting_for, enqueued_at)
+-- The order requests waiting on one limit are published in: their Celery
+-- priority as their broker orders it (lowest rank first: Redis's 0 first,
+-- RabbitMQ's highest first), then the order they were accepted in.
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS priority_rank SMALLINT NOT NULL DEFAULT 0;
+CREATE INDEX IF NOT EXISTS runs_waiting_for ON runs (waiting_for, priority_rank, enqueued_at)
     WHERE waiting_slots IS NOT NULL;
 -- A request's fairness key (its user, or its session when it has none), and
 -- the requests of a key that are out: published, running, or waiting for
