@@ -372,6 +372,32 @@ class QueueDepth:
     oldest_queued: datetime | None
 
 
+@dataclass(frozen=True)
+class KeyBacklog:
+    fairness_key: str
+    queued: int
+    on_limit: int
+    running: int
+
+
+@dataclass(frozen=True)
+class LimitUse:
+    name: str
+    max_runs: int
+    updated_at: datetime
+    waiting: int
+
+
+@dataclass(frozen=True)
+class Budget:
+    key: str
+    rpm: int | None
+    tpm: int | None
+    burst: float
+    paused_for: float
+    updated_at: datetime
+
+
 @dataclass
 class FleetView:
     workers: list[WorkerSeen]
@@ -382,7 +408,14 @@ class FleetView:
     swept: list[Swept]
     actions: list[SweeperAction]
     queue: QueueDepth
+    limits: list[LimitUse] = field(default_factory=list)
+    keys: list[KeyBacklog] = field(default_factory=list)
+    budgets: list[Budget] = field(default_factory=list)
     now: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+
+#: The fairness keys the fleet page lists, the most waiting first.
+MAX_KEYS = 20
 
 
 async def fleet(pool: Pool) -> FleetView:
@@ -399,4 +432,7 @@ async def fleet(pool: Pool) -> FleetView:
             actions=await _rows(conn, "console_sweeper_actions", {"limit": MAX_ACTIONS},
                                 SweeperAction),
             queue=await ledger_views.queue_depth(conn, QueueDepth),
+            limits=await ledger_views.concurrency_limits(conn, LimitUse),
+            keys=await ledger_views.key_backlog(conn, KeyBacklog, limit=MAX_KEYS),
+            budgets=await _rows(conn, "model_budgets", {}, Budget),
         )

@@ -90,6 +90,17 @@ async def recent_attempts(conn: AsyncConn, row: type[Row], *, window: float) -> 
     return await _rows(conn, row, "console_recent_workers", {"window": window})
 
 
+async def key_backlog(conn: AsyncConn, row: type[Row], *, limit: int) -> list[Row]:
+    """The fairness keys with the most requests waiting: queued (and of them,
+    held back or parked on a limit) and running."""
+    return await _rows(conn, row, "console_key_backlog", {"limit": limit})
+
+
+async def concurrency_limits(conn: AsyncConn, row: type[Row]) -> list[Row]:
+    """Every concurrency limit, with how many requests wait on it."""
+    return await _rows(conn, row, "concurrency_limits", {})
+
+
 async def swept(conn: AsyncConn, row: type[Row], *, limit: int) -> list[Row]:
     """The latest ``limit`` requests the sweeper dispatched again."""
     return await _rows(conn, row, "console_swept", {"limit": limit})

@@ -614,3 +614,25 @@ def test_the_sweeper_keeps_its_actions_and_the_workers_table_short(
             made.record_actions(conn)
         assert "could not record 1 action" in caplog.text
         assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+@pytest.mark.slow
+def test_the_fleet_page_shows_each_limit_each_keys_backlog_and_each_model_budget(
+    fleet: Fleet, client: TestClient
+) -> None:
+    assert cli(fleet, "limits", "concurrency", "per_key", "1").returncode == 0
+    assert cli(fleet, "limits", "set", "anthropic", "--rpm", "300").returncode == 0
+    # The first of alice's three goes out; the other two wait on her limit.
+    for i in range(3):
+        run_agent.delay(calls(f"x{i}"), f"limit-s{i}", user_id="alice")
+    run_agent.delay(calls("y"), "limit-b", user_id="bob")
+    page = client.get("/fleet")
+    assert page.status_code == 200
+    text = page.text
+    assert re.search(r'data-limit="per_key">.*?<td class="num">1</td>'
+                     r'<td class="num waiting">2</td>', text), text
+    assert re.search(r'data-key="alice">.*?<td class="num queued">3</td>'
+                     r'<td class="num on-limit">2</td>', text), text
+    assert re.search(r'data-key="bob">.*?<td class="num queued">1</td>'
+                     r'<td class="num on-limit">0</td>', text), text
+    assert 'data-model-key="anthropic"><td>anthropic</td><td class="num">300</td>' in text

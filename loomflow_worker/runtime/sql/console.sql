@@ -121,3 +121,14 @@ SELECT request_id, session_id, user_id, status, attempts, swept_at
 SELECT id, at, worker, action, request_id, detail
   FROM sweeper_actions
  ORDER BY id DESC LIMIT %(limit)s;
+
+-- name: console_key_backlog
+-- The fleet page's fairness keys with unfinished requests, the most waiting
+-- first: how many wait (held back or parked on a limit among them) and how
+-- many run.
+SELECT coalesce(fairness_key, coalesce(user_id, session_id)) AS fairness_key,
+       count(*) FILTER (WHERE status = 'queued') AS queued,
+       count(*) FILTER (WHERE status = 'queued' AND waiting_slots IS NOT NULL) AS on_limit,
+       count(*) FILTER (WHERE status = 'running') AS running
+  FROM runs WHERE loomflow_worker_unfinished(status)
+ GROUP BY 1 ORDER BY queued DESC, running DESC, 1 LIMIT %(limit)s;
