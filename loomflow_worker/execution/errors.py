@@ -56,18 +56,23 @@ class HandedBack(BaseException):
 
 class Paused(BaseException):
     """Raised out of a run whose model call would wait longer than
-    ``PARK_AFTER`` for its key (see :mod:`.pacing`): the run gives its slot
-    back and its request resumes in ``wait`` seconds (a BaseException, so
+    ``PARK_AFTER`` for its key (see :mod:`.pacing`), or which has waited that
+    long for a signal: the run gives its slot back and its request resumes in
+    ``wait`` seconds, or once the signal is there (a BaseException, so
     that no ``except Exception`` of the agent's takes it for the call's
     error)."""
 
-    def __init__(self, key: str, wait: float, reason: str, booked: bool) -> None:
+    def __init__(self, key: str, wait: float, reason: str, booked: bool,
+                 signal: tuple[str, str] | None = None) -> None:
         super().__init__(reason)
         self.key = key
         self.wait = wait
         self.reason = reason
         # Whether the call booked its place (which the next attempt takes).
         self.booked = booked
+        # The signal the run waits for, when it is one, as (session, name):
+        # then it resumes when the signal arrives, not after ``wait``.
+        self.signal = signal
 
 
 class RequestNotFound(InvalidInput, LookupError):

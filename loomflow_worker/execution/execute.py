@@ -37,6 +37,7 @@ from ..runtime import (
 )
 from ..runtime.lockconn import LockConnection
 from ..runtime.loopwatch import LoopWatch, Stall
+from ..runtime.runtime import signal_waits
 from ..runtime.store import Conn, Lease, OpenChoice
 from ..settings import Settings
 from . import ledger
@@ -722,7 +723,7 @@ async def _run_holding(
         if ending is None:
             ending = await _run(ctx, runtime, lease, request_id, req, started, time_limit)
         if isinstance(ending, Paused):
-            return await _pause(lease, request_id, req, started, ending)
+            return await _pause(lease, request_id, req, started, ending, options)
         if isinstance(ending, Retry):
             retry, attempt_no = ending, started.attempt
             await lease.io(
@@ -787,11 +788,23 @@ async def _start(
 
 
 async def _pause(
-    lease: Lease, request_id: str, req: RunRequest, started: ledger.Started, paused: Paused
+    lease: Lease, request_id: str, req: RunRequest, started: ledger.Started, paused: Paused,
+    options: MessageOptions | None = None,
 ) -> Outcome:
     """The run gives its slot back until its model key can take its call (see
-    :class:`.pacing.Paused`); the place its call booked goes to its next attempt."""
+    :class:`.errors.Paused`), the place its call booked going to its next
+    attempt; or until the signal it waits for arrives (its message acked, the
+    sweeper publishes it again then)."""
     attempt_no = started.attempt
+    if paused.signal is not None:
+        (session, signal), kept = paused.signal, options() if options is not None else None
+        await lease.io(lambda conn: ledger.park_on_signal(
+            conn, request_id, attempt_no, session, signal, paused.reason, kept))
+        log.info("request %s gives its slot back, %s; it resumes from its journal when the "
+                 "signal arrives", request_id, paused.reason,
+                 extra={"action": "paused", "signal": signal, **_log_fields(request_id, req)})
+        _count_parked("signal")
+        return Outcome("parked")
     await lease.io(lambda conn: ledger.pause(
         conn, request_id, attempt_no, paused.wait, paused.reason,
         paused.key if paused.booked else None, paused.wait if paused.booked else None))
@@ -799,6 +812,18 @@ async def _pause(
              request_id, paused.wait, paused.reason,
              extra={"action": "paused", "model_key": paused.key, **_log_fields(request_id, req)})
     return Outcome("paused", error=paused.reason, countdown=paused.wait)
+
+
+def _signal_wait(park_after: float | None) -> Callable[[str, str, float], None]:
+    """What a run's wait for a signal calls each time it is not there yet: past
+    ``park_after`` seconds (``None`` or 0: never) the run gives its slot back."""
+
+    def waited(session_id: str, name: str, seconds: float) -> None:
+        if park_after and seconds > park_after:
+            raise Paused("signal", 0.0, f"waiting for signal {name!r} of session {session_id!r}",
+                         False, signal=(session_id, name))
+
+    return waited
 
 
 def _log_fields(request_id: str, req: RunRequest) -> dict[str, Any]:
@@ -902,7 +927,7 @@ async def _run(
             if started.booked_key is not None and started.booked_in is not None:
                 pacing.booked[started.booked_key] = time.monotonic() + started.booked_in
             with fence, halt, run_options(lease=lease, epoch=started.epoch), deadline, \
-                    pacing_run(pacing):
+                    pacing_run(pacing), signal_waits(_signal_wait(pacing.park_after)):
                 emit = _emitter(ctx, request_id, started.attempt, lease)
                 if req.kind == "resume":
                     with resuming_last_run():

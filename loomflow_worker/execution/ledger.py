@@ -709,6 +709,17 @@ async def pause(
         "reason": reason, "booked_key": booked_key, "booked_in": booked_in})
 
 
+async def park_on_signal(
+    conn: Conn, request_id: str, attempt: int, session_id: str, signal: str, reason: str,
+    options: dict[str, Any] | None,
+) -> None:
+    """The attempt gives its slot back until ``signal`` arrives for
+    ``session_id`` (see ``park_on_signal``)."""
+    await conn.execute(query("park_on_signal"), {
+        "request_id": request_id, "attempt": attempt, "session_id": session_id,
+        "signal": signal, "reason": reason, "options": _jsonb(options)})
+
+
 async def end_attempt(conn: Conn, request_id: str, attempt: int, outcome: str) -> None:
     await conn.execute(
         query("end_attempt"), {"request_id": request_id, "attempt": attempt, "outcome": outcome}

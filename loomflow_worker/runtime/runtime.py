@@ -20,6 +20,7 @@ multi-process fleet needs changed:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -64,6 +65,23 @@ from .validate import check_id, check_signal_name
 log = logging.getLogger("loomflow_worker.runtime")
 
 _lease_var: ContextVar[Lease | None] = ContextVar("_loomflow_worker_lease", default=None)
+#: Called, inside a run, with a signal's session and name and how long the run has waited
+#: for it (a wait with no timeout): the worker's way to stop a long wait and
+#: give the run's slot back (see :func:`signal_waits`).
+_signal_wait_var: ContextVar[Callable[[str, str, float], None] | None] = ContextVar(
+    "_loomflow_worker_signal_wait", default=None)
+
+
+@contextlib.contextmanager
+def signal_waits(hook: Callable[[str, str, float], None]) -> Iterator[None]:
+    """Inside, a run's ``wait_for_signal`` with no timeout calls ``hook(session,
+    name, seconds waited)`` each time the signal is not there yet; what it
+    raises ends the wait (the signal stays in its mailbox)."""
+    token = _signal_wait_var.set(hook)
+    try:
+        yield
+    finally:
+        _signal_wait_var.reset(token)
 
 _UNSET: Any = object()
 
@@ -589,8 +607,10 @@ class PostgresRuntime(JournaledRuntime):
             if found:
                 self.stats.steps_replayed += 1
                 return value
+            hook = _signal_wait_var.get() if timeout_s is None else None
             blob = await self._signals.take_into_journal(
-                lease, session_id, user_id, name, run.scope, key
+                lease, session_id, user_id, name, run.scope, key,
+                on_wait=None if hook is None else functools.partial(hook, session_id, name),
             )
             return self._decode_signal(blob, name)
 

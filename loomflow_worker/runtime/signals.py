@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -129,10 +130,12 @@ class SignalListener:
 
     async def take_into_journal(
         self, lease: Lease, session_id: str, user_id: str | None, name: str, scope: str,
-        key: str,
+        key: str, on_wait: Callable[[float], None] | None = None,
     ) -> bytes:
         """Take a signal and journal it under ``key`` in one transaction on the
-        run's lock connection: consumed exactly when it is recorded."""
+        run's lock connection: consumed exactly when it is recorded.
+        ``on_wait(seconds)`` is called each time the signal is not there yet,
+        with how long the run has waited for it (it may raise, to stop waiting)."""
         params = {
             "session_id": session_id,
             "user_id": user_id,
@@ -147,6 +150,7 @@ class SignalListener:
             cur = await conn.execute(query("take_signal_into_journal"), params)
             return await cur.fetchone()
 
+        since = time.monotonic()
         while True:
             with self._waiting(session_id) as woken:
                 row = await lease.io(take)
@@ -154,6 +158,8 @@ class SignalListener:
                     blob = bytes(row[0])
                     lease.remember_step(scope, key, blob)
                     return blob
+                if on_wait is not None:
+                    on_wait(time.monotonic() - since)
                 await self._sleep(woken)
 
     @contextlib.contextmanager

@@ -272,6 +272,34 @@ def test_cancel_prints_the_status_and_tail_exits_nonzero(fleet: Fleet) -> None:
     assert waited.returncode == 0 and lines(waited.stdout)[1] == "done: recorded x"
 
 
+def test_a_run_waiting_long_for_a_signal_gives_its_slot_back(fleet: Fleet) -> None:
+    # One slot. The approval run waits for its signal past PARK_AFTER (1 s):
+    # it gives the slot back (its request queued again, its message acked), so
+    # another request runs meanwhile; the signal brings it back, replaying its
+    # journal, on the next sweep.
+    fleet.env["LOOMFLOW_WORKER_AGENTS"] = WITH_WAITER
+    fleet.start("w1", concurrency=1, pool="threads", LOOMFLOW_WORKER_PARK_AFTER="1",
+                LOOMFLOW_WORKER_SWEEP_INTERVAL="0.5", LOOMFLOW_WORKER_HANDOFF_GRACE="1")
+    prompt = 'call wait_signal {"session": "approvals", "name": "approve"}'
+    waiting = enqueued(fleet, prompt, "s-approve", "--agent", "approver")
+    wait_until(lambda: ledger(fleet.dsn, waiting)["status"] == "queued"
+               and ledger(fleet.dsn, waiting)["attempts"] == 1, "the run never gave its slot back")
+    other = enqueued(fleet, calls("x"), "s-other")
+    wait_status(fleet.dsn, other, ("succeeded",), timeout=20)
+    shown = cli(fleet, "show", waiting)
+    assert "waits     waiting for signal 'approve' of session 'approvals'" in shown.stdout, shown
+    assert cli(fleet, "signal", "approvals", "approve", '{"ok": true}').returncode == 0
+    wait_status(fleet.dsn, waiting, ("succeeded",), timeout=30)
+    row = ledger(fleet.dsn, waiting)
+    assert isinstance(row["result"], dict) and row["result"]["output"] == 'done: got {"ok": true}'
+    assert (row["attempts"], row["failures"], row["crashes"]) == (2, 0, 0), row
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        outcomes = [r[0] for r in conn.execute(
+            "SELECT outcome FROM run_attempts WHERE request_id = %s ORDER BY attempt",
+            (waiting,)).fetchall()]
+    assert outcomes == ["paused", "succeeded"]
+
+
 def test_signal_wakes_a_run_waiting_for_it(fleet: Fleet) -> None:
     fleet.env["LOOMFLOW_WORKER_AGENTS"] = WITH_WAITER
     fleet.start("w1", concurrency=1)

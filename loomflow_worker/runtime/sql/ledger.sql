@@ -297,7 +297,8 @@ WITH r AS (
            holder_pid = pg_backend_pid(),
            started_at = now(),
            heartbeat_at = now(),
-           waiting_for = NULL, waiting_slots = NULL, booked_key = NULL, booked_at = NULL
+           waiting_for = NULL, waiting_slots = NULL, booked_key = NULL, booked_at = NULL,
+           waiting_signal = NULL, waiting_signal_session = NULL
       FROM r CROSS JOIN marks m LEFT JOIN prev p ON true
      WHERE u.request_id = r.request_id AND loomflow_worker_unfinished(r.status)
        AND NOT EXISTS (SELECT 1 FROM older) AND NOT EXISTS (SELECT 1 FROM previous_open)
@@ -392,6 +393,22 @@ UPDATE runs
        not_before = now() + make_interval(secs => %(countdown)s),
        booked_key = %(booked_key)s,
        booked_at = now() + make_interval(secs => %(booked_in)s)
+ WHERE request_id = %(request_id)s AND status = 'running';
+
+-- name: park_on_signal
+-- A run that waited PARK_AFTER for a signal gives its slot back: the attempt
+-- ends "paused", and the request is queued again, parked (its message acked,
+-- what it carried kept as park_request keeps it) until the sweeper sees a
+-- signal of that name in its session's mailbox and publishes it. Only while
+-- running: ended meanwhile, it stays ended.
+WITH ended AS (
+    UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = 'paused'
+     WHERE request_id = %(request_id)s AND attempt = %(attempt)s
+)
+UPDATE runs
+   SET status = 'queued', holder_pid = NULL, received_at = now(), waiting_for = %(reason)s,
+       waiting_signal = %(signal)s, waiting_signal_session = %(session_id)s,
+       options = coalesce(%(options)s::jsonb, options)
  WHERE request_id = %(request_id)s AND status = 'running';
 
 -- name: end_attempt

@@ -89,6 +89,9 @@ SELECT coalesce(routing->>'queue', %(default_queue)s) AS queue, count(*) AS queu
 -- message held by a worker until then, counted in no queue: it is in no
 -- count, and gone no sooner than queued_after past its not_before (unless its
 -- publish failed: then it is published at once, with its eta).
+-- A request whose run gave its slot back to wait for a signal (waiting_signal)
+-- is published again once that signal waits in its session's mailbox (the
+-- session it waits on) for its user, at once and then at most every queued_after.
 -- A request parked on a full concurrency limit (waiting_slots; queued, or
 -- running when its last attempt's worker died) is published again only once
 -- the limit has a free slot, only as many of a limit's parked requests (the
@@ -115,7 +118,8 @@ WITH in_broker AS (
            dispatched_at, swept_at, started_at, heartbeat_at, lock_key,
            coalesce(held_at > dispatched_at
                     AND held_at > now() - make_interval(secs => %(held_within)s), false) AS held,
-           waiting_for, waiting_slots, enqueued_at, priority_rank
+           waiting_for, waiting_slots, enqueued_at, priority_rank, waiting_signal,
+           waiting_signal_session
       FROM runs
      WHERE loomflow_worker_unfinished(status)
      ORDER BY scope, seq
@@ -144,7 +148,14 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
   LEFT JOIN in_broker b USING (request_id)
   LEFT JOIN budget g ON g.queue = b.queue
  WHERE h.lock_key IS NOT NULL
-   AND CASE WHEN h.waiting_slots IS NOT NULL THEN
+   AND CASE WHEN h.waiting_signal IS NOT NULL THEN
+            EXISTS (SELECT 1 FROM signals s
+                     WHERE s.session_id = h.waiting_signal_session
+                       AND s.name = h.waiting_signal
+                       AND (s.user_id IS NULL OR s.user_id = h.user_id))
+            AND (h.swept_at IS NULL
+                 OR h.swept_at < now() - make_interval(secs => %(queued_after)s))
+       WHEN h.waiting_slots IS NOT NULL THEN
             EXISTS (SELECT 1 FROM waiting w JOIN room m USING (waiting_for)
                      WHERE w.request_id = h.request_id AND w.place <= m.free)
             AND h.dispatched_at < now() - make_interval(secs => %(queued_after)s)
