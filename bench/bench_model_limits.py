@@ -10,9 +10,10 @@ requests of one model call each (loomflow's real ``AnthropicModel``), twice, sid
 - ``budget``: ``LOOMFLOW_WORKER_MODEL_LIMITS`` gives the key ``--rpm`` times ``--share``
   (0.97) requests a minute, booked fleet-wide before each call.
 
-Reported for each: requests succeeded and failed, attempts beyond the first (a journal
-replayed), model calls answered and refused (429), and model calls a minute over the
-span of the answered ones. Each side has a scratch database, queue and key prefix of its
+Reported for each: requests succeeded and failed, attempts that gave their slot back for a
+long wait (``PARK_AFTER``) and those that ended any other way before their run's end,
+model calls answered and refused (429), and model calls a minute after the first minute
+(once a full bucket's burst has gone). Each side has a scratch database, queue and key prefix of its
 own, as in ``bench_celery.py``.
 
 Run it with::
@@ -67,7 +68,8 @@ class Side:
     label: str
     succeeded: int
     failed: int
-    replays: int
+    paused: int
+    other_attempts: int
     answered: int
     refused: int
     per_minute: float
@@ -100,11 +102,14 @@ def run_side(label: str, args: argparse.Namespace, base_env: dict[str, str],
                 while True:
                     row = conn.execute(
                         "SELECT count(*) FILTER (WHERE status = 'succeeded'),"
-                        " count(*) FILTER (WHERE status IN ('failed', 'dead')),"
-                        " coalesce(sum(attempts - 1), 0)"
+                        " count(*) FILTER (WHERE status IN ('failed', 'dead'))"
                         " FROM runs WHERE request_id = ANY(%s)", (ids,)).fetchone()
                     assert row is not None
                     if row[0] + row[1] == len(ids):
+                        outcomes = dict(conn.execute(
+                            "SELECT coalesce(outcome, 'died'), count(*) FROM run_attempts"
+                            " WHERE request_id = ANY(%s) AND outcome IS DISTINCT FROM"
+                            " 'succeeded' GROUP BY 1", (ids,)).fetchall())
                         break
                     if time.monotonic() - started > WAIT_S:
                         raise RuntimeError(f"{label}: not done within {WAIT_S:g}s")
@@ -114,18 +119,24 @@ def run_side(label: str, args: argparse.Namespace, base_env: dict[str, str],
             teardown(fleet, redis_url, prefix, admin_dsn, [dbname])
         statuses = api.statuses()
         admitted = sorted(api.admitted())
-    span = admitted[-1] - admitted[0] if len(admitted) > 1 else 0.0
-    per_minute = 60 * (len(admitted) - 1) / span if span > 0 else 0.0
-    return Side(label, int(row[0]), int(row[1]), int(row[2]), statuses.count(200),
-                statuses.count(429), per_minute, seconds)
+    # The pace after the first minute, once a full bucket's burst has gone.
+    later = [t for t in admitted if t >= admitted[0] + 60] if admitted else []
+    per_minute = 60 * (len(later) - 1) / (later[-1] - later[0]) if len(later) > 1 else 0.0
+    return Side(label, int(row[0]), int(row[1]), outcomes.get("paused", 0),
+                sum(n for outcome, n in outcomes.items() if outcome != "paused"),
+                statuses.count(200), statuses.count(429), per_minute, seconds)
 
 
 def report(sides: Sequence[Side], rpm: int) -> list[str]:
-    out = [f"\n{'':<16}{'ok':>6}{'failed':>8}{'replays':>9}{'calls':>7}{'429s':>7}"
-           f"{'calls/min':>11}{'seconds':>9}   (provider's limit: {rpm} a minute)"]
+    out = [f"\n{'':<16}{'ok':>6}{'failed':>8}{'paused':>8}{'retried':>9}{'calls':>7}"
+           f"{'429s':>7}{'calls/min':>11}{'seconds':>9}   (provider's limit: {rpm} a minute)"]
     for s in sides:
-        out.append(f"{s.label:<16}{s.succeeded:>6}{s.failed:>8}{s.replays:>9}{s.answered:>7}"
-                   f"{s.refused:>7}{s.per_minute:>11.1f}{s.seconds:>9.1f}")
+        out.append(f"{s.label:<16}{s.succeeded:>6}{s.failed:>8}{s.paused:>8}"
+                   f"{s.other_attempts:>9}{s.answered:>7}{s.refused:>7}{s.per_minute:>11.1f}"
+                   f"{s.seconds:>9.1f}")
+    out.append("paused: attempts that gave their slot back for a long wait (PARK_AFTER); "
+               "retried: attempts that ended any other way than their run's end (a retry, a "
+               "crash, a lost lock); calls/min: after the first minute")
     return out
 
 
