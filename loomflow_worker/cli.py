@@ -419,10 +419,11 @@ def list_requests(
         click.echo("no requests match", err=True)
         return
     headers = ("REQUEST", "SESSION", "USER", "AGENT", "STATUS", "ATTEMPTS", "ENQUEUED",
-               "ETA", "FINISHED", "WORKER")
+               "ETA", "FINISHED", "WORKER", "WAITS")
     rows = [
         (r.request_id, r.session_id, r.user_id or "-", r.agent, r.status, str(r.attempts),
-         _when(r.enqueued_at), _when(r.not_before), _when(r.finished_at), r.worker or "-")
+         _when(r.enqueued_at), _when(r.not_before), _when(r.finished_at), r.worker or "-",
+         r.waiting_for or "-")
         for r in found
     ]
     for line in _table(headers, rows):

@@ -41,6 +41,9 @@ class RequestSummary:
     worker: str | None
     # When it may start (apply_async's countdown or eta; None: at once).
     not_before: datetime | None = None
+    # Why a queued request waits, when not merely for its turn: a limit ("limit
+    # per_key:alice"), its model key, a signal.
+    waiting_for: str | None = None
 
 
 def list_requests(

@@ -86,7 +86,7 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
     assert table.returncode == 0, table.stderr
     header, *rows = lines(table.stdout)
     assert header.split() == ["REQUEST", "SESSION", "USER", "AGENT", "STATUS", "ATTEMPTS",
-                              "ENQUEUED", "ETA", "FINISHED", "WORKER"]
+                              "ENQUEUED", "ETA", "FINISHED", "WORKER", "WAITS"]
     assert [r.split()[0] for r in rows] == [second_id, first_id]  # newest first
     for row in rows:
         cells = row.split()

@@ -91,6 +91,8 @@ def test_a_slot_freed_by_a_killed_worker_goes_to_a_parked_request(fleet: Fleet) 
     second = run_agent.delay(calls("second"), "a1", user_id="alice")
     # Held back at its enqueue: it waits in the ledger for her slot.
     assert _waiting(fleet.dsn, second.id) == "limit per_key:alice"
+    listed = cli(fleet, "requests", "--user", "alice", "--status", "queued")
+    assert listed.stdout.splitlines()[1].split()[-2:] == ["limit", "per_key:alice"], listed
     # While the limit is full the sweeper leaves the parked request alone
     # (past its grace of 1 s, it would publish a parked request it thought lost).
     wait_sweeps_for(fleet, 1.5)

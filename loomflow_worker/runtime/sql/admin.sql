@@ -15,7 +15,8 @@ SELECT to_regclass('loomflow_worker_schema') IS NOT NULL;
 -- `loomflow-worker requests`: requests newest first (seq) matching every filter given (NULL:
 -- none), ages by enqueue time on the database's clock, at most `limit`.
 SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
-       holder AS worker, not_before
+       holder AS worker, not_before,
+       CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for
   FROM runs
  WHERE (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
    AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
