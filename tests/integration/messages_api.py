@@ -243,7 +243,13 @@ class MessagesAPI:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            # Hundreds of runs call at once: a listen backlog of 5 (the
+            # default) would refuse connections as no provider does.
+            request_queue_size = 1024
+            daemon_threads = True
+
+        self._server = Server(("127.0.0.1", 0), Handler)
         # Polled often, so that stop() returns at once rather than in half a second.
         threading.Thread(target=self._server.serve_forever, args=(0.02,), daemon=True).start()
 
