@@ -31,6 +31,7 @@ import anyio
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from ..runtime.errors import InvalidInput
 from ..runtime.sql import query
 from ..runtime.store import slot_lock_keys
 from ..settings import Settings
@@ -133,6 +134,8 @@ def write(conn: psycopg.Connection[Any], name: str, max_runs: int | None) -> Non
     """Set (``None``: remove) the limit ``name`` for the whole fleet; every
     process reads it within :data:`REFRESH` seconds."""
     if max_runs is None:
-        conn.execute(query("drop_concurrency_limit"), {"name": name})
+        if conn.execute(query("drop_concurrency_limit"), {"name": name}).fetchone() is None:
+            raise InvalidInput(f"no concurrency limit is named {name!r}; `loomflow-worker "
+                               "limits` lists them")
     else:
         conn.execute(query("set_concurrency_limit"), {"name": name, "max_runs": max_runs})

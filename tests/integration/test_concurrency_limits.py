@@ -120,6 +120,9 @@ def test_bad_limits_are_refused_with_nothing_written(fleet: Fleet) -> None:
     assert [(r["name"], r["max_runs"]) for r in rows if r["kind"] == "concurrency"] == [
         ("anthropic", 200), ("per_key", 5)]
     assert cli(fleet, "limits", "concurrency", "anthropic", "--none").returncode == 0
+    unknown = cli(fleet, "limits", "concurrency", "anthropic", "--none")
+    assert unknown.returncode != 0 and "no concurrency limit is named 'anthropic'" in \
+        unknown.stderr, unknown
     rows = [json.loads(line) for line in cli(fleet, "limits", "--json").stdout.splitlines()]
     assert [r["name"] for r in rows if r["kind"] == "concurrency"] == ["per_key"]
     bad = cli(fleet, "worker", LOOMFLOW_WORKER_LIMITS='{"per_key": 0}')

@@ -59,8 +59,9 @@ INSERT INTO concurrency_limits (name, max_runs) VALUES (%(name)s, %(max_runs)s)
 ON CONFLICT (name) DO UPDATE SET max_runs = EXCLUDED.max_runs, updated_at = now();
 
 -- name: drop_concurrency_limit
--- A concurrency limit removed: its runs take no slot from now on.
-DELETE FROM concurrency_limits WHERE name = %(name)s;
+-- A concurrency limit removed: its runs take no slot from now on. No row back:
+-- there was no such limit.
+DELETE FROM concurrency_limits WHERE name = %(name)s RETURNING name;
 
 -- name: concurrency_limits
 -- Every concurrency limit, with how many requests wait parked on each of its
