@@ -625,16 +625,24 @@ class PostgresJournalStore:
     async def take_slot(self, lease: Lease, keys: Sequence[int]) -> bool:
         """Take one free slot of a concurrency limit, one of ``keys``, for
         ``lease`` (on its lock connection, in one statement that stops at the
-        first it gets); ``False`` when every slot is held, here or elsewhere."""
-        free = [key for key in keys if key not in self._slots]
-        if not free:
-            return False
-        self._slots.update(free)  # taken here while the statement runs
-        got: int | None = None
-        try:
-            got = await lease.io(functools.partial(_take_one, free))
-        finally:
-            self._slots.difference_update(key for key in free if key != got)
+        first it gets); ``False`` when every slot is held, here or elsewhere.
+
+        The slots this process holds are left out, and the one taken is
+        recorded, within the connection's turn: the next turn on it (which
+        would get a slot this session holds again, the lock being reentrant)
+        sees it taken, and a start on another connection is never told a
+        slot is taken that nobody holds."""
+
+        async def take(conn: Conn) -> int | None:
+            free = [key for key in keys if key not in self._slots]
+            if not free:
+                return None
+            got = await _take_one(free, conn)
+            if got is not None:
+                self._slots.add(got)
+            return got
+
+        got = await lease.io(take)
         if got is None:
             return False
         lease.slots.append(got)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import psycopg
 import pytest
 
@@ -52,3 +54,23 @@ async def test_runs_of_one_process_take_one_slot_each_until_none_is_left(dsn: st
     finally:
         await runtime.aclose()
         await other.aclose()
+
+
+async def test_runs_taking_slots_at_once_each_get_one_while_any_is_free(dsn: str) -> None:
+    # Three starts at once on two lock connections, three slots: none is told
+    # the limit is full (which would park it while a slot stays idle).
+    keys = slot_lock_keys("per_key:bob", 3)
+    runtime = await PostgresRuntime.connect(dsn, lock_wait_timeout=0, lock_connections=2)
+    try:
+        leases = [await runtime.journal.acquire(f"s{i}", wait=0) for i in range(4)]
+        taken = await asyncio.gather(*(runtime.journal.take_slot(lease, keys)
+                                       for lease in leases[:3]))
+        assert list(taken) == [True, True, True]
+        assert sorted(k for lease in leases[:3] for k in lease.slots) == sorted(keys)
+        assert _held(dsn, keys) == 3
+        assert not await runtime.journal.take_slot(leases[3], keys)
+        for lease in leases:
+            await runtime.journal.release(lease)
+        assert _held(dsn, keys) == 0
+    finally:
+        await runtime.aclose()
