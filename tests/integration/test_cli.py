@@ -91,7 +91,7 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
     for row in rows:
         cells = row.split()
         assert cells[1:6] == ["s1", "u1", "default", "succeeded", "1"]
-        assert ":" in cells[-1]  # the worker, node:pid
+        assert ":" in cells[-2] and cells[-1] == "-"  # the worker (node:pid); no wait
 
     # `runs`, the command's first name, lists them too.
     as_json = [json.loads(line) for line in lines(cli(fleet, "runs", "--json").stdout)]
