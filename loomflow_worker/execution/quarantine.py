@@ -84,7 +84,10 @@ async def attempt(settings: Settings, job: dict[str, Any]) -> dict[str, Any]:
                       else ("", str(exc)))
         return {"lost": {"attempt": exc.attempt, "worker": exc.worker, "scope": scope,
                          "cause": why}}
-    except (LockLost, DatabaseUnavailable) as exc:
+    except (LockLost, DatabaseUnavailable, psycopg.OperationalError, PoolTimeout) as exc:
+        # Postgres out of reach (a restart ends every connection, the pooled
+        # ones too): retried as its worker retries such an attempt, never a
+        # death of this process, which would charge the request a crash.
         return {"unavailable": f"{type(exc).__name__}: {exc}"}
     finally:
         await ctx.aclose()
