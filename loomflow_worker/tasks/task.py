@@ -58,10 +58,15 @@ def held_options(options: dict[str, Any]) -> dict[str, Any] | None:
 def priority_rank(routing: dict[str, Any] | None, broker_url: str) -> int:
     """Where a request's Celery priority puts it among the requests waiting on
     a limit in the ledger, lowest first, as its broker orders messages: on
-    Redis 0 goes first, on RabbitMQ (AMQP) the highest."""
+    Redis 0 goes first, on RabbitMQ (AMQP) the highest. :class:`InvalidInput`
+    for a priority that is not an integer from 0 to 255 (AMQP's range), before
+    anything is recorded."""
     priority = (routing or {}).get("priority")
-    if not isinstance(priority, int) or isinstance(priority, bool):
+    if priority is None:
         return 0
+    if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 255:
+        shown = priority if isinstance(priority, int) else type(priority).__name__
+        raise InvalidInput(f"priority must be an integer from 0 to 255, not {shown!r}")
     return priority if broker_url.split(":", 1)[0] in REDIS_SCHEMES else -priority
 
 

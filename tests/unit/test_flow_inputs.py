@@ -50,3 +50,19 @@ def test_settings_refuse_bad_limits(monkeypatch: pytest.MonkeyPatch, variable: s
     monkeypatch.setenv(variable, value)
     with pytest.raises(ValidationError, match=says):
         Settings()
+
+
+@pytest.mark.parametrize("priority", [256, -1, 40_000, "5", 2.5, True])
+def test_a_priority_out_of_range_is_refused_before_anything_is_recorded(priority: object) -> None:
+    from loomflow_worker.tasks.task import priority_rank
+
+    with pytest.raises(InvalidInput, match="priority must be an integer from 0 to 255"):
+        priority_rank({"priority": priority}, "redis://127.0.0.1:6379/0")
+
+
+def test_a_priority_ranks_as_its_broker_orders_it() -> None:
+    from loomflow_worker.tasks.task import priority_rank
+
+    assert priority_rank(None, "redis://h/0") == 0
+    assert priority_rank({"priority": 9}, "redis://h/0") == 9
+    assert priority_rank({"priority": 9}, "amqp://guest@h//") == -9
