@@ -674,16 +674,26 @@ def _list_limits(as_json: bool) -> None:
     with admin.connect(_settings()) as conn:
         rows = pacing.read_limits(conn)
         sizes = concurrency.read(conn)
+        weights = concurrency.read_weights(conn)
     if as_json:
         for row in rows:
             _echo_json({"kind": "model", **asdict(row)})
         for size in sizes:
             _echo_json({"kind": "concurrency", **asdict(size)})
+        for weight in weights:
+            _echo_json({"kind": "fairness", **asdict(weight)})
         return
     if sizes:
         for line in _table(["LIMIT", "RUNS", "WAITING", "CHANGED"],
                            [[size.name, str(size.max_runs), str(size.waiting),
                              _when(size.updated_at)] for size in sizes]):
+            click.echo(line)
+        click.echo("")
+    if weights:
+        for line in _table(["FAIRNESS KEY", "WEIGHT", "STATED", "WAITING"],
+                           [[w.fairness_key, "-" if w.weight is None else f"{w.weight:g}",
+                             "-" if w.call_weight is None else f"{w.call_weight:g}",
+                             str(w.waiting)] for w in weights]):
             click.echo(line)
         click.echo("")
     if not rows:
@@ -760,6 +770,37 @@ def limits_concurrency(name: str, max_runs: int | None, unlimited: bool) -> None
     with admin.connect(_settings()) as conn:
         concurrency.write(conn, name, max_runs)
     click.echo(f"limit {name!r}: " + (f"at most {max_runs} runs" if max_runs else "none"))
+
+
+@limits.command(name="weight")
+@click.argument("key")
+@click.argument("weight", metavar="[WEIGHT]", type=float, required=False)
+@click.option("--none", "unweighted", is_flag=True, help="Remove the weight (back to 1).")
+@handled
+def limits_weight(key: str, weight: float | None, unweighted: bool) -> None:
+    """Set the weight of the fairness KEY: with the fair_queue limit set,
+    requests waiting their turn start in proportion to the weights of the keys
+    with work waiting (1 by default). Applies to the next requests published,
+    until a worker starts with other LOOMFLOW_WORKER_FAIRNESS_WEIGHTS."""
+    from .settings import check_key, check_weight
+
+    if unweighted == (weight is not None):
+        raise click.UsageError("give WEIGHT (a positive number), or --none")
+    try:
+        check_key(key, "fairness key")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="KEY") from None
+    if weight is not None:
+        try:
+            weight = check_weight(weight)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="WEIGHT") from None
+    from . import admin
+    from .execution import limits as concurrency
+
+    with admin.connect(_settings()) as conn:
+        concurrency.write_weight(conn, key, weight)
+    click.echo(f"fairness key {key!r}: " + (f"weight {weight:g}" if weight else "weight 1"))
 
 
 # ---- prune ----------------------------------------------------------------------------------

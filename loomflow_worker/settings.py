@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any
 
@@ -27,6 +28,9 @@ MIN_TOKEN_LENGTH = 16
 HOST_NAME = re.compile(r"[a-z0-9_](?:[a-z0-9_.-]*[a-z0-9_])?\.?|\[[0-9a-f:.]+\]", re.I)
 
 
+#: The largest fairness weight: a key's share of the fleet is its weight over
+#: the weights of the keys with work waiting.
+MAX_WEIGHT = 1e6
 #: The longest model key, fairness key or limit name, in bytes.
 MAX_KEY_BYTES = 64
 
@@ -58,6 +62,16 @@ def check_key(key: str, what: str = "model key") -> str:
     if len(key.encode()) > MAX_KEY_BYTES:
         raise ValueError(f"a {what} is at most {MAX_KEY_BYTES} bytes")
     return key
+
+
+def check_weight(weight: Any) -> float:
+    """A fairness weight: a positive finite number (1 is the default)."""
+    if (isinstance(weight, bool) or not isinstance(weight, (int, float))
+            or not math.isfinite(weight) or weight <= 0 or weight > MAX_WEIGHT):
+        shown = weight if isinstance(weight, (int, float)) else type(weight).__name__
+        raise ValueError(f"a fairness weight is a positive number up to {MAX_WEIGHT:g}, "
+                         f"not {shown!r}")
+    return float(weight)
 
 
 def check_limit_name(name: str) -> str:
@@ -186,6 +200,12 @@ class Settings(BaseSettings):
     # "anthropic": 200}. Written at each worker's start; `loomflow-worker
     # limits concurrency` changes them at run time.
     limits: dict[str, StrictInt] = Field(default_factory=dict)
+    # The weights of fairness keys, as JSON (e.g. {"acme": 3}): with the
+    # fair_queue limit set, requests waiting their turn are published in
+    # proportion to the weights of the keys they belong to (1 by default).
+    # Written at each worker's start; `loomflow-worker limits weight` changes
+    # them at run time.
+    fairness_weights: dict[str, float] = Field(default_factory=dict)
     # A run whose model call must wait longer than this (seconds) for its
     # key's budget or its provider gives its slot back and is resumed then,
     # from its journal, on any worker (0: it always waits in its slot).
@@ -221,6 +241,15 @@ class Settings(BaseSettings):
             check_limit_name(name)
             if max_runs < 1:
                 raise ValueError(f"limit {name!r}: at most how many runs, a positive integer")
+        return value
+
+    @field_validator("fairness_weights", mode="before")
+    @classmethod
+    def _check_weights(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for key, weight in value.items():
+                check_key(key, "fairness key")
+                check_weight(weight)
         return value
 
     @field_validator("model_limits")

@@ -512,6 +512,10 @@ async def execute(
         async with runtime.pool.connection() as conn:
             for bound in freed:
                 outcome.dispatch.extend(await ledger.next_on_limit(conn, bound.reason, 1))
+    if ctx.limits is not None and await ctx.limits.fair():
+        # Its message left the broker: room for a request held for its fair turn.
+        async with runtime.pool.connection() as conn:
+            outcome.dispatch.extend(await ledger.fair_next(conn))
     if ctx.events is not None:
         await ctx.events.flush()
     return outcome

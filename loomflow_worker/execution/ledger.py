@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -130,6 +131,7 @@ def _row_params(
         "lock_key": scope_lock_key(req.scope),
         "fairness_key": req.fairness_key,
         "hold_after": None,
+        "fair_depth": None,
         "slots": None,
         "options": None,
         "priority_rank": 0,
@@ -197,19 +199,24 @@ def _insert_new(
     options: dict[str, Any] | None = None,
     fairness_key: str | None = None,
     priority_rank: int = 0,
+    fairness_weight: float | None = None,
 ) -> Enqueued:
     """Insert the request's row; a duplicate when the ledger had it already
     (the same request: :func:`_same_as_recorded` checks). Held back when its
-    fairness key has as many out as the per_key limit allows (and its message
+    fairness key has as many out as the per_key limit allows, or while the
+    fair_queue limit makes requests wait their fair turn (and its message
     ``options`` are known)."""
     params = _row_params(request_id, req, start, ignore_result, routing)
     params["options"] = _jsonb(options)
     params["priority_rank"] = priority_rank
     key = params["fairness_key"] = fairness_key or req.fairness_key
-    per_key = PER_KEY_LIMIT.size(conn) if options is not None else None
+    if fairness_weight is not None:
+        conn.execute(query("set_call_weight"), {"fairness_key": key, "weight": fairness_weight})
+    per_key, fair_depth = HOLD_LIMITS.sizes(conn) if options is not None else (None, None)
     if per_key is not None:
         params["hold_after"] = per_key
         params["slots"] = slot_lock_keys(f"per_key:{key}", per_key)
+    params["fair_depth"] = fair_depth
     row = conn.execute(query("insert_run"), params).fetchone()
     if row is None:
         if _same_as_recorded(conn, request_id, req):
@@ -221,26 +228,32 @@ def _insert_new(
     return Enqueued(not_before=row[0], held=bool(row[1]))
 
 
-class _PerKeyLimit:
-    """The per_key concurrency limit's size as enqueues read it (every few seconds)."""
+class _HoldLimits:
+    """The sizes of the per_key and fair_queue limits as enqueues read them
+    (every few seconds)."""
 
     def __init__(self, every: float = 2.0) -> None:
         self.every = every
-        self._read: tuple[float, int | None] | None = None
+        self._read: tuple[float, tuple[int | None, int | None]] | None = None
         self._lock = threading.Lock()
 
-    def size(self, conn: psycopg.Connection[Any]) -> int | None:
+    def forget(self) -> None:
+        """Read the sizes again at the next enqueue."""
+        with self._lock:
+            self._read = None
+
+    def sizes(self, conn: psycopg.Connection[Any]) -> tuple[int | None, int | None]:
         with self._lock:
             if self._read is not None and time.monotonic() - self._read[0] < self.every:
                 return self._read[1]
-        row = conn.execute(query("per_key_limit")).fetchone()
-        size = int(row[0]) if row is not None else None
+        row = conn.execute(query("hold_limits")).fetchone()
+        sizes = (row[0], row[1]) if row is not None else (None, None)
         with self._lock:
-            self._read = (time.monotonic(), size)
-        return size
+            self._read = (time.monotonic(), sizes)
+        return sizes
 
 
-PER_KEY_LIMIT = _PerKeyLimit()
+HOLD_LIMITS = _HoldLimits()
 
 
 class EnqueuePool:
@@ -305,6 +318,7 @@ class EnqueuePool:
         options: dict[str, Any] | None = None,
         fairness_key: str | None = None,
         priority_rank: int = 0,
+        fairness_weight: float | None = None,
     ) -> Enqueued:
         """Record the request (to start no sooner than ``start`` says;
         ``ignore_result``: its caller wants no result, Celery's
@@ -313,7 +327,8 @@ class EnqueuePool:
         message carries besides, kept for a message published later when the
         request is held back on its fairness key's limit, which it is not
         when they are ``None``; ``fairness_key``: whose request it is for
-        concurrency limits, by default its user, else its session;
+        concurrency limits and fair shares, by default its user, else its
+        session; ``fairness_weight``: the weight it states for that key;
         ``priority_rank``: where its Celery priority puts it among requests
         waiting on a limit, lowest first).
         ``request_id`` is an idempotency key: when the ledger has it already,
@@ -321,9 +336,12 @@ class EnqueuePool:
         a duplicate; with other arguments, :class:`InvalidInput` names them."""
         with (translated("record the request in", dsn, then="nothing was enqueued"),
               self.connection(dsn, connect_timeout) as conn):
+            insert = functools.partial(
+                _insert_new, conn, request_id, req, start, ignore_result, routing, options,
+                fairness_key=fairness_key, priority_rank=priority_rank,
+                fairness_weight=fairness_weight)
             if on_busy == "enqueue":
-                return _insert_new(conn, request_id, req, start, ignore_result, routing, options,
-                                   fairness_key, priority_rank)
+                return insert()
             with conn.transaction():
                 if _same_as_recorded(conn, request_id, req):
                     return Enqueued(duplicate=True)
@@ -337,10 +355,8 @@ class EnqueuePool:
                             detail=f"request {busy[0]['request_id']} is "
                             f"{busy[0]['status']} on it and on_busy=\"reject\" was asked",
                         )
-                    return _insert_new(conn, request_id, req, start, ignore_result, routing,
-                                       options, fairness_key, priority_rank)
-                enqueued = _insert_new(conn, request_id, req, start, ignore_result, routing,
-                                       options, fairness_key, priority_rank)
+                    return insert()
+                enqueued = insert()
                 if enqueued.duplicate:
                     return enqueued
                 rows = _rows(
@@ -350,7 +366,7 @@ class EnqueuePool:
                 )
                 return Enqueued(
                     [Pending.of(row) for row in rows if row["status"] == Status.CANCELLED],
-                    not_before=enqueued.not_before,
+                    not_before=enqueued.not_before, held=enqueued.held,
                 )
 
     def mark_undispatched(self, dsn: str, connect_timeout: int, request_id: str) -> None:
@@ -689,6 +705,18 @@ async def park_on_limit(
     await conn.execute(query("park_on_limit"), {
         "request_id": request_id, "options": _jsonb(options), "reason": reason,
         "slots": slots})
+
+
+#: The most held requests one call publishes in their fair turn.
+FAIR_PAGE = 500
+
+
+async def fair_next(conn: Conn) -> list[Pending]:
+    """Held requests whose fair turn came, to publish; none when another
+    caller is publishing them (see ``loomflow_worker_fair_next``)."""
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(query("fair_next"), {"wait": False, "page": FAIR_PAGE})
+    return [Pending.of(row) for row in await cur.fetchall()]
 
 
 async def next_on_limit(conn: Conn, reason: str, count: int) -> list[Pending]:

@@ -8,7 +8,13 @@ worker's start, ``loomflow-worker limits concurrency`` at run time):
   has none), so one tenant's backlog takes at most N runs of the fleet;
 - ``agent:NAME``: the runs of one agent;
 - any other name: the runs of every agent registered with it
-  (``register_agent(..., limits=["anthropic"])``).
+  (``register_agent(..., limits=["anthropic"])``);
+- ``fair_queue``: not runs but requests waiting in the broker. With it set, an
+  enqueue beyond it records the request held back, and held requests are
+  published as room frees in proportion to their fairness keys' weights
+  (``loomflow-worker limits weight``, ``FAIRNESS_WEIGHTS``, or a request's
+  ``fairness_weight``): a tenant with a few requests starts within a turn
+  while another's thousands drain (see ``loomflow_worker_fair_next``).
 
 An instance of a limit (``per_key:alice``, ``agent:research``, ``anthropic``)
 has N slots, advisory locks in Postgres: a run takes one of each of its
@@ -42,6 +48,9 @@ from .request import RunRequest
 REFRESH = 2.0
 #: The limit that applies to each fairness key apart.
 PER_KEY = "per_key"
+#: The limit of requests waiting in the broker, beyond which they wait their
+#: fair turn in the ledger.
+FAIR_QUEUE = "fair_queue"
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,11 @@ class Limits:
                 found.append(Bound(instance or name, slot_lock_keys(instance or name, size)))
         return found
 
+    async def fair(self) -> bool:
+        """Whether requests wait for their fair turn (``fair_queue`` is set)."""
+        await self._refresh()
+        return FAIR_QUEUE in self._sizes
+
     async def _refresh(self) -> None:
         if self._read_at is not None and self._clock() - self._read_at < REFRESH:
             return
@@ -106,14 +120,18 @@ async def take(take_slot: Callable[[list[int]], Awaitable[bool]], bounds: list[B
 
 
 async def set_limits(pool: AsyncConnectionPool[Any], settings: Settings) -> None:
-    """Write the concurrency limits ``settings`` give (``LIMITS``), as a worker
-    starts: a deploy's sizes replace those set at run time."""
-    if not settings.limits:
+    """Write the concurrency limits and fairness weights ``settings`` give
+    (``LIMITS``, ``FAIRNESS_WEIGHTS``), as a worker starts: a deploy's sizes
+    and weights replace those set at run time."""
+    if not settings.limits and not settings.fairness_weights:
         return
     async with pool.connection() as conn:
         for name, max_runs in sorted(settings.limits.items()):
             await conn.execute(query("set_concurrency_limit"),
                                {"name": name, "max_runs": max_runs})
+        for key, weight in sorted(settings.fairness_weights.items()):
+            await conn.execute(query("set_fairness_weight"),
+                               {"fairness_key": key, "weight": weight})
 
 
 @dataclass(frozen=True)
@@ -139,3 +157,25 @@ def write(conn: psycopg.Connection[Any], name: str, max_runs: int | None) -> Non
                                "limits` lists them")
     else:
         conn.execute(query("set_concurrency_limit"), {"name": name, "max_runs": max_runs})
+
+
+@dataclass(frozen=True)
+class WeightRow:
+    """A fairness key's weight as ``loomflow-worker limits`` lists it: set for
+    the key (``weight``), stated by its requests (``call_weight``), and its
+    requests waiting their fair turn."""
+
+    fairness_key: str
+    weight: float | None
+    call_weight: float | None
+    waiting: int
+
+
+def read_weights(conn: psycopg.Connection[Any]) -> list[WeightRow]:
+    return [WeightRow(*row) for row in conn.execute(query("fairness_key_weights")).fetchall()]
+
+
+def write_weight(conn: psycopg.Connection[Any], key: str, weight: float | None) -> None:
+    """Set (``None``: remove) the weight of the fairness key ``key``; the next
+    requests published by fair shares use it."""
+    conn.execute(query("set_fairness_weight"), {"fairness_key": key, "weight": weight})

@@ -16,7 +16,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from ..runtime.sql import query
-from .ledger import Pending
+from .ledger import FAIR_PAGE, Pending
 
 Conn = psycopg.Connection[Any]
 
@@ -68,6 +68,14 @@ def orphans(
         "dead_after": dead_after, "limit": limit,
     }).fetchall()
     return [(Pending.of(row), str(row["status"])) for row in rows]
+
+
+def fair_next(conn: Conn) -> list[Pending]:
+    """Held requests whose fair turn came, to publish (waiting for any other
+    caller publishing them to be done: see ``loomflow_worker_fair_next``)."""
+    rows = conn.cursor(row_factory=dict_row).execute(
+        query("fair_next"), {"wait": True, "page": FAIR_PAGE}).fetchall()
+    return [Pending.of(row) for row in rows]
 
 
 def next_orphan_in(conn: Conn, dead_after: float) -> float | None:

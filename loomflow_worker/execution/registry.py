@@ -57,7 +57,7 @@ def register_agent(
             check_key(limit, "limit name")
         except ValueError as exc:
             raise InvalidInput(f"limits: {limit!r}: {exc}") from None
-        if limit == "per_key" or limit.startswith("agent:"):
+        if limit in ("per_key", "fair_queue") or limit.startswith("agent:"):
             raise InvalidInput(f"limits: {limit!r} applies by itself; name shared limits only")
 
     def decorate(factory: F) -> F:

@@ -96,6 +96,7 @@ class Recovery:
         a page of them at a time (for up to RECOVER_BUDGET seconds), each page
         as one batch; returns how many requests it dispatched again."""
         self.fence(conn)
+        self.publish_fair(conn)
         waiting = self._waiting(sorted(self.backlog(conn)))
         deadline = time.monotonic() + RECOVER_BUDGET
         suspects, self._suspects = self._suspects, {}
@@ -121,6 +122,14 @@ class Recovery:
             if len(orphans) < ORPHANS_PAGE or not chosen or time.monotonic() > deadline:
                 self.next_orphan = self._orphan_due(conn)
                 return dispatched
+
+    def publish_fair(self, conn: Conn) -> int:
+        """Publish the held requests whose fair turn came (the fair_queue
+        limit has room, or was removed); how many."""
+        turn = ledger_recovery.fair_next(conn)
+        if turn:
+            self.dispatch(turn)
+        return len(turn)
 
     def _waiting(self, queues: list[str]) -> dict[str, int | None]:
         """How many messages the broker holds for each of ``queues`` (``None``:

@@ -18,7 +18,7 @@ from ..execution.registry import import_agent_modules
 from ..execution.request import Kind, check_request
 from ..runtime.errors import InvalidInput
 from ..runtime.validate import check_id
-from ..settings import check_key
+from ..settings import check_key, check_weight
 from .dispatch import (
     DISPATCH_RETRY,
     check_result_backend,
@@ -70,13 +70,19 @@ def priority_rank(routing: dict[str, Any] | None, broker_url: str) -> int:
     return priority if broker_url.split(":", 1)[0] in REDIS_SCHEMES else -priority
 
 
+def _stated(name: str, given: Any, options: dict[str, Any]) -> Any:
+    """What the call states as ``name``: its keyword, else its message's header."""
+    headers = options.get("headers")
+    if given is None and isinstance(headers, dict):
+        given = headers.get(name)
+    return given
+
+
 def checked_fairness_key(given: Any, options: dict[str, Any]) -> str | None:
     """The request's fairness key: the ``fairness_key`` keyword, else its
     message's ``fairness_key`` header; :class:`InvalidInput` when it is not a
     name of 1 to 64 bytes."""
-    headers = options.get("headers")
-    if given is None and isinstance(headers, dict):
-        given = headers.get("fairness_key")
+    given = _stated("fairness_key", given, options)
     if given is None:
         return None
     try:
@@ -84,6 +90,19 @@ def checked_fairness_key(given: Any, options: dict[str, Any]) -> str | None:
     except ValueError as exc:
         shown = given if isinstance(given, str) and len(given) <= 80 else type(given).__name__
         raise InvalidInput(f"fairness_key {shown!r}: {exc}") from None
+
+
+def checked_fairness_weight(given: Any, options: dict[str, Any]) -> float | None:
+    """The weight the request states for its fairness key: the
+    ``fairness_weight`` keyword, else its message's ``fairness_weight``
+    header; :class:`InvalidInput` when it is not a positive number."""
+    given = _stated("fairness_weight", given, options)
+    if given is None:
+        return None
+    try:
+        return check_weight(given)
+    except ValueError as exc:
+        raise InvalidInput(f"fairness_weight: {exc}") from None
 
 
 class AgentTask(Task):  # type: ignore[misc]
@@ -150,6 +169,7 @@ class AgentTask(Task):  # type: ignore[misc]
         kwargs = dict(kwargs or {})
         on_busy = kwargs.pop("on_busy", on_busy)
         fairness_key = checked_fairness_key(kwargs.pop("fairness_key", None), options)
+        fairness_weight = checked_fairness_weight(kwargs.pop("fairness_weight", None), options)
         if on_busy not in ON_BUSY:
             raise InvalidInput(f"on_busy must be one of {', '.join(ON_BUSY)}, not {on_busy!r}")
         current = PROCESS.current_settings()
@@ -165,6 +185,7 @@ class AgentTask(Task):  # type: ignore[misc]
             ignore_result=bool(options.get("ignore_result", self.ignore_result)),
             routing=routing,
             options=held_options(options), fairness_key=fairness_key,
+            fairness_weight=fairness_weight,
             priority_rank=priority_rank(routing, current.broker_url.get_secret_value()),
         )
         if enqueued.duplicate or enqueued.held:

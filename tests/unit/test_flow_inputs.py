@@ -66,3 +66,21 @@ def test_a_priority_ranks_as_its_broker_orders_it() -> None:
     assert priority_rank(None, "redis://h/0") == 0
     assert priority_rank({"priority": 9}, "redis://h/0") == 9
     assert priority_rank({"priority": 9}, "amqp://guest@h//") == -9
+
+
+@pytest.mark.parametrize("weight", [0, -1, float("nan"), float("inf"), "heavy", True, 2e6])
+def test_a_fairness_weight_that_is_not_a_positive_number_is_refused(weight: object) -> None:
+    from loomflow_worker.tasks.task import checked_fairness_weight
+
+    with pytest.raises(InvalidInput, match="fairness_weight: a fairness weight is a positive"):
+        checked_fairness_weight(weight, {})
+    with pytest.raises(InvalidInput, match="fairness_weight"):
+        checked_fairness_weight(None, {"headers": {"fairness_weight": weight}})
+
+
+def test_a_fairness_weight_is_taken_from_the_keyword_else_the_header() -> None:
+    from loomflow_worker.tasks.task import checked_fairness_weight
+
+    assert checked_fairness_weight(3, {"headers": {"fairness_weight": 5}}) == 3.0
+    assert checked_fairness_weight(None, {"headers": {"fairness_weight": 0.5}}) == 0.5
+    assert checked_fairness_weight(None, {"headers": None}) is None

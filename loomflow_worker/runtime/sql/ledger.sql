@@ -34,6 +34,9 @@ SELECT request_id, status FROM runs
 -- runs_fairness_open) is held back, parked on its key's limit as a worker would park it,
 -- and not published: the broker then holds a handful of one tenant's backlog, not all of
 -- it, and the others' requests are not queued behind it.
+-- With fair_depth (the fair_queue limit), a request that may start now is held back too
+-- while others wait in line for their fair share, or while fair_depth requests wait in the
+-- broker already (runs_in_broker): loomflow_worker_fair_next publishes it in its turn.
 INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
                   lock_key, not_before, ignore_result, routing, fairness_key, waiting_for,
                   waiting_slots, received_at, options, priority_rank)
@@ -43,18 +46,42 @@ SELECT %(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind
             THEN now() + make_interval(secs => %(countdown)s::float8)
             ELSE %(eta)s::timestamptz END,
        %(ignore_result)s, %(routing)s::jsonb, %(fairness_key)s::text,
-       CASE WHEN h.held THEN 'limit per_key:' || %(fairness_key)s::text END,
-       CASE WHEN h.held THEN %(slots)s::bigint[] END,
-       CASE WHEN h.held THEN now() END,
-       CASE WHEN h.held THEN %(options)s::jsonb END, %(priority_rank)s
+       CASE WHEN h.held THEN 'limit per_key:' || %(fairness_key)s::text
+            WHEN h.fair THEN 'limit fair_queue' END,
+       CASE WHEN h.held THEN %(slots)s::bigint[] WHEN h.fair THEN '{}'::bigint[] END,
+       CASE WHEN h.held OR h.fair THEN now() END,
+       CASE WHEN h.held OR h.fair THEN %(options)s::jsonb END, %(priority_rank)s
   FROM (SELECT %(hold_after)s::integer IS NOT NULL
                AND (SELECT count(*) FROM (
                        SELECT 1 FROM runs
                         WHERE fairness_key = %(fairness_key)s::text
                           AND loomflow_worker_unfinished(status) AND waiting_slots IS NULL
-                        LIMIT %(hold_after)s::integer) o) >= %(hold_after)s::integer AS held) h
+                        LIMIT %(hold_after)s::integer) o) >= %(hold_after)s::integer AS held,
+               %(fair_depth)s::integer IS NOT NULL AND %(options)s::jsonb IS NOT NULL
+               AND %(countdown)s::float8 IS NULL AND %(eta)s::timestamptz IS NULL
+               AND (EXISTS (SELECT 1 FROM runs
+                             WHERE waiting_for = 'limit fair_queue' AND status = 'queued')
+                    OR (SELECT count(*) FROM (
+                           SELECT 1 FROM runs
+                            WHERE status = 'queued' AND waiting_slots IS NULL
+                              AND not_before IS NULL
+                              AND (received_at IS NULL OR dispatched_at > received_at)
+                            LIMIT %(fair_depth)s::integer) o) >= %(fair_depth)s::integer)
+               AS fair) h
 ON CONFLICT (request_id) DO NOTHING
 RETURNING not_before, waiting_slots IS NOT NULL AS held;
+
+-- name: fair_next
+-- Held requests published in their fair turn (see loomflow_worker_fair_next), at most
+-- `page`; `wait` false: none when another caller is publishing them.
+SELECT * FROM loomflow_worker_fair_next(%(wait)s, %(page)s);
+
+-- name: set_call_weight
+-- The weight a request stated for its fairness key (fairness_weight), used while no
+-- weight is set for the key.
+INSERT INTO fairness_keys (fairness_key, call_weight) VALUES (%(fairness_key)s, %(weight)s)
+ON CONFLICT (fairness_key) DO UPDATE SET call_weight = EXCLUDED.call_weight, updated_at = now()
+ WHERE fairness_keys.call_weight IS DISTINCT FROM EXCLUDED.call_weight;
 
 -- name: cancel_requests
 -- Cancel one request (request_id), or every unfinished request of a scope

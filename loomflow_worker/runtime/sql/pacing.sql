@@ -73,7 +73,31 @@ SELECT c.name, c.max_runs, c.updated_at,
                 OR starts_with(r.waiting_for, 'limit ' || c.name || ':'))) AS waiting
   FROM concurrency_limits c ORDER BY c.name;
 
--- name: per_key_limit
--- The per_key concurrency limit's size, if it is set: an enqueue holds back a
--- request whose fairness key has that many out (see insert_run).
-SELECT max_runs FROM concurrency_limits WHERE name = 'per_key';
+-- name: hold_limits
+-- The sizes of the limits an enqueue holds requests back on, when set: per_key (a
+-- fairness key with that many out) and fair_queue (that many waiting in the broker; see
+-- insert_run).
+SELECT max(max_runs) FILTER (WHERE name = 'per_key'),
+       max(max_runs) FILTER (WHERE name = 'fair_queue')
+  FROM concurrency_limits WHERE name IN ('per_key', 'fair_queue');
+
+-- name: set_fairness_weight
+-- A fairness key's weight as settings (FAIRNESS_WEIGHTS) or `loomflow-worker limits
+-- weight` set it (NULL: removed; the weight its requests state, else 1, applies).
+INSERT INTO fairness_keys (fairness_key, weight) VALUES (%(fairness_key)s, %(weight)s)
+ON CONFLICT (fairness_key) DO UPDATE SET weight = EXCLUDED.weight, updated_at = now();
+
+-- name: fairness_key_weights
+-- Every fairness key with a weight set or stated, or with requests held for their fair
+-- turn, and how many are held.
+SELECT k.fairness_key, f.weight, f.call_weight, coalesce(h.waiting, 0)
+  FROM (SELECT fairness_key FROM fairness_keys
+         WHERE weight IS NOT NULL OR call_weight IS NOT NULL
+        UNION
+        SELECT DISTINCT fairness_key FROM runs
+         WHERE waiting_for = 'limit fair_queue' AND status = 'queued') k
+  LEFT JOIN fairness_keys f USING (fairness_key)
+  LEFT JOIN (SELECT fairness_key, count(*) AS waiting FROM runs
+              WHERE waiting_for = 'limit fair_queue' AND status = 'queued'
+              GROUP BY fairness_key) h USING (fairness_key)
+ ORDER BY k.fairness_key;

@@ -1,0 +1,120 @@
+"""Weighted fair shares on a real Celery worker: with the fair_queue limit set,
+requests wait their turn in the ledger and start in proportion to their
+fairness keys' weights, not in the order they were sent; one key alone keeps
+its order, and removing the limit publishes every held request."""
+
+from __future__ import annotations
+
+import json
+
+import psycopg
+import pytest
+
+from loomflow_worker.execution import ledger
+from loomflow_worker.runtime.errors import InvalidInput
+from loomflow_worker.tasks import run_agent
+
+from .celery_harness import Fleet
+from .helpers import calls, cli, wait_until
+
+pytestmark = pytest.mark.slow
+
+FAST = {"LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5", "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+        "LOOMFLOW_WORKER_HANDOFF_GRACE": "1"}
+
+
+def _starts(dsn: str, ids: list[str]) -> list[tuple[str, str]]:
+    """The requests' fairness keys and ids in the order they started."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [(str(key), str(request_id)) for key, request_id in conn.execute(
+            "SELECT fairness_key, request_id FROM runs WHERE request_id = ANY(%s)"
+            " ORDER BY started_at", (ids,)).fetchall()]
+
+
+def _held(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM runs WHERE waiting_for = 'limit fair_queue'"
+                           " AND status = 'queued'").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _set(fleet: Fleet, *args: str) -> None:
+    done = cli(fleet, "limits", *args)
+    assert done.returncode == 0, done.stderr
+    # This process's enqueues read the limits again at once.
+    ledger.HOLD_LIMITS.forget()
+
+
+def test_requests_start_in_proportion_to_their_keys_weights(fleet: Fleet) -> None:
+    _set(fleet, "concurrency", "fair_queue", "2")
+    _set(fleet, "weight", "bob", "3")
+    alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(24)]
+    bob = [run_agent.delay(calls(f"bob{i}"), f"b{i}", user_id="bob").id for i in range(24)]
+    # At most fair_queue published at once: the rest wait in the ledger.
+    assert _held(fleet.dsn) == 46
+    fleet.start("w1", concurrency=2, pool="threads", TEST_TOOL_SLEEP="0.2", **FAST)
+    for request_id in alice + bob:
+        run_agent.AsyncResult(request_id).get(timeout=120)
+    starts = _starts(fleet.dsn, alice + bob)
+    assert len(starts) == 48
+    # Sent in arrival order, every one of alice's would start before bob's
+    # first. By weights 1:3, once bob has work waiting he takes about three of
+    # every four starts until his backlog runs out.
+    first_bob = next(i for i, (key, _) in enumerate(starts) if key == "bob")
+    window = [key for key, _ in starts[first_bob:first_bob + 16]]
+    assert 10 <= window.count("bob") <= 14, starts
+    assert first_bob <= 4, starts
+    listed = cli(fleet, "limits").stdout
+    assert any(line.split()[:3] == ["bob", "3", "-"] for line in listed.splitlines()), listed
+    assert any(line.split()[:2] == ["fair_queue", "2"] for line in listed.splitlines()), listed
+
+
+def test_one_key_alone_starts_in_the_order_it_sent(fleet: Fleet) -> None:
+    _set(fleet, "concurrency", "fair_queue", "2")
+    sent = [run_agent.delay(calls(f"solo{i}"), f"s{i}", user_id="solo").id for i in range(10)]
+    fleet.start("w1", concurrency=1, pool="threads", **FAST)
+    for request_id in sent:
+        run_agent.AsyncResult(request_id).get(timeout=90)
+    assert [request_id for _, request_id in _starts(fleet.dsn, sent)] == sent
+
+
+def test_a_weight_a_request_states_counts_while_none_is_set(fleet: Fleet) -> None:
+    _set(fleet, "concurrency", "fair_queue", "1")
+    carol = [run_agent.delay(calls(f"carol{i}"), f"c{i}", user_id="carol").id for i in range(12)]
+    dave = [run_agent.apply_async((calls(f"dave{i}"), f"d{i}"), {"user_id": "dave"},
+                                  headers={"fairness_weight": 2}).id for i in range(12)]
+    fleet.start("w1", concurrency=1, pool="threads", TEST_TOOL_SLEEP="0.1", **FAST)
+    for request_id in carol + dave:
+        run_agent.AsyncResult(request_id).get(timeout=120)
+    starts = _starts(fleet.dsn, carol + dave)
+    first_dave = next(i for i, (key, _) in enumerate(starts) if key == "dave")
+    window = [key for key, _ in starts[first_dave:first_dave + 9]]
+    assert 5 <= window.count("dave") <= 7, starts
+    with pytest.raises(InvalidInput, match="fairness_weight"):
+        run_agent.apply_async(("x", "d-bad"), headers={"fairness_weight": 0})
+    with pytest.raises(InvalidInput, match="fairness_weight"):
+        run_agent.delay("x", "d-bad", fairness_weight="heavy")
+
+
+def test_removing_the_limit_publishes_every_held_request(fleet: Fleet) -> None:
+    _set(fleet, "concurrency", "fair_queue", "1")
+    sent = [run_agent.delay(calls(f"r{i}"), f"r{i}", user_id=f"u{i % 2}").id for i in range(6)]
+    assert _held(fleet.dsn) == 5
+    _set(fleet, "concurrency", "fair_queue", "--none")
+    fleet.start("w1", concurrency=3, pool="threads", **FAST)
+    for request_id in sent:
+        run_agent.AsyncResult(request_id).get(timeout=60)
+    wait_until(lambda: _held(fleet.dsn) == 0, "no request held")
+
+
+def test_bad_weights_are_refused_with_nothing_written(fleet: Fleet) -> None:
+    for args in (("weight", "bob", "0"), ("weight", "bob", "-2"), ("weight", "bob", "nan"),
+                 ("weight", "b" * 65, "2"), ("weight", "bob")):
+        done = cli(fleet, "limits", *args)
+        assert done.returncode != 0 and done.stderr.strip(), (args, done.stdout)
+        assert "Traceback" not in done.stderr, done.stderr
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM fairness_keys").fetchone() == (0,)
+    bad = cli(fleet, "worker", LOOMFLOW_WORKER_FAIRNESS_WEIGHTS=json.dumps({"bob": -1}))
+    assert bad.returncode != 0 and "fairness_weights" in bad.stderr, bad.stderr
