@@ -35,7 +35,6 @@ from ..runtime import (
     SessionBusy,
     run_options,
 )
-from ..runtime.lockconn import LockConnection
 from ..runtime.loopwatch import LoopWatch, Stall
 from ..runtime.runtime import signal_waits
 from ..runtime.store import Conn, Lease, OpenChoice
@@ -210,7 +209,7 @@ class WorkerContext:
                 )
                 meter = metrics.get()
                 if meter is not None:
-                    runtime.journal.on_write = meter.journal_write.observe
+                    runtime.journal.time_writes(meter.journal_write.observe)
                 self.watch = LoopWatch(
                     stall=self.settings.loop_stall_warning,
                     step_codes=PostgresRuntime.step_codes(),
@@ -267,25 +266,12 @@ class WorkerContext:
         stamps nothing, so its lease runs out and the sweeper fences it."""
         interval = self.settings.heartbeat_interval
         limit = fence_after(self.settings)
-        loop = asyncio.get_running_loop()
-        beating: dict[LockConnection[Lease], asyncio.Task[None]] = {}
         while True:
             await anyio.sleep(interval)
-            now = loop.time()
-            lock_conns = runtime.journal.live_connections()
-            for lock_conn in lock_conns:
-                running = lock_conn.running()
-                if not running:
-                    lock_conn.stamped(now)
-                elif now - lock_conn.stamped_at > limit:
-                    lock_conn.fence(
-                        f"no heartbeat stamped its runs for {now - lock_conn.stamped_at:.1f}s "
-                        "(the sweeper may end the connection after "
-                        f"LEASE={self.settings.lease_timeout:g}s)"
-                    )
-                elif lock_conn not in beating or beating[lock_conn].done():
-                    beating[lock_conn] = loop.create_task(_beat(lock_conn, running))
-            beating = {conn: task for conn, task in beating.items() if conn in lock_conns}
+            runtime.journal.heartbeat(
+                fence_after=limit, lease_timeout=self.settings.lease_timeout,
+                stamp=ledger.heartbeat, on_cancelled=_cancelled,
+            )
 
     def _stalled(self, stall: Stall) -> None:
         """The loop was held (from the loop watch's thread): say by what."""
@@ -906,8 +892,8 @@ async def _run(
         # sends it back to its shared process, unless a cancel stops it there).
         async def cleared() -> None:
             await lease.io(lambda conn: ledger.clear_suspicion(conn, request_id))
-            if ctx.alone and lease.stop is None:
-                lease.stop = HandedBack()
+            if ctx.alone:
+                lease.request_stop(HandedBack())
 
         lease.on_executed = cleared
     lease.on_fenced.append(lambda _: _fenced(fence))
@@ -1039,20 +1025,7 @@ def fence_after(settings: Settings) -> float:
     return max(settings.lease_timeout - margin, settings.heartbeat_interval)
 
 
-async def _beat(lock_conn: LockConnection[Lease], running: list[Lease]) -> None:
-    """One heartbeat of the requests running on ``lock_conn``, ahead of every
-    statement queued there. A cancel request stops a run at its next step."""
-    ids = [a.request_id for a in running if a.request_id is not None]
-    sent = asyncio.get_running_loop().time()
-    try:
-        cancelled = await lock_conn.run(lambda conn: ledger.heartbeat(conn, ids), urgent=True)
-    except LockLost:
-        return
-    except Exception as exc:
-        log.warning("a heartbeat on lock connection %d failed: %s", lock_conn.index, exc,
-                    extra={"action": "heartbeat_failed", "backend": lock_conn.backend_pid})
-        return
-    lock_conn.stamped(sent)
-    for lease in running:
-        if lease.request_id in cancelled and lease.stop is None:
-            lease.stop = RunStopped("cancelled while running")
+def _cancelled(lease: Lease) -> None:
+    """A cancel was requested for the request ``lease`` runs (its heartbeat
+    said so): it stops at its next step."""
+    lease.request_stop(RunStopped("cancelled while running"))

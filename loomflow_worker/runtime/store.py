@@ -249,6 +249,12 @@ class Lease:
         for callback in self.on_fenced:
             callback(cause)
 
+    def request_stop(self, reason: BaseException) -> None:
+        """Stop the run at its next step boundary with ``reason``, unless a stop
+        was requested already (the first reason stands)."""
+        if self.stop is None:
+            self.stop = reason
+
     async def io(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
         """Run ``fn`` in a turn on the lock connection; its loss fences the run."""
         if self.fenced is not None:
@@ -481,11 +487,18 @@ class PostgresJournalStore:
         self._slots: set[int] = set()
         self._closed = False
         # Called with the seconds each journal write of a run took (metrics).
-        self.on_write: Callable[[float], None] | None = None
+        self._on_write: Callable[[float], None] | None = None
+        # The heartbeat running on each lock connection, if one is.
+        self._beats: dict[LockConnection[Lease], asyncio.Task[None]] = {}
+
+    def time_writes(self, on_write: Callable[[float], None] | None) -> None:
+        """Call ``on_write`` with the seconds each journal write of a run takes
+        (metrics); ``None``: no longer."""
+        self._on_write = on_write
 
     def observe_write(self, seconds: float) -> None:
-        if self.on_write is not None:
-            self.on_write(seconds)
+        if self._on_write is not None:
+            self._on_write(seconds)
 
     def live_connections(self) -> list[LockConnection[Lease]]:
         """The lock connections open and not fenced (a copy: one may be lost or
@@ -495,6 +508,41 @@ class PostgresJournalStore:
     def queue_depth(self) -> int:
         """Statements waiting for the lock connections."""
         return sum(lock_conn.depth for lock_conn in self._lock_conns)
+
+    def heartbeat(
+        self,
+        *,
+        fence_after: float,
+        lease_timeout: float,
+        stamp: Callable[[Conn, list[str]], Awaitable[set[str]]],
+        on_cancelled: Callable[[Lease], None],
+    ) -> None:
+        """One heartbeat of the process's running requests. For each live lock
+        connection: with no run on it, it is stamped alive now; when nothing
+        has stamped its runs for more than ``fence_after`` seconds (the sweeper
+        ends the lock connections of a worker silent for ``lease_timeout``), it
+        is fenced; otherwise, unless a beat of it is still under way (never
+        two at once on a connection), ``stamp`` stamps its requests in one
+        urgent statement, ahead of every statement queued there, and returns
+        those whose cancel was requested: ``on_cancelled`` is called with
+        their leases."""
+        now = asyncio.get_running_loop().time()
+        lock_conns = self.live_connections()
+        for lock_conn in lock_conns:
+            running = lock_conn.running()
+            if not running:
+                lock_conn.stamped(now)
+            elif now - lock_conn.stamped_at > fence_after:
+                lock_conn.fence(
+                    f"no heartbeat stamped its runs for {now - lock_conn.stamped_at:.1f}s "
+                    "(the sweeper may end the connection after "
+                    f"LEASE={lease_timeout:g}s)"
+                )
+            elif lock_conn not in self._beats or self._beats[lock_conn].done():
+                self._beats[lock_conn] = asyncio.get_running_loop().create_task(
+                    _beat(lock_conn, running, stamp, on_cancelled)
+                )
+        self._beats = {conn: task for conn, task in self._beats.items() if conn in lock_conns}
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -987,6 +1035,30 @@ def _try_lock(
             raise
 
     return try_lock
+
+
+async def _beat(
+    lock_conn: LockConnection[Lease],
+    running: list[Lease],
+    stamp: Callable[[Conn, list[str]], Awaitable[set[str]]],
+    on_cancelled: Callable[[Lease], None],
+) -> None:
+    """One heartbeat of the requests running on ``lock_conn`` (see
+    :meth:`PostgresJournalStore.heartbeat`)."""
+    ids = [a.request_id for a in running if a.request_id is not None]
+    sent = asyncio.get_running_loop().time()
+    try:
+        cancelled = await lock_conn.run(lambda conn: stamp(conn, ids), urgent=True)
+    except LockLost:
+        return
+    except Exception as exc:
+        log.warning("a heartbeat on lock connection %d failed: %s", lock_conn.index, exc,
+                    extra={"action": "heartbeat_failed", "backend": lock_conn.backend_pid})
+        return
+    lock_conn.stamped(sent)
+    for lease in running:
+        if lease.request_id in cancelled:
+            on_cancelled(lease)
 
 
 async def _take_one(keys: list[int], conn: Conn) -> int | None:

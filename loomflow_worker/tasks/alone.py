@@ -15,7 +15,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 from contextlib import suppress
 from typing import Any
 
@@ -25,19 +24,9 @@ from ..execution.execute import Outcome
 from ..execution.quarantine import decode_outcome
 from ..execution.registry import agent_modules
 from ..runtime.errors import DatabaseUnavailable, LockLost
+from .state import PROCESS
 
 log = logging.getLogger("loomflow_worker.tasks")
-
-#: Requests of one worker process that run alone at once (each in a process).
-AT_ONCE = 4
-
-_slots = threading.BoundedSemaphore(AT_ONCE)
-
-#: The processes running a request alone now, by request id, and the
-#: requests among them a revoke with terminate stopped.
-_running: dict[str, subprocess.Popen[str]] = {}
-_revoked: set[str] = set()
-_guard = threading.Lock()
 
 
 def run_alone(
@@ -55,7 +44,8 @@ def run_alone(
     attempt here would, and :class:`DiedAlone` when the process died."""
     job = {"request_id": request_id, "args": args, "kind": kind, "node": node,
            "time_limit": time_limit, "options": options, "modules": agent_modules()}
-    with _slots:
+    alone = PROCESS.alone
+    with alone.slots:
         log.info("request %s: running alone in a process of its own", request_id,
                  extra={"action": "quarantine_start", "request": request_id})
         returncode, stdout, stderr = _run_process(request_id, job, timeout)
@@ -63,9 +53,9 @@ def run_alone(
         log.info("request %s (alone): %s", request_id, line,
                  extra={"action": "quarantine_log", "request": request_id})
     reply = _reply(stdout)
-    with _guard:
-        revoked = request_id in _revoked
-        _revoked.discard(request_id)
+    with alone.guard:
+        revoked = request_id in alone.revoked
+        alone.revoked.discard(request_id)
     if reply is None and revoked:
         # Its process stopped its run (recorded interrupted) and released the
         # session: the revoke ends it cancelled in the ledger and hands the
@@ -93,8 +83,9 @@ def _run_process(request_id: str, job: dict[str, Any], timeout: float) -> tuple[
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=os.environ.copy(),
     )
-    with _guard:
-        _running[request_id] = process
+    alone = PROCESS.alone
+    with alone.guard:
+        alone.running[request_id] = process
     try:
         stdout, stderr = process.communicate(json.dumps(job), timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -102,8 +93,8 @@ def _run_process(request_id: str, job: dict[str, Any], timeout: float) -> tuple[
         process.communicate()
         raise DiedAlone(f"its process ran past {timeout:g}s and was stopped") from exc
     finally:
-        with _guard:
-            _running.pop(request_id, None)
+        with alone.guard:
+            alone.running.pop(request_id, None)
     return process.returncode, stdout, stderr
 
 
@@ -112,11 +103,12 @@ def stop_alone(request_id: str) -> bool:
     revoke with terminate): the process stops its run, records the attempt
     interrupted and releases the session; the run ends ``cancelled``.
     ``False`` when the request does not run alone here."""
-    with _guard:
-        process = _running.get(request_id)
+    alone = PROCESS.alone
+    with alone.guard:
+        process = alone.running.get(request_id)
         if process is None:
             return False
-        _revoked.add(request_id)
+        alone.revoked.add(request_id)
     log.info("request %s: revoked; stopping its process", request_id,
              extra={"action": "revoke", "request": request_id})
     with suppress(ProcessLookupError):

@@ -9,6 +9,7 @@ context (each checks the process id, or is made at ``worker_process_init``)."""
 
 from __future__ import annotations
 
+import subprocess
 import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -27,6 +28,26 @@ from ..settings import Settings, validation_message
 from .admission import Admission
 from .loop import ChildLoop
 from .sweeper import Sweeper
+
+#: Requests of one worker process that run alone at once (each in a process).
+ALONE_AT_ONCE = 4
+
+
+@dataclass
+class AloneRuns:
+    """The requests this process runs alone, each in a process of its own
+    (see :mod:`loomflow_worker.tasks.alone`)."""
+
+    #: Taken while a request runs alone: :data:`ALONE_AT_ONCE` at once.
+    slots: threading.BoundedSemaphore = field(
+        default_factory=lambda: threading.BoundedSemaphore(ALONE_AT_ONCE)
+    )
+    #: The processes running a request alone now, by request id.
+    running: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+    #: The requests among them a revoke with terminate stopped.
+    revoked: set[str] = field(default_factory=set)
+    #: Held while :attr:`running` or :attr:`revoked` is read or changed.
+    guard: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -60,6 +81,8 @@ class ProcessState:
     #: Connections to the ledger for enqueues, cancels and the worker's
     #: short ledger writes.
     enqueue: EnqueuePool = field(default_factory=EnqueuePool)
+    #: The requests this process runs alone.
+    alone: AloneRuns = field(default_factory=AloneRuns)
     #: Held while the app is made or replaced.
     lock: threading.RLock = field(default_factory=threading.RLock)
 

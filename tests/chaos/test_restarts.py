@@ -26,7 +26,9 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 
+import psycopg
 import pytest
 import redis
 
@@ -44,7 +46,7 @@ from tests.chaos.checks import (
     wait_terminal,
 )
 from tests.integration.celery_harness import REDIS_PORT, REDIS_URL, Fleet
-from tests.integration.helpers import tcp_connections
+from tests.integration.helpers import tcp_connections, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -81,6 +83,19 @@ def _wait_in_flight(dsn: str, after: float, count: int = 2, timeout: float = 30)
             break
         time.sleep(0.02)
     return tags
+
+
+def _open_attempts(dsn: str) -> set[tuple[str, int]]:
+    """The attempts the ledger has open (started and not ended)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT request_id, attempt FROM run_attempts WHERE ended_at IS NULL"
+        ).fetchall()
+    return {(str(request_id), int(attempt)) for request_id, attempt in rows}
+
+
+def _all_ended(dsn: str, attempts: set[tuple[str, int]]) -> bool:
+    return not attempts & _open_attempts(dsn)
 
 
 def kill_redis_clients(pids: list[int]) -> Counter[str]:
@@ -146,9 +161,13 @@ def _kill_in_rounds(fleet: Fleet, label: str, kill: Callable[[int, list[str]], N
         if not tags:
             break
         after = time.time()
+        open_at_kill = _open_attempts(fleet.dsn)
         kill(round_no, tags)
         in_flight.append(tags)
-        time.sleep(1.0)  # let the fleet notice before looking for the next round
+        # The fleet noticed before the next round is looked for: every attempt
+        # open at the kill has ended (lost with its lock connection, or done).
+        wait_until(partial(_all_ended, fleet.dsn, open_at_kill),
+                   f"round {round_no + 1}: the attempts open at the kill ended")
     _check(fleet, sent, label, in_flight)
     print(f"[{label}] took {time.monotonic() - began:.1f}s")
 

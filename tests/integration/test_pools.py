@@ -10,11 +10,19 @@ import pytest
 
 from loomflow_worker.runtime.store import IdleCheck
 
+from .helpers import wait_until
+
 
 def _end_backend(dsn: str, conn: psycopg.Connection[object]) -> None:
+    pid = conn.info.backend_pid
     with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
-    time.sleep(0.1)
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_until(
+            lambda: admin.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone() is None,
+            f"backend {pid} gone", timeout=5,
+        )
 
 
 def test_a_connection_taken_a_moment_ago_is_not_checked_an_idle_one_is(dsn: str) -> None:

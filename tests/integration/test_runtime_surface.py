@@ -274,6 +274,18 @@ async def test_a_busy_scope_raises_session_busy_after_the_wait(dsn: str) -> None
         await waiter.aclose()
 
 
+async def _tried_the_lock(dsn: str, runtime: PostgresRuntime) -> bool:
+    """Whether a lock connection of ``runtime`` has tried a scope's lock (a
+    waiting run tries it again every few milliseconds; it does not block)."""
+    pids = [lock_conn.backend_pid for lock_conn in runtime.journal.live_connections()]
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = ANY(%s)"
+            " AND query LIKE '%%pg_try_advisory_lock%%')", (pids,))
+        row = await cur.fetchone()
+    return bool(row and row[0])
+
+
 async def test_a_waiting_run_starts_when_the_holder_ends(dsn: str) -> None:
     first = await PostgresRuntime.connect(dsn)
     second = await PostgresRuntime.connect(dsn, lock_wait_timeout=10)
@@ -283,7 +295,11 @@ async def test_a_waiting_run_starts_when_the_holder_ends(dsn: str) -> None:
     async def hold() -> None:
         async with first.session("s"):
             held.set()
-            await anyio.sleep(0.3)  # the second run waits meanwhile
+            with anyio.fail_after(5):  # the second run waits meanwhile
+                while True:
+                    if await _tried_the_lock(dsn, second):
+                        break
+                    await anyio.sleep(0.01)
             order.append("first ends")
 
     async def wait() -> None:
