@@ -19,6 +19,7 @@ from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
+from ..runtime import fastpath
 from ..runtime.errors import InvalidInput, SessionBusy, translated
 from ..runtime.sql import query
 from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice, scope_lock_key, slot_lock_keys
@@ -104,6 +105,32 @@ async def _fetchone(conn: Conn, name: str, params: Mapping[str, Any]) -> DictRow
     cur = conn.cursor(row_factory=dict_row)
     await cur.execute(query(name), params)
     return await cur.fetchone()
+
+
+# The statements of every request's path on its lock connection, sent through
+# libpq directly (see runtime.fastpath): the look before it starts, its start,
+# its finish and the look for the next request once its scope is free.
+_PRECHECK = fastpath.Query.of("precheck_run")
+_START = fastpath.Query.of("start_request")
+_FINISH = fastpath.Query.of("finish_request")
+_HAND_OFF = fastpath.Query.of("hand_off")
+
+
+async def _fast_rows(conn: Conn, statement: fastpath.Query,
+                     params: Mapping[str, Any]) -> list[DictRow]:
+    """The rows of ``statement``; through libpq on a connection in autocommit
+    (a lock connection), else through psycopg, in the transaction it has open."""
+    if not conn.autocommit:
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(query(statement.name), params)
+        return await cur.fetchall()
+    return fastpath.dicts(conn, await fastpath.execute(conn, *statement.call(conn, params)))
+
+
+async def _fast_one(conn: Conn, statement: fastpath.Query,
+                    params: Mapping[str, Any]) -> DictRow | None:
+    rows = await _fast_rows(conn, statement, params)
+    return rows[0] if rows else None
 
 
 def _rows(conn: psycopg.Connection[Any], name: str, params: Mapping[str, Any]) -> list[DictRow]:
@@ -549,8 +576,8 @@ async def precheck(
     process, a request that must run alone takes no lock and comes back with
     ``quarantine`` set."""
     params = _row_params(request_id, req)
-    row = await _fetchone(
-        conn, "precheck_run",
+    row = await _fast_one(
+        conn, _PRECHECK,
         {**{name: params[name] for name in _IDENTITY if name != "prompt"},
          "prompt_sha256": hashlib.sha256(req.prompt.encode()).digest(),
          "request_id": request_id, "stale": stale_after, "key": lock_key, "may_lock": may_lock,
@@ -627,15 +654,15 @@ async def start(
     params = {"request_id": request_id, "scope": scope, "worker": worker, "pid": os.getpid(),
               "stale": stale_after, "lease": lease, "interval": interval}
     opened: list[DictRow] | None = None
-    if opening is None:
-        row = await _fetchone(conn, "start_request", params)
+    if opening is None or not conn.autocommit:
+        row = await _fast_one(conn, _START, params)
+        opened = None if opening is None else await opening.read(scope)(conn)
     else:
-        cur = conn.cursor(row_factory=dict_row)
-        async with conn.pipeline():
-            await cur.execute(query("start_request"), params)
-            reading = await opening.send(conn, scope)
-        row = await cur.fetchone()
-        opened = await reading.fetchall()
+        started, reading = fastpath.succeeded(await fastpath.pipeline(
+            conn, [_START.call(conn, params), opening.call(scope)]))
+        found = fastpath.dicts(conn, started)
+        row = found[0] if found else None
+        opened = fastpath.rows(reading)
     if row is None:
         raise LookupError(f"request {request_id} has no ledger row")
     seq = row["seq"]
@@ -673,8 +700,8 @@ async def finish(
     """The request's end in one statement: the scope's epoch advanced past
     ``epoch`` (forward only), status, result and error recorded, the attempt
     closed, and the scope handed to its next unfinished request."""
-    return _handoff(await _fetchone(
-        conn, "finish_request",
+    return _handoff(await _fast_one(
+        conn, _FINISH,
         {"request_id": request_id, "scope": scope, "attempt": attempt,
          "new_epoch": epoch + 1, "epoch_value": _codec.dumps(epoch + 1),
          "status": status,
@@ -765,8 +792,7 @@ async def requeue_interrupted(conn: Conn, request_id: str, attempt: int) -> None
 async def hand_off(conn: Conn, scope: str) -> Handoff | None:
     """Hand ``scope`` to its oldest unfinished request, unless it was handed
     already (then whoever handed it published it, or its message runs it)."""
-    cur = await send_hand_off(scope)(conn)
-    return handoff_of(await cur.fetchall())
+    return handoff_of(await _fast_rows(conn, _HAND_OFF, _hand_off_statement(scope)[1]))
 
 
 def _hand_off_sync(conn: psycopg.Connection[Any], scope: str) -> Handoff | None:
@@ -778,14 +804,8 @@ def send_hand_off(scope: str) -> Followup:
     """:func:`hand_off` as a statement sent after the scope's unlock, in its
     round trip (``PostgresJournalStore.release(lease, then=...)``); read its
     rows with :func:`handoff_of`."""
-    name, params = _hand_off_statement(scope)
-
-    async def send(conn: Conn) -> psycopg.AsyncCursor[DictRow]:
-        cur = conn.cursor(row_factory=dict_row)
-        await cur.execute(query(name), params)
-        return cur
-
-    return send
+    _, params = _hand_off_statement(scope)
+    return lambda conn: _HAND_OFF.call(conn, params)
 
 
 def _hand_off_statement(scope: str) -> tuple[str, dict[str, Any]]:

@@ -22,12 +22,13 @@ import asyncio
 import contextlib
 import re
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from psycopg import AsyncConnection, errors
+from psycopg.adapt import PyFormat, Transformer
 from psycopg.pq import DiagnosticField, ExecStatus, Format
 from psycopg.pq.abc import PGresult
 
@@ -70,6 +71,59 @@ class Statement:
                    (_BINARY,) * len(types))
 
 
+class Query:
+    """A named query of ``runtime/sql`` sent the same way, for statements
+    whose parameters and columns are not all of the types above: psycopg's
+    adapters dump its parameters (each typed as its value says) and
+    :func:`dicts` loads its rows. It is prepared once per connection for each
+    set of parameter types it is called with."""
+
+    def __init__(self, name: str, sql: bytes, params: tuple[str, ...]) -> None:
+        self.name = name
+        self.sql = sql
+        self.params = params
+        self._typed: dict[tuple[tuple[int, ...], tuple[int, ...]], Statement] = {}
+
+    @classmethod
+    def of(cls, name: str) -> Query:
+        """The query ``name``, its ``%(name)s`` placeholders numbered in the
+        order they first appear."""
+        names: list[str] = []
+
+        def number(match: re.Match[str]) -> str:
+            if match[1] not in names:
+                names.append(match[1])
+            return f"${names.index(match[1]) + 1}"
+
+        sql = _PLACEHOLDER.sub(number, query(name)).replace("%%", "%").encode()
+        return cls(name, sql, tuple(names))
+
+    def call(self, conn: AsyncConnection[Any], params: Mapping[str, Any]) -> Call:
+        """The query with ``params``, for :func:`execute` or :func:`pipeline`."""
+        tx = Transformer(conn)
+        values = tx.dump_sequence([params[name] for name in self.params],
+                                  [PyFormat.AUTO] * len(self.params))
+        key = (tuple(tx.types or ()), tuple(int(f) for f in tx.formats or ()))
+        stmt = self._typed.get(key)
+        if stmt is None:
+            stmt = self._typed[key] = Statement(
+                f"loomflow_worker_{self.name}_{len(self._typed)}".encode(), self.sql, *key)
+        return stmt, values
+
+
+def dicts(conn: AsyncConnection[Any], res: PGresult) -> list[dict[str, Any]]:
+    """The rows of a result, as dicts by column name, each value loaded as
+    psycopg loads it."""
+    tx = Transformer(conn)
+    tx.set_pgresult(res)
+    names = [(res.fname(i) or b"").decode() for i in range(res.nfields)]
+    return [dict(zip(names, row, strict=True)) for row in tx.load_rows(0, res.ntuples, tuple)]
+
+
+#: A statement's parameters, each in the format its statement says.
+Values = Sequence[bytes | bytearray | memoryview | None]
+
+
 # The statements prepared on each connection, by name.
 _prepared: weakref.WeakKeyDictionary[AsyncConnection[Any], set[bytes]] = (
     weakref.WeakKeyDictionary()
@@ -83,9 +137,7 @@ def _prepared_on(conn: AsyncConnection[Any]) -> set[bytes]:
     return found
 
 
-async def execute(
-    conn: AsyncConnection[Any], stmt: Statement, values: Sequence[bytes | None]
-) -> PGresult:
+async def execute(conn: AsyncConnection[Any], stmt: Statement, values: Values) -> PGresult:
     """Run ``stmt`` with ``values`` (each in the binary format of its type) on
     ``conn``, preparing it first on a connection that has not seen it;
     returns its result (rows in binary format)."""
@@ -98,7 +150,7 @@ async def execute(
 #: In :func:`pipeline`, a commit point between two statements.
 SYNC = None
 
-Call = tuple[Statement, Sequence[bytes | None]]
+Call = tuple[Statement, Values]
 
 
 async def pipeline(
@@ -136,6 +188,15 @@ async def pipeline(
         raise
     pg.exit_pipeline_mode()
     return results
+
+
+def succeeded(results: Sequence[PGresult | psycopg.Error]) -> list[PGresult]:
+    """:func:`pipeline`'s results when every statement succeeded; else the
+    first error is raised."""
+    for result in results:
+        if isinstance(result, psycopg.Error):
+            raise result
+    return [result for result in results if not isinstance(result, psycopg.Error)]
 
 
 async def _pipeline_results(

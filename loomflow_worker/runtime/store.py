@@ -155,9 +155,9 @@ def _namespace_bounds(ns: str) -> tuple[str, str]:
     return ns + "/", ns + "0"
 
 
-#: Sends one statement on a connection and returns its cursor, to be read
-#: once the pipeline it joined is synced (see :meth:`PostgresJournalStore.release`).
-Followup = Callable[[Conn], Awaitable[psycopg.AsyncCursor[DictRow]]]
+#: One statement for a connection, to go in the pipeline of another (see
+#: :meth:`PostgresJournalStore.release`).
+Followup = Callable[[Conn], fastpath.Call]
 
 
 @dataclass(frozen=True)
@@ -1110,10 +1110,11 @@ def _unlock_then(
     """The unlock, and ``then``'s statement after it in one pipeline."""
 
     async def unlock(conn: Conn) -> tuple[DictRow | None, list[DictRow] | None]:
-        cur = conn.cursor(row_factory=dict_row)
-        async with conn.pipeline():
-            await cur.execute(query("unlock_scope"), {"key": key})
-            followed = await then(conn)
-        return await cur.fetchone(), await followed.fetchall()
+        unlock_call = (fastpath.UNLOCK_SCOPE, (fastpath.int8(key),))
+        unlocked, followed = fastpath.succeeded(
+            await fastpath.pipeline(conn, [unlock_call, then(conn)]))
+        return _first(unlocked), fastpath.dicts(conn, followed)
 
     return unlock
+
+

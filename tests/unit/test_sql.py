@@ -95,7 +95,7 @@ def _query_takers(trees: list[ast.Module]) -> Takers:
             named = {a.arg: i for i, a in enumerate(params[1:] if method else params)
                      if isinstance(a.annotation, ast.Name) and a.annotation.id == "str"}
             for call in (n for n in ast.walk(func) if isinstance(n, ast.Call)):
-                for index in _places(call, takers):
+                for index in list(_places(call, takers)):
                     arg = call.args[index] if index < len(call.args) else None
                     if isinstance(arg, ast.Name) and arg.id in named:
                         places = takers.setdefault((method, func.name), set())
