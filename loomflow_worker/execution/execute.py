@@ -35,6 +35,7 @@ from ..runtime import (
     SessionBusy,
     run_options,
 )
+from ..runtime.lockconn import Batch
 from ..runtime.loopwatch import LoopWatch, Stall
 from ..runtime.runtime import signal_waits
 from ..runtime.store import Conn, Lease, OpenChoice
@@ -416,13 +417,14 @@ async def execute(
 
     pre: ledger.Precheck | None = None
 
-    async def precheck_and_lock(conn: Conn, key: int, may_lock: bool) -> bool | None:
-        nonlocal pre
-        pre = await ledger.precheck(
-            conn, request_id, req, ctx.settings.redispatch_after, key, may_lock,
-            shared=ctx.slots > 1,
-        )
-        return None if pre is None else pre.locked
+    def precheck_and_lock(key: int, may_lock: bool) -> Batch[bool | None]:
+        def keep(found: ledger.Precheck | None) -> bool | None:
+            nonlocal pre
+            pre = found
+            return None if found is None else found.locked
+
+        return ledger.precheck(request_id, req, ctx.settings.redispatch_after, key, may_lock,
+                               shared=ctx.slots > 1).then(keep)
 
     # A request at the head of its session waits a moment for a lock still
     # held: usually the request before it finished and is releasing it, and
@@ -753,12 +755,10 @@ async def _start(
     settings = ctx.settings
     waited: float | None = None
     while True:
-        started = await lease.io(
-            lambda conn: ledger.start(
-                conn, request_id, req.scope, worker, settings.redispatch_after, opening,
-                lease=settings.lease_timeout, interval=settings.heartbeat_interval,
-            )
-        )
+        started = await lease.send(ledger.start(
+            request_id, req.scope, worker, settings.redispatch_after, opening,
+            lease=settings.lease_timeout, interval=settings.heartbeat_interval,
+        ))
         if started.status != ledger.WAITING:
             if waited is not None:
                 log.info("request %s: its previous attempt ended after %.1fs; starting",
@@ -834,13 +834,11 @@ async def _conclude(
     assert started.epoch is not None
     await lease.flush_last_run()
     with anyio.CancelScope(shield=True):
-        chosen = await lease.io(
-            lambda conn: ledger.finish(
-                conn, request_id, req.scope, started.attempt, started.epoch or 0,
-                status=ending.status, result=ending.result, error=ending.error,
-                error_type=ending.error_type,
-            )
-        )
+        chosen = await lease.send(ledger.finishing(
+            request_id, req.scope, started.attempt, started.epoch or 0,
+            status=ending.status, result=ending.result, error=ending.error,
+            error_type=ending.error_type,
+        ))
     if ctx.events is not None:
         ctx.events.end(request_id, started.attempt, ending.status, ending.error)
     meter = metrics.get()

@@ -15,12 +15,14 @@ from typing import Any, Literal
 
 import psycopg
 from loomflow.runtime import _codec
+from psycopg.pq.abc import PGresult
 from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from ..runtime import fastpath
 from ..runtime.errors import InvalidInput, SessionBusy, translated
+from ..runtime.lockconn import Batch
 from ..runtime.sql import query
 from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice, scope_lock_key, slot_lock_keys
 from ..runtime.validate import MAX_ID_BYTES, MAX_ID_LENGTH
@@ -131,6 +133,16 @@ async def _fast_one(conn: Conn, statement: fastpath.Query,
                     params: Mapping[str, Any]) -> DictRow | None:
     rows = await _fast_rows(conn, statement, params)
     return rows[0] if rows else None
+
+
+def _one(statement: fastpath.Query, params: Mapping[str, Any]) -> Batch[DictRow | None]:
+    """``statement``'s first row, as a turn for the lock connection."""
+
+    def read(conn: Conn, results: list[PGresult | psycopg.Error]) -> DictRow | None:
+        rows = fastpath.dicts(conn, fastpath.succeeded(results)[0])
+        return rows[0] if rows else None
+
+    return Batch(lambda conn: [statement.call(conn, params)], read)
 
 
 def _rows(conn: psycopg.Connection[Any], name: str, params: Mapping[str, Any]) -> list[DictRow]:
@@ -559,8 +571,7 @@ class Precheck:
     fairness_key: str | None = None
 
 
-async def precheck(
-    conn: Conn,
+def precheck(
     request_id: str,
     req: RunRequest,
     stale_after: float,
@@ -568,21 +579,23 @@ async def precheck(
     may_lock: bool = True,
     *,
     shared: bool = False,
-) -> Precheck | None:
+) -> Batch[Precheck | None]:
     """The ledger's view of ``request_id`` (``None``: it has no row), which of
     ``req``'s arguments (its message's) differ from the row, and the scope's
     lock (``lock_key``) tried in the same statement when it may run (and
     ``may_lock``: this process does not hold it already). In a ``shared``
     process, a request that must run alone takes no lock and comes back with
-    ``quarantine`` set."""
+    ``quarantine`` set. A turn for the lock connection."""
     params = _row_params(request_id, req)
-    row = await _fast_one(
-        conn, _PRECHECK,
-        {**{name: params[name] for name in _IDENTITY if name != "prompt"},
-         "prompt_sha256": hashlib.sha256(req.prompt.encode()).digest(),
-         "request_id": request_id, "stale": stale_after, "key": lock_key, "may_lock": may_lock,
-         "shared": shared},
-    )
+    return _one(_PRECHECK, {
+        **{name: params[name] for name in _IDENTITY if name != "prompt"},
+        "prompt_sha256": hashlib.sha256(req.prompt.encode()).digest(),
+        "request_id": request_id, "stale": stale_after, "key": lock_key, "may_lock": may_lock,
+        "shared": shared,
+    }).then(_precheck_of)
+
+
+def _precheck_of(row: DictRow | None) -> Precheck | None:
     if row is None:
         return None
     return Precheck(row["status"], row["result"], row["error"], _pending(row),
@@ -630,8 +643,7 @@ class Started:
     booked_in: float | None = None
 
 
-async def start(
-    conn: Conn,
+def start(
     request_id: str,
     scope: str,
     worker: str,
@@ -640,7 +652,7 @@ async def start(
     *,
     lease: float,
     interval: float,
-) -> Started:
+) -> Batch[Started]:
     """Under the scope lock, in one statement: a duplicate of a finished request
     gets its stored outcome; a request behind an unfinished older one parks; a
     request whose previous attempt may still be running (its worker lives, see
@@ -653,16 +665,23 @@ async def start(
     ``opened`` for the lease to use when it opens that epoch."""
     params = {"request_id": request_id, "scope": scope, "worker": worker, "pid": os.getpid(),
               "stale": stale_after, "lease": lease, "interval": interval}
-    opened: list[DictRow] | None = None
-    if opening is None or not conn.autocommit:
-        row = await _fast_one(conn, _START, params)
-        opened = None if opening is None else await opening.read(scope)(conn)
-    else:
-        started, reading = fastpath.succeeded(await fastpath.pipeline(
-            conn, [_START.call(conn, params), opening.call(scope)]))
+
+    def build(conn: Conn) -> list[fastpath.Call]:
+        calls = [_START.call(conn, params)]
+        if opening is not None:
+            calls.append(opening.call(scope))
+        return calls
+
+    def read(conn: Conn, results: list[PGresult | psycopg.Error]) -> Started:
+        started, *reading = fastpath.succeeded(results)
         found = fastpath.dicts(conn, started)
-        row = found[0] if found else None
-        opened = fastpath.rows(reading)
+        opened = fastpath.rows(reading[0]) if reading else None
+        return _started_of(request_id, found[0] if found else None, opened)
+
+    return Batch(build, read)
+
+
+def _started_of(request_id: str, row: DictRow | None, opened: list[DictRow] | None) -> Started:
     if row is None:
         raise LookupError(f"request {request_id} has no ledger row")
     seq = row["seq"]
@@ -686,28 +705,31 @@ async def start(
 
 
 async def finish(
-    conn: Conn,
-    request_id: str,
-    scope: str,
-    attempt: int,
-    epoch: int,
-    *,
-    status: str,
-    result: Any = None,
-    error: str | None = None,
-    error_type: str | None = None,
+    conn: Conn, request_id: str, scope: str, attempt: int, epoch: int, **ending: Any
 ) -> Handoff | None:
     """The request's end in one statement: the scope's epoch advanced past
-    ``epoch`` (forward only), status, result and error recorded, the attempt
-    closed, and the scope handed to its next unfinished request."""
+    ``epoch`` (forward only), status, result and error recorded (``ending``:
+    see :func:`_finish_params`), the attempt closed, and the scope handed to
+    its next unfinished request."""
     return _handoff(await _fast_one(
-        conn, _FINISH,
-        {"request_id": request_id, "scope": scope, "attempt": attempt,
-         "new_epoch": epoch + 1, "epoch_value": _codec.dumps(epoch + 1),
-         "status": status,
-         "result": None if result is None else Jsonb(result),
-         "error": error, "error_type": error_type},
-    ))
+        conn, _FINISH, _finish_params(request_id, scope, attempt, epoch, **ending)))
+
+
+def finishing(
+    request_id: str, scope: str, attempt: int, epoch: int, **ending: Any
+) -> Batch[Handoff | None]:
+    """:func:`finish` as a turn for the lock connection."""
+    return _one(_FINISH, _finish_params(request_id, scope, attempt, epoch, **ending)
+                ).then(_handoff)
+
+
+def _finish_params(request_id: str, scope: str, attempt: int, epoch: int, *, status: str,
+                   result: Any = None, error: str | None = None,
+                   error_type: str | None = None) -> dict[str, Any]:
+    return {"request_id": request_id, "scope": scope, "attempt": attempt,
+            "new_epoch": epoch + 1, "epoch_value": _codec.dumps(epoch + 1),
+            "status": status, "result": None if result is None else Jsonb(result),
+            "error": error, "error_type": error_type}
 
 
 async def schedule_retry(

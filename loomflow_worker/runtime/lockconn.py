@@ -12,9 +12,12 @@ server task of its own that takes work from a queue:
 - journal writes that arrive while a statement is in flight are sent
   together as one statement when it ends, so a step costs about one round
   trip however many runs write at once;
-- any other work (start a request, finish it, take or release a lock) is
-  a callable given the connection for one exclusive turn, which may be a
-  transaction of several statements;
+- work made of statements alone (:class:`Batch`: start a request, finish
+  it, take or release a lock) waiting together is sent together, each
+  turn's statements committed on their own (a Sync after each), so a burst
+  of starts and finishes costs about one round trip too;
+- any other work is a callable given the connection for one exclusive
+  turn, which may be a transaction of several statements;
 - urgent work (the heartbeat that keeps the connection's runs alive) goes
   before every queued write and turn, so a busy connection never makes its
   runs look dead;
@@ -36,12 +39,13 @@ import contextlib
 import functools
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import psycopg
 from psycopg import AsyncConnection
+from psycopg.pq.abc import PGresult
 from psycopg.rows import TupleRow
 
 from . import fastpath
@@ -51,6 +55,7 @@ from .sql import query
 log = logging.getLogger("loomflow_worker.runtime")
 
 T = TypeVar("T")
+U = TypeVar("U")
 Conn = AsyncConnection[TupleRow]
 
 Table = Literal["steps", "streams"]
@@ -82,10 +87,35 @@ class JournalRow:
     value: bytes
 
 
+@dataclass(frozen=True)
+class Batch(Generic[T]):
+    """A turn made of statements alone: ``build(conn)`` makes them (run as
+    one implicit transaction) and ``read(conn, results)`` makes the turn's
+    answer of their results (a ``psycopg.Error`` for one that failed, and
+    for those after it). Batches waiting together go in one round trip."""
+
+    build: Callable[[Conn], Sequence[fastpath.Call | None]]
+    read: Callable[[Conn, list[PGresult | psycopg.Error]], T]
+
+    async def run(self, conn: Conn) -> T:
+        """This turn alone, on ``conn``."""
+        return self.read(conn, await fastpath.pipeline(conn, self.build(conn)))
+
+    def then(self, answer: Callable[[T], U]) -> Batch[U]:
+        """This batch, its answer made into ``answer``'s."""
+        read = self.read
+        return Batch(self.build, lambda conn, results: answer(read(conn, results)))
+
+
+#: The most batches sent in one round trip.
+MAX_BATCHED = 64
+
+
 @dataclass
 class _Work:
-    fn: Callable[[Conn], Awaitable[Any]]
+    fn: Callable[[Conn], Awaitable[Any]] | None
     done: asyncio.Future[Any]
+    batch: Batch[Any] | None = None
 
 
 @dataclass
@@ -161,6 +191,16 @@ class LockConnection(Generic[L]):
             raise self.fenced
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         (self._urgent if urgent else self._work).append(_Work(fn, done))
+        self._wake.set()
+        return await done
+
+    async def send(self, batch: Batch[T]) -> T:
+        """``batch`` in a turn on the connection, in one round trip with the
+        batches waiting with it."""
+        if self.fenced is not None:
+            raise self.fenced
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._work.append(_Work(None, done, batch))
         self._wake.set()
         return await done
 
@@ -247,7 +287,12 @@ class LockConnection(Generic[L]):
 
     async def _take(self, queue: deque[_Work]) -> None:
         work = queue.popleft()
-        if not work.done.done():
+        if work.batch is not None:
+            batched = [work]
+            while queue and queue[0].batch is not None and len(batched) < MAX_BATCHED:
+                batched.append(queue.popleft())
+            await self._batches([w for w in batched if not w.done.done()])
+        elif not work.done.done():
             await self._turn(work)
 
     def _fail_waiting(self, exc: LockLost) -> None:
@@ -279,6 +324,7 @@ class LockConnection(Generic[L]):
             self._current = []
 
     async def _turn(self, work: _Work) -> None:
+        assert work.fn is not None
         try:
             result = await self._guarded(work.fn, [work.done])
         except BaseException as exc:
@@ -288,6 +334,45 @@ class LockConnection(Generic[L]):
             return
         if not work.done.done():
             work.done.set_result(result)
+
+    async def _batches(self, works: list[_Work]) -> None:
+        """Turns of statements alone, in one pipeline, each committed apart."""
+        if not works:
+            return
+        calls: list[fastpath.Call | None] = []
+        spans: list[tuple[_Work, int, int]] = []
+        first = 0
+        for work in works:
+            assert work.batch is not None
+            try:
+                built = list(work.batch.build(self.conn))
+            except BaseException as exc:
+                _fail(work.done, exc)
+                continue
+            calls += [*built, fastpath.SYNC]
+            # pipeline() answers each statement, not each commit point.
+            answered = sum(1 for call in built if call is not fastpath.SYNC)
+            spans.append((work, first, first + answered))
+            first += answered
+        try:
+            results = await self._guarded(
+                functools.partial(fastpath.pipeline, calls=calls),
+                [work.done for work, _, _ in spans])
+        except BaseException as exc:
+            for work, _, _ in spans:
+                _fail(work.done, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for work, start, end in spans:
+            assert work.batch is not None
+            try:
+                answer = work.batch.read(self.conn, results[start:end])
+            except Exception as exc:
+                _fail(work.done, exc)
+            else:
+                if not work.done.done():
+                    work.done.set_result(answer)
 
     async def _flush(self) -> None:
         writes, self._writes = self._writes, []

@@ -33,6 +33,7 @@ import anyio
 import psycopg
 from loomflow.runtime.journal import Checkpoint, CheckpointMeta, JournalEntry
 from psycopg import AsyncConnection
+from psycopg.pq.abc import PGresult
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
@@ -49,8 +50,8 @@ from .errors import (
     first_line,
     translated,
 )
+from .lockconn import Batch, JournalRow, LockConnection
 from .lockconn import Conn as Conn
-from .lockconn import JournalRow, LockConnection
 from .migrate import migrate
 from .prune import Pruner
 from .sql import query
@@ -260,6 +261,13 @@ class Lease:
         if self.fenced is not None:
             raise self.fenced
         return await self.lock_conn.run(fn)
+
+    async def send(self, batch: Batch[T]) -> T:
+        """``batch`` in a turn on the lock connection, in one round trip with
+        the other runs' batches waiting with it; its loss fences the run."""
+        if self.fenced is not None:
+            raise self.fenced
+        return await self.lock_conn.send(batch)
 
     # ---- reading -----------------------------------------------------------
 
@@ -621,12 +629,12 @@ class PostgresJournalStore:
         self,
         scope: str,
         wait: float | None,
-        gate: Callable[[Conn, int, bool], Awaitable[bool | None]] | None,
+        gate: Callable[[int, bool], Batch[bool | None]] | None,
         *,
         opening: OpenChoice | None = None,
     ) -> Lease | None:
-        """:meth:`acquire`, with ``gate(conn, key, may_lock)`` run instead of
-        the plain try-lock: one statement that decides whether to take the
+        """:meth:`acquire`, with ``gate(key, may_lock)`` sent instead of the
+        plain try-lock: one statement that decides whether to take the
         lock and, when ``may_lock``, tries to (``pg_try_advisory_lock(key)``)
         in the same round trip. It returns whether it got the lock, or
         ``None`` when it chose not to try: then there is no lease.
@@ -646,7 +654,10 @@ class PostgresJournalStore:
             # polling a busy scope reads nothing.
             try_open = opening if gate is None and may_lock and pause == WAIT_POLL_MIN else None
             try:
-                tried, opened = await lock_conn.run(_try_lock(gate, key, may_lock, scope, try_open))
+                if gate is not None:
+                    tried, opened = await lock_conn.send(gate(key, may_lock)), None
+                else:
+                    tried, opened = await lock_conn.run(_try_lock(key, may_lock, scope, try_open))
             except BaseException:
                 if may_lock:
                     self._forget(key)
@@ -738,9 +749,11 @@ class PostgresJournalStore:
                         if lease.slots:
                             await lock_conn.run(functools.partial(_unlock_slots, lease.slots))
                         if then is None:
-                            row = await lock_conn.run(_unlock_after(before, lease.lock_key, failed))
+                            row = await lock_conn.send(
+                                _unlock_after(before, lease.lock_key, failed))
                         else:
-                            row, followed = await lock_conn.run(_unlock_then(then, lease.lock_key))
+                            row, followed = await lock_conn.send(
+                                _unlock_then(then, lease.lock_key))
                     except LockLost as exc:
                         # The connection is gone, and its locks with it; what
                         # was to be committed first may not have been.
@@ -996,22 +1009,19 @@ async def _probe_row(conn: Conn, name: str, params: dict[str, Any]) -> tuple[Any
 
 
 def _try_lock(
-    gate: Callable[[Conn, int, bool], Awaitable[bool | None]] | None,
     key: int,
     may_lock: bool,
     scope: str,
     opening: OpenChoice | None,
 ) -> Callable[[Conn], Awaitable[tuple[bool | None, list[DictRow] | None]]]:
-    """The statement that tries a scope's lock (``gate``'s, when given); with
-    ``may_lock`` false the lock is held in this process already and is not
-    asked for. With ``opening``, the run's open query follows the try-lock
-    in one pipeline: Postgres runs it after the lock is taken, on a
-    snapshot of its own, so it reads every step the previous holder
-    committed; its rows are dropped when the lock was busy."""
+    """The statement that tries a scope's lock; with ``may_lock`` false the
+    lock is held in this process already and is not asked for. With
+    ``opening``, the run's open query follows the try-lock in one pipeline:
+    Postgres runs it after the lock is taken, on a snapshot of its own, so
+    it reads every step the previous holder committed; its rows are dropped
+    when the lock was busy."""
 
     async def try_lock(conn: Conn) -> tuple[bool | None, list[DictRow] | None]:
-        if gate is not None:
-            return await gate(conn, key, may_lock), None
         if not may_lock:
             return False, None
         lock = (fastpath.TRY_LOCK, (fastpath.int8(key),))
@@ -1077,20 +1087,20 @@ def _journal_call(scope: str, key: str, blob: bytes) -> fastpath.Call:
 
 def _unlock_after(
     before: Sequence[fastpath.Call], key: int, failed: list[BaseException]
-) -> Callable[[Conn], Awaitable[dict[str, Any] | None]]:
+) -> Batch[dict[str, Any] | None]:
     """The unlock, after ``before`` committed (their first error into ``failed``)."""
+    unlock_call = (fastpath.UNLOCK_SCOPE, (fastpath.int8(key),))
 
-    async def unlock(conn: Conn) -> dict[str, Any] | None:
-        unlock_call = (fastpath.UNLOCK_SCOPE, (fastpath.int8(key),))
-        if not before:
-            return _first(await fastpath.execute(conn, *unlock_call))
-        *done, unlocked = await fastpath.pipeline(conn, [*before, fastpath.SYNC, unlock_call])
+    def read(conn: Conn, results: list[PGresult | psycopg.Error]) -> dict[str, Any] | None:
+        *done, unlocked = results
         failed.extend(r for r in done if isinstance(r, psycopg.Error))
         if isinstance(unlocked, psycopg.Error):
             raise unlocked
         return _first(unlocked)
 
-    return unlock
+    if not before:
+        return Batch(lambda conn: [unlock_call], read)
+    return Batch(lambda conn: [*before, fastpath.SYNC, unlock_call], read)
 
 
 def _first(res: Any) -> dict[str, Any] | None:
@@ -1106,15 +1116,15 @@ def _first_value(res: Any) -> Any:
 
 def _unlock_then(
     then: Followup, key: int
-) -> Callable[[Conn], Awaitable[tuple[DictRow | None, list[DictRow] | None]]]:
+) -> Batch[tuple[DictRow | None, list[DictRow] | None]]:
     """The unlock, and ``then``'s statement after it in one pipeline."""
+    unlock_call = (fastpath.UNLOCK_SCOPE, (fastpath.int8(key),))
 
-    async def unlock(conn: Conn) -> tuple[DictRow | None, list[DictRow] | None]:
-        unlock_call = (fastpath.UNLOCK_SCOPE, (fastpath.int8(key),))
-        unlocked, followed = fastpath.succeeded(
-            await fastpath.pipeline(conn, [unlock_call, then(conn)]))
+    def read(conn: Conn, results: list[PGresult | psycopg.Error]
+             ) -> tuple[DictRow | None, list[DictRow] | None]:
+        unlocked, followed = fastpath.succeeded(results)
         return _first(unlocked), fastpath.dicts(conn, followed)
 
-    return unlock
+    return Batch(lambda conn: [unlock_call, then(conn)], read)
 
 

@@ -106,36 +106,43 @@ if os.environ.get("TEST_DIE_AFTER_COMMIT"):
 
 
 def _hold_first_start() -> None:
-    """Hold the lock connection in the turn of the first start of a request
-    (TEST_HOLD_START=before:<marker> or after:<marker>: before its statement,
-    or after it committed; alone:<marker>: after it committed, in a process
+    """Hold the lock connection in a turn just before or after the first start
+    of a request (TEST_HOLD_START=before:<marker> or after:<marker>: before
+    its statement, or after it committed; alone:<marker>: after it committed, in a process
     running a request alone), once: the marker file, written then, tells the
     test to end the connection while the start's turn is in flight, as a
     Postgres restart would."""
     from loomflow_worker.execution import ledger
+    from loomflow_worker.runtime.store import Lease
 
     when, marker = os.environ["TEST_HOLD_START"].split(":", 1)
     if when == "alone":
         if not sys.argv[0].endswith(os.path.join("execution", "quarantine.py")):
             return
         when = "after"
-    start = ledger.start
+    start, send = ledger.start, Lease.send
+    starts: list[Any] = []
 
     async def hold(conn: Any) -> None:
         with open(marker, "w") as f:
             f.write(str(os.getpid()))
         await conn.execute("SELECT pg_sleep(60)")
 
-    async def start_held(conn: Any, *args: Any, **kwargs: Any) -> Any:
-        first = not os.path.exists(marker)
+    def start_noted(*args: Any, **kwargs: Any) -> Any:
+        starts.append(start(*args, **kwargs))
+        return starts[-1]
+
+    async def send_held(lease: Any, batch: Any) -> Any:
+        first = batch in starts and not os.path.exists(marker)
         if first and when == "before":
-            await hold(conn)
-        started = await start(conn, *args, **kwargs)
+            await lease.io(hold)
+        started = await send(lease, batch)
         if first and when == "after":
-            await hold(conn)
+            await lease.io(hold)
         return started
 
-    ledger.start = start_held  # type: ignore[assignment]
+    ledger.start = start_noted  # type: ignore[assignment]
+    Lease.send = send_held  # type: ignore[method-assign]
 
 
 if os.environ.get("TEST_HOLD_START"):

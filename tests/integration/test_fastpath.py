@@ -11,7 +11,7 @@ import pytest
 from loomflow.runtime.journal import journal_scope
 
 from loomflow_worker.runtime import LockLost, PostgresRuntime, SessionBusy, fastpath
-from loomflow_worker.runtime.lockconn import JournalRow, LockConnection
+from loomflow_worker.runtime.lockconn import Batch, JournalRow, LockConnection
 from loomflow_worker.testing import EffectsLog
 
 from .helpers import calls, make_agent
@@ -22,17 +22,22 @@ pytestmark = pytest.mark.anyio
 def _count_turns(lock_conn: LockConnection[Any]) -> dict[str, int]:
     """Count the exclusive turns and the journal writes sent to ``lock_conn`` from now on."""
     counts = {"turns": 0, "writes": 0}
-    run, write = lock_conn.run, lock_conn.write
+    run, send, write = lock_conn.run, lock_conn.send, lock_conn.write
 
     async def counted_run(fn: Callable[[Any], Awaitable[Any]]) -> Any:
         counts["turns"] += 1
         return await run(fn)
+
+    async def counted_send(batch: Batch[Any]) -> Any:
+        counts["turns"] += 1
+        return await send(batch)
 
     async def counted_write(rows: list[JournalRow]) -> None:
         counts["writes"] += 1
         await write(rows)
 
     lock_conn.run = counted_run  # type: ignore[method-assign]
+    lock_conn.send = counted_send  # type: ignore[method-assign]
     lock_conn.write = counted_write  # type: ignore[method-assign]
     return counts
 

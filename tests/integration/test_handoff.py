@@ -21,6 +21,8 @@ from loomflow_worker import NoMemory, register_agent
 from loomflow_worker.execution import ledger
 from loomflow_worker.execution.execute import WorkerContext, execute
 from loomflow_worker.execution.request import RunRequest, check_request
+from loomflow_worker.runtime.lockconn import Batch
+from loomflow_worker.runtime.store import Lease
 from loomflow_worker.settings import Settings
 from loomflow_worker.testing import DeterministicModel
 
@@ -140,17 +142,23 @@ async def test_a_request_that_parks_after_the_finish_chose_no_one_is_handed_the_
     req = check_request(settings, kind="run", **args)
     enqueue = ledger.EnqueuePool()
     parked: list[str] = []
-    real_finish = ledger.finish
+    real_finishing, real_send = ledger.finishing, Lease.send
+    finishes: list[Batch[Any]] = []
 
-    async def finish_then_the_next_arrives(*a: Any, **kw: Any) -> ledger.Handoff | None:
-        chosen = await real_finish(*a, **kw)
-        if not parked:
+    def finishing(*a: Any, **kw: Any) -> Batch[ledger.Handoff | None]:
+        finishes.append(real_finishing(*a, **kw))
+        return finishes[-1]
+
+    async def send_then_the_next_arrives(lease: Lease, batch: Batch[Any]) -> Any:
+        answer = await real_send(lease, batch)
+        if batch in finishes and not parked:
             enqueue.insert(dsn, 5, NEXT, req)
             outcome = await execute(next_ctx, NEXT, args, "run")
             parked.append(outcome.kind)
-        return chosen
+        return answer
 
-    monkeypatch.setattr(ledger, "finish", finish_then_the_next_arrives)
+    monkeypatch.setattr(ledger, "finishing", finishing)
+    monkeypatch.setattr(Lease, "send", send_then_the_next_arrives)
     try:
         enqueue.insert(dsn, 5, FIRST, req)
         outcome = await execute(first_ctx, FIRST, args, "run")
