@@ -380,16 +380,18 @@ PUT_STREAM = Statement.of("put_stream", _JOURNAL_PARAMS, _JOURNAL_TYPES)
 MAX_PIPELINED_ROWS = 8
 
 
+def journal_call(table: str, scope: str, key: str, value: bytes) -> Call:
+    """The upsert of one journal entry of ``table`` (``steps`` or ``streams``)."""
+    return (PUT_STEP if table == "steps" else PUT_STREAM, (text(scope), text(key), value))
+
+
 async def put_journal_rows(
     conn: AsyncConnection[Any], rows: Iterable[tuple[tuple[str, str, str], bytes]]
 ) -> None:
     """Upsert journal entries, ``((table, scope, key), value)`` with table
     ``steps`` or ``streams``, in one transaction: all are written or none,
     and the first error is raised."""
-    calls = [
-        (PUT_STEP if table == "steps" else PUT_STREAM, (text(scope), text(key), value))
-        for (table, scope, key), value in rows
-    ]
+    calls = [journal_call(table, scope, key, value) for (table, scope, key), value in rows]
     if len(calls) == 1:
         await execute(conn, *calls[0])
         return

@@ -50,7 +50,6 @@ from psycopg.rows import TupleRow
 
 from . import fastpath
 from .errors import LockLost
-from .sql import query
 
 log = logging.getLogger("loomflow_worker.runtime")
 
@@ -270,11 +269,12 @@ class LockConnection(Generic[L]):
             while self.fenced is None:
                 while self._urgent and self.fenced is None:
                     await self._take(self._urgent)
-                # Writes and other work take turns, so neither waits on the other
-                # for long however busy the connection is.
-                if self._writes and self.fenced is None:
-                    await self._flush()
-                if self._work and self.fenced is None:
+                # Writes and batches go together, and other work takes turns
+                # with them, so neither waits on the other for long however
+                # busy the connection is.
+                if (self._writes or self._batch_next()) and self.fenced is None:
+                    await self._together()
+                if self._work and not self._batch_next() and self.fenced is None:
                     await self._take(self._work)
                 if not self._writes and not self._work and not self._urgent:
                     self._wake.clear()
@@ -285,14 +285,12 @@ class LockConnection(Generic[L]):
             self._fail_waiting(self.fenced)
             await asyncio.shield(self._close())
 
+    def _batch_next(self) -> bool:
+        return bool(self._work) and self._work[0].batch is not None
+
     async def _take(self, queue: deque[_Work]) -> None:
         work = queue.popleft()
-        if work.batch is not None:
-            batched = [work]
-            while queue and queue[0].batch is not None and len(batched) < MAX_BATCHED:
-                batched.append(queue.popleft())
-            await self._batches([w for w in batched if not w.done.done()])
-        elif not work.done.done():
+        if not work.done.done():
             await self._turn(work)
 
     def _fail_waiting(self, exc: LockLost) -> None:
@@ -335,13 +333,23 @@ class LockConnection(Generic[L]):
         if not work.done.done():
             work.done.set_result(result)
 
-    async def _batches(self, works: list[_Work]) -> None:
-        """Turns of statements alone, in one pipeline, each committed apart."""
-        if not works:
-            return
-        calls: list[fastpath.Call | None] = []
+    async def _together(self) -> None:
+        """The journal writes waiting and the batches at the head of the work
+        queue, in one round trip: the writes committed first (all or none),
+        then each batch on its own."""
+        writes, self._writes = self._writes, []
+        works: list[_Work] = []
+        while self._batch_next() and len(works) < MAX_BATCHED:
+            work = self._work.popleft()
+            if not work.done.done():
+                works.append(work)
+        rows = [row for write in writes for row in write.rows]
+        calls: list[fastpath.Call | None] = _journal_calls(self.conn, rows) if rows else []
+        written = len(calls)
+        if calls:
+            calls.append(fastpath.SYNC)
         spans: list[tuple[_Work, int, int]] = []
-        first = 0
+        first = written
         for work in works:
             assert work.batch is not None
             try:
@@ -354,13 +362,15 @@ class LockConnection(Generic[L]):
             answered = sum(1 for call in built if call is not fastpath.SYNC)
             spans.append((work, first, first + answered))
             first += answered
+        if not calls:
+            return
+        waiting = [write.done for write in writes] + [work.done for work, _, _ in spans]
         try:
-            results = await self._guarded(
-                functools.partial(fastpath.pipeline, calls=calls),
-                [work.done for work, _, _ in spans])
+            results = await self._guarded(functools.partial(fastpath.pipeline, calls=calls),
+                                          waiting)
         except BaseException as exc:
-            for work, _, _ in spans:
-                _fail(work.done, exc)
+            for done in waiting:
+                _fail(done, exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
@@ -373,39 +383,32 @@ class LockConnection(Generic[L]):
             else:
                 if not work.done.done():
                     work.done.set_result(answer)
+        if writes:
+            await self._written(writes, rows, results[:written])
 
-    async def _flush(self) -> None:
-        writes, self._writes = self._writes, []
-        rows = [row for write in writes for row in write.rows]
-        try:
-            await self._guarded(
-                functools.partial(_upsert, rows=rows), [w.done for w in writes]
-            )
-        except LockLost as exc:
+    async def _written(self, writes: list[_Write], rows: list[JournalRow],
+                       results: list[PGresult | psycopg.Error]) -> None:
+        """Answer the writers of ``writes``, sent together (``results``)."""
+        failed = next((r for r in results if isinstance(r, psycopg.Error)), None)
+        if failed is None:
+            self.batches += 1
+            self.rows_written += len(rows)
             for write in writes:
-                _fail(write.done, exc)
+                _succeed(write.done)
             return
-        except psycopg.Error as exc:
-            if len(writes) == 1:
-                _fail(writes[0].done, exc)
-                return
-            # One bad entry must not fail the others: each write on its own.
-            for write in writes:
-                try:
-                    await self._guarded(
-                        functools.partial(_upsert, rows=write.rows), [write.done]
-                    )
-                except BaseException as exc:
-                    _fail(write.done, exc)
-                    if isinstance(exc, asyncio.CancelledError):
-                        raise
-                else:
-                    _succeed(write.done)
+        if len(writes) == 1:
+            _fail(writes[0].done, failed)
             return
-        self.batches += 1
-        self.rows_written += len(rows)
+        # One bad entry must not fail the others: each write on its own.
         for write in writes:
-            _succeed(write.done)
+            try:
+                await self._guarded(functools.partial(_upsert, rows=write.rows), [write.done])
+            except BaseException as exc:
+                _fail(write.done, exc)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+            else:
+                _succeed(write.done)
 
 
 #: A timer that fires this much after its time found the loop busy elsewhere.
@@ -451,14 +454,19 @@ def _succeed(done: asyncio.Future[None]) -> None:
 
 
 async def _upsert(conn: Conn, rows: list[JournalRow]) -> None:
-    """Upsert journal rows (the last value of a key wins), in one transaction:
-    a few as a pipeline of plain statements, more as one statement."""
+    """Upsert journal rows in one transaction, raising the first error."""
+    fastpath.succeeded(await fastpath.pipeline(conn, _journal_calls(conn, rows)))
+
+
+def _journal_calls(conn: Conn, rows: list[JournalRow]) -> list[fastpath.Call | None]:
+    """The statements that upsert journal rows (the last value of a key wins),
+    as one transaction: a few as plain statements, more as one statement."""
     latest: dict[tuple[Table, str, str], bytes] = {}
     for row in rows:
         latest[(row.table, row.scope, row.key)] = row.value
     if len(latest) <= fastpath.MAX_PIPELINED_ROWS:
-        await fastpath.put_journal_rows(conn, latest.items())
-        return
+        return [fastpath.journal_call(table, scope, key, value)
+                for (table, scope, key), value in latest.items()]
     params: dict[str, list[Any]] = {
         "step_scopes": [], "step_keys": [], "step_values": [],
         "stream_scopes": [], "stream_keys": [], "stream_values": [],
@@ -468,4 +476,7 @@ async def _upsert(conn: Conn, rows: list[JournalRow]) -> None:
         params[f"{prefix}_scopes"].append(scope)
         params[f"{prefix}_keys"].append(key)
         params[f"{prefix}_values"].append(value)
-    await conn.execute(query("put_journal_batch"), params)
+    return [PUT_JOURNAL_BATCH.call(conn, params)]
+
+
+PUT_JOURNAL_BATCH = fastpath.Query.of("put_journal_batch")

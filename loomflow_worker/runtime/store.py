@@ -788,7 +788,7 @@ class PostgresJournalStore:
         if last_run is not None:
             mark = self._encode(last_run, LAST_RUN_KEY)
             assert mark is not None
-            writes.append(_journal_call(lease.scope, LAST_RUN_KEY, mark))
+            writes.append(fastpath.journal_call("steps", lease.scope, LAST_RUN_KEY, mark))
         resumed = lease.current_epoch is not None and lease.current_epoch > epoch
         if advance and not resumed:
             value = self._encode(epoch + 1, EPOCH_KEY)
@@ -1079,10 +1079,6 @@ async def _take_one(keys: list[int], conn: Conn) -> int | None:
 
 async def _unlock_slots(keys: list[int], conn: Conn) -> None:
     await conn.execute(query("unlock_slots"), {"keys": keys})
-
-
-def _journal_call(scope: str, key: str, blob: bytes) -> fastpath.Call:
-    return (fastpath.PUT_STEP, (fastpath.text(scope), fastpath.text(key), blob))
 
 
 def _unlock_after(
