@@ -18,6 +18,7 @@ _factories: dict[str, AgentFactory] = {}
 _time_limits: dict[str, float] = {}
 _model_keys: dict[str, str] = {}
 _limits: dict[str, tuple[str, ...]] = {}
+_fairness_keys: dict[str, str] = {}
 _imported: set[str] = set()
 
 
@@ -27,6 +28,7 @@ def register_agent(
     time_limit: float | None = None,
     model_key: str | None = None,
     limits: Iterable[str] = (),
+    fairness_key: str | None = None,
 ) -> Callable[[F], F]:
     """Register ``build(runtime) -> loomflow.Agent`` under ``name``.
 
@@ -38,7 +40,9 @@ def register_agent(
     e.g. the provider key they use); by default, its model's name.
     ``limits`` names the concurrency limits its runs count toward with every
     agent that names them (``LOOMFLOW_WORKER_LIMITS``), besides ``per_key``
-    and its own ``agent:NAME``."""
+    and its own ``agent:NAME``. ``fairness_key`` is the key its requests
+    count under for per_key limits and fair shares when the call names none
+    (by default, each request's user, else its session)."""
     if not isinstance(name, str) or not name.strip():
         raise InvalidInput("register_agent needs a non-empty agent name")
     if time_limit is not None and time_limit <= 0:
@@ -49,6 +53,11 @@ def register_agent(
         except ValueError as exc:
             raise InvalidInput(f"model_key {model_key!r}: {exc}") from None
 
+    if fairness_key is not None:
+        try:
+            check_key(fairness_key, "fairness key")
+        except ValueError as exc:
+            raise InvalidInput(f"fairness_key {fairness_key!r}: {exc}") from None
     if isinstance(limits, str):
         raise InvalidInput(f"limits is a list of limit names, not the string {limits!r}")
     shared = tuple(limits)
@@ -65,6 +74,7 @@ def register_agent(
         _set(_time_limits, name, time_limit)
         _set(_model_keys, name, model_key)
         _set(_limits, name, shared or None)
+        _set(_fairness_keys, name, fairness_key)
         return factory
 
     return decorate
@@ -102,6 +112,11 @@ def agent_time_limit(name: str) -> float | None:
 def agent_limits(name: str) -> tuple[str, ...]:
     """The shared concurrency limits ``register_agent`` gave the agent."""
     return _limits.get(name, ())
+
+
+def agent_fairness_key(name: str) -> str | None:
+    """The fairness key ``register_agent`` gave the agent's requests, if any."""
+    return _fairness_keys.get(name)
 
 
 def agent_model_key(name: str) -> str | None:

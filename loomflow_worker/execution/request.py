@@ -13,7 +13,7 @@ from .. import metrics
 from ..runtime.errors import InvalidInput
 from ..runtime.validate import check_id, check_json_text, check_text
 from ..settings import Settings
-from .registry import agent_factory
+from .registry import agent_factory, agent_fairness_key
 
 Kind = Literal["run", "resume"]
 
@@ -35,9 +35,11 @@ class RunRequest:
 
     @property
     def fairness_key(self) -> str:
-        """Whose request it is, for concurrency limits per key: its user, else
-        its session."""
-        return self.user_id if self.user_id is not None else self.session_id
+        """Whose request it is, for concurrency limits per key and fair shares
+        (when the call names no key): its agent's (``register_agent``), else
+        its user, else its session."""
+        return (agent_fairness_key(self.agent)
+                or (self.user_id if self.user_id is not None else self.session_id))
 
     def metadata_json(self) -> str:
         return json.dumps(self.metadata, separators=(",", ":"))

@@ -167,6 +167,12 @@ async def pipeline(
     rest run."""
     pg = conn.pgconn
     await _prepare(conn, [call[0] for call in calls if call is not None])
+    statements = [call for call in calls if call is not SYNC]
+    if len(statements) == 1:
+        # One statement is its own transaction: no pipeline mode needed.
+        stmt, values = statements[0]
+        pg.send_query_prepared(stmt.name, values, stmt.formats, _BINARY)
+        return [await _answer(conn)]
     if calls and calls[-1] is not SYNC:
         calls = [*calls, SYNC]
     pg.enter_pipeline_mode()
@@ -246,6 +252,15 @@ async def _prepare(conn: AsyncConnection[Any], stmts: Sequence[Statement]) -> No
 
 async def _result(conn: AsyncConnection[Any]) -> PGresult:
     """Flush what was sent and read the command's result, raising its error."""
+    answer = await _answer(conn)
+    if isinstance(answer, psycopg.Error):
+        raise answer
+    return answer
+
+
+async def _answer(conn: AsyncConnection[Any]) -> PGresult | psycopg.Error:
+    """Flush what was sent and read the command's result, or the error it
+    raised (a connection that fails raises)."""
     pg = conn.pgconn
     while pg.flush():
         await _writable(conn)
@@ -256,10 +271,7 @@ async def _result(conn: AsyncConnection[Any]) -> PGresult:
             if res is None:
                 if found is None:
                     raise psycopg.OperationalError("the server sent no result")
-                checked = _checked(found, conn)
-                if isinstance(checked, psycopg.Error):
-                    raise checked
-                return checked
+                return _checked(found, conn)
             if found is None or found.status in _OK:
                 found = res  # the first error of a command wins
         await _readable(conn)

@@ -19,12 +19,25 @@ from loomflow_worker.settings import Settings
     ({"limits": [""]}, "non-empty"),
     ({"model_key": "k" * 65}, "at most 64 bytes"),
     ({"model_key": " "}, "non-empty"),
+    ({"limits": ["fair_queue"]}, "applies by itself"),
+    ({"fairness_key": "t" * 65}, "at most 64 bytes"),
+    ({"fairness_key": ""}, "non-empty"),
 ])
 def test_register_agent_refuses_bad_limits_and_model_keys(kwargs: dict[str, object],
                                                           says: str) -> None:
     with pytest.raises(InvalidInput, match=says):
         register_agent("flow-input-check", **kwargs)  # type: ignore[arg-type]
     assert agent_limits("flow-input-check") == ()
+
+
+def test_an_agents_fairness_key_is_its_requests_unless_the_call_names_one() -> None:
+    from loomflow_worker.execution.request import RunRequest
+
+    register_agent("flow-input-tenant", fairness_key="acme")(lambda runtime: None)
+    of_agent = RunRequest("hi", "s", "u", "flow-input-tenant", {})
+    assert of_agent.fairness_key == "acme"
+    assert RunRequest("hi", "s", "u", "flow-input-kept", {}).fairness_key == "u"
+    assert RunRequest("hi", "s", None, "flow-input-kept", {}).fairness_key == "s"
 
 
 def test_register_agent_keeps_its_limits_and_model_key() -> None:
