@@ -7,7 +7,10 @@ side by side:
 
 - ``no limit``: the broker's FIFO order: bob's requests wait behind all of alice's;
 - ``per_key N``: ``LOOMFLOW_WORKER_LIMITS={"per_key": N}`` (``--per-key``, default half the
-  concurrency): alice's backlog beyond N waits in the ledger, not the broker.
+  concurrency): alice's backlog beyond N waits in the ledger, not the broker;
+- ``fair shares``: ``LOOMFLOW_WORKER_LIMITS={"fair_queue": N}`` (``--fair-queue``, default
+  a fifth of the concurrency) and bob's weight ``--bob-weight`` (1): requests beyond N wait in the
+  ledger and start in proportion to their keys' weights, with no cap on either tenant.
 
 Reported for each: bob's start latency (from his enqueue to his attempt's start; median and
 max), when the last of alice's ended, and each tenant's share of the runs started while
@@ -57,6 +60,8 @@ from bench.bench_celery import (  # noqa: E402
 from bench.bench_orphans import _migrate  # noqa: E402
 from bench.bench_runtime import create_database, database_uri  # noqa: E402
 from loomflow_worker import tasks  # noqa: E402
+from loomflow_worker.execution import ledger  # noqa: E402
+from loomflow_worker.execution import limits as concurrency_limits  # noqa: E402
 
 WAIT_S = 3600.0
 
@@ -71,17 +76,28 @@ class Side:
 
 
 def run_side(label: str, args: argparse.Namespace, base_env: dict[str, str], admin_dsn: str,
-             redis_url: str, per_key: int | None) -> Side:
+             redis_url: str, limits: dict[str, int] | None = None,
+             weights: dict[str, float] | None = None) -> Side:
     tag = uuid.uuid4().hex[:8]
     dbname, prefix = f"lfw_bench_{tag}", f"lfwbench:{tag}:"
     dsn = database_uri(admin_dsn, dbname)
     env, settings = ours_config(dsn, redis_url, prefix, f"lfwf-{tag}")
-    if per_key is not None:
-        env["LOOMFLOW_WORKER_LIMITS"] = json.dumps({"per_key": per_key})
+    if limits:
+        env["LOOMFLOW_WORKER_LIMITS"] = json.dumps(limits)
+    if weights:
+        env["LOOMFLOW_WORKER_FAIRNESS_WEIGHTS"] = json.dumps(weights)
     fleet = Fleet(Path(tempfile.mkdtemp(prefix=f"lfw_bench_fairness_{tag}_")), tag, base_env)
     try:
         create_database(admin_dsn, dbname)
         anyio.run(_migrate, dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            # Written before the first enqueue, which reads them (the worker
+            # writes them too, at its start).
+            for name, size in (limits or {}).items():
+                concurrency_limits.write(conn, name, size)
+            for key, weight in (weights or {}).items():
+                concurrency_limits.write_weight(conn, key, weight)
+        ledger.HOLD_LIMITS.forget()
         tasks.configure(settings)
         fleet.start("w", "loomflow_worker.tasks", args.concurrency, env, pool="threads")
         fleet.wait_ready(["w"])
@@ -140,6 +156,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=50, help="the worker's runs (50)")
     parser.add_argument("--per-key", type=int, default=None,
                         help="the per_key limit (default: half the concurrency)")
+    parser.add_argument("--fair-queue", type=int, default=None,
+                        help="the fair_queue limit (default: a fifth of the concurrency)")
+    parser.add_argument("--bob-weight", type=float, default=1.0,
+                        help="bob's fairness weight on the fair shares side (1)")
     parser.add_argument("--latency", type=float, default=0.2,
                         help="seconds each model call waits (0.2)")
     args = parser.parse_args(argv)
@@ -160,12 +180,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "BENCH_MODEL_LATENCY": str(args.latency),
     }
     per_key = args.per_key or max(1, args.concurrency // 2)
+    fair_queue = args.fair_queue or max(1, args.concurrency // 5)
     print(f"python {platform.python_version()}, celery {version('celery')}, "
           f"{os.cpu_count()} CPUs; {git_state()}; load average {os.getloadavg()[0]:.2f}")
     print(f"settings: --backlog {args.backlog} --second {args.second} --concurrency "
-          f"{args.concurrency} --per-key {per_key} --latency {args.latency:g}", flush=True)
-    sides = [run_side("no limit", args, base_env, admin_dsn, redis_url, None),
-             run_side(f"per_key {per_key}", args, base_env, admin_dsn, redis_url, per_key)]
+          f"{args.concurrency} --per-key {per_key} --fair-queue {fair_queue} --bob-weight "
+          f"{args.bob_weight:g} --latency {args.latency:g}", flush=True)
+    sides = [run_side("no limit", args, base_env, admin_dsn, redis_url),
+             run_side(f"per_key {per_key}", args, base_env, admin_dsn, redis_url,
+                      {"per_key": per_key}),
+             run_side("fair shares", args, base_env, admin_dsn, redis_url,
+                      {"fair_queue": fair_queue}, {"bob": args.bob_weight})]
     print("\n".join(report(sides)))
     return 0
 
