@@ -121,8 +121,12 @@ def test_a_backlog_far_past_capacity_beside_cpu_hogs_fences_nothing_and_finishes
     sent = [send(i, f"s{i}", "u", letters="ab") for i in range(500)]
     ids = [s.request_id for s in sent]
     with cpu_hogs(2):
+        # Low admission limits, so that the process surely stops taking
+        # requests at some point (its lock connections drain hundreds of
+        # statements a round trip, so their queue alone rarely grows long).
         fleet.start("w1", concurrency=300, cli=True, pool="threads",
-                    LOOMFLOW_WORKER_ADMISSION_QUEUE="50", **{**SHARING, "TEST_TOOL_SLEEP": "0.5"})
+                    LOOMFLOW_WORKER_ADMISSION_QUEUE="10", LOOMFLOW_WORKER_ADMISSION_LAG="0.2",
+                    **{**SHARING, "TEST_TOOL_SLEEP": "0.5"})
         found = wait_terminal(fleet.dsn, sent, timeout=240)
     assert set(found.values()) == {"succeeded"}, (found, fleet.log_text())
     outcomes = _attempt_outcomes(fleet.dsn, ids)
