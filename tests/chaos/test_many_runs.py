@@ -172,6 +172,7 @@ RESUMED_WITHIN = 6.0
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # its bounds are a second or a few: alone, not beside other tests
 def test_three_hundred_orphans_resume_in_seconds_dispatched_in_one_batch(fleet: Fleet) -> None:
     """A process with 300 runs in flight is SIGKILLed: the sweeper dispatches
     its orphans as one batch (one ledger statement, one round trip to the

@@ -29,7 +29,9 @@ from tests.chaos.checks import (
 from tests.integration.celery_harness import Fleet, ledger, wait_status
 from tests.integration.helpers import calls
 
-pytestmark = pytest.mark.slow
+# Alone (python -m tests runs it after the rest): CPU hogs load the whole
+# machine, and its loop stalls are measured against leases of a few seconds.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 #: Heartbeats every half second: a process that fenced on a late heartbeat
 #: answer (two intervals) would fence within a second of the loop stalling.

@@ -82,9 +82,14 @@ def test_a_slot_freed_by_a_killed_worker_goes_to_a_parked_request(fleet: Fleet) 
     # run: no run ends to hand its slot on. The sweeper sees the slot free and
     # publishes the parked request at once (within HANDOFF_GRACE), well before
     # the killed one is taken for dead (two heartbeats of 2 s) and resumed.
+    # However slowly a busy machine runs the steps before the kill, the first
+    # run is still in its tool then (its worker's tool calls take 30 s), and
+    # the other worker is up (started before the kill, so its sweeper leads a
+    # sweep right after it: the leader's lock goes with the killed worker's
+    # connection).
     env = {**FAST, "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "2", "TEST_TOOL_SLEEP": "4",
            "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 1})}
-    fleet.start("w1", concurrency=2, pool="threads", **env)
+    fleet.start("w1", concurrency=2, pool="threads", **{**env, "TEST_TOOL_SLEEP": "30"})
     first = run_agent.delay(calls("first"), "a0", user_id="alice")
     wait_until(lambda: any(tag == "first" for tag, *_ in tool_executions(fleet.dsn)),
                "the first request never ran its tool")
@@ -97,8 +102,8 @@ def test_a_slot_freed_by_a_killed_worker_goes_to_a_parked_request(fleet: Fleet) 
     # (past its grace of 1 s, it would publish a parked request it thought lost).
     wait_sweeps_for(fleet, 1.5)
     assert _swept(fleet.dsn, second.id) is False
-    fleet.kill("w1")
     fleet.start("w2", concurrency=2, pool="threads", **env)
+    fleet.kill("w1")
     assert second.get(timeout=60)["output"] == "done: recorded second"
     assert first.get(timeout=60)["output"] == "done: recorded first"
     assert _swept(fleet.dsn, second.id) is True, fleet.log_text()

@@ -18,6 +18,8 @@ def _held(dsn: str, keys: list[int]) -> int:
         row = conn.execute(
             "SELECT count(*) FROM pg_locks l, unnest(%s::bigint[]) k"
             " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
+            # Advisory locks are per database: not another test's, in its own.
+            " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
             " AND l.classid = ((k >> 32) & 4294967295)::oid"
             " AND l.objid = (k & 4294967295)::oid", (keys,)).fetchone()
     assert row is not None
