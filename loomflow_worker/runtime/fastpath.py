@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import re
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -395,21 +395,6 @@ MAX_PIPELINED_ROWS = 8
 def journal_call(table: str, scope: str, key: str, value: bytes) -> Call:
     """The upsert of one journal entry of ``table`` (``steps`` or ``streams``)."""
     return (PUT_STEP if table == "steps" else PUT_STREAM, (text(scope), text(key), value))
-
-
-async def put_journal_rows(
-    conn: AsyncConnection[Any], rows: Iterable[tuple[tuple[str, str, str], bytes]]
-) -> None:
-    """Upsert journal entries, ``((table, scope, key), value)`` with table
-    ``steps`` or ``streams``, in one transaction: all are written or none,
-    and the first error is raised."""
-    calls = [journal_call(table, scope, key, value) for (table, scope, key), value in rows]
-    if len(calls) == 1:
-        await execute(conn, *calls[0])
-        return
-    for result in await pipeline(conn, calls):
-        if isinstance(result, psycopg.Error):
-            raise result
 
 
 ADVANCE_EPOCH = Statement.of(

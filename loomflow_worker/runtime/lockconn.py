@@ -96,10 +96,6 @@ class Batch(Generic[T]):
     build: Callable[[Conn], Sequence[fastpath.Call | None]]
     read: Callable[[Conn, list[PGresult | psycopg.Error]], T]
 
-    async def run(self, conn: Conn) -> T:
-        """This turn alone, on ``conn``."""
-        return self.read(conn, await fastpath.pipeline(conn, self.build(conn)))
-
     def then(self, answer: Callable[[T], U]) -> Batch[U]:
         """This batch, its answer made into ``answer``'s."""
         read = self.read
@@ -402,7 +398,7 @@ class LockConnection(Generic[L]):
         # One bad entry must not fail the others: each write on its own.
         for write in writes:
             try:
-                await self._guarded(functools.partial(_upsert, rows=write.rows), [write.done])
+                await self._guarded(functools.partial(upsert, rows=write.rows), [write.done])
             except BaseException as exc:
                 _fail(write.done, exc)
                 if isinstance(exc, asyncio.CancelledError):
@@ -453,7 +449,7 @@ def _succeed(done: asyncio.Future[None]) -> None:
         done.set_result(None)
 
 
-async def _upsert(conn: Conn, rows: list[JournalRow]) -> None:
+async def upsert(conn: Conn, rows: list[JournalRow]) -> None:
     """Upsert journal rows in one transaction, raising the first error."""
     fastpath.succeeded(await fastpath.pipeline(conn, _journal_calls(conn, rows)))
 

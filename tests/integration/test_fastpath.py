@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from loomflow.runtime.journal import journal_scope
 
-from loomflow_worker.runtime import LockLost, PostgresRuntime, SessionBusy, fastpath
+from loomflow_worker.runtime import LockLost, PostgresRuntime, SessionBusy, fastpath, lockconn
 from loomflow_worker.runtime.lockconn import Batch, JournalRow, LockConnection
 from loomflow_worker.testing import EffectsLog
 
@@ -133,19 +133,19 @@ async def test_statement_errors_are_psycopgs_and_leave_the_connection_usable(
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         # Text with a NUL is refused by the server, not cut short.
         with pytest.raises(psycopg.DataError):
-            await fastpath.put_journal_rows(conn, [(("steps", "s", "k\x00ey"), b"v")])
-        await fastpath.put_journal_rows(conn, [(("steps", "s", "key"), b"v1")])
-        await fastpath.put_journal_rows(conn, [(("streams", "s", "key"), b"v2")])
+            await lockconn.upsert(conn, [JournalRow("steps", "s", "k\x00ey", b"v")])
+        await lockconn.upsert(conn, [JournalRow("steps", "s", "key", b"v1")])
+        await lockconn.upsert(conn, [JournalRow("streams", "s", "key", b"v2")])
         assert await _journal(conn) == [("steps", "key", b"v1"), ("streams", "key", b"v2")]
 
 
 async def test_a_few_journal_rows_are_written_all_or_none(dsn: str) -> None:
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        rows = [(("steps", "s", "a"), b"1"), (("streams", "s", "b"), b"2")]
+        rows = [JournalRow("steps", "s", "a", b"1"), JournalRow("streams", "s", "b", b"2")]
         with pytest.raises(psycopg.DataError):
-            await fastpath.put_journal_rows(conn, [*rows, (("steps", "s", "c\x00"), b"3")])
+            await lockconn.upsert(conn, [*rows, JournalRow("steps", "s", "c\x00", b"3")])
         assert await _journal(conn) == []
-        await fastpath.put_journal_rows(conn, rows)
+        await lockconn.upsert(conn, rows)
         assert await _journal(conn) == [("steps", "a", b"1"), ("streams", "b", b"2")]
 
 
