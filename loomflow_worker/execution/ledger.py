@@ -118,20 +118,14 @@ _FINISH = fastpath.Query.of("finish_request")
 _HAND_OFF = fastpath.Query.of("hand_off")
 
 
-async def _fast_rows(conn: Conn, statement: fastpath.Query,
-                     params: Mapping[str, Any]) -> list[DictRow]:
-    """The rows of ``statement``; through libpq on a connection in autocommit
-    (a lock connection), else through psycopg, in the transaction it has open."""
-    if not conn.autocommit:
-        cur = conn.cursor(row_factory=dict_row)
-        await cur.execute(query(statement.name), params)
-        return await cur.fetchall()
-    return fastpath.dicts(conn, await fastpath.execute(conn, *statement.call(conn, params)))
-
-
 async def _fast_one(conn: Conn, statement: fastpath.Query,
                     params: Mapping[str, Any]) -> DictRow | None:
-    rows = await _fast_rows(conn, statement, params)
+    """The first row of ``statement``; through libpq on a connection in
+    autocommit (a lock connection), else through psycopg, in the transaction
+    it has open."""
+    if not conn.autocommit:
+        return await _fetchone(conn, statement.name, params)
+    rows = fastpath.dicts(conn, await fastpath.execute(conn, *statement.call(conn, params)))
     return rows[0] if rows else None
 
 
@@ -814,7 +808,7 @@ async def requeue_interrupted(conn: Conn, request_id: str, attempt: int) -> None
 async def hand_off(conn: Conn, scope: str) -> Handoff | None:
     """Hand ``scope`` to its oldest unfinished request, unless it was handed
     already (then whoever handed it published it, or its message runs it)."""
-    return handoff_of(await _fast_rows(conn, _HAND_OFF, _hand_off_statement(scope)[1]))
+    return _handoff(await _fast_one(conn, _HAND_OFF, _hand_off_statement(scope)[1]))
 
 
 def _hand_off_sync(conn: psycopg.Connection[Any], scope: str) -> Handoff | None:
