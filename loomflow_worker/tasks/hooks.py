@@ -138,27 +138,38 @@ def _note_received(request: Any = None, **_: Any) -> None:
 
 
 def _stamp_held(conn: psycopg.Connection[Any]) -> int:
-    """Stamp the requests this worker holds, received and not started (those
-    that started or ended are forgotten), in the ledger; one sent by name,
-    which the ledger does not have yet, is recorded first, with the eta and
-    queue of its message. Returns how many it holds."""
+    """Stamp the requests this worker holds, received and not started, in
+    the ledger; one sent by name, which the ledger does not have yet, is
+    recorded first, with the eta and queue of its message. Returns how many
+    it holds.
+
+    A request is held until its run starts in the ledger (or its message is
+    acknowledged), not merely until its task starts in a pool thread: the
+    run starts on the process's loop, which a busy process or a tool that
+    blocks it may keep waiting for seconds, and meanwhile the message is in
+    no queue the broker counts."""
     held = PROCESS.held
     for request_id, request in list(held.items()):
-        if request.time_start is not None or request.acknowledged:
+        if request.acknowledged:
             held.pop(request_id, None)
     request_ids = list(held)
     if not request_ids:
         return 0
     stamped = ledger.mark_held(conn, request_ids)
     if len(stamped) < len(request_ids):
-        # Some are not queued in the ledger: started since, or sent by name.
-        arrived = [request_id for request_id in ledger.unknown(
-            conn, [i for i in request_ids if i not in stamped]) if request_id in held]
+        # The others are not queued in the ledger: started or ended since
+        # (forgotten), or sent by name and not recorded yet.
+        rest = [request_id for request_id in request_ids if request_id not in stamped]
+        unknown = set(ledger.unknown(conn, rest))
+        for request_id in rest:
+            if request_id not in unknown:
+                held.pop(request_id, None)
+        arrived = [request_id for request_id in rest if request_id in unknown]
         for request_id in arrived:
             _record_arrived(conn, held[request_id])
         if arrived:
             ledger.mark_held(conn, arrived)
-    return len(request_ids)
+    return len(held)
 
 
 def _record_arrived(conn: psycopg.Connection[Any], request: Any) -> None:

@@ -27,7 +27,7 @@ from tests.chaos.checks import (
     wait_terminal,
 )
 from tests.integration.celery_harness import Fleet, ledger, wait_status
-from tests.integration.helpers import calls
+from tests.integration.helpers import calls, wait_for_execution
 
 # Alone (python -m tests runs it after the rest): CPU hogs load the whole
 # machine, and its loop stalls are measured against leases of a few seconds.
@@ -100,6 +100,29 @@ def test_a_tool_that_blocks_the_loop_six_seconds_fences_nothing_and_is_named(
     assert 5.5 <= float(held.group(1)) <= 9, stalls[0]
     assert held.group(2) == blocker.id and held.group(3).startswith("tool_call_")
     assert "agents_fixture.py" in held.group(4) and "_on_start" in stalls[0]
+
+
+def test_requests_taken_while_the_loop_is_held_are_not_taken_for_lost(fleet: Fleet) -> None:
+    # While a tool holds the loop, the worker keeps taking messages: their
+    # tasks start in the pool's threads and wait for the loop to start their
+    # runs. Neither in the broker nor started, they must still count as held
+    # by this worker, or the sweeper (in a thread of its own, sweeping every
+    # half second) publishes them again.
+    fleet.start("w1", concurrency=20, cli=True, pool="threads", TEST_BLOCK_SECONDS="6",
+                LOOMFLOW_WORKER_HANDOFF_GRACE="0.5", **SHARING)
+    blocker = run_agent.delay(calls("block-1"), "blocker", user_id="u")
+    wait_for_execution(fleet.dsn, "block-1")
+    sent = [send(i, f"s{i}", "u", letters="a") for i in range(10)]
+    ids = [s.request_id for s in sent] + [blocker.id]
+    found = wait_terminal(fleet.dsn, sent, timeout=120)
+    assert set(found.values()) == {"succeeded"}, found
+    assert blocker.get(timeout=60)["output"] == "done: recorded block-1"
+    log = (fleet.logs / "w1.log").read_text()
+    assert "the event loop was held for" in log, fleet.log_text()
+    assert " again (" not in log, fleet.log_text()
+    assert {request_id: fleet.deliveries(request_id)[0] for request_id in ids} == dict.fromkeys(
+        ids, 1)
+    assert _attempt_outcomes(fleet.dsn, ids) == {"succeeded": len(ids)}
 
 
 @contextlib.contextmanager
