@@ -137,7 +137,7 @@ def test_fifty_runs_on_one_lock_connection_fenced_together(fleet: Fleet) -> None
 
 #: A hundred runs at once: each tool call takes longer, so that every run is
 #: still in flight once the spare worker is ready, however slowly it starts.
-HUNDRED = {**FAST_RECOVERY, "TEST_TOOL_SLEEP": "2.5"}
+HUNDRED = {**FAST_RECOVERY, "TEST_TOOL_SLEEP": "5"}
 
 
 def test_a_process_killed_with_a_hundred_runs_in_flight(fleet: Fleet) -> None:
