@@ -382,10 +382,7 @@ async def _prepare(dsn: str) -> None:
 def _executions(dsn: str, prefix: str) -> list[Execution]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         return conn.cursor(row_factory=class_row(Execution)).execute(
-            "SELECT tag, pid, started_at, finished_at FROM loomflow_worker_effects "
-            "WHERE starts_with(tag, %s) ORDER BY id",
-            (prefix,),
-        ).fetchall()
+            query("effect_executions"), {"prefix": prefix}).fetchall()
 
 
 def _watch(

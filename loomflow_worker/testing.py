@@ -35,6 +35,8 @@ from loomflow.core.types import Message, ModelChunk, Role, ToolCall, ToolDef, Us
 from loomflow.tools import Tool
 from psycopg.rows import class_row
 
+from .runtime.sql import query
+
 __all__ = ["DeterministicModel", "EffectsLog", "Execution", "UnmatchedToolResult", "plan"]
 
 
@@ -152,17 +154,6 @@ class DeterministicModel:
         )
 
 
-_EFFECTS_DDL = """
-CREATE TABLE IF NOT EXISTS loomflow_worker_effects (
-    id          BIGSERIAL PRIMARY KEY,
-    tag         TEXT NOT NULL,
-    pid         INTEGER NOT NULL,
-    started_at  TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),
-    finished_at TIMESTAMPTZ
-)
-"""
-
-
 @dataclass(frozen=True)
 class Execution:
     """One execution of the effects tool."""
@@ -192,7 +183,7 @@ class EffectsLog:
 
     async def setup(self) -> None:
         async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
-            await conn.execute(_EFFECTS_DDL)
+            await conn.execute(query("effects_table"))
 
     def tool(self, name: str = "record") -> Tool:
         log = self
@@ -203,9 +194,7 @@ class EffectsLog:
             # process record their effects at once.
             async with await psycopg.AsyncConnection.connect(log.dsn, autocommit=True) as conn:
                 cur = await conn.execute(
-                    "INSERT INTO loomflow_worker_effects (tag, pid) VALUES (%s, %s) RETURNING id",
-                    (tag, os.getpid()),
-                )
+                    query("effect_started"), {"tag": tag, "pid": os.getpid()})
                 row = await cur.fetchone()
             assert row is not None
             if log.on_start is not None:
@@ -213,11 +202,7 @@ class EffectsLog:
             if log.sleep:
                 await anyio.sleep(log.sleep)
             async with await psycopg.AsyncConnection.connect(log.dsn, autocommit=True) as conn:
-                await conn.execute(
-                    "UPDATE loomflow_worker_effects SET finished_at = clock_timestamp() "
-                    "WHERE id = %s",
-                    (row[0],),
-                )
+                await conn.execute(query("effect_finished"), {"id": row[0]})
             return f"recorded {tag}"
 
         return tool(name=name, description="Record a side effect.")(record)
@@ -225,11 +210,7 @@ class EffectsLog:
     async def executions(self, tag_prefix: str = "") -> list[Execution]:
         async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
             cur = conn.cursor(row_factory=class_row(Execution))
-            await cur.execute(
-                "SELECT tag, pid, started_at, finished_at FROM loomflow_worker_effects "
-                "WHERE starts_with(tag, %s) ORDER BY id",
-                (tag_prefix,),
-            )
+            await cur.execute(query("effect_executions"), {"prefix": tag_prefix})
             return await cur.fetchall()
 
     async def counts(self, tag_prefix: str = "") -> dict[str, int]:

@@ -17,12 +17,7 @@ import pytest
 from psycopg import sql
 
 from loomflow_worker.runtime import PostgresRuntime, migrate
-from tests.needs import skip_as_failure, skip_reason, skips_fail
-
-ADMIN_DSN = os.environ.get(
-    "LOOMFLOW_WORKER_TEST_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
-
+from tests.needs import ADMIN_DSN, skip_as_failure, skip_reason, skips_fail
 
 # Every write of a journal entry, kept by a trigger: a step key written twice
 # (bookkeeping keys aside) is a completed step that ran again, whatever the

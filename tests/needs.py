@@ -1,4 +1,5 @@
-"""Programs some tests need beyond Python packages, and what CI makes of a skip.
+"""What the tests need beyond Python packages: PostgreSQL's admin connection
+(:data:`ADMIN_DSN`), programs, and what CI makes of a skip.
 
 A test that needs a program the machine lacks (PgBouncer, Chromium, kubectl)
 is skipped with a reason naming what to install, so ``python -m pytest`` on a
@@ -14,6 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import pytest
+
+#: A superuser's connection to the server the tests make their databases on.
+ADMIN_DSN = os.environ.get(
+    "LOOMFLOW_WORKER_TEST_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
 
 # Debian puts daemons in sbin, which a user's PATH may lack.
 SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")

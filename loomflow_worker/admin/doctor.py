@@ -85,7 +85,7 @@ def _check_database(settings: Settings) -> list[Check]:
         try:
             with translated("query"):
                 version_row = conn.execute(query("admin_server_version")).fetchone()
-                present = conn.execute(query("admin_schema_present")).fetchone()
+                present = conn.execute(query("schema_present")).fetchone()
                 applied = (
                     [r[0] for r in conn.execute(query("schema_versions"))]
                     if present and present[0] else []

@@ -6,7 +6,6 @@ import functools
 import hashlib
 import os
 import threading
-import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields
@@ -26,6 +25,7 @@ from ..runtime.lockconn import Batch
 from ..runtime.sql import query
 from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice, scope_lock_key, slot_lock_keys
 from ..runtime.validate import MAX_ID_BYTES, MAX_ID_LENGTH
+from .cached import CachedRead
 from .errors import RequestNotFound
 from .request import RunRequest, task_args
 from .statuses import TERMINAL, UNFINISHED, Status
@@ -245,7 +245,8 @@ def _insert_new(
     key = params["fairness_key"] = fairness_key or req.fairness_key
     if fairness_weight is not None:
         conn.execute(query("set_call_weight"), {"fairness_key": key, "weight": fairness_weight})
-    per_key, fair_depth = HOLD_LIMITS.sizes(conn) if options is not None else (None, None)
+    per_key, fair_depth = (HOLD_LIMITS.get(lambda: _read_hold_limits(conn))
+                           if options is not None else (None, None))
     if per_key is not None:
         params["hold_after"] = per_key
         params["slots"] = slot_lock_keys(f"per_key:{key}", per_key)
@@ -261,32 +262,14 @@ def _insert_new(
     return Enqueued(not_before=row[0], held=bool(row[1]))
 
 
-class _HoldLimits:
-    """The sizes of the per_key and fair_queue limits as enqueues read them
-    (every few seconds)."""
-
-    def __init__(self, every: float = 2.0) -> None:
-        self.every = every
-        self._read: tuple[float, tuple[int | None, int | None]] | None = None
-        self._lock = threading.Lock()
-
-    def forget(self) -> None:
-        """Read the sizes again at the next enqueue."""
-        with self._lock:
-            self._read = None
-
-    def sizes(self, conn: psycopg.Connection[Any]) -> tuple[int | None, int | None]:
-        with self._lock:
-            if self._read is not None and time.monotonic() - self._read[0] < self.every:
-                return self._read[1]
-        row = conn.execute(query("hold_limits")).fetchone()
-        sizes = (row[0], row[1]) if row is not None else (None, None)
-        with self._lock:
-            self._read = (time.monotonic(), sizes)
-        return sizes
+def _read_hold_limits(conn: psycopg.Connection[Any]) -> tuple[int | None, int | None]:
+    row = conn.execute(query("hold_limits")).fetchone()
+    return (row[0], row[1]) if row is not None else (None, None)
 
 
-HOLD_LIMITS = _HoldLimits()
+#: The sizes of the per_key and fair_queue limits as enqueues read them (every
+#: few seconds; ``forget()``: at the next enqueue).
+HOLD_LIMITS: CachedRead[tuple[int | None, int | None]] = CachedRead((None, None))
 
 
 class EnqueuePool:

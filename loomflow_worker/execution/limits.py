@@ -33,7 +33,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
@@ -41,6 +40,7 @@ from ..runtime.errors import InvalidInput
 from ..runtime.sql import query
 from ..runtime.store import slot_lock_keys
 from ..settings import Settings
+from .cached import AsyncCachedRead
 from .registry import agent_limits
 from .request import RunRequest
 
@@ -71,42 +71,33 @@ class Limits:
     def __init__(self, pool: AsyncConnectionPool[Any],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
-        self._clock = clock
-        self._sizes: dict[str, int] = {}
-        self._read_at: float | None = None
-        self._reading = anyio.Lock()
+        # Each limit's slots by its name: read every REFRESH seconds.
+        self._sizes: AsyncCachedRead[dict[str, int]] = AsyncCachedRead({}, REFRESH, clock)
 
     async def bounds(self, req: RunRequest, key: str | None = None) -> list[Bound]:
         """The limit instances ``req`` runs under now (none: no limit applies);
         ``key``: its fairness key as recorded at enqueue (else its default)."""
-        await self._refresh()
-        if not self._sizes:
+        sizes = await self._sizes.get(self._read)
+        if not sizes:
             return []
         names = [(PER_KEY, f"{PER_KEY}:{key or req.fairness_key}"), (f"agent:{req.agent}", None)]
         names += [(name, None) for name in agent_limits(req.agent)]
         found = []
         for name, instance in names:
-            size = self._sizes.get(name)
+            size = sizes.get(name)
             if size is not None:
                 found.append(Bound(instance or name, slot_lock_keys(instance or name, size)))
         return found
 
     async def fair(self) -> bool:
         """Whether requests wait for their fair turn (``fair_queue`` is set)."""
-        await self._refresh()
-        return FAIR_QUEUE in self._sizes
+        return FAIR_QUEUE in await self._sizes.get(self._read)
 
-    async def _refresh(self) -> None:
-        if self._read_at is not None and self._clock() - self._read_at < REFRESH:
-            return
-        async with self._reading:
-            if self._read_at is not None and self._clock() - self._read_at < REFRESH:
-                return
-            async with self.pool.connection() as conn:
-                cur = await conn.execute(query("concurrency_limits"))
-                rows = await cur.fetchall()
-            self._sizes = {name: max_runs for name, max_runs, _, _ in rows}
-            self._read_at = self._clock()
+    async def _read(self) -> dict[str, int]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query("concurrency_limits"))
+            rows = await cur.fetchall()
+        return {name: max_runs for name, max_runs, _, _ in rows}
 
 
 async def take(take_slot: Callable[[list[int]], Awaitable[bool]], bounds: list[Bound]

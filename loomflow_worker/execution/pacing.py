@@ -40,6 +40,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from .. import metrics
 from ..runtime.sql import query
 from ..settings import ModelLimit, Settings
+from .cached import AsyncCachedRead
 from .errors import Paused
 
 log = logging.getLogger("loomflow_worker.execution")
@@ -149,9 +150,8 @@ class Budgets:
                  ) -> None:
         self.pool = pool
         self._clock = clock
-        self._keys: dict[str, KeyState] = {}
-        self._read_at: float | None = None
-        self._reading = anyio.Lock()
+        # Which keys have limits or a pause: read every REFRESH seconds.
+        self._keys: AsyncCachedRead[dict[str, KeyState]] = AsyncCachedRead({}, REFRESH, clock)
         self._unreachable = False
 
     async def take(self, key: str, tokens: int) -> float:
@@ -160,8 +160,8 @@ class Budgets:
         pause: no statement at all). Postgres out of reach books nothing: the
         provider's own limits still pause the call."""
         try:
-            await self._refresh()
-            state = self._keys.get(key)
+            keys = await self._keys.get(self._read_keys)
+            state = keys.get(key)
             if state is None or (state.rpm is None and state.tpm is None
                                  and state.paused_until <= self._clock()):
                 return 0.0
@@ -176,7 +176,7 @@ class Budgets:
 
     async def charge(self, key: str, tokens: int) -> None:
         """``tokens`` more (fewer, when negative) than the call of ``key`` booked."""
-        state = self._keys.get(key)
+        state = self._keys.value.get(key)
         if tokens == 0 or state is None or state.tpm is None:
             return
         try:
@@ -187,33 +187,23 @@ class Budgets:
 
     async def pause(self, key: str, seconds: float) -> None:
         """The provider asked ``key``'s calls to wait ``seconds``: every process's."""
-        state = self._keys.get(key, KeyState(None, None, 0.0))
+        keys = self._keys.value
+        state = keys.get(key, KeyState(None, None, 0.0))
         until = max(state.paused_until, self._clock() + seconds)
-        self._keys[key] = KeyState(state.rpm, state.tpm, until)
+        keys[key] = KeyState(state.rpm, state.tpm, until)
         try:
             async with self.pool.connection() as conn:
                 await conn.execute(query("pause_model_key"), {"key": key, "seconds": seconds})
         except UNREACHABLE as exc:
             self._out_of_reach(exc)
 
-    async def _refresh(self) -> None:
-        """Read the keys again when the last read is over REFRESH old: one
-        read at a time, which the calls arriving meanwhile wait for."""
-        if self._fresh():
-            return
-        async with self._reading:
-            if self._fresh():
-                return
-            async with self.pool.connection() as conn:
-                cur = await conn.execute(query("model_budgets"))
-                rows = await cur.fetchall()
-            now = self._clock()
-            self._keys = {key: KeyState(rpm, tpm, now + paused_for)
-                          for key, rpm, tpm, _, paused_for, _ in rows}
-            self._read_at = now
-
-    def _fresh(self) -> bool:
-        return self._read_at is not None and self._clock() - self._read_at < REFRESH
+    async def _read_keys(self) -> dict[str, KeyState]:
+        async with self.pool.connection() as conn:
+            cur = await conn.execute(query("model_budgets"))
+            rows = await cur.fetchall()
+        now = self._clock()
+        return {key: KeyState(rpm, tpm, now + paused_for)
+                for key, rpm, tpm, _, paused_for, _ in rows}
 
     def _out_of_reach(self, exc: Exception) -> None:
         if not self._unreachable:

@@ -22,9 +22,7 @@ def latest_version() -> int:
 
 
 async def applied_versions(conn: AsyncConnection[Any]) -> list[int]:
-    cur = await conn.execute(
-        "SELECT to_regclass('loomflow_worker_schema') IS NOT NULL"
-    )
+    cur = await conn.execute(query("schema_present"))
     row = await cur.fetchone()
     if not (row and row[0]):
         return []

@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("loomflow_worker.runtime")
 
-CHANNEL = "loomflow_worker_signals"
-
 #: Undelivered signals kept per scope (``LOOMFLOW_WORKER_SIGNALS_PER_SCOPE``).
 DEFAULT_SIGNALS_PER_SCOPE = 1000
 
@@ -196,7 +194,7 @@ class SignalListener:
                 )
                 self._conn = conn
                 async with conn:
-                    await conn.execute(f"LISTEN {CHANNEL}")
+                    await conn.execute(query("listen_signals"))
                     backoff = 0.1
                     self._wake_all()  # anything sent while we were away
                     async for note in conn.notifies():

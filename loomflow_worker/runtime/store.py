@@ -575,14 +575,10 @@ class PostgresJournalStore:
         try:
             # The server side of the same keepalive, so a partitioned worker's
             # locks are freed in seconds rather than after the kernel's two hours.
-            await conn.execute(
-                "SELECT set_config('tcp_keepalives_idle', %s, false),"
-                " set_config('tcp_keepalives_interval', %s, false),"
-                " set_config('tcp_keepalives_count', %s, false),"
-                " set_config('tcp_user_timeout', %s, false)",
-                (str(s.keepalives_idle), str(s.keepalives_interval), str(s.keepalives_count),
-                 str(s.tcp_user_timeout_ms)),
-            )
+            await conn.execute(query("lock_keepalives"), {
+                "idle": str(s.keepalives_idle), "interval": str(s.keepalives_interval),
+                "count": str(s.keepalives_count), "user_timeout": str(s.tcp_user_timeout_ms),
+            })
         except BaseException:
             await conn.close()
             raise

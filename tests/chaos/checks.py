@@ -20,9 +20,9 @@ from celery.result import AsyncResult
 from psycopg.conninfo import conninfo_to_dict
 
 from loomflow_worker.tasks import run_agent
-from tests.conftest import ADMIN_DSN
 from tests.integration.celery_harness import Fleet
 from tests.integration.helpers import calls
+from tests.needs import ADMIN_DSN
 
 TERMINAL = ("succeeded", "failed", "cancelled", "dead")
 

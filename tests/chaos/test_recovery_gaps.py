@@ -14,9 +14,9 @@ from psycopg.conninfo import conninfo_to_dict
 
 from loomflow_worker.tasks import run_agent
 from tests.chaos.checks import executions, send
-from tests.conftest import ADMIN_DSN
 from tests.integration.celery_harness import AGENTS, Fleet, ledger, wait_status
 from tests.integration.helpers import calls, wait_until
+from tests.needs import ADMIN_DSN
 
 pytestmark = pytest.mark.slow
 

@@ -132,7 +132,7 @@ def backends(dsn: str, application: str, statement: str = "%") -> int:
 def signal_listeners(dsn: str) -> int:
     """How many processes listen for signals on ``dsn``'s database: a run that
     waits for a signal has its runtime's listener up before it first looks."""
-    return backends(dsn, "loomflow-worker signals", "LISTEN %")
+    return backends(dsn, "loomflow-worker signals", "%LISTEN loomflow_worker_signals%")
 
 
 def tcp_connections(pids: Iterable[int]) -> set[tuple[int, int]]:

@@ -17,7 +17,7 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from tests.conftest import ADMIN_DSN
+from tests.needs import ADMIN_DSN
 
 pytestmark = pytest.mark.slow
 

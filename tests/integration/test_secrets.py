@@ -19,16 +19,12 @@ from psycopg.conninfo import conninfo_to_dict
 
 from loomflow_worker.events import iter_events
 from loomflow_worker.tasks import settings
+from tests.needs import ADMIN_DSN
 
 from .celery_harness import REDIS_URL, Fleet, wait_status
 from .helpers import calls, cli, enqueued, lines, wait_for_execution
 
 pytestmark = pytest.mark.slow
-
-ADMIN_DSN = os.environ.get(
-    "LOOMFLOW_WORKER_TEST_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
-
 
 class Secrets:
     def __init__(self, role: str, password: str, api_key: str, dsn: str) -> None:

@@ -11,6 +11,7 @@ import anyio
 import psycopg
 import pytest
 from loomflow import Agent, tool
+from psycopg.pq import TransactionStatus
 
 from loomflow_worker.runtime import LockLost, PostgresRuntime, current_lease
 from loomflow_worker.testing import DeterministicModel, EffectsLog
@@ -229,13 +230,19 @@ async def test_a_late_loop_is_not_a_silent_server(dsn: str) -> None:
     try:
         lease = await runtime.journal.acquire("late-loop", wait=0)
 
+        on_its_way = anyio.Event()
+
         async def answered_at_once(conn: Any) -> Any:
+            on_its_way.set()
             cur = await conn.execute("SELECT pg_sleep(0.1)")
             return await cur.fetchone()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(lease.io, answered_at_once)
-            await anyio.sleep(0.02)  # the statement is on its way
+            await on_its_way.wait()
+            # Sent (the task ran on to its first wait, for the answer), not read yet.
+            status = lease.lock_conn.conn.info.transaction_status
+            assert status == TransactionStatus.ACTIVE, status
             time.sleep(2.5)  # the loop held, past the 1 s I/O timeout
         assert lease.fenced is None and lease.lock_conn.fenced is None
 

@@ -126,3 +126,49 @@ def test_every_query_name_the_code_passes_is_defined() -> None:
     passed = _passed_names(trees, _query_takers(trees))
     assert len(passed) > 80
     assert sorted(passed - set(queries())) == []
+
+
+#: The driver's calls that send a statement, by their method's name.
+SENDS = {"execute", "executemany", "copy", "stream"}
+
+
+def _written_in_python(tree: ast.Module) -> list[int]:
+    """The lines where ``tree`` sends a statement written in Python: a string,
+    an f-string or a concatenation given to one of :data:`SENDS`, or a name the
+    module binds to a string."""
+    strings = {target.id for node in tree.body if isinstance(node, ast.Assign)
+               and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+               for target in node.targets if isinstance(target, ast.Name)}
+    found = []
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        if not (isinstance(call.func, ast.Attribute) and call.func.attr in SENDS and call.args):
+            continue
+        first = call.args[0]
+        if (isinstance(first, ast.JoinedStr | ast.BinOp)
+                or (isinstance(first, ast.Constant) and isinstance(first.value, str))
+                or (isinstance(first, ast.Name) and first.id in strings)):
+            found.append(call.lineno)
+    return found
+
+
+def test_the_package_sends_only_the_statements_of_the_files() -> None:
+    """Every statement the package sends is a query of ``runtime/sql/*.sql``
+    (``query(name)``), so each is described, and found with its owner's."""
+    wrong = [f"{path.relative_to(ROOT)}:{line}"
+             for path in sorted(PACKAGE.rglob("*.py"))
+             for line in _written_in_python(ast.parse(path.read_text()))]
+    assert wrong == [], "move these statements to runtime/sql/*.sql and send query(name)"
+
+
+def test_the_rule_sees_literals_f_strings_and_module_strings() -> None:
+    source = (
+        'DDL = "CREATE TABLE t (x int)"\n'
+        'async def f(conn, cur, name):\n'
+        '    await conn.execute("SELECT 1")\n'
+        '    await conn.execute(f"LISTEN {name}")\n'
+        '    cur.execute("SELECT " + name)\n'
+        '    await conn.execute(DDL)\n'
+        '    await conn.execute(query("get_step"), {})\n'
+        '    await conn.execute(sql.SQL(query("drop_database")).format(name))\n'
+    )
+    assert sorted(_written_in_python(ast.parse(source))) == [3, 4, 5, 6]

@@ -1,6 +1,7 @@
 """Rules of the test suite itself (no services): a test module imports shared
 pieces from a helpers module (``tests/integration/helpers.py``, the harness,
-``tests/chaos/checks.py``), never from another test module, so that moving or
+``tests/chaos/checks.py``, ``tests/needs.py``), never from another test module
+or a conftest, so that moving or
 deleting a test never breaks another; and a test that starts a process is
 marked ``slow`` (the hook in ``tests/conftest.py``), so that the fast tier,
 ``-m "not slow"``, runs in one process."""
@@ -39,7 +40,10 @@ def _imported(source: str, package: str) -> set[str]:
 
 
 def _is_test_module(name: str) -> bool:
-    return name.startswith("tests.") and name.rsplit(".", 1)[-1].startswith("test_")
+    """A test module, or a conftest (pytest loads it; a module importing it
+    would load it again under another name, or in another order)."""
+    last = name.rsplit(".", 1)[-1]
+    return name.startswith("tests.") and (last.startswith("test_") or last == "conftest")
 
 
 def test_no_test_module_imports_another() -> None:
@@ -61,11 +65,12 @@ def test_the_rule_sees_relative_absolute_and_nested_imports() -> None:
         "from .test_celery import x\nfrom . import test_cli\nfrom .helpers import calls\n"
         "import tests.chaos.test_chaos\nfrom ..chaos.test_sharing import y\n"
         "def f():\n    from tests.integration.test_eta import z\n"
+        "from tests.conftest import ADMIN_DSN\nfrom tests.needs import PGBOUNCER\n"
     )
     found = {m for m in _imported(source, "tests.integration") if _is_test_module(m)}
     assert found == {"tests.integration.test_celery", "tests.integration.test_cli",
                      "tests.chaos.test_chaos", "tests.chaos.test_sharing",
-                     "tests.integration.test_eta"}
+                     "tests.integration.test_eta", "tests.conftest"}
 
 
 STARTING = """

@@ -6,11 +6,6 @@
 -- The server's version, which the doctor reports with the database it reached.
 SELECT current_setting('server_version');
 
--- name: admin_schema_present
--- Whether the schema table exists (to_regclass is NULL when not): the doctor reads
--- schema_versions only then, so a database never migrated is reported, not an error.
-SELECT to_regclass('loomflow_worker_schema') IS NOT NULL;
-
 -- name: admin_list_runs
 -- `loomflow-worker requests`: requests newest first (seq) matching every filter given (NULL:
 -- none), ages by enqueue time on the database's clock, at most `limit`.

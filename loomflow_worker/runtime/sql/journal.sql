@@ -13,6 +13,15 @@
 -- prepares (try_lock, open_run, put_step, put_stream, advance_epoch, unlock_scope) have
 -- their placeholders numbered there, in binary format.
 
+-- name: lock_keepalives
+-- Sent as a lock connection opens: the server side of the client's TCP keepalive (idle,
+-- interval and count in seconds, the user timeout in milliseconds, as text), so the locks
+-- of a partitioned worker are freed in seconds rather than after the kernel's two hours.
+SELECT set_config('tcp_keepalives_idle', %(idle)s, false),
+       set_config('tcp_keepalives_interval', %(interval)s, false),
+       set_config('tcp_keepalives_count', %(count)s, false),
+       set_config('tcp_user_timeout', %(user_timeout)s, false);
+
 -- name: session_probe_mark
 -- A session-level setting: it lasts as long as the session, not the transaction.
 SELECT pg_backend_pid(), set_config('loomflow_worker.session_probe', %(token)s, false);

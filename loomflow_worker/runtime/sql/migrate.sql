@@ -17,6 +17,12 @@ CREATE TABLE IF NOT EXISTS loomflow_worker_schema (
     applied_at TIMESTAMPTZ NOT NULL DEFAULT now()
 );
 
+-- name: schema_present
+-- Whether the table of applied versions exists (to_regclass is NULL when not): migrate and
+-- the doctor read schema_versions only then, so a database never migrated has nothing
+-- applied (and the doctor reports it) rather than an error.
+SELECT to_regclass('loomflow_worker_schema') IS NOT NULL;
+
 -- name: schema_versions
 -- The versions applied, ascending (its primary key): migrate applies the missing ones and
 -- refuses a database newer than the package; the doctor reports them.

@@ -4,6 +4,11 @@
 -- fixed size, whatever the id). Every take reads signals_mailbox (session_id, name, id) in
 -- id order.
 
+-- name: listen_signals
+-- The signal listener's connection subscribes to the channel send_signal notifies (a
+-- channel is an identifier: it cannot be a parameter).
+LISTEN loomflow_worker_signals;
+
 -- name: send_signal
 -- Store a signal and wake its session's waiters. Past "keep" undelivered
 -- signals of its scope (0: no bound) the oldest go; "dropped" says how many.
