@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from loomflow.runtime import _codec
 from psycopg.types.json import Jsonb
 
 from loomflow_worker.events import iter_events
+from loomflow_worker.runtime import PostgresRuntime
 from loomflow_worker.tasks import settings
 
 from .celery_harness import (
@@ -276,7 +278,8 @@ def test_a_run_waiting_long_for_a_signal_gives_its_slot_back(fleet: Fleet) -> No
     # One slot. The approval run waits for its signal past PARK_AFTER (1 s):
     # it gives the slot back (its request queued again, its message acked), so
     # another request runs meanwhile; the signal brings it back, replaying its
-    # journal, on the next sweep.
+    # journal (its sender publishes it; with a sweep every 0.5 s the sweeper may too,
+    # and only one of them does).
     fleet.env["LOOMFLOW_WORKER_AGENTS"] = WITH_WAITER
     fleet.start("w1", concurrency=1, pool="threads", LOOMFLOW_WORKER_PARK_AFTER="1",
                 LOOMFLOW_WORKER_SWEEP_INTERVAL="0.5", LOOMFLOW_WORKER_HANDOFF_GRACE="1")
@@ -298,6 +301,55 @@ def test_a_run_waiting_long_for_a_signal_gives_its_slot_back(fleet: Fleet) -> No
             "SELECT outcome FROM run_attempts WHERE request_id = %s ORDER BY attempt",
             (waiting,)).fetchall()]
     assert outcomes == ["paused", "succeeded"]
+
+
+def test_a_signal_publishes_the_request_that_gave_its_slot_back_at_once(fleet: Fleet) -> None:
+    # Two runs give their slot back to wait for their signals. The sweeper
+    # sweeps every 30 s (its first sweep 30 s after the worker starts): each
+    # signal's sender publishes the request it wakes, the CLI's `signal` and
+    # PostgresRuntime.signal alike (this process imports the Celery binding),
+    # and each resumes within seconds, replaying its journal.
+    fleet.env["LOOMFLOW_WORKER_AGENTS"] = WITH_WAITER
+    fleet.start("w1", concurrency=1, pool="threads", LOOMFLOW_WORKER_PARK_AFTER="1",
+                LOOMFLOW_WORKER_SWEEP_INTERVAL="30", LOOMFLOW_WORKER_HANDOFF_GRACE="1")
+    by_cli, by_runtime = (
+        enqueued(fleet, f'call wait_signal {{"session": "{box}", "name": "approve"}}',
+                 f"s-{box}", "--agent", "approver") for box in ("by-cli", "by-runtime"))
+
+    def parked(request_id: str) -> bool:
+        row = ledger(fleet.dsn, request_id)
+        return (row["status"], row["attempts"]) == ("queued", 1)
+
+    wait_until(lambda: parked(by_cli) and parked(by_runtime), "a run never gave its slot back")
+
+    sent = time.monotonic()
+    done = cli(fleet, "signal", "by-cli", "approve", '{"ok": 1}')
+    assert done.returncode == 0, done.stderr
+    assert f"request {by_cli}, which waited for it, published" in done.stdout, done.stdout
+    wait_status(fleet.dsn, by_cli, ("succeeded",), timeout=25)
+    assert time.monotonic() - sent < 10, "resumed by the sweeper, not by the signal's sender"
+
+    async def send() -> None:
+        runtime = await PostgresRuntime.connect(fleet.dsn)
+        try:
+            await runtime.signal("by-runtime", "approve", {"ok": 2})
+        finally:
+            await runtime.aclose()
+
+    sent = time.monotonic()
+    asyncio.run(send())
+    wait_status(fleet.dsn, by_runtime, ("succeeded",), timeout=25)
+    assert time.monotonic() - sent < 5, "resumed by the sweeper, not by the signal's sender"
+    for request_id, ok in ((by_cli, 1), (by_runtime, 2)):
+        row = ledger(fleet.dsn, request_id)
+        assert isinstance(row["result"], dict)
+        assert row["result"]["output"] == f'done: got {{"ok": {ok}}}'
+        assert (row["attempts"], row["failures"], row["crashes"]) == (2, 0, 0), row
+        # Two messages: the enqueue's and the sender's.
+        assert fleet.wait_deliveries(request_id, 2) == 2
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM sweeper_actions"
+                            " WHERE action = 'redispatch'").fetchone() == (0,)
 
 
 def test_signal_wakes_a_run_waiting_for_it(fleet: Fleet) -> None:

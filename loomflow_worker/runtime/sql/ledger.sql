@@ -256,9 +256,16 @@ UPDATE runs SET dispatched_at = now() WHERE request_id = %(request_id)s;
 
 -- name: mark_swept
 -- The sweeper publishes these requests again (one statement for its batch),
--- or one is handed to a process of its own: dispatched now.
+-- or one is handed to a process of its own: dispatched now. Those it marks
+-- come back, and only those are published. A request parked for a signal is
+-- published by the signal's sender and by the sweeper, whichever marks it
+-- first: it is marked only when nobody published it since it parked, or
+-- (again_after: the sweeper's, for a message lost since) that many seconds ago.
 UPDATE runs SET swept_at = now(), dispatched_at = greatest(dispatched_at, now())
- WHERE request_id = ANY(%(request_ids)s::text[]);
+ WHERE request_id = ANY(%(request_ids)s::text[])
+   AND (waiting_signal IS NULL OR swept_at IS NULL OR swept_at < received_at
+        OR swept_at < now() - make_interval(secs => %(again_after)s::float8))
+RETURNING request_id;
 
 -- name: start_request
 -- Under the scope lock: read the request, look for an older unfinished one,
@@ -426,8 +433,9 @@ UPDATE runs
 -- A run that waited PARK_AFTER for a signal gives its slot back: the attempt
 -- ends "paused", and the request is queued again, parked (its message acked,
 -- what it carried kept as park_request keeps it) until the sweeper sees a
--- signal of that name in its session's mailbox and publishes it. Only while
--- running: ended meanwhile, it stays ended.
+-- signal of that name in its session's mailbox and publishes it, or the
+-- signal's sender does (signal_waiters). Only while running: ended meanwhile,
+-- it stays ended.
 WITH ended AS (
     UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = 'paused'
      WHERE request_id = %(request_id)s AND attempt = %(attempt)s
@@ -437,6 +445,20 @@ UPDATE runs
        waiting_signal = %(signal)s, waiting_signal_session = %(session_id)s,
        options = coalesce(%(options)s::jsonb, options)
  WHERE request_id = %(request_id)s AND status = 'running';
+
+-- name: signal_waiters
+-- The requests parked waiting for the signal `name` of a session (see
+-- park_on_signal) that a signal now in its mailbox may wake (one sent to their
+-- user or to none), through runs_signal_waiting: the signal's sender
+-- publishes them, once mark_swept marks them.
+SELECT r.request_id, r.kind, r.session_id, r.user_id, r.agent, r.prompt, r.metadata,
+       r.not_before, r.options, r.routing
+  FROM runs r
+ WHERE r.waiting_signal_session = %(session_id)s AND r.waiting_signal = %(name)s
+   AND r.status = 'queued'
+   AND EXISTS (SELECT 1 FROM signals s
+                WHERE s.session_id = r.waiting_signal_session AND s.name = r.waiting_signal
+                  AND (s.user_id IS NULL OR s.user_id = r.user_id));
 
 -- name: end_attempt
 -- One attempt closed with its outcome while its request goes on: "retry" (with retry_run),

@@ -91,7 +91,9 @@ SELECT coalesce(routing->>'queue', %(default_queue)s) AS queue, count(*) AS queu
 -- publish failed: then it is published at once, with its eta).
 -- A request whose run gave its slot back to wait for a signal (waiting_signal)
 -- is published again once that signal waits in its session's mailbox (the
--- session it waits on) for its user, at once and then at most every queued_after.
+-- session it waits on) for its user, at once unless published since it parked
+-- (its signal's sender publishes it as it sends), and then at most every
+-- queued_after (mark_swept says the same).
 -- A request parked on a full concurrency limit (waiting_slots; queued, or
 -- running when its last attempt's worker died) is published again only once
 -- the limit has a free slot, only as many of a limit's parked requests (the
@@ -119,7 +121,7 @@ WITH in_broker AS (
            coalesce(held_at > dispatched_at
                     AND held_at > now() - make_interval(secs => %(held_within)s), false) AS held,
            waiting_for, waiting_slots, enqueued_at, priority_rank, waiting_signal,
-           waiting_signal_session
+           waiting_signal_session, received_at
       FROM runs
      WHERE loomflow_worker_unfinished(status)
      ORDER BY scope, seq
@@ -153,7 +155,7 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
                      WHERE s.session_id = h.waiting_signal_session
                        AND s.name = h.waiting_signal
                        AND (s.user_id IS NULL OR s.user_id = h.user_id))
-            AND (h.swept_at IS NULL
+            AND (h.swept_at IS NULL OR h.swept_at < h.received_at
                  OR h.swept_at < now() - make_interval(secs => %(queued_after)s))
        WHEN h.waiting_slots IS NOT NULL THEN
             EXISTS (SELECT 1 FROM waiting w JOIN room m USING (waiting_for)
