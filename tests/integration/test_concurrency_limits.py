@@ -246,3 +246,56 @@ def test_requests_waiting_on_a_limit_start_in_the_order_of_their_priority(
     order = [tag for tag, _, started, _ in sorted(tool_executions(fleet.dsn),
                                                   key=lambda e: e[2]) if tag != "busy"]
     assert order == (["p0", "p5", "p9"] if broker == "redis" else ["p9", "p5", "p0"]), order
+
+
+
+def _parks(fleet: Fleet, reason: str) -> int:
+    """How many deliveries the fleet's workers parked on the limit ``reason`` names."""
+    return sum(p.read_text(errors="replace").count(f"parked: {reason} full")
+               for p in fleet.logs.glob("*.log"))
+
+
+def test_a_burst_held_back_on_its_limit_sends_one_message_per_request(fleet: Fleet) -> None:
+    # Alice sends 100 short requests at once, 3 runs at a time: 3 are
+    # published at enqueue, the rest held back in the ledger, and her first
+    # runs end while she is still sending. Each held request is published once,
+    # by the run that frees a slot (or the sweeper), and a request sent while
+    # others are held waits behind them rather than taking the slot a run that
+    # ends hands on: no delivery parks on the worker, which receives 100
+    # messages.
+    env = {**FAST, "TEST_TOOL_SLEEP": "0.1", "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 3})}
+    fleet.start("w1", concurrency=6, pool="threads", **env)
+    alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(100)]
+    for request_id in alice:
+        run_agent.AsyncResult(request_id).get(timeout=120)
+    assert _rows(fleet.dsn, alice) == [("succeeded", 0, 0)] * 100
+    assert _most_at_once(_spans(fleet.dsn, "alice")) == 3
+    received = sum(fleet.wait_deliveries(request_id, 1) for request_id in alice)
+    assert (_parks(fleet, "limit per_key:alice"), received) == (0, 100)
+
+
+def test_held_requests_are_not_published_for_slots_messages_are_on_their_way_to(
+    fleet: Fleet,
+) -> None:
+    # Bob's three long runs take the worker's three slots; alice then sends 12
+    # requests, 3 at a time: three are published at enqueue and wait behind
+    # bob's, her three slots free all the while. The sweeper sees those slots
+    # free for seconds, but counts the three messages on their way to them, and
+    # publishes none of the nine held ones. When bob's runs end, hers run and
+    # the rest follow one per slot: no delivery parks.
+    env = {**FAST, "TEST_TOOL_SLEEP": "0.3", "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 3})}
+    fleet.start("w1", concurrency=3, pool="threads", **env)
+    bob = [run_agent.delay(calls(*(f"bob{i}-{j}" for j in range(25))), f"b{i}", user_id="bob").id
+           for i in range(3)]
+    wait_until(lambda: {tag.split("-")[0] for tag, *_ in tool_executions(fleet.dsn)}
+               == {"bob0", "bob1", "bob2"}, "bob's runs never all started")
+    alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(12)]
+    # Past her held requests' grace (1 s) and the sweeper's second look (1 s).
+    wait_sweeps_for(fleet, 3.0)
+    assert not any(tag.startswith("alice") for tag, *_ in tool_executions(fleet.dsn)), \
+        "bob's runs ended before the sweeper had its chance"
+    for request_id in alice + bob:
+        run_agent.AsyncResult(request_id).get(timeout=120)
+    assert _rows(fleet.dsn, alice + bob) == [("succeeded", 0, 0)] * 15
+    received = sum(fleet.wait_deliveries(request_id, 1) for request_id in alice)
+    assert (_parks(fleet, "limit per_key:alice"), received) == (0, 12)

@@ -155,6 +155,30 @@ def test_the_next_orphan_is_due_when_its_lease_runs_out(dsn: str) -> None:
         assert found is not None and 0.9 < found <= 1.0, found
 
 
+def test_a_keys_held_requests_are_read_in_their_index_whatever_their_number(dsn: str) -> None:
+    """An enqueue under the per_key limit asks whether its fairness key has
+    requests held back, and a run that frees a slot takes the first of them:
+    each reads runs_waiting_for in its order, whatever the key's backlog, not a
+    bitmap of all of them (10,000 enqueues would be quadratic)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO runs (request_id, scope, session_id, user_id, agent, prompt,"
+            " fairness_key, waiting_for, waiting_slots, received_at)"
+            " SELECT 'h-' || i, 'h-' || i, 'h-' || i, 'alice', 'a', 'p', 'alice',"
+            " 'limit per_key:alice', '{1,2}', now() FROM generate_series(1, 5000) AS i")
+        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + query("insert_run"), {
+            **PARAMS, "request_id": "new", "scope": "new", "session_id": "new",
+            "user_id": "alice", "fairness_key": "alice", "prompt": "p", "metadata": "{}",
+            "lock_key": 9, "countdown": None, "eta": None, "ignore_result": False,
+            "routing": None, "options": "{}", "priority_rank": 0, "hold_after": 10,
+            "slots": [1, 2], "fair_depth": None}))
+        assert "runs_waiting_for" in plan and "BitmapAnd" not in plan, plan
+        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + query("next_on_limit"), {
+            "reason": "limit per_key:alice", "count": 1}))
+        assert "runs_waiting_for" in plan and "BitmapAnd" not in plan, plan
+        assert "Sort" not in plan, plan
+
+
 def test_a_signals_sender_finds_the_requests_parked_for_it_in_their_index(
     big_ledger: str,
 ) -> None:

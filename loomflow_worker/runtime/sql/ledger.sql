@@ -31,9 +31,14 @@ SELECT request_id, status FROM runs
 -- was held back. A countdown is measured on the database's clock, an eta is a moment.
 -- With hold_after (the per_key concurrency limit), a request whose fairness key has that
 -- many unfinished requests already out (published, running, or waiting for their session:
--- runs_fairness_open) is held back, parked on its key's limit as a worker would park it,
--- and not published: the broker then holds a handful of one tenant's backlog, not all of
--- it, and the others' requests are not queued behind it.
+-- runs_fairness_open), or has requests held back already (runs_waiting_for), is held
+-- back, parked on its key's limit as a worker would park it, and not published: the
+-- broker then holds a handful of one tenant's backlog, not all of it, and the others'
+-- requests are not queued behind it. Those held are published one per slot that frees,
+-- in their order (next_on_limit), and a new request waits behind them: it neither jumps
+-- the key's line nor takes the slot a run that ends hands on. (That look asks "not
+-- finished" rather than "unfinished", the same thing, so that it probes runs_waiting_for
+-- alone, not a bitmap of every held request with runs_scope_open.)
 -- With fair_depth (the fair_queue limit), a request that may start now is held back too
 -- while others wait in line for their fair share, or while fair_depth requests wait in the
 -- broker already (runs_in_broker): loomflow_worker_fair_next publishes it in its turn.
@@ -52,11 +57,16 @@ SELECT %(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind
        CASE WHEN h.held OR h.fair THEN now() END,
        CASE WHEN h.held OR h.fair THEN %(options)s::jsonb END, %(priority_rank)s
   FROM (SELECT %(hold_after)s::integer IS NOT NULL
-               AND (SELECT count(*) FROM (
-                       SELECT 1 FROM runs
-                        WHERE fairness_key = %(fairness_key)s::text
-                          AND loomflow_worker_unfinished(status) AND waiting_slots IS NULL
-                        LIMIT %(hold_after)s::integer) o) >= %(hold_after)s::integer AS held,
+               AND (EXISTS (SELECT 1 FROM runs
+                             WHERE waiting_slots IS NOT NULL
+                               AND waiting_for = 'limit per_key:' || %(fairness_key)s::text
+                               AND NOT loomflow_worker_finished(status))
+                    OR (SELECT count(*) FROM (
+                           SELECT 1 FROM runs
+                            WHERE fairness_key = %(fairness_key)s::text
+                              AND loomflow_worker_unfinished(status) AND waiting_slots IS NULL
+                            LIMIT %(hold_after)s::integer) o) >= %(hold_after)s::integer)
+               AS held,
                %(fair_depth)s::integer IS NOT NULL AND %(options)s::jsonb IS NOT NULL
                AND %(countdown)s::float8 IS NULL AND %(eta)s::timestamptz IS NULL
                AND (EXISTS (SELECT 1 FROM runs
@@ -232,17 +242,22 @@ UPDATE runs SET received_at = now(), waiting_for = %(reason)s,
 
 -- name: next_on_limit
 -- A run freed a slot of a concurrency limit: the oldest requests parked on it
--- (as many as slots were freed; by priority, then age), stamped dispatched so
--- that nothing else publishes them before their grace; their messages go out
--- again.
+-- (as many as slots were freed; by priority, then age), stamped dispatched, and
+-- parked no more (waiting_slots cleared; waiting_for still names the limit):
+-- their messages go out again, and until they start they count as out, like a
+-- request published at its enqueue (insert_run), and as on their way to the
+-- limit's slots (the sweeper's orphans), so nothing else publishes another
+-- request for the slots they will take.
 WITH next AS (
+    -- "Not finished" (as insert_run asks): the limit's parked requests in the
+    -- order of runs_waiting_for, not a bitmap of all of them sorted.
     SELECT request_id FROM runs
      WHERE waiting_slots IS NOT NULL AND waiting_for = %(reason)s
-       AND loomflow_worker_unfinished(status) AND received_at >= dispatched_at
+       AND NOT loomflow_worker_finished(status) AND received_at >= dispatched_at
      ORDER BY priority_rank, enqueued_at LIMIT %(count)s
        FOR UPDATE SKIP LOCKED
 )
-UPDATE runs r SET dispatched_at = now()
+UPDATE runs r SET dispatched_at = now(), waiting_slots = NULL
   FROM next WHERE r.request_id = next.request_id
 RETURNING r.request_id, r.kind, r.session_id, r.user_id, r.agent, r.prompt, r.metadata,
           r.not_before, CASE WHEN r.status = 'queued' THEN r.options END AS options,
