@@ -4,6 +4,7 @@ and start as slots free, and other tenants run meanwhile."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 from datetime import datetime
@@ -11,6 +12,7 @@ from datetime import datetime
 import psycopg
 import pytest
 
+from loomflow_worker.execution import ledger
 from loomflow_worker.runtime.errors import InvalidInput
 from loomflow_worker.tasks import run_agent
 
@@ -299,3 +301,49 @@ def test_held_requests_are_not_published_for_slots_messages_are_on_their_way_to(
     assert _rows(fleet.dsn, alice + bob) == [("succeeded", 0, 0)] * 15
     received = sum(fleet.wait_deliveries(request_id, 1) for request_id in alice)
     assert (_parks(fleet, "limit per_key:alice"), received) == (0, 12)
+
+
+#: Enqueues at once when a test sends thousands (the enqueue pool's connections).
+ENQUEUERS = 4
+
+
+@pytest.mark.parametrize("limits", [{"per_key": 10}, {"fair_queue": 10}],
+                         ids=["per_key", "fair_queue"])
+def test_a_tenant_with_one_request_starts_within_seconds_while_anothers_10000_drain(
+    fleet: Fleet, limits: dict[str, int],
+) -> None:
+    # Alice sends 10,000 requests, then bob sends one: with either limit the
+    # README recommends (per_key: 10 of alice's runs at most; fair_queue: 10
+    # requests in the broker at most, started by fair shares, half the
+    # worker's slots), her backlog waits in the ledger, not the broker, and
+    # bob's request starts within seconds while thousands of hers still wait
+    # (her runs take a second: at most 20 start a second). The test does not
+    # wait for hers: the worker is killed and the database dropped at its end.
+    for name, size in limits.items():
+        assert cli(fleet, "limits", "concurrency", name, str(size)).returncode == 0
+    ledger.HOLD_LIMITS.forget()  # this process reads the limits before its next enqueue
+    fleet.start("w1", concurrency=20, pool="threads", TEST_TOOL_SLEEP="1",
+                LOOMFLOW_WORKER_LIMITS=json.dumps(limits))
+    began = time.monotonic()
+    # Each enqueue is one ledger statement (a held request is not published):
+    # a few at once, on the enqueue pool's connections.
+    with concurrent.futures.ThreadPoolExecutor(ENQUEUERS) as enqueuers:
+        list(enqueuers.map(
+            lambda i: run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id,
+            range(10_000)))
+    enqueued = time.monotonic() - began
+    bob = run_agent.delay(calls("bob"), "b0", user_id="bob")
+    assert bob.get(timeout=60)["output"] == "done: recorded bob"
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT extract(epoch FROM a.started_at - r.enqueued_at)::float8,"
+            " (SELECT count(*) FROM runs o WHERE o.user_id = 'alice'"
+            "   AND (o.started_at IS NULL OR o.started_at > a.started_at))"
+            " FROM runs r JOIN run_attempts a USING (request_id)"
+            " WHERE r.request_id = %s AND a.attempt = 1", (bob.id,)).fetchone()
+    assert row is not None
+    waited, alice_waiting = row
+    print(f"enqueued 10,000 in {enqueued:.1f}s; bob started {waited:.2f}s after his enqueue,"
+          f" with {alice_waiting} of alice's requests not started")
+    assert waited < 5.0
+    assert alice_waiting > 8_000
