@@ -60,23 +60,51 @@ def _swept(dsn: str, request_id: str) -> bool:
     return bool(row[0])
 
 
-def test_a_limit_per_key_holds_across_three_workers_while_other_keys_run(fleet: Fleet) -> None:
-    env = {**FAST, "TEST_TOOL_SLEEP": "0.6", "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 2})}
+@pytest.mark.parametrize("held", [True, False], ids=["held-at-enqueue", "all-in-the-broker"])
+def test_a_limit_per_key_holds_across_three_workers_while_other_keys_run(
+    fleet: Fleet, held: bool,
+) -> None:
+    # A limit of 5 per tenant on three worker processes of four slots each.
+    # Set before alice sends her 25 requests, it holds back all but 5 of them
+    # in the ledger at enqueue; set after, it finds all of them in the broker,
+    # and the workers take up to twelve at once: each run takes a slot of her
+    # limit in Postgres, and those beyond 5 park on whichever process took
+    # them until a slot frees.
+    def limit() -> None:
+        assert cli(fleet, "limits", "concurrency", "per_key", "5").returncode == 0
+        ledger.HOLD_LIMITS.forget()  # this process reads it before its next enqueue
+
+    if held:
+        limit()
+    alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(25)]
+    bob = [run_agent.delay(calls(f"bob{i}"), f"b{i}", user_id="bob").id for i in range(3)]
+    if not held:
+        limit()
     for name in ("w1", "w2", "w3"):
-        fleet.start(name, concurrency=3, pool="threads", **env)
-    alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(9)]
-    bob = [run_agent.delay(calls(f"bob{i}"), f"b{i}", user_id="bob").id for i in range(2)]
+        fleet.start(name, concurrency=4, pool="threads", wait=False, **FAST,
+                    TEST_TOOL_SLEEP="0.6")
+    for name in ("w1", "w2", "w3"):
+        fleet.wait_ready(name)
     for request_id in alice + bob:
         run_agent.AsyncResult(request_id).get(timeout=90)
-    assert _rows(fleet.dsn, alice + bob) == [("succeeded", 0, 0)] * 11
-    # Nine slots in the fleet, but never more than two of alice's runs at once,
-    # and her limit reached.
-    assert _most_at_once(_spans(fleet.dsn, "alice")) == 2, tool_executions(fleet.dsn)
-    # Bob is not queued behind her backlog: both of his ran before her last.
+    assert _rows(fleet.dsn, alice + bob) == [("succeeded", 0, 0)] * 28
+    # Twelve slots in the fleet, but never more than five of alice's runs at
+    # once, and her limit reached.
+    assert _most_at_once(_spans(fleet.dsn, "alice")) == 5, tool_executions(fleet.dsn)
+    # Her runs were spread over the three processes.
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(DISTINCT worker) FROM run_attempts a JOIN runs r"
+                           " USING (request_id) WHERE r.user_id = 'alice'").fetchone()
+    assert row == (3,), row
+    # Held back, none of hers parked on a worker; all in the broker, the
+    # workers parked those beyond her limit.
+    parks = _parks(fleet, "limit per_key:alice")
+    assert (parks == 0) if held else (parks > 0), parks
+    # Bob is not queued behind her backlog: all of his ran before her last.
     last_alice = max(end for _, end in _spans(fleet.dsn, "alice"))
     assert all(end < last_alice for _, end in _spans(fleet.dsn, "bob"))
     listed = cli(fleet, "limits")
-    assert listed.stdout.splitlines()[1].split()[:3] == ["per_key", "2", "0"], listed.stdout
+    assert listed.stdout.splitlines()[1].split()[:3] == ["per_key", "5", "0"], listed.stdout
 
 
 def test_a_slot_freed_by_a_killed_worker_goes_to_a_parked_request(fleet: Fleet) -> None:
