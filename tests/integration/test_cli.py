@@ -19,7 +19,7 @@ from psycopg.types.json import Jsonb
 
 from loomflow_worker.events import iter_events
 from loomflow_worker.runtime import PostgresRuntime
-from loomflow_worker.tasks import settings
+from loomflow_worker.tasks import run_agent, settings
 
 from .celery_harness import (
     AGENTS,
@@ -37,6 +37,7 @@ from .helpers import (
     enqueued,
     lines,
     signal_listeners,
+    steps_journaled_twice,
     wait_for_execution,
     wait_until,
 )
@@ -350,6 +351,65 @@ def test_a_signal_publishes_the_request_that_gave_its_slot_back_at_once(fleet: F
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         assert conn.execute("SELECT count(*) FROM sweeper_actions"
                             " WHERE action = 'redispatch'").fetchone() == (0,)
+
+
+#: Every timer of the fleet, small: a run that waits ten leases for its approval
+#: outlives each of them many times over (an hour, at this scale).
+SMALL_TIMERS = {"LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+                "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3", "LOOMFLOW_WORKER_HANDOFF_GRACE": "1",
+                "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5", "LOOMFLOW_WORKER_PARK_AFTER": "1",
+                "LOOMFLOW_WORKER_VISIBILITY_TIMEOUT": "3"}
+
+
+def test_a_run_waiting_long_for_approval_holds_no_slot_and_resumes_once(fleet: Fleet) -> None:
+    # One slot. The approval run waits for its signal ten leases long (30 s),
+    # past the lease, the heartbeat, the sweeper's redispatch, the park
+    # threshold and the broker's visibility timeout, while other requests take
+    # the only slot one after another. Nothing sends it again meanwhile; the
+    # signal resumes it, and it succeeds once: its second attempt replays the
+    # first's steps, and no crash or lost attempt is charged.
+    fleet.env["LOOMFLOW_WORKER_AGENTS"] = WITH_WAITER
+    fleet.start("w1", concurrency=1, pool="threads", TEST_TOOL_SLEEP="0.5", **SMALL_TIMERS)
+    prompt = 'call wait_signal {"session": "approvals", "name": "approve"}'
+    waiting = enqueued(fleet, prompt, "s-approve", "--agent", "approver")
+    wait_until(lambda: ledger(fleet.dsn, waiting)["status"] == "queued"
+               and ledger(fleet.dsn, waiting)["attempts"] == 1, "the run never gave its slot back")
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+
+        def waited() -> float:
+            row = conn.execute("SELECT extract(epoch FROM now() - ended_at)::float8"
+                               " FROM run_attempts WHERE request_id = %s", (waiting,)).fetchone()
+            assert row is not None
+            return float(row[0])
+
+        others = []
+        while waited() < 10 * float(SMALL_TIMERS["LOOMFLOW_WORKER_LEASE"]):
+            other = run_agent.delay(calls(f"other{len(others)}"), f"s-other{len(others)}")
+            assert other.get(timeout=30)["output"] == f"done: recorded other{len(others)}"
+            others.append(other.id)
+            row = ledger(fleet.dsn, waiting)
+            assert (row["status"], row["attempts"]) == ("queued", 1), row
+        # Nothing sent it again, or took it for lost, while it waited.
+        swept = conn.execute("SELECT action FROM sweeper_actions WHERE request_id = %s",
+                             (waiting,)).fetchall()
+        assert swept == [], swept
+    assert fleet.deliveries(waiting) == (1, 1)
+    assert len(others) >= 10, others  # the slot was free for them all along
+
+    assert cli(fleet, "signal", "approvals", "approve", '{"ok": true}').returncode == 0
+    wait_status(fleet.dsn, waiting, ("succeeded",), timeout=30)
+    row = ledger(fleet.dsn, waiting)
+    assert isinstance(row["result"], dict) and row["result"]["output"] == 'done: got {"ok": true}'
+    assert (row["attempts"], row["failures"], row["crashes"]) == (2, 0, 0), row
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        outcomes = [r[0] for r in conn.execute(
+            "SELECT outcome FROM run_attempts WHERE request_id = %s ORDER BY attempt",
+            (waiting,)).fetchall()]
+    assert outcomes == ["paused", "succeeded"]
+    assert fleet.wait_deliveries(waiting, 2) == 2
+    journal = cli(fleet, "show", waiting).stdout.split("journal ", 1)[1].splitlines()
+    assert any("executed in attempt 1, replayed in 2" in line for line in journal), journal
+    assert steps_journaled_twice(fleet.dsn) == []
 
 
 def test_signal_wakes_a_run_waiting_for_it(fleet: Fleet) -> None:
