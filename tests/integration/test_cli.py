@@ -275,6 +275,27 @@ def test_cancel_prints_the_status_and_tail_exits_nonzero(fleet: Fleet) -> None:
     assert waited.returncode == 0 and lines(waited.stdout)[1] == "done: recorded x"
 
 
+def _gave_its_slot_back(fleet: Fleet, request_id: str) -> bool:
+    """Whether the request's first attempt gave its slot back (paused, queued again)."""
+    row = ledger(fleet.dsn, request_id)
+    return (row["status"], row["attempts"]) == ("queued", 1)
+
+
+def _approve(fleet: Fleet, waiting: str) -> None:
+    """Send the signal the approver waits for: its request resumes and succeeds
+    on its second attempt (its first paused), with no failure or crash."""
+    assert cli(fleet, "signal", "approvals", "approve", '{"ok": true}').returncode == 0
+    wait_status(fleet.dsn, waiting, ("succeeded",), timeout=30)
+    row = ledger(fleet.dsn, waiting)
+    assert isinstance(row["result"], dict) and row["result"]["output"] == 'done: got {"ok": true}'
+    assert (row["attempts"], row["failures"], row["crashes"]) == (2, 0, 0), row
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        outcomes = [r[0] for r in conn.execute(
+            "SELECT outcome FROM run_attempts WHERE request_id = %s ORDER BY attempt",
+            (waiting,)).fetchall()]
+    assert outcomes == ["paused", "succeeded"]
+
+
 def test_a_run_waiting_long_for_a_signal_gives_its_slot_back(fleet: Fleet) -> None:
     # One slot. The approval run waits for its signal past PARK_AFTER (1 s):
     # it gives the slot back (its request queued again, its message acked), so
@@ -286,22 +307,12 @@ def test_a_run_waiting_long_for_a_signal_gives_its_slot_back(fleet: Fleet) -> No
                 LOOMFLOW_WORKER_SWEEP_INTERVAL="0.5", LOOMFLOW_WORKER_HANDOFF_GRACE="1")
     prompt = 'call wait_signal {"session": "approvals", "name": "approve"}'
     waiting = enqueued(fleet, prompt, "s-approve", "--agent", "approver")
-    wait_until(lambda: ledger(fleet.dsn, waiting)["status"] == "queued"
-               and ledger(fleet.dsn, waiting)["attempts"] == 1, "the run never gave its slot back")
+    wait_until(lambda: _gave_its_slot_back(fleet, waiting), "the run never gave its slot back")
     other = enqueued(fleet, calls("x"), "s-other")
     wait_status(fleet.dsn, other, ("succeeded",), timeout=20)
     shown = cli(fleet, "show", waiting)
     assert "waits     waiting for signal 'approve' of session 'approvals'" in shown.stdout, shown
-    assert cli(fleet, "signal", "approvals", "approve", '{"ok": true}').returncode == 0
-    wait_status(fleet.dsn, waiting, ("succeeded",), timeout=30)
-    row = ledger(fleet.dsn, waiting)
-    assert isinstance(row["result"], dict) and row["result"]["output"] == 'done: got {"ok": true}'
-    assert (row["attempts"], row["failures"], row["crashes"]) == (2, 0, 0), row
-    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
-        outcomes = [r[0] for r in conn.execute(
-            "SELECT outcome FROM run_attempts WHERE request_id = %s ORDER BY attempt",
-            (waiting,)).fetchall()]
-    assert outcomes == ["paused", "succeeded"]
+    _approve(fleet, waiting)
 
 
 def test_a_signal_publishes_the_request_that_gave_its_slot_back_at_once(fleet: Fleet) -> None:
@@ -316,12 +327,8 @@ def test_a_signal_publishes_the_request_that_gave_its_slot_back_at_once(fleet: F
     by_cli, by_runtime = (
         enqueued(fleet, f'call wait_signal {{"session": "{box}", "name": "approve"}}',
                  f"s-{box}", "--agent", "approver") for box in ("by-cli", "by-runtime"))
-
-    def parked(request_id: str) -> bool:
-        row = ledger(fleet.dsn, request_id)
-        return (row["status"], row["attempts"]) == ("queued", 1)
-
-    wait_until(lambda: parked(by_cli) and parked(by_runtime), "a run never gave its slot back")
+    wait_until(lambda: _gave_its_slot_back(fleet, by_cli) and _gave_its_slot_back(
+        fleet, by_runtime), "a run never gave its slot back")
 
     sent = time.monotonic()
     done = cli(fleet, "signal", "by-cli", "approve", '{"ok": 1}')
@@ -372,8 +379,7 @@ def test_a_run_waiting_long_for_approval_holds_no_slot_and_resumes_once(fleet: F
     fleet.start("w1", concurrency=1, pool="threads", TEST_TOOL_SLEEP="0.5", **SMALL_TIMERS)
     prompt = 'call wait_signal {"session": "approvals", "name": "approve"}'
     waiting = enqueued(fleet, prompt, "s-approve", "--agent", "approver")
-    wait_until(lambda: ledger(fleet.dsn, waiting)["status"] == "queued"
-               and ledger(fleet.dsn, waiting)["attempts"] == 1, "the run never gave its slot back")
+    wait_until(lambda: _gave_its_slot_back(fleet, waiting), "the run never gave its slot back")
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
 
         def waited() -> float:
@@ -396,16 +402,7 @@ def test_a_run_waiting_long_for_approval_holds_no_slot_and_resumes_once(fleet: F
     assert fleet.deliveries(waiting) == (1, 1)
     assert len(others) >= 10, others  # the slot was free for them all along
 
-    assert cli(fleet, "signal", "approvals", "approve", '{"ok": true}').returncode == 0
-    wait_status(fleet.dsn, waiting, ("succeeded",), timeout=30)
-    row = ledger(fleet.dsn, waiting)
-    assert isinstance(row["result"], dict) and row["result"]["output"] == 'done: got {"ok": true}'
-    assert (row["attempts"], row["failures"], row["crashes"]) == (2, 0, 0), row
-    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
-        outcomes = [r[0] for r in conn.execute(
-            "SELECT outcome FROM run_attempts WHERE request_id = %s ORDER BY attempt",
-            (waiting,)).fetchall()]
-    assert outcomes == ["paused", "succeeded"]
+    _approve(fleet, waiting)
     assert fleet.wait_deliveries(waiting, 2) == 2
     journal = cli(fleet, "show", waiting).stdout.split("journal ", 1)[1].splitlines()
     assert any("executed in attempt 1, replayed in 2" in line for line in journal), journal
