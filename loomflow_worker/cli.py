@@ -636,16 +636,26 @@ def cancel(
 def signal_command(session_id: str, name: str, payload: Any, user_id: str | None) -> None:
     """Send the durable signal NAME to SESSION, with an optional JSON payload; a
     run waiting for it (runtime.wait_for_signal) wakes, one not yet waiting
-    finds it when it does. With --user only that user's run on SESSION takes
+    finds it when it does, and a request that gave its slot back to wait for
+    it is published at once. With --user only that user's run on SESSION takes
     it; without, a run of any user on SESSION."""
     from . import admin
+    from .execution import signal_waits
 
     settings = _settings()
     with admin.connect(settings) as conn:
         signal_id = admin.send_signal(conn, session_id, name, payload, user_id,
                                       keep=settings.signals_per_scope)
+        # The requests that gave their slot back to wait for it go at once.
+        woken = signal_waits.claim(conn, session_id, name)
     to = f"session {session_id!r}" + (f", user {user_id!r}" if user_id is not None else "")
     click.echo(f"signal {name!r} sent to {to} (id {signal_id})")
+    if woken:
+        from .tasks.wake import publish
+
+        publish(woken, name)
+        for pending in woken:
+            click.echo(f"request {pending.request_id}, which waited for it, published")
 
 
 # ---- limits ---------------------------------------------------------------------------------

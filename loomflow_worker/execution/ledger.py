@@ -977,7 +977,7 @@ def mark_interrupted(conn: psycopg.Connection[Any], node: str) -> None:
 async def mark_handed_alone(conn: Conn, request_id: str) -> None:
     """The request is handed to a process of its own (quarantine): the sweeper
     takes it for dispatched just now."""
-    await conn.execute(query("mark_swept"), {"request_ids": [request_id]})
+    await conn.execute(query("mark_swept"), {"request_ids": [request_id], "again_after": None})
 
 
 async def mark_lost_now(conn: Conn, request_id: str, attempt: int | None, worker: str) -> None:

@@ -86,9 +86,14 @@ def next_orphan_in(conn: Conn, dead_after: float) -> float | None:
     return None if row is None or row[0] is None else float(row[0])
 
 
-def mark_swept(conn: Conn, request_ids: list[str]) -> None:
-    """These orphans are being dispatched again now."""
-    conn.execute(query("mark_swept"), {"request_ids": request_ids})
+def mark_swept(conn: Conn, request_ids: list[str], again_after: float) -> set[str]:
+    """These orphans are being dispatched again now: those marked, to publish.
+    A request parked for a signal is not marked when its signal's sender
+    published it since it parked, less than ``again_after`` seconds ago (see
+    :mod:`.signal_waits`)."""
+    rows = conn.execute(query("mark_swept"),
+                        {"request_ids": request_ids, "again_after": again_after}).fetchall()
+    return {str(row[0]) for row in rows}
 
 
 def mark_unswept(conn: Conn, request_ids: list[str]) -> None:

@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -71,6 +71,45 @@ def report_dropped(
         count(dropped)
 
 
+#: What a process does after each signal one of its runtimes sends (and
+#: committed): given a connection of that runtime's pool, the signal's session
+#: and its name.
+AfterSend = Callable[[AsyncConnection[Any], str, str], Awaitable[None]]
+
+
+class _AfterSend:
+    """The process's :data:`AfterSend`, if any (see :func:`after_send`)."""
+
+    hook: AfterSend | None = None
+
+
+def after_send(hook: AfterSend | None) -> None:
+    """Call ``hook`` after each signal a runtime of this process sends
+    (``None``: nothing). The Celery binding sets it as it is imported
+    (:mod:`loomflow_worker.tasks.wake`): it publishes at once the requests
+    parked waiting for the signal, which the sweeper would publish within a
+    sweep."""
+    _AfterSend.hook = hook
+
+
+async def _after_send(pool: AsyncConnectionPool[Any], session_id: str, name: str) -> None:
+    """The process's hook, if any, on a connection of ``pool``: what it raises
+    is logged, not raised (the signal is sent, and the sweeper does what the
+    hook could not)."""
+    hook = _AfterSend.hook
+    if hook is None:
+        return
+    try:
+        async with pool.connection() as conn:
+            await hook(conn, session_id, name)
+    except Exception as exc:
+        log.warning(
+            "signal %r of session %r sent, but publishing the requests waiting for it "
+            "failed (%s); the sweeper publishes them", name, session_id, exc,
+            extra={"action": "signal_wake_failed"},
+        )
+
+
 def _mailbox(session_id: str) -> str:
     return hashlib.md5(session_id.encode("utf-8", "surrogatepass")).hexdigest()
 
@@ -107,6 +146,7 @@ class SignalListener:
             row = await cur.fetchone()
         assert row is not None
         report_dropped(int(row[2]), session_id, user_id, self._keep, self._on_dropped)
+        await _after_send(self._pool, session_id, name)
 
     async def try_take(self, session_id: str, user_id: str | None, name: str) -> bytes | None:
         async with self._pool.connection() as conn:

@@ -3,7 +3,8 @@
 The binding, by job: :mod:`.application` (the app and its configuration),
 :mod:`.task` (the tasks' class: record, then publish), :mod:`.perform`
 (what a worker's task does), :mod:`.dispatch` (publishing what the ledger
-recorded), :mod:`.cancel`, :mod:`.revoke`, :mod:`.results`, :mod:`.eta`,
+recorded), :mod:`.wake` (a signal's sender publishing the requests waiting
+for it), :mod:`.cancel`, :mod:`.revoke`, :mod:`.results`, :mod:`.eta`,
 :mod:`.hooks` (the worker's Celery signals), :mod:`.worker` (its shutdown),
 and the process's state in :mod:`.state`."""
 
@@ -11,6 +12,7 @@ from ..execution.errors import RunCancelled, RunDead, RunFailed
 from ..execution.registry import register_agent, registered_agents
 from . import execute as _stored_error_module  # noqa: F401  (see its docstring)
 from . import hooks as _hooks  # noqa: F401  (connects the worker's signal receivers)
+from . import wake as _wake  # noqa: F401  (a signal sent publishes the requests it wakes)
 from .application import AgentTask, app, configure, resume_agent, run_agent, settings
 
 __all__ = [

@@ -159,11 +159,16 @@ class Recovery:
     def redispatch(self, conn: Conn, batch: list[tuple[Pending, str]]) -> None:
         """Publish a batch of orphans again: one ledger statement marks them
         dispatched, then their messages go over one broker connection (one
-        round trip on Redis). A broker that refuses the batch leaves all of
-        it for the next sweep (some may then go twice: harmless), and its
-        error is raised."""
+        round trip on Redis). A request parked for a signal that its signal's
+        sender published meanwhile is not marked, and not published again. A
+        broker that refuses the batch leaves all of it for the next sweep
+        (some may then go twice: harmless), and its error is raised."""
+        marked = ledger_recovery.mark_swept(
+            conn, [pending.request_id for pending, _ in batch], self.settings.handoff_grace)
+        batch = [(pending, status) for pending, status in batch if pending.request_id in marked]
+        if not batch:
+            return
         ids = [pending.request_id for pending, _ in batch]
-        ledger_recovery.mark_swept(conn, ids)
         try:
             self.dispatch([pending for pending, _ in batch])
         except Exception:

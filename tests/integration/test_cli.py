@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -17,7 +18,8 @@ from loomflow.runtime import _codec
 from psycopg.types.json import Jsonb
 
 from loomflow_worker.events import iter_events
-from loomflow_worker.tasks import settings
+from loomflow_worker.runtime import PostgresRuntime
+from loomflow_worker.tasks import run_agent, settings
 
 from .celery_harness import (
     AGENTS,
@@ -35,6 +37,7 @@ from .helpers import (
     enqueued,
     lines,
     signal_listeners,
+    steps_journaled_twice,
     wait_for_execution,
     wait_until,
 )
@@ -272,22 +275,15 @@ def test_cancel_prints_the_status_and_tail_exits_nonzero(fleet: Fleet) -> None:
     assert waited.returncode == 0 and lines(waited.stdout)[1] == "done: recorded x"
 
 
-def test_a_run_waiting_long_for_a_signal_gives_its_slot_back(fleet: Fleet) -> None:
-    # One slot. The approval run waits for its signal past PARK_AFTER (1 s):
-    # it gives the slot back (its request queued again, its message acked), so
-    # another request runs meanwhile; the signal brings it back, replaying its
-    # journal, on the next sweep.
-    fleet.env["LOOMFLOW_WORKER_AGENTS"] = WITH_WAITER
-    fleet.start("w1", concurrency=1, pool="threads", LOOMFLOW_WORKER_PARK_AFTER="1",
-                LOOMFLOW_WORKER_SWEEP_INTERVAL="0.5", LOOMFLOW_WORKER_HANDOFF_GRACE="1")
-    prompt = 'call wait_signal {"session": "approvals", "name": "approve"}'
-    waiting = enqueued(fleet, prompt, "s-approve", "--agent", "approver")
-    wait_until(lambda: ledger(fleet.dsn, waiting)["status"] == "queued"
-               and ledger(fleet.dsn, waiting)["attempts"] == 1, "the run never gave its slot back")
-    other = enqueued(fleet, calls("x"), "s-other")
-    wait_status(fleet.dsn, other, ("succeeded",), timeout=20)
-    shown = cli(fleet, "show", waiting)
-    assert "waits     waiting for signal 'approve' of session 'approvals'" in shown.stdout, shown
+def _gave_its_slot_back(fleet: Fleet, request_id: str) -> bool:
+    """Whether the request's first attempt gave its slot back (paused, queued again)."""
+    row = ledger(fleet.dsn, request_id)
+    return (row["status"], row["attempts"]) == ("queued", 1)
+
+
+def _approve(fleet: Fleet, waiting: str) -> None:
+    """Send the signal the approver waits for: its request resumes and succeeds
+    on its second attempt (its first paused), with no failure or crash."""
     assert cli(fleet, "signal", "approvals", "approve", '{"ok": true}').returncode == 0
     wait_status(fleet.dsn, waiting, ("succeeded",), timeout=30)
     row = ledger(fleet.dsn, waiting)
@@ -298,6 +294,119 @@ def test_a_run_waiting_long_for_a_signal_gives_its_slot_back(fleet: Fleet) -> No
             "SELECT outcome FROM run_attempts WHERE request_id = %s ORDER BY attempt",
             (waiting,)).fetchall()]
     assert outcomes == ["paused", "succeeded"]
+
+
+def test_a_run_waiting_long_for_a_signal_gives_its_slot_back(fleet: Fleet) -> None:
+    # One slot. The approval run waits for its signal past PARK_AFTER (1 s):
+    # it gives the slot back (its request queued again, its message acked), so
+    # another request runs meanwhile; the signal brings it back, replaying its
+    # journal (its sender publishes it; with a sweep every 0.5 s the sweeper may too,
+    # and only one of them does).
+    fleet.env["LOOMFLOW_WORKER_AGENTS"] = WITH_WAITER
+    fleet.start("w1", concurrency=1, pool="threads", LOOMFLOW_WORKER_PARK_AFTER="1",
+                LOOMFLOW_WORKER_SWEEP_INTERVAL="0.5", LOOMFLOW_WORKER_HANDOFF_GRACE="1")
+    prompt = 'call wait_signal {"session": "approvals", "name": "approve"}'
+    waiting = enqueued(fleet, prompt, "s-approve", "--agent", "approver")
+    wait_until(lambda: _gave_its_slot_back(fleet, waiting), "the run never gave its slot back")
+    other = enqueued(fleet, calls("x"), "s-other")
+    wait_status(fleet.dsn, other, ("succeeded",), timeout=20)
+    shown = cli(fleet, "show", waiting)
+    assert "waits     waiting for signal 'approve' of session 'approvals'" in shown.stdout, shown
+    _approve(fleet, waiting)
+
+
+def test_a_signal_publishes_the_request_that_gave_its_slot_back_at_once(fleet: Fleet) -> None:
+    # Two runs give their slot back to wait for their signals. The sweeper
+    # sweeps every 30 s (its first sweep 30 s after the worker starts): each
+    # signal's sender publishes the request it wakes, the CLI's `signal` and
+    # PostgresRuntime.signal alike (this process imports the Celery binding),
+    # and each resumes within seconds, replaying its journal.
+    fleet.env["LOOMFLOW_WORKER_AGENTS"] = WITH_WAITER
+    fleet.start("w1", concurrency=1, pool="threads", LOOMFLOW_WORKER_PARK_AFTER="1",
+                LOOMFLOW_WORKER_SWEEP_INTERVAL="30", LOOMFLOW_WORKER_HANDOFF_GRACE="1")
+    by_cli, by_runtime = (
+        enqueued(fleet, f'call wait_signal {{"session": "{box}", "name": "approve"}}',
+                 f"s-{box}", "--agent", "approver") for box in ("by-cli", "by-runtime"))
+    wait_until(lambda: _gave_its_slot_back(fleet, by_cli) and _gave_its_slot_back(
+        fleet, by_runtime), "a run never gave its slot back")
+
+    sent = time.monotonic()
+    done = cli(fleet, "signal", "by-cli", "approve", '{"ok": 1}')
+    assert done.returncode == 0, done.stderr
+    assert f"request {by_cli}, which waited for it, published" in done.stdout, done.stdout
+    wait_status(fleet.dsn, by_cli, ("succeeded",), timeout=25)
+    assert time.monotonic() - sent < 10, "resumed by the sweeper, not by the signal's sender"
+
+    async def send() -> None:
+        runtime = await PostgresRuntime.connect(fleet.dsn)
+        try:
+            await runtime.signal("by-runtime", "approve", {"ok": 2})
+        finally:
+            await runtime.aclose()
+
+    sent = time.monotonic()
+    asyncio.run(send())
+    wait_status(fleet.dsn, by_runtime, ("succeeded",), timeout=25)
+    assert time.monotonic() - sent < 5, "resumed by the sweeper, not by the signal's sender"
+    for request_id, ok in ((by_cli, 1), (by_runtime, 2)):
+        row = ledger(fleet.dsn, request_id)
+        assert isinstance(row["result"], dict)
+        assert row["result"]["output"] == f'done: got {{"ok": {ok}}}'
+        assert (row["attempts"], row["failures"], row["crashes"]) == (2, 0, 0), row
+        # Two messages: the enqueue's and the sender's.
+        assert fleet.wait_deliveries(request_id, 2) == 2
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM sweeper_actions"
+                            " WHERE action = 'redispatch'").fetchone() == (0,)
+
+
+#: Every timer of the fleet, small: a run that waits ten leases for its approval
+#: outlives each of them many times over (an hour, at this scale).
+SMALL_TIMERS = {"LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+                "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3", "LOOMFLOW_WORKER_HANDOFF_GRACE": "1",
+                "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5", "LOOMFLOW_WORKER_PARK_AFTER": "1",
+                "LOOMFLOW_WORKER_VISIBILITY_TIMEOUT": "3"}
+
+
+def test_a_run_waiting_long_for_approval_holds_no_slot_and_resumes_once(fleet: Fleet) -> None:
+    # One slot. The approval run waits for its signal ten leases long (30 s),
+    # past the lease, the heartbeat, the sweeper's redispatch, the park
+    # threshold and the broker's visibility timeout, while other requests take
+    # the only slot one after another. Nothing sends it again meanwhile; the
+    # signal resumes it, and it succeeds once: its second attempt replays the
+    # first's steps, and no crash or lost attempt is charged.
+    fleet.env["LOOMFLOW_WORKER_AGENTS"] = WITH_WAITER
+    fleet.start("w1", concurrency=1, pool="threads", TEST_TOOL_SLEEP="0.5", **SMALL_TIMERS)
+    prompt = 'call wait_signal {"session": "approvals", "name": "approve"}'
+    waiting = enqueued(fleet, prompt, "s-approve", "--agent", "approver")
+    wait_until(lambda: _gave_its_slot_back(fleet, waiting), "the run never gave its slot back")
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+
+        def waited() -> float:
+            row = conn.execute("SELECT extract(epoch FROM now() - ended_at)::float8"
+                               " FROM run_attempts WHERE request_id = %s", (waiting,)).fetchone()
+            assert row is not None
+            return float(row[0])
+
+        others = []
+        while waited() < 10 * float(SMALL_TIMERS["LOOMFLOW_WORKER_LEASE"]):
+            other = run_agent.delay(calls(f"other{len(others)}"), f"s-other{len(others)}")
+            assert other.get(timeout=30)["output"] == f"done: recorded other{len(others)}"
+            others.append(other.id)
+            row = ledger(fleet.dsn, waiting)
+            assert (row["status"], row["attempts"]) == ("queued", 1), row
+        # Nothing sent it again, or took it for lost, while it waited.
+        swept = conn.execute("SELECT action FROM sweeper_actions WHERE request_id = %s",
+                             (waiting,)).fetchall()
+        assert swept == [], swept
+    assert fleet.deliveries(waiting) == (1, 1)
+    assert len(others) >= 10, others  # the slot was free for them all along
+
+    _approve(fleet, waiting)
+    assert fleet.wait_deliveries(waiting, 2) == 2
+    journal = cli(fleet, "show", waiting).stdout.split("journal ", 1)[1].splitlines()
+    assert any("executed in attempt 1, replayed in 2" in line for line in journal), journal
+    assert steps_journaled_twice(fleet.dsn) == []
 
 
 def test_signal_wakes_a_run_waiting_for_it(fleet: Fleet) -> None:

@@ -4,6 +4,7 @@ and start as slots free, and other tenants run meanwhile."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
 from datetime import datetime
@@ -11,6 +12,7 @@ from datetime import datetime
 import psycopg
 import pytest
 
+from loomflow_worker.execution import ledger
 from loomflow_worker.runtime.errors import InvalidInput
 from loomflow_worker.tasks import run_agent
 
@@ -58,23 +60,51 @@ def _swept(dsn: str, request_id: str) -> bool:
     return bool(row[0])
 
 
-def test_a_limit_per_key_holds_across_three_workers_while_other_keys_run(fleet: Fleet) -> None:
-    env = {**FAST, "TEST_TOOL_SLEEP": "0.6", "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 2})}
+@pytest.mark.parametrize("held", [True, False], ids=["held-at-enqueue", "all-in-the-broker"])
+def test_a_limit_per_key_holds_across_three_workers_while_other_keys_run(
+    fleet: Fleet, held: bool,
+) -> None:
+    # A limit of 5 per tenant on three worker processes of four slots each.
+    # Set before alice sends her 25 requests, it holds back all but 5 of them
+    # in the ledger at enqueue; set after, it finds all of them in the broker,
+    # and the workers take up to twelve at once: each run takes a slot of her
+    # limit in Postgres, and those beyond 5 park on whichever process took
+    # them until a slot frees.
+    def limit() -> None:
+        assert cli(fleet, "limits", "concurrency", "per_key", "5").returncode == 0
+        ledger.HOLD_LIMITS.forget()  # this process reads it before its next enqueue
+
+    if held:
+        limit()
+    alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(25)]
+    bob = [run_agent.delay(calls(f"bob{i}"), f"b{i}", user_id="bob").id for i in range(3)]
+    if not held:
+        limit()
     for name in ("w1", "w2", "w3"):
-        fleet.start(name, concurrency=3, pool="threads", **env)
-    alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(9)]
-    bob = [run_agent.delay(calls(f"bob{i}"), f"b{i}", user_id="bob").id for i in range(2)]
+        fleet.start(name, concurrency=4, pool="threads", wait=False, **FAST,
+                    TEST_TOOL_SLEEP="0.6")
+    for name in ("w1", "w2", "w3"):
+        fleet.wait_ready(name)
     for request_id in alice + bob:
         run_agent.AsyncResult(request_id).get(timeout=90)
-    assert _rows(fleet.dsn, alice + bob) == [("succeeded", 0, 0)] * 11
-    # Nine slots in the fleet, but never more than two of alice's runs at once,
-    # and her limit reached.
-    assert _most_at_once(_spans(fleet.dsn, "alice")) == 2, tool_executions(fleet.dsn)
-    # Bob is not queued behind her backlog: both of his ran before her last.
+    assert _rows(fleet.dsn, alice + bob) == [("succeeded", 0, 0)] * 28
+    # Twelve slots in the fleet, but never more than five of alice's runs at
+    # once, and her limit reached.
+    assert _most_at_once(_spans(fleet.dsn, "alice")) == 5, tool_executions(fleet.dsn)
+    # Her runs were spread over the three processes.
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(DISTINCT worker) FROM run_attempts a JOIN runs r"
+                           " USING (request_id) WHERE r.user_id = 'alice'").fetchone()
+    assert row == (3,), row
+    # Held back, none of hers parked on a worker; all in the broker, the
+    # workers parked those beyond her limit.
+    parks = _parks(fleet, "limit per_key:alice")
+    assert (parks == 0) if held else (parks > 0), parks
+    # Bob is not queued behind her backlog: all of his ran before her last.
     last_alice = max(end for _, end in _spans(fleet.dsn, "alice"))
     assert all(end < last_alice for _, end in _spans(fleet.dsn, "bob"))
     listed = cli(fleet, "limits")
-    assert listed.stdout.splitlines()[1].split()[:3] == ["per_key", "2", "0"], listed.stdout
+    assert listed.stdout.splitlines()[1].split()[:3] == ["per_key", "5", "0"], listed.stdout
 
 
 def test_a_slot_freed_by_a_killed_worker_goes_to_a_parked_request(fleet: Fleet) -> None:
@@ -246,3 +276,102 @@ def test_requests_waiting_on_a_limit_start_in_the_order_of_their_priority(
     order = [tag for tag, _, started, _ in sorted(tool_executions(fleet.dsn),
                                                   key=lambda e: e[2]) if tag != "busy"]
     assert order == (["p0", "p5", "p9"] if broker == "redis" else ["p9", "p5", "p0"]), order
+
+
+
+def _parks(fleet: Fleet, reason: str) -> int:
+    """How many deliveries the fleet's workers parked on the limit ``reason`` names."""
+    return sum(p.read_text(errors="replace").count(f"parked: {reason} full")
+               for p in fleet.logs.glob("*.log"))
+
+
+def test_a_burst_held_back_on_its_limit_sends_one_message_per_request(fleet: Fleet) -> None:
+    # Alice sends 100 short requests at once, 3 runs at a time: 3 are
+    # published at enqueue, the rest held back in the ledger, and her first
+    # runs end while she is still sending. Each held request is published once,
+    # by the run that frees a slot (or the sweeper), and a request sent while
+    # others are held waits behind them rather than taking the slot a run that
+    # ends hands on: no delivery parks on the worker, which receives 100
+    # messages.
+    env = {**FAST, "TEST_TOOL_SLEEP": "0.1", "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 3})}
+    fleet.start("w1", concurrency=6, pool="threads", **env)
+    alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(100)]
+    for request_id in alice:
+        run_agent.AsyncResult(request_id).get(timeout=120)
+    assert _rows(fleet.dsn, alice) == [("succeeded", 0, 0)] * 100
+    assert _most_at_once(_spans(fleet.dsn, "alice")) == 3
+    received = sum(fleet.wait_deliveries(request_id, 1) for request_id in alice)
+    assert (_parks(fleet, "limit per_key:alice"), received) == (0, 100)
+
+
+def test_held_requests_are_not_published_for_slots_messages_are_on_their_way_to(
+    fleet: Fleet,
+) -> None:
+    # Bob's three long runs take the worker's three slots; alice then sends 12
+    # requests, 3 at a time: three are published at enqueue and wait behind
+    # bob's, her three slots free all the while. The sweeper sees those slots
+    # free for seconds, but counts the three messages on their way to them, and
+    # publishes none of the nine held ones. When bob's runs end, hers run and
+    # the rest follow one per slot: no delivery parks.
+    env = {**FAST, "TEST_TOOL_SLEEP": "0.3", "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 3})}
+    fleet.start("w1", concurrency=3, pool="threads", **env)
+    bob = [run_agent.delay(calls(*(f"bob{i}-{j}" for j in range(25))), f"b{i}", user_id="bob").id
+           for i in range(3)]
+    wait_until(lambda: {tag.split("-")[0] for tag, *_ in tool_executions(fleet.dsn)}
+               == {"bob0", "bob1", "bob2"}, "bob's runs never all started")
+    alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(12)]
+    # Past her held requests' grace (1 s) and the sweeper's second look (1 s).
+    wait_sweeps_for(fleet, 3.0)
+    assert not any(tag.startswith("alice") for tag, *_ in tool_executions(fleet.dsn)), \
+        "bob's runs ended before the sweeper had its chance"
+    for request_id in alice + bob:
+        run_agent.AsyncResult(request_id).get(timeout=120)
+    assert _rows(fleet.dsn, alice + bob) == [("succeeded", 0, 0)] * 15
+    received = sum(fleet.wait_deliveries(request_id, 1) for request_id in alice)
+    assert (_parks(fleet, "limit per_key:alice"), received) == (0, 12)
+
+
+#: Enqueues at once when a test sends thousands (the enqueue pool's connections).
+ENQUEUERS = 4
+
+
+@pytest.mark.parametrize("limits", [{"per_key": 10}, {"fair_queue": 10}],
+                         ids=["per_key", "fair_queue"])
+def test_a_tenant_with_one_request_starts_within_seconds_while_anothers_10000_drain(
+    fleet: Fleet, limits: dict[str, int],
+) -> None:
+    # Alice sends 10,000 requests, then bob sends one: with either limit the
+    # README recommends (per_key: 10 of alice's runs at most; fair_queue: 10
+    # requests in the broker at most, started by fair shares, half the
+    # worker's slots), her backlog waits in the ledger, not the broker, and
+    # bob's request starts within seconds while thousands of hers still wait
+    # (her runs take a second: at most 20 start a second). The test does not
+    # wait for hers: the worker is killed and the database dropped at its end.
+    for name, size in limits.items():
+        assert cli(fleet, "limits", "concurrency", name, str(size)).returncode == 0
+    ledger.HOLD_LIMITS.forget()  # this process reads the limits before its next enqueue
+    fleet.start("w1", concurrency=20, pool="threads", TEST_TOOL_SLEEP="1",
+                LOOMFLOW_WORKER_LIMITS=json.dumps(limits))
+    began = time.monotonic()
+    # Each enqueue is one ledger statement (a held request is not published):
+    # a few at once, on the enqueue pool's connections.
+    with concurrent.futures.ThreadPoolExecutor(ENQUEUERS) as enqueuers:
+        list(enqueuers.map(
+            lambda i: run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id,
+            range(10_000)))
+    enqueued = time.monotonic() - began
+    bob = run_agent.delay(calls("bob"), "b0", user_id="bob")
+    assert bob.get(timeout=60)["output"] == "done: recorded bob"
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT extract(epoch FROM a.started_at - r.enqueued_at)::float8,"
+            " (SELECT count(*) FROM runs o WHERE o.user_id = 'alice'"
+            "   AND (o.started_at IS NULL OR o.started_at > a.started_at))"
+            " FROM runs r JOIN run_attempts a USING (request_id)"
+            " WHERE r.request_id = %s AND a.attempt = 1", (bob.id,)).fetchone()
+    assert row is not None
+    waited, alice_waiting = row
+    print(f"enqueued 10,000 in {enqueued:.1f}s; bob started {waited:.2f}s after his enqueue,"
+          f" with {alice_waiting} of alice's requests not started")
+    assert waited < 5.0
+    assert alice_waiting > 8_000

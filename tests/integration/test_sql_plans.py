@@ -153,3 +153,83 @@ def test_the_next_orphan_is_due_when_its_lease_runs_out(dsn: str) -> None:
         conn.execute("SELECT pg_advisory_unlock(73)")
         found = due()
         assert found is not None and 0.9 < found <= 1.0, found
+
+
+def test_a_keys_held_requests_are_read_in_their_index_whatever_their_number(dsn: str) -> None:
+    """An enqueue under the per_key limit asks whether its fairness key has
+    requests held back, and a run that frees a slot takes the first of them:
+    each reads runs_waiting_for in its order, whatever the key's backlog, not a
+    bitmap of all of them (10,000 enqueues would be quadratic)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO runs (request_id, scope, session_id, user_id, agent, prompt,"
+            " fairness_key, waiting_for, waiting_slots, received_at)"
+            " SELECT 'h-' || i, 'h-' || i, 'h-' || i, 'alice', 'a', 'p', 'alice',"
+            " 'limit per_key:alice', '{1,2}', now() FROM generate_series(1, 5000) AS i")
+        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + query("insert_run"), {
+            **PARAMS, "request_id": "new", "scope": "new", "session_id": "new",
+            "user_id": "alice", "fairness_key": "alice", "prompt": "p", "metadata": "{}",
+            "lock_key": 9, "countdown": None, "eta": None, "ignore_result": False,
+            "routing": None, "options": "{}", "priority_rank": 0, "hold_after": 10,
+            "slots": [1, 2], "fair_depth": None}))
+        assert "runs_waiting_for" in plan and "BitmapAnd" not in plan, plan
+        plan = "\n".join(r[0] for r in conn.execute("EXPLAIN " + query("next_on_limit"), {
+            "reason": "limit per_key:alice", "count": 1}))
+        assert "runs_waiting_for" in plan and "BitmapAnd" not in plan, plan
+        assert "Sort" not in plan, plan
+
+
+def test_a_signals_sender_finds_the_requests_parked_for_it_in_their_index(
+    big_ledger: str,
+) -> None:
+    with psycopg.connect(big_ledger, autocommit=True) as conn:
+        plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN " + query("signal_waiters"), {"session_id": "box", "name": "go"}))
+    assert "runs_signal_waiting" in plan, plan
+
+
+def test_a_request_parked_for_a_signal_is_published_once_by_its_sender_or_the_sweeper(
+    dsn: str,
+) -> None:
+    """A request parked waiting for a signal is claimed (marked by
+    ``mark_swept``) by the signal's sender or by the sweeper, whichever comes
+    first; the other finds it taken and publishes nothing. The sweeper takes
+    it again only ``again_after`` seconds later (its message may be lost)."""
+    from loomflow_worker.execution import recovery, signal_waits
+
+    def orphans() -> list[str]:
+        found = recovery.orphans(conn, waiting={}, default_queue="q", after=60, queued_after=60,
+                                 held_within=60, dead_after=60, limit=10)
+        return [pending.request_id for pending, _ in found]
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for rid, key in (("by-sender", 81), ("by-sweeper", 82)):
+            conn.execute(
+                "INSERT INTO runs (request_id, scope, session_id, user_id, agent, prompt, lock_key,"
+                " dispatched_at, received_at, waiting_signal, waiting_signal_session,"
+                " waiting_for)"
+                " VALUES (%s, %s, %s, 'alice', 'a', 'p', %s, now() - interval '1 hour', now(),"
+                " 'go', %s, 'waiting for signal')", (rid, rid, rid, key, f"box-{rid}"))
+        assert signal_waits.claim(conn, "box-by-sender", "go") == []
+        assert orphans() == []
+        # Bob's signal is not for alice's run; one to no user is.
+        for user in ("bob", None):
+            for box in ("box-by-sender", "box-by-sweeper"):
+                conn.execute("INSERT INTO signals (session_id, user_id, name, payload)"
+                             " VALUES (%s, %s, 'go', 'x')", (box, user))
+            if user == "bob":
+                assert signal_waits.claim(conn, "box-by-sender", "go") == []
+        assert sorted(orphans()) == ["by-sender", "by-sweeper"]
+
+        # The sender first: the sweeper, which saw it an instant before, marks nothing.
+        claimed = signal_waits.claim(conn, "box-by-sender", "go")
+        assert [pending.request_id for pending in claimed] == ["by-sender"]
+        assert signal_waits.claim(conn, "box-by-sender", "go") == []
+        assert recovery.mark_swept(conn, ["by-sender"], 60) == set()
+        # The sweeper first: the sender marks nothing.
+        assert recovery.mark_swept(conn, ["by-sweeper"], 60) == {"by-sweeper"}
+        assert signal_waits.claim(conn, "box-by-sweeper", "go") == []
+        assert orphans() == []
+        # A message lost since: the sweeper publishes it again after again_after.
+        assert recovery.mark_swept(conn, ["by-sender", "by-sweeper"], 0) == {
+            "by-sender", "by-sweeper"}

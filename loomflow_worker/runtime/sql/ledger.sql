@@ -31,9 +31,14 @@ SELECT request_id, status FROM runs
 -- was held back. A countdown is measured on the database's clock, an eta is a moment.
 -- With hold_after (the per_key concurrency limit), a request whose fairness key has that
 -- many unfinished requests already out (published, running, or waiting for their session:
--- runs_fairness_open) is held back, parked on its key's limit as a worker would park it,
--- and not published: the broker then holds a handful of one tenant's backlog, not all of
--- it, and the others' requests are not queued behind it.
+-- runs_fairness_open), or has requests held back already (runs_waiting_for), is held
+-- back, parked on its key's limit as a worker would park it, and not published: the
+-- broker then holds a handful of one tenant's backlog, not all of it, and the others'
+-- requests are not queued behind it. Those held are published one per slot that frees,
+-- in their order (next_on_limit), and a new request waits behind them: it neither jumps
+-- the key's line nor takes the slot a run that ends hands on. (That look asks "not
+-- finished" rather than "unfinished", the same thing, so that it probes runs_waiting_for
+-- alone, not a bitmap of every held request with runs_scope_open.)
 -- With fair_depth (the fair_queue limit), a request that may start now is held back too
 -- while others wait in line for their fair share, or while fair_depth requests wait in the
 -- broker already (runs_in_broker): loomflow_worker_fair_next publishes it in its turn.
@@ -52,11 +57,16 @@ SELECT %(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind
        CASE WHEN h.held OR h.fair THEN now() END,
        CASE WHEN h.held OR h.fair THEN %(options)s::jsonb END, %(priority_rank)s
   FROM (SELECT %(hold_after)s::integer IS NOT NULL
-               AND (SELECT count(*) FROM (
-                       SELECT 1 FROM runs
-                        WHERE fairness_key = %(fairness_key)s::text
-                          AND loomflow_worker_unfinished(status) AND waiting_slots IS NULL
-                        LIMIT %(hold_after)s::integer) o) >= %(hold_after)s::integer AS held,
+               AND (EXISTS (SELECT 1 FROM runs
+                             WHERE waiting_slots IS NOT NULL
+                               AND waiting_for = 'limit per_key:' || %(fairness_key)s::text
+                               AND NOT loomflow_worker_finished(status))
+                    OR (SELECT count(*) FROM (
+                           SELECT 1 FROM runs
+                            WHERE fairness_key = %(fairness_key)s::text
+                              AND loomflow_worker_unfinished(status) AND waiting_slots IS NULL
+                            LIMIT %(hold_after)s::integer) o) >= %(hold_after)s::integer)
+               AS held,
                %(fair_depth)s::integer IS NOT NULL AND %(options)s::jsonb IS NOT NULL
                AND %(countdown)s::float8 IS NULL AND %(eta)s::timestamptz IS NULL
                AND (EXISTS (SELECT 1 FROM runs
@@ -232,17 +242,22 @@ UPDATE runs SET received_at = now(), waiting_for = %(reason)s,
 
 -- name: next_on_limit
 -- A run freed a slot of a concurrency limit: the oldest requests parked on it
--- (as many as slots were freed; by priority, then age), stamped dispatched so
--- that nothing else publishes them before their grace; their messages go out
--- again.
+-- (as many as slots were freed; by priority, then age), stamped dispatched, and
+-- parked no more (waiting_slots cleared; waiting_for still names the limit):
+-- their messages go out again, and until they start they count as out, like a
+-- request published at its enqueue (insert_run), and as on their way to the
+-- limit's slots (the sweeper's orphans), so nothing else publishes another
+-- request for the slots they will take.
 WITH next AS (
+    -- "Not finished" (as insert_run asks): the limit's parked requests in the
+    -- order of runs_waiting_for, not a bitmap of all of them sorted.
     SELECT request_id FROM runs
      WHERE waiting_slots IS NOT NULL AND waiting_for = %(reason)s
-       AND loomflow_worker_unfinished(status) AND received_at >= dispatched_at
+       AND NOT loomflow_worker_finished(status) AND received_at >= dispatched_at
      ORDER BY priority_rank, enqueued_at LIMIT %(count)s
        FOR UPDATE SKIP LOCKED
 )
-UPDATE runs r SET dispatched_at = now()
+UPDATE runs r SET dispatched_at = now(), waiting_slots = NULL
   FROM next WHERE r.request_id = next.request_id
 RETURNING r.request_id, r.kind, r.session_id, r.user_id, r.agent, r.prompt, r.metadata,
           r.not_before, CASE WHEN r.status = 'queued' THEN r.options END AS options,
@@ -256,9 +271,16 @@ UPDATE runs SET dispatched_at = now() WHERE request_id = %(request_id)s;
 
 -- name: mark_swept
 -- The sweeper publishes these requests again (one statement for its batch),
--- or one is handed to a process of its own: dispatched now.
+-- or one is handed to a process of its own: dispatched now. Those it marks
+-- come back, and only those are published. A request parked for a signal is
+-- published by the signal's sender and by the sweeper, whichever marks it
+-- first: it is marked only when nobody published it since it parked, or
+-- (again_after: the sweeper's, for a message lost since) that many seconds ago.
 UPDATE runs SET swept_at = now(), dispatched_at = greatest(dispatched_at, now())
- WHERE request_id = ANY(%(request_ids)s::text[]);
+ WHERE request_id = ANY(%(request_ids)s::text[])
+   AND (waiting_signal IS NULL OR swept_at IS NULL OR swept_at < received_at
+        OR swept_at < now() - make_interval(secs => %(again_after)s::float8))
+RETURNING request_id;
 
 -- name: start_request
 -- Under the scope lock: read the request, look for an older unfinished one,
@@ -426,8 +448,9 @@ UPDATE runs
 -- A run that waited PARK_AFTER for a signal gives its slot back: the attempt
 -- ends "paused", and the request is queued again, parked (its message acked,
 -- what it carried kept as park_request keeps it) until the sweeper sees a
--- signal of that name in its session's mailbox and publishes it. Only while
--- running: ended meanwhile, it stays ended.
+-- signal of that name in its session's mailbox and publishes it, or the
+-- signal's sender does (signal_waiters). Only while running: ended meanwhile,
+-- it stays ended.
 WITH ended AS (
     UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = 'paused'
      WHERE request_id = %(request_id)s AND attempt = %(attempt)s
@@ -437,6 +460,20 @@ UPDATE runs
        waiting_signal = %(signal)s, waiting_signal_session = %(session_id)s,
        options = coalesce(%(options)s::jsonb, options)
  WHERE request_id = %(request_id)s AND status = 'running';
+
+-- name: signal_waiters
+-- The requests parked waiting for the signal `name` of a session (see
+-- park_on_signal) that a signal now in its mailbox may wake (one sent to their
+-- user or to none), through runs_signal_waiting: the signal's sender
+-- publishes them, once mark_swept marks them.
+SELECT r.request_id, r.kind, r.session_id, r.user_id, r.agent, r.prompt, r.metadata,
+       r.not_before, r.options, r.routing
+  FROM runs r
+ WHERE r.waiting_signal_session = %(session_id)s AND r.waiting_signal = %(name)s
+   AND r.status = 'queued'
+   AND EXISTS (SELECT 1 FROM signals s
+                WHERE s.session_id = r.waiting_signal_session AND s.name = r.waiting_signal
+                  AND (s.user_id IS NULL OR s.user_id = r.user_id));
 
 -- name: end_attempt
 -- One attempt closed with its outcome while its request goes on: "retry" (with retry_run),

@@ -91,11 +91,17 @@ SELECT coalesce(routing->>'queue', %(default_queue)s) AS queue, count(*) AS queu
 -- publish failed: then it is published at once, with its eta).
 -- A request whose run gave its slot back to wait for a signal (waiting_signal)
 -- is published again once that signal waits in its session's mailbox (the
--- session it waits on) for its user, at once and then at most every queued_after.
+-- session it waits on) for its user, at once unless published since it parked
+-- (its signal's sender publishes it as it sends), and then at most every
+-- queued_after (mark_swept says the same).
 -- A request parked on a full concurrency limit (waiting_slots; queued, or
 -- running when its last attempt's worker died) is published again only once
 -- the limit has a free slot, only as many of a limit's parked requests (the
--- oldest) as it has free slots, and then after queued_after like any other.
+-- oldest) as it has free slots less the messages already on their way to them
+-- (`outgoing`: a request of its fairness key, of its agent, or published off
+-- the limit by next_on_limit, whose message is out, due, not taken for lost by
+-- its queue's count, and published within `after` or held by a worker: each
+-- takes a slot as it starts), and then after queued_after like any other.
 WITH in_broker AS (
     SELECT request_id, dispatched_at, coalesce(routing->>'queue', %(default_queue)s) AS queue,
            row_number() OVER (PARTITION BY coalesce(routing->>'queue', %(default_queue)s)
@@ -119,7 +125,7 @@ WITH in_broker AS (
            coalesce(held_at > dispatched_at
                     AND held_at > now() - make_interval(secs => %(held_within)s), false) AS held,
            waiting_for, waiting_slots, enqueued_at, priority_rank, waiting_signal,
-           waiting_signal_session
+           waiting_signal_session, received_at, fairness_key
       FROM runs
      WHERE loomflow_worker_unfinished(status)
      ORDER BY scope, seq
@@ -127,7 +133,7 @@ WITH in_broker AS (
     SELECT classid, objid FROM pg_locks
      WHERE locktype = 'advisory' AND granted AND objsubid = 1
        AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-), room AS (
+), unlocked AS (
     SELECT w.waiting_for, count(*) AS free
       FROM (SELECT DISTINCT waiting_for, waiting_slots FROM heads
              WHERE waiting_slots IS NOT NULL) w
@@ -136,6 +142,22 @@ WITH in_broker AS (
                         WHERE l.classid = ((k >> 32) & 4294967295)::oid
                           AND l.objid = (k & 4294967295)::oid)
      GROUP BY w.waiting_for
+), outgoing AS (
+    SELECT x.name, count(DISTINCT h.request_id) AS n
+      FROM heads h
+      LEFT JOIN in_broker b USING (request_id)
+      LEFT JOIN budget g ON g.queue = b.queue
+     CROSS JOIN unnest(ARRAY['limit per_key:' || h.fairness_key, 'limit agent:' || h.agent,
+                             h.waiting_for]) AS x(name)
+     WHERE h.status = 'queued' AND h.waiting_slots IS NULL AND x.name IS NOT NULL
+       AND (h.received_at IS NULL OR h.dispatched_at > h.received_at)
+       AND (h.not_before IS NULL OR h.not_before <= now())
+       AND NOT coalesce(b.age <= g.lost, false)
+       AND (h.held OR h.dispatched_at > now() - make_interval(secs => %(after)s))
+     GROUP BY x.name
+), room AS (
+    SELECT u.waiting_for, u.free - coalesce(o.n, 0) AS free
+      FROM unlocked u LEFT JOIN outgoing o ON o.name = u.waiting_for
 ), waiting AS (
     SELECT request_id, waiting_for,
            row_number() OVER (PARTITION BY waiting_for ORDER BY priority_rank, enqueued_at)
@@ -153,7 +175,7 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
                      WHERE s.session_id = h.waiting_signal_session
                        AND s.name = h.waiting_signal
                        AND (s.user_id IS NULL OR s.user_id = h.user_id))
-            AND (h.swept_at IS NULL
+            AND (h.swept_at IS NULL OR h.swept_at < h.received_at
                  OR h.swept_at < now() - make_interval(secs => %(queued_after)s))
        WHEN h.waiting_slots IS NOT NULL THEN
             EXISTS (SELECT 1 FROM waiting w JOIN room m USING (waiting_for)
