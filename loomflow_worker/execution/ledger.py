@@ -912,11 +912,21 @@ class OutsideEnding:
     status: Status
     error: str
     error_type: str
+    #: How long to wait for the request's scope lock, in seconds, rather than
+    #: try it once: its attempt's process is being killed this moment.
+    lock_wait: float = 0.0
 
 
 REVOKED = OutsideEnding("revoked", Status.CANCELLED, "revoked (Celery revoke)", "Revoked")
 EXPIRED = OutsideEnding("expired", Status.EXPIRED, "expired before it started (Celery expires)",
                         "Expired")
+
+
+#: How long the worker's main process waits for the scope lock of a request
+#: whose pool child Celery kills at its hard time limit: Celery calls the task's
+#: ``on_failure`` just before the kill, and the lock is free once the child is
+#: gone (a loaded machine may take a moment to reap it).
+KILLED_LOCK_WAIT = 5.0
 
 
 def killed_at_time_limit(limit: float) -> OutsideEnding:
@@ -925,6 +935,7 @@ def killed_at_time_limit(limit: float) -> OutsideEnding:
         "timed out", Status.FAILED,
         f"TimeLimitExceeded: the run took longer than its {limit:g}s hard time limit "
         "(Celery's time_limit), which killed its process", "TimeLimitExceeded",
+        lock_wait=KILLED_LOCK_WAIT,
     )
 
 
@@ -945,8 +956,7 @@ def end_revoked(
         # It never started: it journaled nothing, and ends without its lock.
         conn.execute(query("end_revoked"), ending)
         return True, _hand_off_sync(conn, scope)
-    got = conn.execute(query("try_lock"), {"key": lock_key}).fetchone()
-    if not (got and got[0]):
+    if not _take_lock(conn, lock_key, how.lock_wait):
         conn.execute(query("flag_cancel"), {"request_id": request_id})
         return False, None
     try:
@@ -955,6 +965,21 @@ def end_revoked(
     finally:
         conn.execute(query("unlock"), {"key": lock_key})
     return True, handoff
+
+
+def _take_lock(conn: psycopg.Connection[Any], lock_key: int, wait: float) -> bool:
+    """Take a scope's lock on ``conn``: tried once, or waited for up to
+    ``wait`` seconds; whether it is taken."""
+    if wait <= 0:
+        got = conn.execute(query("try_lock"), {"key": lock_key}).fetchone()
+        return bool(got and got[0])
+    try:
+        with conn.transaction():
+            conn.execute(query("wait_lock_within"), {"timeout_ms": str(int(wait * 1000))})
+            conn.execute(query("wait_lock"), {"key": lock_key})
+    except psycopg.errors.LockNotAvailable:
+        return False
+    return True
 
 
 def mark_lost(

@@ -586,6 +586,19 @@ WITH r AS (
 )
 SELECT count(*) FROM ended;
 
+-- name: wait_lock_within
+-- How long wait_lock may wait, for the rest of the transaction it runs in
+-- (in milliseconds, as Postgres' lock_timeout takes it).
+SELECT set_config('lock_timeout', %(timeout_ms)s, true);
+
+-- name: wait_lock
+-- A scope's session advisory lock, waited for (up to the transaction's
+-- lock_timeout, see wait_lock_within): end_revoked takes the lock of a
+-- request whose process Celery is killing this moment (its hard time
+-- limit), the instant the process is gone, before the sweeper could take
+-- the request for an orphan.
+SELECT pg_advisory_lock(%(key)s);
+
 -- name: unlock
 -- A scope's session advisory lock released after end_revoked, taken with try_lock on the
 -- same connection (the worker's main process).
