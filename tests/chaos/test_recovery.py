@@ -121,9 +121,12 @@ def test_a_frozen_worker_is_fenced_and_its_request_recovered(fleet: Fleet) -> No
 
 
 def test_a_rolling_deploy_loses_no_run(fleet: Fleet) -> None:
+    # Each run takes about 10 s (5 tools of 2 s), so that both old workers are
+    # still running some when they are replaced, however long the new ones take
+    # to start on a busy machine.
     env = {
         **RECOVERY,
-        "TEST_TOOL_SLEEP": "1.0",
+        "TEST_TOOL_SLEEP": "2.0",
         "LOOMFLOW_WORKER_SOFT_SHUTDOWN_TIMEOUT": "1",
     }
     fleet.start("w1", concurrency=2, cli=True, **env)
