@@ -119,7 +119,10 @@ def test_a_queued_request_reserved_by_a_lost_worker_resumes_in_seconds(fleet: Fl
     same happens to a message received a moment before the worker is lost, which
     is how the chaos test met it). The ledger says ``queued``, nothing will
     deliver the message for hours, and the sweeper waits redispatch_after."""
-    env = {**FAST_RECOVERY, "LOOMFLOW_WORKER_RETRY_BACKOFF": "4",
+    # A longer lease than the others': the first attempt must fail by its flaky
+    # model, not be lost to a loop the pool child's first imports held for
+    # seconds on a busy machine (seen: 5.4 s).
+    env = {**FAST_RECOVERY, "LOOMFLOW_WORKER_LEASE": "20", "LOOMFLOW_WORKER_RETRY_BACKOFF": "4",
            "LOOMFLOW_WORKER_RETRY_BACKOFF_MAX": "4", "TEST_FLAKY_FAILURES": "1"}
     fleet.start("w1", 1, cli=False, **env)
     request = run_agent.delay("flaky\n" + calls("x"), "s", agent="flaky")

@@ -230,7 +230,9 @@ def test_tail_attached_before_during_and_after_prints_the_same_events(fleet: Fle
 
 
 def test_tail_of_a_resumed_run_marks_the_replayed_events(fleet: Fleet) -> None:
-    fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.5")
+    # Tools of 2 s: the CLI's enqueue may take a second or more to return on a
+    # busy machine, and the second tool must still be running when it has.
+    fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="2.0")
     request_id = enqueued(fleet, calls("r1", "r2"), "s")
     _, pid, _, _ = wait_for_execution(fleet.dsn, "r2")
     os.kill(pid, signal.SIGKILL)

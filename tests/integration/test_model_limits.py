@@ -102,6 +102,42 @@ def test_a_fleet_wide_budget_keeps_two_workers_under_the_providers_limit(
     assert {fleet.worker_of(pid) for pid in _pids(fleet.dsn)} == {"w1", "w2"}
 
 
+def test_a_thousand_runs_against_a_key_of_300_a_minute_all_succeed_at_its_pace(
+    fleet: Fleet, api: MessagesAPI
+) -> None:
+    # Issue 18's scale: a provider key of 300 requests a minute (a bucket of a
+    # minute's worth, refilled as it goes), 1,000 one-call runs on one worker of
+    # 200 slots, a fleet budget of 291 a minute.
+    api.per_window, api.window = 300, 60.0
+    limits = json.dumps({MODEL: {"rpm": 291}})
+    _start(fleet, "w1", api, concurrency=200, LOOMFLOW_WORKER_MODEL_LIMITS=limits)
+    ids = [run_agent.delay(f"hello {i}", f"k{i}", agent="claude").id for i in range(1000)]
+    for request_id in ids:
+        run_agent.AsyncResult(request_id).get(timeout=400)
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        ended = conn.execute(
+            "SELECT status, failures, crashes, count(*) FROM runs WHERE request_id = ANY(%s)"
+            " GROUP BY 1, 2, 3", (ids,)).fetchall()
+        outcomes = dict(conn.execute(
+            "SELECT coalesce(outcome, 'open'), count(*) FROM run_attempts"
+            " WHERE request_id = ANY(%s) GROUP BY 1", (ids,)).fetchall())
+    # Every run succeeded, none failed, crashed or retried: an attempt either
+    # succeeded or gave its slot back to wait for its booked call (paused).
+    assert ended == [("succeeded", 0, 0, 1000)], (ended, outcomes)
+    assert set(outcomes) <= {"succeeded", "paused"} and outcomes["succeeded"] == 1000, outcomes
+    assert steps_journaled_twice(fleet.dsn) == []
+    statuses = api.statuses()
+    # Each call was answered once, and the provider never had to refuse one.
+    assert statuses == [200] * 1000, (statuses.count(429), statuses.count(200))
+    # At close to the key's pace once its first minute's bucket has gone.
+    admitted = sorted(api.admitted())
+    later = [t for t in admitted if t >= admitted[0] + 60]
+    per_minute = 60 * (len(later) - 1) / (later[-1] - later[0])
+    assert 250 <= per_minute <= 300, per_minute
+    print(f"\n1,000 runs at {per_minute:.1f} calls a minute after the first; "
+          f"{outcomes.get('paused', 0)} attempts paused")
+
+
 def _pids(dsn: str) -> set[int]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         return {pid for (pid,) in conn.execute("SELECT DISTINCT pid FROM run_attempts")}

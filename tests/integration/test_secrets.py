@@ -80,7 +80,7 @@ def secrets(fleet: Fleet) -> Iterator[Secrets]:
 def test_no_secret_in_logs_events_results_or_cli_output(
     fleet: Fleet, secrets: Secrets
 ) -> None:
-    fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.4", TEST_FLAKY_FAILURES="100",
+    fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="2.0", TEST_FLAKY_FAILURES="100",
                 LOOMFLOW_WORKER_MAX_RETRIES="0", LOOMFLOW_WORKER_HANDOFF_GRACE="0.5",
                 LOOMFLOW_WORKER_SWEEP_INTERVAL="0.3")
     # The worker really connects as the role (its pool child, once started).
