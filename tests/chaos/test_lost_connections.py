@@ -114,7 +114,9 @@ def test_a_duplicate_waits_for_the_attempt_whose_lock_connection_alone_ended(
     # start before w1's attempt has stopped and recorded its end.
     from loomflow_worker.execution.ledger import Pending
 
-    env = {"TEST_TOOL_SLEEP": "3", "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "2"}
+    # w1 hears of its lost connection up to a heartbeat (4 s) later, in a 6 s tool:
+    # time enough for the duplicate to reach w2 however busy the machine.
+    env = {"TEST_TOOL_SLEEP": "6", "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "4"}
     fleet.start("w1", concurrency=1, pool="threads", **env)
     prompt = calls("d1", "d2")
     result = run_agent.delay(prompt, "s")

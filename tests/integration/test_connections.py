@@ -71,7 +71,9 @@ def sampling(pid: int) -> Iterator[Peaks]:
 @pytest.mark.slow
 def test_a_worker_at_concurrency_200_holds_a_few_connections(fleet: Fleet) -> None:
     port = free_port()
-    worker = fleet.start("w1", CONCURRENCY, cli=True, pool="threads", TEST_MODEL_LATENCY="1.0",
+    # Model calls of 3 s: runs pile up to about a session's worth at once even
+    # when a busy machine enqueues slowly.
+    worker = fleet.start("w1", CONCURRENCY, cli=True, pool="threads", TEST_MODEL_LATENCY="3.0",
                          LOOMFLOW_WORKER_METRICS_PORT=str(port))
     with sampling(worker.pid) as peaks:
         sent = [run_agent.delay(f"hello {i}", f"s{i % SESSIONS}", agent="slow-model")
