@@ -22,6 +22,7 @@ as it goes.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import signal
@@ -35,6 +36,7 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,7 @@ from psycopg.rows import class_row
 
 from . import admin
 from .defaults import CONSOLE_PORT
+from .demo_agents import tool_sleep
 from .runtime import PostgresRuntime
 from .runtime.errors import CONNECT, describe_dsn, first_line, translated
 from .runtime.sql import query
@@ -392,6 +395,7 @@ def _watch(
     Returns the worker killed and the request it was running."""
     prefix = requests[0][1][0].split(":")[0] + ":"
     position = {tag: i for _, steps, _ in requests for i, tag in enumerate(steps)}
+    following = {tag: after for _, steps, _ in requests for tag, after in itertools.pairwise(steps)}
     reported: set[tuple[str, int, bool]] = set()
     killed: str | None = None
     killed_run: str | None = None
@@ -410,9 +414,13 @@ def _watch(
             state = "done   " if finished is not None else "running"
             _say(f"  {state} {session:<13} {step:<16} on {worker}")
             if killed is None and finished is None and position.get(tag, 0) >= 1:
-                # A run with a completed step in its journal: kill its worker now.
+                # A run with a completed step in its journal: kill its worker now,
+                # unless another tool of that worker is close to its end, whose
+                # side effect could be done and not yet journaled (it would run
+                # again, as a tool does whose process dies before its result is
+                # recorded).
                 victim = fleet.owner(pid)
-                if victim is not None:
+                if victim is not None and _quiet(fleet, victim, rows, run, following):
                     fleet.kill(victim)
                     killed = victim
                     killed_run = next(r.id for _, steps, r in requests if tag in steps)
@@ -423,6 +431,29 @@ def _watch(
             break
         time.sleep(0.1)
     return killed, killed_run
+
+
+def _quiet(
+    fleet: Fleet, victim: str, rows: list[Execution], starting: Execution,
+    following: dict[str, str],
+) -> bool:
+    """Whether ``victim`` runs no tool but ``starting`` that is about to end or
+    whose end may not be journaled yet: each other tool of its has over 0.2 s
+    of its sleep left, and each that ended has its run's next tool started (a
+    run goes on only once its tool's result is journaled) or ended a second
+    ago."""
+    now = datetime.now(UTC)
+    started = {run.tag for run in rows}
+    for run in rows:
+        if run is starting or fleet.owner(run.pid) != victim:
+            continue
+        if run.finished_at is None:
+            if (now - run.started_at).total_seconds() > tool_sleep() - 0.2:
+                return False
+        elif following.get(run.tag) not in started and (
+                now - run.finished_at).total_seconds() < 1.0:
+            return False
+    return True
 
 
 def _console(settings: Settings, request_id: str, port: int) -> None:
