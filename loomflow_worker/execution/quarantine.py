@@ -11,7 +11,8 @@ The worker's task starts ``python -m loomflow_worker.execution.quarantine``,
 writes the attempt as JSON on its standard input and reads the outcome as
 JSON from the last line of its standard output (:func:`encode_outcome`).
 The process stops its run (recorded ``interrupted``) on SIGTERM or when the
-worker that started it is gone.
+worker that started it is gone, and ends it revoked on SIGUSR1 (a revoke
+with terminate).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ async def attempt(settings: Settings, job: dict[str, Any]) -> dict[str, Any]:
     assert run is not None
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, run.cancel)
+    loop.add_signal_handler(signal.SIGUSR1, _revoke, ctx, job["request_id"], run)
     _stop_when_orphaned(loop, os.getppid(), run)
     options = job.get("options")
     try:
@@ -91,6 +93,14 @@ async def attempt(settings: Settings, job: dict[str, Any]) -> dict[str, Any]:
         return {"unavailable": f"{type(exc).__name__}: {exc}"}
     finally:
         await ctx.aclose()
+
+
+def _revoke(ctx: WorkerContext, request_id: str, run: asyncio.Task[Any]) -> None:
+    """SIGUSR1, its worker's revoke with terminate: the run stops at once and
+    ends ``cancelled`` as revoked, recorded under its lock, as a revoked run
+    of a shared process does; stopped as by SIGTERM before it has begun."""
+    if not ctx.halt(request_id, ledger.REVOKED.error):
+        run.cancel()
 
 
 async def _mark_lost(ctx: WorkerContext, lost: AttemptLost) -> None:

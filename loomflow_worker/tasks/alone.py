@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from contextlib import suppress
@@ -57,9 +58,10 @@ def run_alone(
         revoked = request_id in alone.revoked
         alone.revoked.discard(request_id)
     if reply is None and revoked:
-        # Its process stopped its run (recorded interrupted) and released the
-        # session: the revoke ends it cancelled in the ledger and hands the
-        # session on (see tasks/revoke.py), as for a run of this process.
+        # Revoked before its run began, its process stopped (recorded
+        # interrupted if it had started) and released the session: the revoke
+        # ends it cancelled in the ledger and hands the session on (see
+        # tasks/revoke.py), as for a run of this process.
         return Outcome("cancelled", error=ledger.REVOKED.error)
     if reply is None:
         raise DiedAlone(
@@ -100,8 +102,8 @@ def _run_process(request_id: str, job: dict[str, Any], timeout: float) -> tuple[
 
 def stop_alone(request_id: str) -> bool:
     """Stop ``request_id``'s run in its own process at once, mid-step (a
-    revoke with terminate): the process stops its run, records the attempt
-    interrupted and releases the session; the run ends ``cancelled``.
+    revoke with terminate): the process stops its run and ends it
+    ``cancelled`` as revoked under its lock, then releases the session.
     ``False`` when the request does not run alone here."""
     alone = PROCESS.alone
     with alone.guard:
@@ -112,7 +114,7 @@ def stop_alone(request_id: str) -> bool:
     log.info("request %s: revoked; stopping its process", request_id,
              extra={"action": "revoke", "request": request_id})
     with suppress(ProcessLookupError):
-        process.terminate()
+        process.send_signal(signal.SIGUSR1)
     return True
 
 

@@ -319,13 +319,13 @@ def test_a_run_waiting_long_for_a_signal_gives_its_slot_back(fleet: Fleet) -> No
 
 def test_a_signal_publishes_the_request_that_gave_its_slot_back_at_once(fleet: Fleet) -> None:
     # Two runs give their slot back to wait for their signals. The sweeper
-    # sweeps every 30 s (its first sweep 30 s after the worker starts): each
+    # sweeps every 60 s (its first sweep 60 s after the worker starts): each
     # signal's sender publishes the request it wakes, the CLI's `signal` and
     # PostgresRuntime.signal alike (this process imports the Celery binding),
     # and each resumes within seconds, replaying its journal.
     fleet.env["LOOMFLOW_WORKER_AGENTS"] = WITH_WAITER
     fleet.start("w1", concurrency=1, pool="threads", LOOMFLOW_WORKER_PARK_AFTER="1",
-                LOOMFLOW_WORKER_SWEEP_INTERVAL="30", LOOMFLOW_WORKER_HANDOFF_GRACE="1")
+                LOOMFLOW_WORKER_SWEEP_INTERVAL="60", LOOMFLOW_WORKER_HANDOFF_GRACE="1")
     by_cli, by_runtime = (
         enqueued(fleet, f'call wait_signal {{"session": "{box}", "name": "approve"}}',
                  f"s-{box}", "--agent", "approver") for box in ("by-cli", "by-runtime"))
