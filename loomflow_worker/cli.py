@@ -275,7 +275,7 @@ def migrate_command() -> None:
 
     from .runtime.errors import CONNECT, LoomflowWorkerError, describe_dsn, translated
     from .runtime.migrate import latest_version, migrate
-    from .runtime.store import probe
+    from .runtime.sessions import probe
 
     settings = _settings()
     dsn = settings.database_url.get_secret_value()

@@ -95,7 +95,7 @@ def _check_database(settings: Settings) -> list[Check]:
     server = version_row[0] if version_row else "?"
     database = Check("database", True, f"reachable at {where} (PostgreSQL {server})")
     # The journal store loads loomflow: only the check pays for it.
-    from ..runtime.store import probe
+    from ..runtime.sessions import probe
 
     try:
         asyncio.run(probe(settings.database_url.get_secret_value(), settings.connect_timeout))

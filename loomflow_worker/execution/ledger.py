@@ -21,9 +21,10 @@ from psycopg_pool import ConnectionPool
 
 from ..runtime import fastpath
 from ..runtime.errors import InvalidInput, SessionBusy, translated
+from ..runtime.keys import scope_lock_key, slot_lock_keys
 from ..runtime.lockconn import Batch
 from ..runtime.sql import query
-from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice, scope_lock_key, slot_lock_keys
+from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice
 from ..runtime.validate import MAX_ID_BYTES, MAX_ID_LENGTH
 from .cached import CachedRead
 from .errors import RequestNotFound

@@ -31,18 +31,20 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from ..runtime.errors import InvalidInput
+from ..runtime.keys import slot_lock_keys
 from ..runtime.sql import query
-from ..runtime.store import slot_lock_keys
 from ..settings import Settings
 from .cached import AsyncCachedRead
 from .registry import agent_limits
-from .request import RunRequest
+
+if TYPE_CHECKING:
+    from .request import RunRequest
 
 #: How often a process reads the limits again.
 REFRESH = 2.0

@@ -32,9 +32,6 @@ from typing import Any
 
 import anyio
 import psycopg
-from loomflow.core.errors import RateLimitError, TransientModelError
-from loomflow.governance.retry import classify_model_error
-from loomflow.model.retrying import RetryingModel
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .. import metrics
@@ -63,6 +60,11 @@ def provider_wait(exc: BaseException, attempt: int) -> float | None:
     (the ``attempt``-th time in a row): the provider's ``retry-after`` for a
     rate limit (429) or an overload (529), else a jittered exponential
     backoff; ``None`` for any other error, which fails the step as before."""
+    # loomflow is imported where a run needs it: `loomflow-worker limits`
+    # reads and writes the limits without loading the agent framework.
+    from loomflow.core.errors import RateLimitError, TransientModelError
+    from loomflow.governance.retry import classify_model_error
+
     classified = classify_model_error(exc)
     if not isinstance(classified, TransientModelError):
         return None
@@ -323,6 +325,8 @@ def pace(agent: Any, key: str | None, budgets: Budgets) -> None:
     ``key`` (by default its model's name). loomflow's agent calls the model it
     keeps as ``_wrapped_model`` (its retry policy's view of ``_model``): the
     paced model goes between the two. An agent without them is left as it is."""
+    from loomflow.model.retrying import RetryingModel
+
     wrapped, model = getattr(agent, "_wrapped_model", None), getattr(agent, "_model", None)
     if wrapped is None or model is None or isinstance(wrapped, PacedModel):
         return

@@ -16,8 +16,9 @@ from .errors import (
 from .migrate import latest_version, migrate
 
 if TYPE_CHECKING:
+    from .keys import scope_lock_key
     from .runtime import PostgresRuntime, current_lease, run_options
-    from .store import Lease, LockSettings, PostgresJournalStore, RunStats, scope_lock_key
+    from .store import Lease, LockSettings, PostgresJournalStore, RunStats
 
 # Imported on first use: they load loomflow, which the operator tools never need.
 __getattr__ = exports(__name__, {
@@ -28,7 +29,7 @@ __getattr__ = exports(__name__, {
     "LockSettings": ".store",
     "PostgresJournalStore": ".store",
     "RunStats": ".store",
-    "scope_lock_key": ".store",
+    "scope_lock_key": ".keys",
 })
 
 __all__ = [

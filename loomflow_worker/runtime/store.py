@@ -19,10 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 import time
-import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,15 +43,14 @@ from .errors import (
     InvalidInput,
     LockLost,
     SessionBusy,
-    SessionPooler,
-    describe_dsn,
-    first_line,
     translated,
 )
+from .keys import scope_lock_key
 from .lockconn import Batch, JournalRow, LockConnection
 from .lockconn import Conn as Conn
 from .migrate import migrate
 from .prune import Pruner
+from .sessions import probe
 from .sql import query
 
 log = logging.getLogger("loomflow_worker.runtime")
@@ -62,29 +59,12 @@ T = TypeVar("T")
 
 EPOCH_KEY = "__run_epoch__"
 LAST_RUN_KEY = "__last_run_epoch__"
-_LOCK_SALT = b"loomflow-worker/scope/"
-_SLOT_SALT = b"loomflow-worker/slot/"
 
 #: A run waiting for a scope another process holds tries its lock again after
 #: 1, 2, 4, 8, then every 10 ms (one short statement on a shared connection
 #: each time); one held in this process is tried again the moment it is freed.
 WAIT_POLL_MIN = 0.001
 WAIT_POLL_MAX = 0.01
-
-
-def scope_lock_key(scope: str) -> int:
-    """The advisory lock key (a signed bigint) of a journal scope."""
-    digest = hashlib.blake2b(_LOCK_SALT + scope.encode("utf-8", "surrogatepass"), digest_size=8)
-    return int.from_bytes(digest.digest(), "big", signed=True)
-
-
-def slot_lock_keys(limit: str, count: int) -> list[int]:
-    """The advisory lock keys of the ``count`` slots of a concurrency limit
-    (one instance of it: ``per_key:alice``): a run of the limit holds one of
-    them, on its lock connection, for as long as it runs."""
-    salt = _SLOT_SALT + limit.encode("utf-8", "surrogatepass") + b"\0"
-    return [int.from_bytes(hashlib.blake2b(salt + str(i).encode(), digest_size=8).digest(),
-                           "big", signed=True) for i in range(count)]
 
 
 class IdleCheck:
@@ -944,64 +924,6 @@ async def open_pool(
     )
     await pool.open(wait=True, timeout=connect_timeout)
     return pool
-
-
-async def probe(dsn: str, connect_timeout: int) -> None:
-    """Connect to ``dsn`` and check that its connections are sessions: a clear
-    error instead of a hang (:class:`DatabaseUnavailable`) or of runs that
-    stall behind a transaction-mode pooler (:class:`SessionPooler`)."""
-    async with await _connect(dsn, connect_timeout) as conn:
-        await require_sessions(conn, dsn, connect_timeout)
-
-
-async def _connect(dsn: str, connect_timeout: int) -> Conn:
-    with translated(CONNECT, dsn):
-        return await AsyncConnection.connect(dsn, autocommit=True,
-                                             connect_timeout=connect_timeout)
-
-
-async def require_sessions(conn: Conn, dsn: str, connect_timeout: int) -> None:
-    """Raise :class:`SessionPooler` when ``conn`` (autocommit, to ``dsn``) is
-    not one server session across transactions, as behind PgBouncer in
-    transaction or statement mode.
-
-    Behaviour is tested, not names: ``conn`` sets a session-level setting;
-    a second connection, in a transaction block, must be another session
-    (its own backend, without the setting); then ``conn`` must still be on
-    its backend with its setting. A pooler hands a released server to the
-    next client, so one of these fails; a statement-mode pooler refuses the
-    transaction block."""
-    token = uuid.uuid4().hex
-    mine = await _probe_row(conn, "session_probe_mark", {"token": token})
-    problem = ""
-    async with await _connect(dsn, connect_timeout) as other:
-        try:
-            async with other.transaction():
-                theirs = await _probe_row(other, "session_probe_read", {})
-        except psycopg.Error as exc:
-            problem = f"a transaction block was refused ({first_line(exc)})"
-        else:
-            if theirs[0] == mine[0] or theirs[1] == token:
-                problem = "two connections were given one server session"
-    if not problem:
-        again = await _probe_row(conn, "session_probe_read", {})
-        if again[0] != mine[0] or again[1] != token:
-            problem = "a session setting made in one transaction was gone in the next"
-    if problem:
-        raise SessionPooler(
-            f"the database at {describe_dsn(dsn)} is behind a pooler in transaction or "
-            f"statement mode: {problem}. The workers' session advisory locks, keepalives and "
-            "LISTEN need each connection to stay one server session: point "
-            "LOOMFLOW_WORKER_DATABASE_URL at Postgres itself, or set pool_mode = session in "
-            "the pooler (PgBouncer) for this database"
-        )
-
-
-async def _probe_row(conn: Conn, name: str, params: dict[str, Any]) -> tuple[Any, ...]:
-    cur = await conn.execute(query(name), params)
-    row = await cur.fetchone()
-    assert row is not None
-    return tuple(row)
 
 
 def _try_lock(

@@ -29,7 +29,7 @@ from .. import metrics
 from ..execution import ledger
 from ..execution.request import check_request
 from ..runtime.errors import InvalidInput, LoomflowWorkerError, SessionPooler
-from ..runtime.store import probe
+from ..runtime.sessions import probe
 from ..settings import Settings
 from .admission import Admission
 from .alone import stop_alone

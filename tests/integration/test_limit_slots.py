@@ -8,7 +8,7 @@ import psycopg
 import pytest
 
 from loomflow_worker.runtime import PostgresRuntime
-from loomflow_worker.runtime.store import slot_lock_keys
+from loomflow_worker.runtime.keys import slot_lock_keys
 
 pytestmark = pytest.mark.anyio
 
