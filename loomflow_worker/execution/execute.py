@@ -51,6 +51,7 @@ from .errors import RunFailed as RunFailed
 from .limits import Bound, Limits, set_limits
 from .limits import take as take_limits
 from .pacing import Budgets, RunPacing, pace, pacing_run, set_model_limits
+from .pending import Pending
 from .registry import agent_factory, agent_model_key, agent_time_limit
 from .request import Kind, RunRequest, check_request, refuse_message
 from .statuses import TERMINAL
@@ -91,7 +92,7 @@ class Outcome:
     result: dict[str, Any] | None = None
     error: str | None = None
     countdown: float = 0.0
-    dispatch: list[ledger.Pending] = field(default_factory=list)
+    dispatch: list[Pending] = field(default_factory=list)
     # The request ended and handed its scope on (whether or not it publishes
     # the request it handed the scope to).
     handed: bool = False
@@ -566,7 +567,7 @@ async def _park_behind(
     io: Io,
     request_id: str,
     req: RunRequest,
-    older: ledger.Pending,
+    older: Pending,
     older_stale: bool,
     options: MessageOptions | None,
 ) -> bool:

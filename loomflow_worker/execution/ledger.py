@@ -8,7 +8,7 @@ import os
 import threading
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
@@ -28,7 +28,8 @@ from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice
 from ..runtime.validate import MAX_ID_BYTES, MAX_ID_LENGTH
 from .cached import CachedRead
 from .errors import RequestNotFound
-from .request import RunRequest, task_args
+from .pending import Pending
+from .request import RunRequest
 from .statuses import TERMINAL, UNFINISHED, Status
 
 OnBusy = Literal["enqueue", "reject", "interrupt"]
@@ -40,40 +41,6 @@ def enqueue_lock_key(scope: str) -> int:
     return scope_lock_key("\x00enqueue\x00" + scope)
 
 
-@dataclass(frozen=True)
-class Pending:
-    """An unfinished request to dispatch (a handoff or a redispatch)."""
-
-    request_id: str
-    kind: str
-    session_id: str
-    user_id: str | None
-    agent: str
-    prompt: str
-    metadata: dict[str, Any]
-    # When it may start: every message published for it carries this as its eta.
-    not_before: datetime | None = None
-    # What its message carried besides its arguments (canvas links, chord and
-    # group membership, headers, priority, time limits), recorded when a worker
-    # parked it; None for a running request, whose own message carries them.
-    options: dict[str, Any] | None = None
-    # Where its messages go (queue, exchange, routing_key, priority), recorded
-    # at enqueue; None: the fleet's default queue. Every message published for
-    # it, running or queued, goes there.
-    routing: dict[str, Any] | None = None
-
-    def task_args(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return task_args(self.kind, self.prompt, self.session_id, self.user_id, self.agent,
-                         self.metadata)
-
-    @classmethod
-    def of(cls, row: Mapping[str, Any]) -> Pending:
-        """The request named by ``row``'s columns of the same names (a row may
-        carry more)."""
-        return cls(**{name: row[name] for name in _PENDING_COLUMNS})
-
-
-_PENDING_COLUMNS = tuple(f.name for f in fields(Pending))
 
 
 def _pending(row: Mapping[str, Any] | None) -> Pending | None:

@@ -35,7 +35,7 @@ from ..settings import Settings
 from . import ledger
 from .errors import AttemptLost
 from .execute import Outcome, WorkerContext, execute
-from .ledger import Pending
+from .pending import Pending
 from .registry import import_agent_modules
 
 log = logging.getLogger("loomflow_worker.tasks")

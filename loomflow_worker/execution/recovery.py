@@ -16,7 +16,8 @@ import psycopg
 from psycopg.rows import dict_row
 
 from ..runtime.sql import query
-from .ledger import FAIR_PAGE, Pending
+from .ledger import FAIR_PAGE
+from .pending import Pending
 
 Conn = psycopg.Connection[Any]
 

@@ -13,6 +13,7 @@ from .. import metrics
 from ..runtime.errors import InvalidInput
 from ..runtime.validate import check_id, check_json_text, check_text
 from ..settings import Settings
+from .pending import task_args
 from .registry import agent_factory, agent_fairness_key
 
 Kind = Literal["run", "resume"]
@@ -47,17 +48,6 @@ class RunRequest:
     def task_args(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return task_args(self.kind, self.prompt, self.session_id, self.user_id, self.agent,
                          self.metadata)
-
-
-def task_args(
-    kind: str, prompt: str, session_id: str, user_id: str | None, agent: str,
-    metadata: dict[str, Any],
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments of a request's task message (``resume_agent`` takes no metadata)."""
-    kwargs: dict[str, Any] = {"user_id": user_id, "agent": agent}
-    if kind == "run":
-        kwargs["metadata"] = metadata
-    return (prompt, session_id), kwargs
 
 
 def check_request(

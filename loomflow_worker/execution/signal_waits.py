@@ -17,7 +17,7 @@ import psycopg
 from psycopg.rows import DictRow, dict_row
 
 from ..runtime.sql import query
-from .ledger import Pending
+from .pending import Pending
 
 SyncConn = psycopg.Connection[Any]
 AsyncConn = psycopg.AsyncConnection[Any]

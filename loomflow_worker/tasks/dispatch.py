@@ -12,7 +12,7 @@ from typing import Any
 
 from celery.result import task_join_will_block
 
-from ..execution.ledger import Pending
+from ..execution.pending import Pending
 from .state import PROCESS
 
 log = logging.getLogger("loomflow_worker.tasks")

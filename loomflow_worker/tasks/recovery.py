@@ -21,7 +21,7 @@ import psycopg
 
 from .. import metrics
 from ..execution import recovery as ledger_recovery
-from ..execution.ledger import Pending
+from ..execution.pending import Pending
 from ..execution.statuses import Status
 from ..runtime.sql import query
 from ..settings import Settings

@@ -9,7 +9,7 @@ import logging
 import threading
 
 from ..execution import ledger
-from ..execution.ledger import Pending
+from ..execution.pending import Pending
 from .dispatch import dispatch_recorded
 from .retry import retry_within
 from .state import PROCESS

@@ -32,7 +32,7 @@ from typing import Any
 import psycopg
 
 from .. import metrics
-from ..execution.ledger import Pending
+from ..execution.pending import Pending
 from ..runtime.sql import query
 from ..settings import Settings
 from .actions import Action

@@ -13,7 +13,8 @@ from celery.exceptions import TimeLimitExceeded
 from celery.result import AsyncResult
 
 from ..execution import ledger
-from ..execution.ledger import ON_BUSY, OnBusy, Pending
+from ..execution.ledger import ON_BUSY, OnBusy
+from ..execution.pending import Pending
 from ..execution.registry import import_agent_modules
 from ..execution.request import Kind, check_request
 from ..runtime.errors import InvalidInput

@@ -14,7 +14,7 @@ import anyio
 from psycopg import AsyncConnection
 
 from ..execution import signal_waits
-from ..execution.ledger import Pending
+from ..execution.pending import Pending
 from ..runtime import signals
 from .application import settings
 from .dispatch import dispatch_recorded

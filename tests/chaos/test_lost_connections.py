@@ -112,7 +112,7 @@ def test_a_duplicate_waits_for_the_attempt_whose_lock_connection_alone_ended(
     # 2 s later) and runs its tool until then. A duplicate of the request's
     # message reaches w2 at once and takes the freed lock: its attempt must not
     # start before w1's attempt has stopped and recorded its end.
-    from loomflow_worker.execution.ledger import Pending
+    from loomflow_worker.execution.pending import Pending
 
     # w1 hears of its lost connection up to a heartbeat (4 s) later, in a 6 s tool:
     # time enough for the duplicate to reach w2 however busy the machine.

@@ -119,7 +119,7 @@ def test_a_worker_killed_after_the_commit_returns_the_stored_result(
 def test_duplicates_of_a_running_request_neither_run_beside_it_nor_get_lost(
     fleet: Fleet,
 ) -> None:
-    from loomflow_worker.execution.ledger import Pending
+    from loomflow_worker.execution.pending import Pending
 
     env = {"TEST_TOOL_SLEEP": "0.4", "LOOMFLOW_WORKER_VISIBILITY_TIMEOUT": "1"}
     fleet.start("w1", concurrency=2, **env)

@@ -6,7 +6,7 @@ import time
 
 from pydantic import SecretStr
 
-from loomflow_worker.execution.ledger import Pending
+from loomflow_worker.execution.pending import Pending
 from loomflow_worker.settings import Settings
 from loomflow_worker.tasks.recovery import confirm_lost
 from loomflow_worker.tasks.sweeper import MIN_PAUSE, Sweeper
