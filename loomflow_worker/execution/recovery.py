@@ -25,9 +25,14 @@ Conn = psycopg.Connection[Any]
 def frozen(conn: Conn, lease: float) -> dict[int, list[str]]:
     """The running requests whose heartbeat is older than ``lease`` seconds
     while their scope's lock is still held, by the backend pid of the lock
-    connection that holds it (one connection carries many runs)."""
+    connection that holds it (one connection carries many runs). The lock
+    table is read only when some heartbeat is stale, which is rare."""
+    stale = [row[0] for row in conn.execute(query("stale_running"), {"lease": lease})]
+    if not stale:
+        return {}
     by_backend: dict[int, list[str]] = {}
-    for request_id, pid in conn.execute(query("frozen_holders"), {"lease": lease}).fetchall():
+    for request_id, pid in conn.execute(
+            query("frozen_holders"), {"lease": lease, "request_ids": stale}).fetchall():
         by_backend.setdefault(int(pid), []).append(str(request_id))
     return by_backend
 

@@ -32,9 +32,18 @@ INSERT INTO sweeper_leader (id, holder, backend_pid) VALUES (1, %(worker)s, pg_b
 ON CONFLICT (id) DO UPDATE
    SET holder = EXCLUDED.holder, backend_pid = EXCLUDED.backend_pid, heartbeat_at = now();
 
+-- name: stale_running
+-- Running requests whose heartbeat is older than the lease: a scan of the
+-- running ones, without the lock table (reading pg_locks takes every lock
+-- partition of the server, and a fleet's thousand runs hold as many locks).
+SELECT request_id
+  FROM runs
+ WHERE status = 'running' AND lock_key IS NOT NULL
+   AND heartbeat_at < now() - make_interval(secs => %(lease)s);
+
 -- name: frozen_holders
--- Running requests whose heartbeat is older than the lease while their
--- scope's lock is still held, by the backend that holds it.
+-- Of the stale running requests (stale_running), those whose scope's lock is
+-- still held, by the backend that holds it; their heartbeat is checked again.
 SELECT r.request_id, l.pid
   FROM runs r
   JOIN pg_locks l
@@ -42,7 +51,8 @@ SELECT r.request_id, l.pid
    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
    AND l.classid = ((r.lock_key >> 32) & 4294967295)::oid
    AND l.objid = (r.lock_key & 4294967295)::oid
- WHERE r.status = 'running' AND r.lock_key IS NOT NULL
+ WHERE r.request_id = ANY(%(request_ids)s)
+   AND r.status = 'running' AND r.lock_key IS NOT NULL
    AND r.heartbeat_at < now() - make_interval(secs => %(lease)s)
    AND l.pid = r.holder_pid;
 
