@@ -733,12 +733,12 @@ class PostgresJournalStore:
                     except LockLost as exc:
                         # The connection is gone, and its locks with it; what
                         # was to be committed first may not have been.
-                        row = {"released": True, "still_held": False}
+                        row = {"released": True}
                         if before:
                             failed.append(exc)
-                    if row is None or not row["released"] or row["still_held"]:
+                    if row is None or not row["released"]:
                         log.error(
-                            "scope %s: lock not held at release, or held still; closing "
+                            "scope %s: lock not held at release; closing "
                             "its lock connection", lease.scope,
                             extra={"action": "unlock_mismatch", "scope": lease.scope},
                         )

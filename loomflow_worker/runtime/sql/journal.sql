@@ -174,16 +174,13 @@ WITH stored AS (
 SELECT coalesce((SELECT epoch FROM written), (SELECT epoch FROM stored), 0);
 
 -- name: unlock_scope
--- Release one scope's lock and say whether this backend still holds it
--- (it must not: the lock was taken once).
-WITH released AS (SELECT pg_advisory_unlock(%(key)s) AS ok)
-SELECT r.ok AS released, EXISTS (
-    SELECT 1 FROM pg_locks l
-     WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-       AND l.pid = pg_backend_pid()
-       AND l.classid = ((%(key)s::bigint >> 32) & 4294967295)::oid
-       AND l.objid = (%(key)s::bigint & 4294967295)::oid) AS still_held
-  FROM released r;
+-- Release one scope's lock, and say whether this backend held it. A process
+-- takes a scope's lock once on its connection (its own runs of a scope take
+-- turns before the lock, store.PostgresJournalStore._held), so released it is
+-- free. No look at pg_locks to make sure: the view copies every lock of the
+-- server under all its lock partitions, a fleet's thousands of locks at each
+-- run's end (1.3 ms against 0.18 ms for the unlock alone, 2,000 locks held).
+SELECT pg_advisory_unlock(%(key)s) AS released;
 
 -- name: get_step
 -- One step's value and when it was written, for the JournalStore protocol outside a run's
