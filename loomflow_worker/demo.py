@@ -443,12 +443,13 @@ def _quiet(
     run goes on only once its tool's result is journaled) or ended a second
     ago."""
     now = datetime.now(UTC)
+    ending = tool_sleep() - 0.2
     started = {run.tag for run in rows}
     for run in rows:
         if run is starting or fleet.owner(run.pid) != victim:
             continue
         if run.finished_at is None:
-            if (now - run.started_at).total_seconds() > tool_sleep() - 0.2:
+            if (now - run.started_at).total_seconds() > ending:
                 return False
         elif following.get(run.tag) not in started and (
                 now - run.finished_at).total_seconds() < 1.0:

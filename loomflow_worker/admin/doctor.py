@@ -9,6 +9,7 @@ from typing import Any
 
 from ..runtime.errors import InvalidInput, LoomflowWorkerError, describe_dsn, translated
 from ..runtime.migrate import latest_version
+from ..runtime.sessions import probe
 from ..runtime.sql import query
 from ..settings import Settings, first_line
 from .connect import connect, sanitize_url
@@ -94,9 +95,6 @@ def _check_database(settings: Settings) -> list[Check]:
             return [Check("database", False, f"{where}: {exc}")]
     server = version_row[0] if version_row else "?"
     database = Check("database", True, f"reachable at {where} (PostgreSQL {server})")
-    # The journal store loads loomflow: only the check pays for it.
-    from ..runtime.sessions import probe
-
     try:
         asyncio.run(probe(settings.database_url.get_secret_value(), settings.connect_timeout))
     except LoomflowWorkerError as exc:

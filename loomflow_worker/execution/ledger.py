@@ -41,8 +41,6 @@ def enqueue_lock_key(scope: str) -> int:
     return scope_lock_key("\x00enqueue\x00" + scope)
 
 
-
-
 def _pending(row: Mapping[str, Any] | None) -> Pending | None:
     """The request in ``row``, or ``None`` when the row holds none (no row,
     or the columns of an outer join that found nothing)."""

@@ -12,9 +12,8 @@ import psycopg
 from psycopg import AsyncConnection
 
 from .errors import CONNECT, SessionPooler, describe_dsn, first_line, translated
+from .lockconn import Conn
 from .sql import query
-
-Conn = AsyncConnection[Any]
 
 
 async def probe(dsn: str, connect_timeout: int) -> None:

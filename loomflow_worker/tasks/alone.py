@@ -58,9 +58,10 @@ def run_alone(
         revoked = request_id in alone.revoked
         alone.revoked.discard(request_id)
     if reply is None and revoked:
-        # Revoked before its run began, its process stopped (recorded
-        # interrupted if it had started) and released the session: the revoke
-        # ends it cancelled in the ledger and hands the session on (see
+        # Revoked before its process could halt its run (the run had not
+        # begun): the process stopped, recording the attempt interrupted if it
+        # had started one, and released the session; the revoke ends the
+        # request cancelled in the ledger and hands the session on (see
         # tasks/revoke.py), as for a run of this process.
         return Outcome("cancelled", error=ledger.REVOKED.error)
     if reply is None:
