@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from psycopg.rows import dict_row
@@ -25,11 +26,8 @@ def send_signal(
     if user_id is not None:
         check_id("user_id", user_id)
     check_signal_name(name)
-    # loomflow's codec, as the runtime writes payloads; loaded by a send only.
-    from loomflow.runtime import _codec
-
     try:
-        blob = _codec.dumps(payload)
+        blob = payload_blob(payload)
     except TypeError as exc:
         raise InvalidInput(f"signal {name!r}: the payload can't be stored as JSON: {exc}") from exc
     with translated("query"):
@@ -39,3 +37,34 @@ def send_signal(
     assert row is not None
     report_dropped(int(row["dropped"]), session_id, user_id, keep)
     return int(row["id"])
+
+
+#: loomflow's codec's prefix of a JSON value (``loomflow.runtime._codec.MAGIC``).
+_CODEC_MAGIC = b"LJ1"
+_CODEC_TAG = "$t"
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is JSON that loomflow's codec stores as itself: the
+    JSON types exactly, and no object with the codec's tag key."""
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return True
+    if kind is list:
+        return all(_plain(item) for item in value)
+    if kind is dict:
+        return all(type(key) is str and key != _CODEC_TAG and _plain(item)
+                   for key, item in value.items())
+    return False
+
+
+def payload_blob(payload: Any) -> bytes:
+    """A signal's payload as the runtime stores it: loomflow's codec's bytes.
+    Plain JSON (all a command line can send) is written here, byte for byte
+    the codec's, so an operator's command does not load the agent framework;
+    anything else goes through the codec (``TypeError`` if it can't be stored)."""
+    if _plain(payload):
+        return _CODEC_MAGIC + json.dumps(payload, separators=(",", ":")).encode("utf-8")
+    from loomflow.runtime import _codec
+
+    return _codec.dumps(payload)

@@ -9,7 +9,9 @@ run parked on a signal for longer than the cutoff still needs it to resume;
 and the signals their runs may take. Unless one scope is named,
 each scope keeps its epoch bookkeeping, so a later run never reuses an old
 epoch. An age is turned into a cutoff on the database's clock
-(:func:`cutoff`), the one that stamped what is pruned.
+(:func:`cutoff`), the one that stamped what is pruned. The ledger is read and
+pruned through the two views its schema defines for this (the scopes with an
+unfinished request, the finished requests), so its tables stay its own.
 
 Work goes in batches, each its own short transaction that skips rows a
 running step has locked, so a prune never holds up runs for long.

@@ -67,7 +67,8 @@ def test_the_operator_commands_load_no_celery_framework_console_or_demo(dsn: str
                        (("show", unknown), 4), (("tail", unknown), 4),
                        (("prune", "--older-than", "1d", "--yes"), 0),
                        (("requests",), 0), (("requests", "--json", "--status", "failed"), 0),
-                       (("limits",), 0), (("limits", "--json"), 0), (("migrate",), 0)]:
+                       (("limits",), 0), (("limits", "--json"), 0), (("migrate",), 0),
+                       (("signal", "chat-1", "approve", '{"ok": [1, 2.5, null]}'), 0)]:
         loaded = imported(*args, code=code, dsn=dsn)
         assert "psycopg" in loaded, args
         assert loaded & (CELERY | FRAMEWORK | CONSOLE | DEMO | BINDING) == set(), args

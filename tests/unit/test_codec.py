@@ -14,6 +14,7 @@ import pytest
 from loomflow.core.types import Episode, Message, ModelChunk, Role, ToolCall, ToolResult, Usage
 from loomflow.runtime import _codec
 
+from loomflow_worker.admin.signals import payload_blob
 from loomflow_worker.runtime.codec import CodecStats, decode, encode
 
 
@@ -106,3 +107,16 @@ def test_a_value_the_codec_cannot_store_is_refused_and_counted() -> None:
     stats = CodecStats()
     assert encode([1, object()], "json", stats, key="k") is None
     assert stats.unencodable == 1
+
+
+@pytest.mark.parametrize("value", [*VALUES, *ENCODED, {"a": [1, {"$t": "x"}]}, 10**30, -0.0],
+                         ids=lambda v: type(v).__name__)
+def test_a_signal_payload_is_stored_as_loomflows_codec_stores_it(value: Any) -> None:
+    # Plain JSON is written without the codec (the signal command loads no agent
+    # framework), anything else through it: the bytes are the codec's either way.
+    assert payload_blob(value) == _codec.dumps(value)
+
+
+def test_a_signal_payload_the_codec_cannot_store_is_refused() -> None:
+    with pytest.raises(TypeError):
+        payload_blob({"a": object()})

@@ -7,6 +7,9 @@
 -- resume), and unless one scope is named, every scope keeps its epoch bookkeeping (a later
 -- run must not reuse an old epoch). NULL: no filter.
 --
+-- The ledger is read and pruned through its two views (migration 0030): the scopes with
+-- an unfinished request, and the finished requests.
+--
 -- Each batch deletes by ctid (or primary key) from an ARRAY of at most `batch` rows, DELETE
 -- having no LIMIT, and skips the rows a running step has locked.
 
@@ -22,26 +25,25 @@ SELECT (SELECT count(*) FROM journal_steps j
            AND (%(scope)s::text IS NULL OR j.session_id = %(scope)s::text)
            AND (%(scope)s::text IS NOT NULL
                 OR j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__'))
-           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                              AND loomflow_worker_unfinished(r.status))) AS journal_steps,
+           AND NOT EXISTS (SELECT 1 FROM loomflow_worker_unfinished_scopes u
+                              WHERE u.scope = j.session_id)) AS journal_steps,
        (SELECT count(*) FROM journal_streams j
          WHERE (%(before)s::float8 IS NULL OR j.created_at < %(before)s::float8)
            AND (%(scope)s::text IS NULL OR j.session_id = %(scope)s::text)
-           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                              AND loomflow_worker_unfinished(r.status))) AS journal_streams,
+           AND NOT EXISTS (SELECT 1 FROM loomflow_worker_unfinished_scopes u
+                              WHERE u.scope = j.session_id)) AS journal_streams,
        (SELECT count(*) FROM checkpoints c
          WHERE (%(before)s::float8 IS NULL OR c.created_at < %(before)s::float8)
            AND (%(scope)s::text IS NULL OR c.session_id = %(scope)s::text)
-           AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
-                              AND loomflow_worker_unfinished(r.status))) AS checkpoints,
+           AND NOT EXISTS (SELECT 1 FROM loomflow_worker_unfinished_scopes u
+                              WHERE u.scope = c.session_id)) AS checkpoints,
        (SELECT count(*) FROM signals s
          WHERE (%(cutoff)s::timestamptz IS NULL OR s.created_at < %(cutoff)s::timestamptz)
            AND (%(scope)s::text IS NULL OR s.scope = %(scope)s::text)
            AND NOT loomflow_worker_signal_awaited(s.scope, s.session_id, s.user_id))
        AS signals,
-       (SELECT count(*) FROM runs
-         WHERE loomflow_worker_finished(status)
-           AND (%(cutoff)s::timestamptz IS NULL
+       (SELECT count(*) FROM loomflow_worker_finished_requests
+         WHERE (%(cutoff)s::timestamptz IS NULL
                 OR (enqueued_at < %(cutoff)s::timestamptz
                     AND finished_at < %(cutoff)s::timestamptz))
            AND (%(scope)s::text IS NULL OR scope = %(scope)s::text)) AS runs;
@@ -55,8 +57,8 @@ DELETE FROM journal_steps WHERE ctid = ANY(ARRAY(
        AND (%(scope)s::text IS NULL OR j.session_id = %(scope)s::text)
        AND (%(scope)s::text IS NOT NULL
             OR j.step_name NOT IN ('__run_epoch__', '__last_run_epoch__'))
-       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                          AND loomflow_worker_unfinished(r.status))
+       AND NOT EXISTS (SELECT 1 FROM loomflow_worker_unfinished_scopes u
+                          WHERE u.scope = j.session_id)
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
 -- name: prune_streams
@@ -66,8 +68,8 @@ DELETE FROM journal_streams WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM journal_streams j
      WHERE (%(before)s::float8 IS NULL OR j.created_at < %(before)s::float8)
        AND (%(scope)s::text IS NULL OR j.session_id = %(scope)s::text)
-       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = j.session_id
-                          AND loomflow_worker_unfinished(r.status))
+       AND NOT EXISTS (SELECT 1 FROM loomflow_worker_unfinished_scopes u
+                          WHERE u.scope = j.session_id)
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
 -- name: prune_checkpoints
@@ -77,8 +79,8 @@ DELETE FROM checkpoints WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM checkpoints c
      WHERE (%(before)s::float8 IS NULL OR c.created_at < %(before)s::float8)
        AND (%(scope)s::text IS NULL OR c.session_id = %(scope)s::text)
-       AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.scope = c.session_id
-                          AND loomflow_worker_unfinished(r.status))
+       AND NOT EXISTS (SELECT 1 FROM loomflow_worker_unfinished_scopes u
+                          WHERE u.scope = c.session_id)
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
 -- name: prune_signals
@@ -96,10 +98,9 @@ DELETE FROM signals WHERE id = ANY(ARRAY(
 -- One batch of finished requests that the rules above prune (their attempts cascade).
 -- enqueued_at bounds the scan of runs_status: a request finished before the cutoff was
 -- enqueued before it.
-DELETE FROM runs WHERE request_id = ANY(ARRAY(
-    SELECT request_id FROM runs
-     WHERE loomflow_worker_finished(status)
-       AND (%(cutoff)s::timestamptz IS NULL
+DELETE FROM loomflow_worker_finished_requests WHERE request_id = ANY(ARRAY(
+    SELECT request_id FROM loomflow_worker_finished_requests
+     WHERE (%(cutoff)s::timestamptz IS NULL
             OR (enqueued_at < %(cutoff)s::timestamptz AND finished_at < %(cutoff)s::timestamptz))
        AND (%(scope)s::text IS NULL OR scope = %(scope)s::text)
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
