@@ -7,12 +7,13 @@ request whose attempts died that way twice in a row without completing a step
 attempt here, alone: if this process dies, the death is that request's own
 and counts toward ``MAX_CRASHES``; its shared neighbours are never charged.
 
-The worker's task starts ``python -m loomflow_worker.execution.quarantine``,
-writes the attempt as JSON on its standard input and reads the outcome as
-JSON from the last line of its standard output (:func:`encode_outcome`).
-The process stops its run (recorded ``interrupted``) on SIGTERM or when the
-worker that started it is gone, and ends it revoked on SIGUSR1 (a revoke
-with terminate).
+The worker's task starts the process from a fork server that has imported
+this module and the agents once (:func:`child` is what it runs), so a
+suspect's attempt starts in milliseconds rather than after a second of
+imports; the process sends its log lines and then its outcome as JSON
+(:func:`encode_outcome`) through a pipe. It stops its run (recorded
+``interrupted``) on SIGTERM or when the worker that started it is gone, and
+ends it revoked on SIGUSR1 (a revoke with terminate).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import json
 import logging
 import os
 import signal
-import sys
 from dataclasses import asdict
 from datetime import datetime
+from multiprocessing.connection import Connection
 from typing import Any
 
 import psycopg
@@ -71,7 +72,7 @@ async def attempt(settings: Settings, job: dict[str, Any]) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, run.cancel)
     loop.add_signal_handler(signal.SIGUSR1, _revoke, ctx, job["request_id"], run)
-    _stop_when_orphaned(loop, os.getppid(), run)
+    _stop_when_orphaned(loop, job["worker_pid"], run)
     options = job.get("options")
     try:
         outcome = await execute(
@@ -120,29 +121,52 @@ async def _mark_lost(ctx: WorkerContext, lost: AttemptLost) -> None:
 
 
 def _stop_when_orphaned(
-    loop: asyncio.AbstractEventLoop, parent: int, run: asyncio.Task[Any]
+    loop: asyncio.AbstractEventLoop, worker: int, run: asyncio.Task[Any]
 ) -> None:
     """Stop the run once the worker that started it is gone (checked each second)."""
-    if os.getppid() != parent:
+    try:
+        os.kill(worker, 0)
+    except ProcessLookupError:
         run.cancel()
-    elif not run.done():
-        loop.call_later(ORPHAN_CHECK, _stop_when_orphaned, loop, parent, run)
+        return
+    if not run.done():
+        loop.call_later(ORPHAN_CHECK, _stop_when_orphaned, loop, worker, run)
 
 
-def main() -> int:
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
-    job = json.loads(sys.stdin.read())
+class _PipeHandler(logging.Handler):
+    """Sends each log line to the worker, which logs it as the request's."""
+
+    def __init__(self, out: Connection) -> None:
+        super().__init__()
+        self._out = out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._out.send_bytes(json.dumps({"log": self.format(record)}).encode())
+        except (OSError, ValueError):
+            self.handleError(record)
+
+
+#: The name of each such process (``multiprocessing.current_process().name``
+#: starts with it, the request id follows).
+PROCESS_NAME = "loomflow-worker alone"
+
+#: Exit code of a process whose run was stopped (SIGTERM, or its worker is gone).
+STOPPED = 3
+
+
+def child(job: dict[str, Any], out: Connection) -> None:
+    """The process's work: ``job``'s attempt. Sends through ``out`` its log
+    lines (``{"log": line}``), then its reply (``{"reply": ...}``), each a JSON
+    object; exits :data:`STOPPED` when stopped."""
+    handler = _PipeHandler(out)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(handlers=[handler], level=logging.INFO, force=True)
     settings = Settings()
     import_agent_modules([*settings.agents, *job.get("modules", [])])
     try:
         reply = asyncio.run(attempt(settings, job))
     except asyncio.CancelledError:
         # Stopped (SIGTERM, or its worker is gone): recorded "interrupted".
-        return 3
-    print(json.dumps(reply), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        raise SystemExit(STOPPED) from None
+    out.send_bytes(json.dumps({"reply": reply}).encode())

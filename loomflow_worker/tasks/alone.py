@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
+import multiprocessing.context
 import os
 import signal
-import subprocess
-import sys
+import time
 from contextlib import suppress
 from typing import Any
 
-from ..execution import ledger
+from ..execution import ledger, quarantine
 from ..execution.errors import AttemptLost, DiedAlone
 from ..execution.execute import Outcome
 from ..execution.quarantine import decode_outcome
@@ -49,11 +50,7 @@ def run_alone(
     with alone.slots:
         log.info("request %s: running alone in a process of its own", request_id,
                  extra={"action": "quarantine_start", "request": request_id})
-        returncode, stdout, stderr = _run_process(request_id, job, timeout)
-    for line in stderr.splitlines():
-        log.info("request %s (alone): %s", request_id, line,
-                 extra={"action": "quarantine_log", "request": request_id})
-    reply = _reply(stdout)
+        returncode, reply = _run_process(request_id, job, timeout)
     with alone.guard:
         revoked = request_id in alone.revoked
         alone.revoked.discard(request_id)
@@ -78,27 +75,75 @@ def run_alone(
     return decode_outcome(reply)
 
 
-def _run_process(request_id: str, job: dict[str, Any], timeout: float) -> tuple[int, str, str]:
-    """Run the attempt's process to its end (stopped past ``timeout``); its
-    exit code, standard output and standard error."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "loomflow_worker.execution.quarantine"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=os.environ.copy(),
+def _run_process(
+    request_id: str, job: dict[str, Any], timeout: float
+) -> tuple[int, dict[str, Any] | None]:
+    """Run the attempt's process to its end (stopped past ``timeout``), logging
+    its lines as they come; its exit code and its reply, if it sent one."""
+    reader, writer = _processes().Pipe(duplex=False)
+    process = _processes().Process(
+        target=quarantine.child, args=({**job, "worker_pid": os.getpid()}, writer),
+        name=f"{quarantine.PROCESS_NAME} {request_id}",
     )
     alone = PROCESS.alone
-    with alone.guard:
-        alone.running[request_id] = process
+    reply: dict[str, Any] | None = None
     try:
-        stdout, stderr = process.communicate(json.dumps(job), timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        process.kill()
-        process.communicate()
-        raise DiedAlone(f"its process ran past {timeout:g}s and was stopped") from exc
+        process.start()
+        writer.close()
+        with alone.guard:
+            alone.running[request_id] = process
+        deadline = time.monotonic() + timeout
+        while True:
+            if not reader.poll(max(0.0, deadline - time.monotonic())):
+                process.kill()
+                process.join()
+                raise DiedAlone(f"its process ran past {timeout:g}s and was stopped")
+            try:
+                message = reader.recv_bytes()
+            except EOFError:
+                break
+            reply = _line(request_id, message) or reply
+        process.join()
+    except BaseException:
+        # Never left running unwatched: it stops its run (recorded interrupted).
+        if process.is_alive():
+            process.terminate()
+        raise
     finally:
+        reader.close()
+        writer.close()
         with alone.guard:
             alone.running.pop(request_id, None)
-    return process.returncode, stdout, stderr
+    assert process.exitcode is not None
+    return process.exitcode, reply
+
+
+def _line(request_id: str, message: bytes) -> dict[str, Any] | None:
+    """Log a log line of the process as the request's; a reply, returned."""
+    try:
+        item = json.loads(message)
+    except ValueError:
+        item = None
+    if isinstance(item, dict) and isinstance(item.get("reply"), dict):
+        reply: dict[str, Any] = item["reply"]
+        return reply
+    line = item["log"] if isinstance(item, dict) and "log" in item else repr(message)
+    log.info("request %s (alone): %s", request_id, line,
+             extra={"action": "quarantine_log", "request": request_id})
+    return None
+
+
+def _processes() -> multiprocessing.context.ForkServerContext:
+    """Where a request's own process comes from: a fork server that imported
+    the attempt's code and the agents once (started on first use; it stops
+    with this process)."""
+    context = multiprocessing.get_context("forkserver")
+    with PROCESS.alone.guard:
+        if not PROCESS.alone.preloaded:
+            context.set_forkserver_preload(
+                ["loomflow_worker.execution.quarantine", *agent_modules()])
+            PROCESS.alone.preloaded = True
+    return context
 
 
 def stop_alone(request_id: str) -> bool:
@@ -114,17 +159,7 @@ def stop_alone(request_id: str) -> bool:
         alone.revoked.add(request_id)
     log.info("request %s: revoked; stopping its process", request_id,
              extra={"action": "revoke", "request": request_id})
-    with suppress(ProcessLookupError):
-        process.send_signal(signal.SIGUSR1)
+    if process.pid is not None:
+        with suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGUSR1)
     return True
-
-
-def _reply(stdout: str) -> dict[str, Any] | None:
-    lines = stdout.strip().splitlines()
-    if not lines:
-        return None
-    try:
-        reply = json.loads(lines[-1])
-    except ValueError:
-        return None
-    return reply if isinstance(reply, dict) else None

@@ -9,10 +9,10 @@ context (each checks the process id, or is made at ``worker_process_init``)."""
 
 from __future__ import annotations
 
-import subprocess
 import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import psycopg
@@ -43,7 +43,9 @@ class AloneRuns:
         default_factory=lambda: threading.BoundedSemaphore(ALONE_AT_ONCE)
     )
     #: The processes running a request alone now, by request id.
-    running: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+    running: dict[str, BaseProcess] = field(default_factory=dict)
+    #: Whether the fork server they come from was told what to import.
+    preloaded: bool = False
     #: The requests among them a revoke with terminate stopped.
     revoked: set[str] = field(default_factory=set)
     #: Held while :attr:`running` or :attr:`revoked` is read or changed.
