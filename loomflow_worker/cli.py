@@ -15,7 +15,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec
@@ -892,6 +892,7 @@ def doctor(grace_period: float, as_json: bool) -> None:
     from . import admin
     from .settings import Settings
 
+    checks: Iterable[admin.Check]
     try:
         settings = Settings()
     except (ValidationError, SettingsError) as exc:
@@ -900,14 +901,16 @@ def doctor(grace_period: float, as_json: bool) -> None:
     else:
         _secrets[:] = admin.secrets_of(settings)
         checks = admin.doctor(settings, grace_period=grace_period)
-    for check in checks:
+    passed = True
+    for check in checks:  # each shown as soon as it is made
+        passed &= check.ok
         if as_json:
             _echo_json({"check": check.name, "ok": check.ok,
                         "detail": admin.redact(check.detail, _secrets),
                         "hint": check.hint if not check.ok else ""})
         else:
             click.echo(admin.redact(check.line(), _secrets))
-    sys.exit(EXIT_OK if all(c.ok for c in checks) else EXIT_FAILED)
+    sys.exit(EXIT_OK if passed else EXIT_FAILED)
 
 
 # ---- console --------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ each with what to do when it fails."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,13 +64,14 @@ def check_settings(settings: Settings, grace_period: float) -> list[Check]:
     return checks
 
 
-def doctor(settings: Settings, *, grace_period: float, timeout: float = 3.0) -> list[Check]:
-    """Every check, each a :class:`Check` with what to do when it fails."""
-    checks = [*_check_database(settings), _check_broker(settings, timeout)]
-    checks += _check_redis(settings, timeout)
-    checks.append(_check_agents(settings))
-    checks += check_settings(settings, grace_period)
-    return checks
+def doctor(settings: Settings, *, grace_period: float, timeout: float = 3.0) -> Iterator[Check]:
+    """Every check, each a :class:`Check` with what to do when it fails, given as
+    it is made (the database's first, before the broker's client is loaded)."""
+    yield from _check_database(settings)
+    yield _check_broker(settings, timeout)
+    yield from _check_redis(settings, timeout)
+    yield _check_agents(settings)
+    yield from check_settings(settings, grace_period)
 
 
 def _check_database(settings: Settings) -> list[Check]:
@@ -123,8 +125,13 @@ def _check_broker(settings: Settings, timeout: float) -> Check:
     connection: Any = kombu.connection.Connection
     url = settings.broker_url.get_secret_value()
     options = dict(settings.broker_transport_options)
+    # A broker that takes the connection and never answers fails the check
+    # within the timeout instead of holding it up for ever.
     if settings.is_redis_broker:
         options["visibility_timeout"] = settings.visibility_timeout
+        options["socket_timeout"] = timeout
+    elif url.startswith(("amqp://", "amqps://", "pyamqp://")):
+        options["read_timeout"] = options["write_timeout"] = timeout
     try:
         with connection(url, connect_timeout=timeout, transport_options=options) as conn:
             conn.ensure_connection(

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -599,6 +600,31 @@ def _checks(output: str) -> dict[str, str]:
         name = rest.split(":", 1)[0]
         found[name] = f"{verdict} {rest}"
     return found
+
+
+@pytest.mark.parametrize("scheme", ["redis://127.0.0.1:{port}/0",
+                                    "amqp://guest:guest@127.0.0.1:{port}//"])
+def test_doctor_shows_each_check_as_it_is_made(fleet: Fleet, scheme: str) -> None:
+    # A broker that accepts the connection and never answers holds its check
+    # up to the timeout, then fails it: the database's lines are out before.
+    silent = socket.create_server(("127.0.0.1", 0))
+    port = silent.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "loomflow_worker.cli", "doctor"],
+        env={**fleet.env, "LOOMFLOW_WORKER_BROKER_URL": scheme.format(port=port)},
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert process.stdout is not None
+        first = process.stdout.readline()
+        assert first.startswith("OK   database: "), first
+        assert process.poll() is None  # still checking the broker
+        rest, _ = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        silent.close()
+    assert process.returncode == 1
+    assert _checks(first + rest)["broker"].startswith("FAIL broker: "), rest
 
 
 def test_doctor_passes_on_a_healthy_fleet_and_says_what_to_fix(
