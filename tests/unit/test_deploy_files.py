@@ -125,12 +125,14 @@ def secret_setting_names() -> set[str]:
 
 
 def console_script() -> tuple[str, click.Group]:
-    """The console script of ``[project.scripts]`` and the click group it runs."""
+    """The console script of ``[project.scripts]`` and the click group it runs
+    (``cli.run`` runs the group ``cli.main``, then leaves)."""
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert len(scripts) == 1, scripts
     ((name, target),) = scripts.items()
     module, _, attr = target.partition(":")
-    group = getattr(importlib.import_module(module), attr)
+    assert attr == "run", target
+    group = importlib.import_module(module).main
     assert isinstance(group, click.Group)
     return name, group
 
