@@ -19,6 +19,7 @@ ends it revoked on SIGUSR1 (a revoke with terminate).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -123,10 +124,11 @@ async def _mark_lost(ctx: WorkerContext, lost: AttemptLost) -> None:
 def _stop_when_orphaned(
     loop: asyncio.AbstractEventLoop, worker: int, run: asyncio.Task[Any]
 ) -> None:
-    """Stop the run once the worker that started it is gone (checked each second)."""
+    """Stop the run once the worker that started it is gone (checked each second;
+    a pid taken by another user's process since counts as gone)."""
     try:
         os.kill(worker, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         run.cancel()
         return
     if not run.done():
@@ -162,11 +164,17 @@ def child(job: dict[str, Any], out: Connection) -> None:
     handler = _PipeHandler(out)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(handlers=[handler], level=logging.INFO, force=True)
-    settings = Settings()
-    import_agent_modules([*settings.agents, *job.get("modules", [])])
     try:
+        settings = Settings()
+        import_agent_modules([*settings.agents, *job.get("modules", [])])
         reply = asyncio.run(attempt(settings, job))
     except asyncio.CancelledError:
         # Stopped (SIGTERM, or its worker is gone): recorded "interrupted".
         raise SystemExit(STOPPED) from None
-    out.send_bytes(json.dumps({"reply": reply}).encode())
+    except BaseException:
+        # Its traceback reaches the worker's log under the request.
+        log.exception("request %s: its process failed", job["request_id"])
+        raise
+    # Under the handler's lock: a line logged by another thread must not cut into it.
+    with handler.lock or contextlib.nullcontext():
+        out.send_bytes(json.dumps({"reply": reply}).encode())

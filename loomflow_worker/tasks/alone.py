@@ -30,6 +30,9 @@ from .state import PROCESS
 
 log = logging.getLogger("loomflow_worker.tasks")
 
+#: How long a process that sent its reply may take to end before it is stopped.
+EXIT_GRACE = 10.0
+
 
 def run_alone(
     request_id: str,
@@ -100,10 +103,15 @@ def _run_process(
                 raise DiedAlone(f"its process ran past {timeout:g}s and was stopped")
             try:
                 message = reader.recv_bytes()
-            except EOFError:
-                break
+            except (EOFError, OSError):
+                break  # it closed its end, or died within a message
             reply = _line(request_id, message) or reply
-        process.join()
+        # A process that replied but does not end (a tool's thread that
+        # lingers) is stopped: its reply stands.
+        process.join(EXIT_GRACE if reply is not None else None)
+        if process.is_alive():
+            process.kill()
+            process.join()
     except BaseException:
         # Never left running unwatched: it stops its run (recorded interrupted).
         if process.is_alive():
@@ -159,7 +167,8 @@ def stop_alone(request_id: str) -> bool:
         alone.revoked.add(request_id)
     log.info("request %s: revoked; stopping its process", request_id,
              extra={"action": "revoke", "request": request_id})
-    if process.pid is not None:
+    # Not once it has ended: its pid may be another process's by now.
+    if process.pid is not None and process.exitcode is None:
         with suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGUSR1)
     return True
