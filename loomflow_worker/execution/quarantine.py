@@ -19,7 +19,6 @@ ends it revoked on SIGUSR1 (a revoke with terminate).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -142,9 +141,18 @@ class _PipeHandler(logging.Handler):
         super().__init__()
         self._out = out
 
+    def send(self, item: dict[str, Any]) -> None:
+        """Send ``item``, a JSON object, whole: under the handler's lock, so a
+        line another thread logs cannot cut into it."""
+        self.acquire()
+        try:
+            self._out.send_bytes(json.dumps(item).encode())
+        finally:
+            self.release()
+
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._out.send_bytes(json.dumps({"log": self.format(record)}).encode())
+            self.send({"log": self.format(record)})
         except (OSError, ValueError):
             self.handleError(record)
 
@@ -175,6 +183,4 @@ def child(job: dict[str, Any], out: Connection) -> None:
         # Its traceback reaches the worker's log under the request.
         log.exception("request %s: its process failed", job["request_id"])
         raise
-    # Under the handler's lock: a line logged by another thread must not cut into it.
-    with handler.lock or contextlib.nullcontext():
-        out.send_bytes(json.dumps({"reply": reply}).encode())
+    handler.send({"reply": reply})

@@ -83,8 +83,9 @@ def _run_process(
 ) -> tuple[int, dict[str, Any] | None]:
     """Run the attempt's process to its end (stopped past ``timeout``), logging
     its lines as they come; its exit code and its reply, if it sent one."""
-    reader, writer = _processes().Pipe(duplex=False)
-    process = _processes().Process(
+    processes = _processes()
+    reader, writer = processes.Pipe(duplex=False)
+    process = processes.Process(
         target=quarantine.child, args=({**job, "worker_pid": os.getpid()}, writer),
         name=f"{quarantine.PROCESS_NAME} {request_id}",
     )
