@@ -238,7 +238,7 @@ def test_a_tool_that_holds_the_loop_past_the_lease_ends_dead_after_max_lost(
     assert status == "dead" and row["error_type"] == "AttemptsLost", (row, fleet.log_text())
     assert "lost their lock connection without completing a step" in str(row["error"])
     # Its deaths were stalls, not crashes; its neighbours finished.
-    assert row["crashes"] == 0, row
+    assert row["crashes"] == 0, (row, fleet.log_text())
     found = wait_terminal(fleet.dsn, neighbours, timeout=60)
     assert set(found.values()) == {"succeeded"}, found
     log = (fleet.logs / "w1.log").read_text()
