@@ -37,11 +37,14 @@ def frozen(conn: Conn, lease: float) -> dict[int, list[str]]:
     return by_backend
 
 
-def mark_frozen_lost(conn: Conn, request_ids: list[str]) -> None:
-    """Their lock connection was ended because they stopped heartbeating
-    (stalled, not crashed): their attempts end ``lost``, so the next ones
-    count no crash."""
-    conn.execute(query("mark_frozen_lost"), {"request_ids": request_ids})
+def mark_frozen_lost(conn: Conn, request_ids: list[str], pid: int, lease: float) -> None:
+    """Their lock connection (backend ``pid``) is about to be ended because
+    they stopped heartbeating for ``lease`` seconds (stalled, not crashed):
+    their attempts end ``lost``, so the next ones count no crash. An attempt
+    that has heartbeated since, or runs on another connection, is left
+    open."""
+    conn.execute(query("mark_frozen_lost"),
+                 {"request_ids": request_ids, "pid": pid, "lease": lease})
 
 
 def queued_by_queue(conn: Conn, default_queue: str) -> dict[str, int]:

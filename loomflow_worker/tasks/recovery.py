@@ -193,9 +193,13 @@ class Recovery:
         by_backend = ledger_recovery.frozen(conn, self.settings.lease_timeout)
         meter = metrics.get()
         for pid, request_ids in by_backend.items():
+            # Stalled, not crashed: their attempts end "lost" (committed) before
+            # the connection ends. A copy of a request waiting for its lock
+            # starts the instant the lock is free, and would find the attempt
+            # open and count it a crash.
+            ledger_recovery.mark_frozen_lost(
+                conn, request_ids, pid, self.settings.lease_timeout)
             conn.execute(query("terminate_backend"), {"pid": pid})
-            # Stalled, not crashed: their next attempts must not count a crash.
-            ledger_recovery.mark_frozen_lost(conn, request_ids)
             if meter is not None:
                 meter.sweeper.labels("fence").inc(len(request_ids))
             log.warning(

@@ -58,12 +58,15 @@ SELECT r.request_id, l.pid
 
 -- name: mark_frozen_lost
 -- Attempts whose process stopped heartbeating while it held their locks (frozen,
--- or its loop held past the lease): the sweeper ended its lock connection, so
--- they end "lost", not crashed, before their next attempt starts.
+-- or its loop held past the lease): they end "lost", not crashed, and then the
+-- sweeper ends their lock connection (backend `pid`), so their next attempt
+-- finds them ended. Those still stale and still held by that backend only.
 UPDATE run_attempts a SET ended_at = clock_timestamp(), outcome = 'lost'
   FROM runs r
  WHERE r.request_id = ANY(%(request_ids)s) AND a.request_id = r.request_id
-   AND a.attempt = r.attempts AND a.ended_at IS NULL;
+   AND a.attempt = r.attempts AND a.ended_at IS NULL
+   AND r.status = 'running' AND r.holder_pid = %(pid)s
+   AND r.heartbeat_at < now() - make_interval(secs => %(lease)s);
 
 -- name: queued_queues
 -- The queues the queued requests' messages wait in (the default queue for a
