@@ -303,7 +303,72 @@ async def _writable(conn: AsyncConnection[Any]) -> None:
     await _wait(conn, write=True)
 
 
+class _Watch:
+    """A connection's socket watched for reading for as long as the
+    connection is this module's alone (a lock connection between its turns
+    that go through psycopg): one reader registered once, rather than one
+    registered and removed on each wait. The socket turning readable while
+    nobody waits (a backend ended between turns) removes the reader, leaving
+    what came for the next wait to read, as an unwatched connection does."""
+
+    def __init__(self, conn: AsyncConnection[Any], loop: asyncio.AbstractEventLoop) -> None:
+        self.conn = conn
+        self.loop = loop
+        self.fd: int | None = None
+        self.ready: asyncio.Future[None] | None = None
+
+    async def wait(self) -> None:
+        if self.fd is None:
+            self.fd = self.conn.pgconn.socket
+            self.loop.add_reader(self.fd, self._readable)
+        ready = self.ready = self.loop.create_future()
+        try:
+            await ready
+        finally:
+            self.ready = None
+
+    def _readable(self) -> None:
+        ready = self.ready
+        if ready is None:
+            self.stop()
+        elif not ready.done():
+            ready.set_result(None)
+        # Done: its waiter reads the socket as soon as it resumes.
+
+    def stop(self) -> None:
+        if self.fd is not None:
+            self.loop.remove_reader(self.fd)
+            self.fd = None
+
+
+_watched: weakref.WeakKeyDictionary[AsyncConnection[Any], _Watch] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def watch(conn: AsyncConnection[Any]) -> None:
+    """From now on this module's waits for ``conn``'s answers share one
+    reader on its socket. Only for a connection nothing else reads between
+    :func:`watch` and :func:`unwatch` (psycopg registers and removes readers
+    of its own), and :func:`unwatch` it before it is closed."""
+    if conn not in _watched:
+        _watched[conn] = _Watch(conn, asyncio.get_running_loop())
+
+
+def unwatch(conn: AsyncConnection[Any]) -> None:
+    """Remove the reader :func:`watch` set on ``conn``'s socket, before
+    psycopg uses the connection or it is closed."""
+    found = _watched.pop(conn, None)
+    if found is not None:
+        found.stop()
+
+
 async def _wait(conn: AsyncConnection[Any], *, write: bool) -> None:
+    if not write:
+        watched = _watched.get(conn)
+        if watched is not None:
+            await watched.wait()
+            return
     loop = asyncio.get_running_loop()
     fd = conn.pgconn.socket
     ready: asyncio.Future[None] = loop.create_future()

@@ -136,6 +136,7 @@ class LockConnection(Generic[L]):
         self._writes: list[_Write] = []
         # The callers of the statement in flight.
         self._current: list[asyncio.Future[Any]] = []
+        self._watchdog = _Watchdog(self)
         self._wake = asyncio.Event()
         self._server: asyncio.Task[None] | None = None
         # Statements of journal writes sent, and the rows they carried.
@@ -253,6 +254,7 @@ class LockConnection(Generic[L]):
         return f"{len(scopes)} scopes on lock connection {self.index}"
 
     async def _close(self) -> None:
+        fastpath.unwatch(self.conn)
         try:
             await asyncio.wait_for(self.conn.close(), timeout=5)
         except Exception:
@@ -261,6 +263,7 @@ class LockConnection(Generic[L]):
     # ---- the server task ---------------------------------------------------------------
 
     async def _serve(self) -> None:
+        fastpath.watch(self.conn)
         try:
             while self.fenced is None:
                 while self._urgent and self.fenced is None:
@@ -306,7 +309,7 @@ class LockConnection(Generic[L]):
         I/O timeout fences the connection there and then: the callers hear of
         it at once, whatever the driver then takes to give up on the query."""
         self._current = waiting
-        watchdog = _Watchdog(self, asyncio.get_running_loop())
+        self._watchdog.start()
         try:
             return await fn(self.conn)
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
@@ -314,11 +317,13 @@ class LockConnection(Generic[L]):
                 f"{type(exc).__name__}: {str(exc).strip() or 'connection lost'}", exc
             ) from exc
         finally:
-            watchdog.cancel()
+            self._watchdog.stop()
             self._current = []
 
     async def _turn(self, work: _Work) -> None:
         assert work.fn is not None
+        # psycopg may read the connection in this turn, with readers of its own.
+        fastpath.unwatch(self.conn)
         try:
             result = await self._guarded(work.fn, [work.done])
         except BaseException as exc:
@@ -326,6 +331,9 @@ class LockConnection(Generic[L]):
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
+        finally:
+            if self.fenced is None:
+                fastpath.watch(self.conn)
         if not work.done.done():
             work.done.set_result(result)
 
@@ -415,25 +423,42 @@ class _Watchdog:
     """Fences a connection whose statement gets no answer within its I/O
     timeout. A timer that fires late found the loop held (a CPU-bound burst,
     a tool that blocked it): the answer may be waiting unread, so the
-    statement gets another turn of the loop, as long as the loop stays late."""
+    statement gets another turn of the loop, as long as the loop stays late.
 
-    def __init__(self, lock_conn: LockConnection[Any], loop: asyncio.AbstractEventLoop) -> None:
+    One timer serves the connection's statements one after another: a
+    statement sets its due time, and a timer that finds a later one set
+    waits for that one, so a round trip costs no timer of its own."""
+
+    def __init__(self, lock_conn: LockConnection[Any]) -> None:
         self._lock_conn = lock_conn
-        self._loop = loop
-        self._due = loop.time() + lock_conn.io_timeout
-        self._handle = loop.call_at(self._due, self._expire)
+        self._due: float | None = None
+        self._handle: asyncio.TimerHandle | None = None
 
-    def _expire(self) -> None:
-        late = self._loop.time() - self._due
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._due = loop.time() + self._lock_conn.io_timeout
+        if self._handle is None:
+            self._handle = loop.call_at(self._due, self._expire, loop)
+
+    def stop(self) -> None:
+        self._due = None
+
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._handle = None
+        due = self._due
+        if due is None:
+            return  # no statement waits
+        now = loop.time()
+        if now < due:
+            self._handle = loop.call_at(due, self._expire, loop)
+            return
+        late = now - due
         if late > LATE:
-            self._due = self._loop.time() + min(late, self._lock_conn.io_timeout)
-            self._handle = self._loop.call_at(self._due, self._expire)
+            self._due = now + min(late, self._lock_conn.io_timeout)
+            self._handle = loop.call_at(self._due, self._expire, loop)
             return
         silent = f"no answer within {self._lock_conn.io_timeout:g}s"
         self._lock_conn.fence(silent, TimeoutError(silent))
-
-    def cancel(self) -> None:
-        self._handle.cancel()
 
 
 def _fail(done: asyncio.Future[Any], exc: BaseException) -> None:
@@ -476,3 +501,22 @@ def _journal_calls(conn: Conn, rows: list[JournalRow]) -> list[fastpath.Call | N
 
 
 PUT_JOURNAL_BATCH = fastpath.Query.of("put_journal_batch")
+
+
+def after_rows(rows: list[JournalRow], batch: Batch[T]) -> Batch[T]:
+    """``batch`` with journal ``rows`` upserted first, in its transaction: an
+    error of theirs skips the batch and is raised, and the rows stand or fall
+    with the batch's first statements."""
+    count = 0
+
+    def build(conn: Conn) -> list[fastpath.Call | None]:
+        nonlocal count
+        calls = _journal_calls(conn, rows)
+        count = len(calls)
+        return [*calls, *batch.build(conn)]
+
+    def read(conn: Conn, results: list[PGresult | psycopg.Error]) -> T:
+        fastpath.succeeded(results[:count])
+        return batch.read(conn, results[count:])
+
+    return Batch(build, read)

@@ -429,10 +429,10 @@ class PostgresRuntime(JournaledRuntime):
         entry = await self._pg.get_step(scope, key)
         return (False, None) if entry is None else (True, entry.value)
 
-    async def _write_step(self, scope: str, key: str, value: Any) -> None:
+    async def _write_step(self, scope: str, key: str, value: Any, *, later: bool = False) -> None:
         lease = _lease_var.get()
         if lease is not None:
-            await lease.write_step(scope, key, value)
+            await lease.write_step(scope, key, value, later=later)
         else:
             await self._pg.put_step(scope, key, value)
 
@@ -445,7 +445,11 @@ class PostgresRuntime(JournaledRuntime):
         **kwargs: Any,
     ) -> Any:
         """Run ``fn`` once per journal key and journal its result (at-least-once:
-        a crash between ``fn`` and the write runs it again on resume)."""
+        a crash between ``fn`` and the write runs it again on resume).
+
+        In a run holding its scope, the result is written with the run's next
+        statement: the next step's ``fn`` starts only once it is committed,
+        and the last step's goes in the round trip of the run's finish."""
         session_id = _current_session_var.get()
         if session_id is None:
             return await fn(*args, **kwargs)
@@ -479,8 +483,10 @@ class PostgresRuntime(JournaledRuntime):
                 # The model saw this call under a new id: answer under that id.
                 value = value.model_copy(update={"call_id": call_id})
             return value
+        if lease is not None:
+            await lease.send_unsent()
         result = await fn(*args, **kwargs)
-        await self._write_step(scope, key, result)
+        await self._write_step(scope, key, result, later=True)
         self.stats.steps_executed += 1
         if lease is not None and lease.on_executed is not None:
             await lease.executed()
@@ -544,11 +550,13 @@ class PostgresRuntime(JournaledRuntime):
                 yield chunk
             return
         recorded: list[Any] = []
+        if lease is not None:
+            await lease.send_unsent()
         async for chunk in fn(*args, **kwargs):
             recorded.append(chunk)
             yield chunk
         if lease is not None:
-            await lease.write_stream(scope, key, recorded)
+            await lease.write_stream(scope, key, recorded, later=True)
         else:
             await self._pg.put_stream(scope, key, recorded)
         self.stats.steps_executed += 1

@@ -46,7 +46,7 @@ from .errors import (
     translated,
 )
 from .keys import scope_lock_key
-from .lockconn import Batch, JournalRow, LockConnection
+from .lockconn import Batch, JournalRow, LockConnection, after_rows
 from .lockconn import Conn as Conn
 from .migrate import migrate
 from .prune import Pruner
@@ -212,6 +212,11 @@ class Lease:
         # The concurrency limit slots the run holds (advisory lock keys on its
         # lock connection), released with its scope.
         self.slots: list[int] = []
+        # The journal rows of the run's latest executed step, not sent yet:
+        # they go ahead of the run's next statement on the lock connection,
+        # in its round trip (its finish's, for the last step), and before its
+        # next step runs (PostgresRuntime.step).
+        self._unsent: list[JournalRow] = []
 
     @property
     def backend_pid(self) -> int:
@@ -237,17 +242,33 @@ class Lease:
             self.stop = reason
 
     async def io(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
-        """Run ``fn`` in a turn on the lock connection; its loss fences the run."""
-        if self.fenced is not None:
-            raise self.fenced
+        """Run ``fn`` in a turn on the lock connection (after the run's unsent
+        journal rows); its loss fences the run."""
+        await self.send_unsent()
         return await self.lock_conn.run(fn)
 
     async def send(self, batch: Batch[T]) -> T:
         """``batch`` in a turn on the lock connection, in one round trip with
-        the other runs' batches waiting with it; its loss fences the run."""
+        the other runs' batches waiting with it; its loss fences the run. The
+        run's unsent journal rows go first, in the batch's transaction."""
         if self.fenced is not None:
             raise self.fenced
-        return await self.lock_conn.send(batch)
+        rows, self._unsent = self._unsent, []
+        return await self.lock_conn.send(after_rows(rows, batch) if rows else batch)
+
+    async def send_unsent(self) -> None:
+        """Write the run's unsent journal rows now (no round trip when there
+        are none)."""
+        if self.fenced is not None:
+            raise self.fenced
+        if self._unsent:
+            await self._write([])
+
+    def take_unsent(self) -> list[fastpath.Call]:
+        """The run's unsent journal rows as statements, for a caller that
+        sends them itself; they are no longer the lease's to send."""
+        rows, self._unsent = self._unsent, []
+        return [fastpath.journal_call(row.table, row.scope, row.key, row.value) for row in rows]
 
     # ---- reading -----------------------------------------------------------
 
@@ -336,25 +357,35 @@ class Lease:
 
     # ---- writing -----------------------------------------------------------
 
-    async def write_step(self, scope: str, key: str, value: Any) -> None:
+    async def write_step(self, scope: str, key: str, value: Any, *, later: bool = False) -> None:
+        """Journal a step's result; ``later``: with the run's next statement
+        (see ``_unsent``)."""
         blob = self.store._encode(value, key)
         if blob is None:
             return
-        await self._write([JournalRow("steps", scope, key, blob)])
+        await self._write([JournalRow("steps", scope, key, blob)], later=later)
         self._steps[(scope, key)] = blob
 
-    async def write_stream(self, scope: str, key: str, chunks: list[Any]) -> None:
+    async def write_stream(
+        self, scope: str, key: str, chunks: list[Any], *, later: bool = False
+    ) -> None:
         blob = self.store._encode(list(chunks), key)
         if blob is None:
             return
-        await self._write([JournalRow("streams", scope, key, blob)])
+        await self._write([JournalRow("streams", scope, key, blob)], later=later)
         self._streams[(scope, key)] = blob
 
-    async def _write(self, rows: list[JournalRow]) -> None:
+    async def _write(self, rows: list[JournalRow], *, later: bool = False) -> None:
         """Journal ``rows`` (batched with other runs' writes on the lock
-        connection); the run's first write also carries the last-run mark."""
+        connection), after the unsent ones; ``later``: keep them unsent. The
+        run's first write also carries the last-run mark, and is never kept."""
         if self.fenced is not None:
             raise self.fenced
+        if later and self.pending_last_run is None:
+            self._unsent.extend(rows)
+            return
+        if self._unsent:
+            rows, self._unsent = [*self._unsent, *rows], []
         started = time.perf_counter()
         last_run = self.pending_last_run
         if last_run is not None:
@@ -712,11 +743,23 @@ class PostgresJournalStore:
         raised once the scope is released."""
         if lease.released:
             return None
-        lease.released = True
-        lock_conn = lease.lock_conn
         if then is not None and before:
             raise InvalidInput("release(): `then` and `before` do not go together")
         failed: list[BaseException] = []
+        if lease.fenced is None and lease.lock_conn.fenced is None:
+            # The run's last journal rows, committed before the scope is free.
+            if then is None:
+                before = [*lease.take_unsent(), *before]
+            else:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await lease.send_unsent()
+                    except LockLost:
+                        pass  # fenced: the unlock below is skipped
+                    except Exception as exc:
+                        failed.append(exc)
+        lease.released = True
+        lock_conn = lease.lock_conn
         followed: list[DictRow] | None = None
         try:
             if lease.fenced is None and lock_conn.fenced is None:

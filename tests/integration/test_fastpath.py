@@ -43,8 +43,9 @@ def _count_turns(lock_conn: LockConnection[Any]) -> dict[str, int]:
 
 
 async def test_a_run_finishes_and_unlocks_in_one_round_trip(dsn: str) -> None:
-    """Lock and open, then the steps' writes, then the epoch advance and the
-    unlock together: two turns on the lock connection besides the writes."""
+    """Lock and open, then the steps' writes, then the last step's write, the
+    epoch advance and the unlock together: two turns on the lock connection
+    besides the writes of the five steps before the last."""
     effects = EffectsLog(dsn)
     await effects.setup()
     runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
@@ -54,7 +55,7 @@ async def test_a_run_finishes_and_unlocks_in_one_round_trip(dsn: str) -> None:
         counts = _count_turns(runtime.journal.live_connections()[0])
         result = await agent.run(calls("a", "b"), session_id="s", user_id="u")
         assert result.output == "done: recorded a, recorded b"
-        assert counts == {"turns": 2, "writes": 6}
+        assert counts == {"turns": 2, "writes": 5}
         # The epoch advanced and the scope is free: the next run opens epoch 2 at once.
         with anyio.fail_after(5):
             again = await make_agent(runtime, effects).run(
@@ -71,6 +72,46 @@ async def test_a_run_finishes_and_unlocks_in_one_round_trip(dsn: str) -> None:
         assert row is not None and row[0] == 2
     finally:
         await runtime.aclose()
+
+
+async def test_a_steps_record_is_committed_before_the_next_step_runs(dsn: str) -> None:
+    """A step's write goes with the run's next statement, but the next step's
+    callable starts only once it is committed: a process that dies in a step
+    never loses the step before it. Each tool reads, as it starts, what the
+    journal holds of the run from another connection."""
+    scope = journal_scope("s", "u")
+    held: dict[str, list[str]] = {}
+
+    async def look(tag: str) -> None:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            cur = await conn.execute(
+                "SELECT split_part(step_name, '@', 1) FROM journal_steps"
+                " WHERE session_id = %(s)s AND step_name NOT LIKE '\\_\\_%%'"
+                " UNION ALL SELECT split_part(step_name, '@', 1) FROM journal_streams"
+                " WHERE session_id = %(s)s", {"s": scope})
+            held[tag] = sorted(
+                str(row[0]).split(":")[-2] if row[0].startswith("idem:") else str(row[0])
+                for row in await cur.fetchall())
+
+    effects = EffectsLog(dsn, on_start=look)
+    await effects.setup()
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
+    try:
+        result = await make_agent(runtime, effects).run(calls("a", "b"), session_id="s",
+                                                        user_id="u")
+        assert result.output == "done: recorded a, recorded b"
+    finally:
+        await runtime.aclose()
+    # Each step committed before the step after it started.
+    assert held == {"a": ["model_call_1"],
+                    "b": ["model_call_1", "model_call_2", "tool_call_1_0"]}, held
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT count(*) FROM journal_steps WHERE session_id = %s"
+            " AND step_name LIKE '%%persist_episode%%'", (scope,))
+        last = await cur.fetchone()
+    # The last step, written in the finish's round trip.
+    assert last is not None and last[0] == 1
 
 
 async def test_a_failed_epoch_advance_raises_and_still_frees_the_scope(dsn: str) -> None:
