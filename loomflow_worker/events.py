@@ -187,6 +187,10 @@ class EventPublisher:
         self._due = math.inf
         self._timer: asyncio.TimerHandle | None = None
         self._flushes: set[asyncio.Task[None]] = set()
+        # Resolved once the events buffered now are sent (or dropped), and
+        # once the batch being sent is: what sent() waits for.
+        self._buffered_done: asyncio.Future[None] | None = None
+        self._sending_done: asyncio.Future[None] | None = None
         self.dropped = 0
 
     def publish(
@@ -227,13 +231,31 @@ class EventPublisher:
         self._flushes.add(task)
         task.add_done_callback(self._flushes.discard)
 
+    async def sent(self, within: float) -> None:
+        """Return once every event published so far is sent (or dropped),
+        sending them within ``within`` seconds: the requests that end
+        meanwhile go in the same call to Redis, rather than one call each."""
+        if self._buffer:
+            if self._buffered_done is None:
+                self._buffered_done = asyncio.get_running_loop().create_future()
+            done = self._buffered_done
+            self._schedule(within)
+        elif self._sending_done is not None:
+            done = self._sending_done
+        else:
+            return
+        await asyncio.shield(done)
+
     async def flush(self) -> None:
         """Send every event published so far (or drop them, counted, if Redis fails)."""
         async with self._sending:
             batch, self._buffer = self._buffer, {}
+            done, self._buffered_done = self._buffered_done, None
             if not batch:
+                _resolve(done)
                 return
             self._cancel_timer()  # this sends what it was set for
+            self._sending_done = done
             try:
                 await self._send(batch)
             except (redis.RedisError, OSError) as exc:
@@ -241,6 +263,9 @@ class EventPublisher:
                 self.dropped += dropped
                 log.warning("events: dropped %d events (%s)", dropped, exc,
                             extra={"action": "events_dropped"})
+            finally:
+                self._sending_done = None
+                _resolve(done)
 
     async def _send(self, batch: dict[str, list[str]]) -> None:
         args = [str(self._maxlen), str(self._retention)]
@@ -258,6 +283,11 @@ class EventPublisher:
         with contextlib.suppress(Exception):
             await self.flush()
         await self._client.aclose()
+
+
+def _resolve(done: asyncio.Future[None] | None) -> None:
+    if done is not None and not done.done():
+        done.set_result(None)
 
 
 def _reader_args(settings: Settings | None, url: str | None) -> tuple[str, str]:

@@ -103,6 +103,12 @@ class Outcome:
 MessageOptions = Callable[[], dict[str, Any] | None]
 
 
+#: A request's last events are in its stream this long after it ends, at
+#: most, and before its result is stored: the requests that end meanwhile
+#: send theirs in the same call to Redis.
+END_SENT_WITHIN = 0.01
+
+
 async def _noop_emit(event: Event) -> None:
     return None
 
@@ -409,7 +415,7 @@ async def execute(
             return _not_its_own(request_id, differ)
         if ctx.events is not None:
             ctx.events.end(request_id, 0, "failed", str(exc))
-            await ctx.events.flush()
+            await ctx.events.sent(END_SENT_WITHIN)
         log.warning(
             "request %s refused: %s", request_id, exc,
             extra={"action": "refused", "request": request_id},
@@ -506,7 +512,8 @@ async def execute(
         async with runtime.pool.connection() as conn:
             outcome.dispatch.extend(await ledger.fair_next(conn))
     if ctx.events is not None:
-        await ctx.events.flush()
+        # Its events are in its stream before its result is stored.
+        await ctx.events.sent(END_SENT_WITHIN)
     return outcome
 
 
