@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from contextlib import suppress
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from ..execution import ledger, quarantine
@@ -51,9 +52,16 @@ def run_alone(
            "time_limit": time_limit, "options": options, "modules": agent_modules()}
     alone = PROCESS.alone
     with alone.slots:
-        log.info("request %s: running alone in a process of its own", request_id,
-                 extra={"action": "quarantine_start", "request": request_id})
-        returncode, reply = _run_process(request_id, job, timeout)
+        with alone.guard:
+            # A revoke from now on stops it, however soon its process starts.
+            alone.running[request_id] = None
+        try:
+            log.info("request %s: running alone in a process of its own", request_id,
+                     extra={"action": "quarantine_start", "request": request_id})
+            returncode, reply = _run_process(request_id, job, timeout)
+        finally:
+            with alone.guard:
+                alone.running.pop(request_id, None)
     with alone.guard:
         revoked = request_id in alone.revoked
         alone.revoked.discard(request_id)
@@ -96,6 +104,11 @@ def _run_process(
         writer.close()
         with alone.guard:
             alone.running[request_id] = process
+            revoked = request_id in alone.revoked
+        if revoked:
+            # Revoked while it started: stopped now (before its handler is
+            # set, the signal ends it, as a revoke before its run began).
+            _signal_revoked(process)
         deadline = time.monotonic() + timeout
         while True:
             if not reader.poll(max(0.0, deadline - time.monotonic())):
@@ -162,14 +175,21 @@ def stop_alone(request_id: str) -> bool:
     ``False`` when the request does not run alone here."""
     alone = PROCESS.alone
     with alone.guard:
-        process = alone.running.get(request_id)
-        if process is None:
+        if request_id not in alone.running:
             return False
+        process = alone.running[request_id]
         alone.revoked.add(request_id)
     log.info("request %s: revoked; stopping its process", request_id,
              extra={"action": "revoke", "request": request_id})
+    if process is not None:
+        _signal_revoked(process)
+    # Else its process is starting: it is stopped once started.
+    return True
+
+
+def _signal_revoked(process: BaseProcess) -> None:
+    """Tell a request's own process its request was revoked (SIGUSR1)."""
     # Not once it has ended: its pid may be another process's by now.
     if process.pid is not None and process.exitcode is None:
         with suppress(ProcessLookupError):
             os.kill(process.pid, signal.SIGUSR1)
-    return True

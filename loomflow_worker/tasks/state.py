@@ -42,8 +42,9 @@ class AloneRuns:
     slots: threading.BoundedSemaphore = field(
         default_factory=lambda: threading.BoundedSemaphore(ALONE_AT_ONCE)
     )
-    #: The processes running a request alone now, by request id.
-    running: dict[str, BaseProcess] = field(default_factory=dict)
+    #: The processes running a request alone now, by request id (``None``
+    #: while its process starts).
+    running: dict[str, BaseProcess | None] = field(default_factory=dict)
     #: Whether the fork server they come from was told what to import.
     preloaded: bool = False
     #: The requests among them a revoke with terminate stopped.
