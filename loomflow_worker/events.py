@@ -255,6 +255,8 @@ class EventPublisher:
                 _resolve(done)
                 return
             self._cancel_timer()  # this sends what it was set for
+            # What a sent() called while this batch is on its way waits for.
+            done = done or asyncio.get_running_loop().create_future()
             self._sending_done = done
             try:
                 await self._send(batch)

@@ -128,6 +128,48 @@ def test_requests_that_end_together_send_their_events_in_one_call() -> None:
         client.close()
 
 
+def test_a_request_ending_while_its_events_are_on_their_way_waits_for_them() -> None:
+    """A flush already sending a request's events (its timer fired first)
+    holds that request's end until they are in its stream, as one it makes
+    itself would."""
+    prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
+    url = REDIS_URL
+    client = redis.Redis.from_url(url)
+    found: list[str] = []
+
+    async def end() -> None:
+        publisher = EventPublisher(url, prefix=prefix, maxlen=1000, retention=600,
+                                   interval=60, step_end_delay=60)
+        send = publisher._send
+        sending = asyncio.Event()
+
+        async def slow(batch: dict[str, list[str]]) -> None:
+            sending.set()
+            await asyncio.sleep(0.3)
+            await send(batch)
+
+        publisher._send = slow  # type: ignore[method-assign]
+        try:
+            publisher.end("r0", 1, "succeeded", None)
+            flushing = asyncio.create_task(publisher.flush())
+            await sending.wait()
+            await publisher.sent(0.01)
+            found.extend(fields[b"kind"].decode()
+                         for _, fields in client.xrange(stream_key(prefix, "r0")))
+            await flushing
+        finally:
+            await publisher.aclose()
+
+    try:
+        asyncio.run(end())
+        assert found == ["end"], found
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
 def test_one_flush_appends_each_requests_events_to_its_own_stream_in_order() -> None:
     """A batch spanning many requests goes out in one call, and each stream
     gets exactly its own events, in the order they were published, with a
