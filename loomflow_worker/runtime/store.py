@@ -743,10 +743,12 @@ class PostgresJournalStore:
         raised once the scope is released."""
         if lease.released:
             return None
+        lease.released = True
+        lock_conn = lease.lock_conn
         if then is not None and before:
             raise InvalidInput("release(): `then` and `before` do not go together")
         failed: list[BaseException] = []
-        if lease.fenced is None and lease.lock_conn.fenced is None:
+        if lease.fenced is None and lock_conn.fenced is None:
             # The run's last journal rows, committed before the scope is free.
             if then is None:
                 before = [*lease.take_unsent(), *before]
@@ -758,8 +760,6 @@ class PostgresJournalStore:
                         pass  # fenced: the unlock below is skipped
                     except Exception as exc:
                         failed.append(exc)
-        lease.released = True
-        lock_conn = lease.lock_conn
         followed: list[DictRow] | None = None
         try:
             if lease.fenced is None and lock_conn.fenced is None:

@@ -134,8 +134,6 @@ def _run_process(
     finally:
         reader.close()
         writer.close()
-        with alone.guard:
-            alone.running.pop(request_id, None)
     assert process.exitcode is not None
     return process.exitcode, reply
 
