@@ -115,6 +115,10 @@ class Settings(BaseSettings):
     # ends `dead`. A death shared with other runs of a process counts toward
     # max_crashes only once the request ran alone (see the README).
     max_lost: int = Field(default=5, ge=2)
+    # Requests one worker process runs alone at once, each in a process (and
+    # with connections) of its own; a request that finds them all taken goes
+    # back to the queue, for any worker with room.
+    alone_at_once: int = Field(default=4, ge=1)
 
     # Bad input refused at enqueue.
     max_prompt_chars: int = Field(default=200_000, ge=1)

@@ -3,7 +3,8 @@
 A shared worker process (many runs on one loop) does not run a request that
 must run alone (:mod:`loomflow_worker.execution.quarantine` says which and
 why): its task hands the attempt to a process of its own and waits for it,
-a few at a time per worker process, then carries on with the outcome as if
+``ALONE_AT_ONCE`` at a time per worker process (a request that finds them all
+taken goes back to the queue, for any worker with room), then carries on with the outcome as if
 it had run here (result, handoffs, retry). A revoke with terminate ends
 that process, as it stops a run on the process's loop.
 """
@@ -34,6 +35,10 @@ log = logging.getLogger("loomflow_worker.tasks")
 #: How long a process that sent its reply may take to end before it is stopped.
 EXIT_GRACE = 10.0
 
+#: How long a request that must run alone waits for one of its worker
+#: process's ``ALONE_AT_ONCE`` to end before it goes back to the queue.
+SLOT_WAIT = 0.5
+
 
 def run_alone(
     request_id: str,
@@ -45,23 +50,32 @@ def run_alone(
     options: dict[str, Any] | None,
     timeout: float,
 ) -> Outcome:
-    """One attempt of ``request_id`` in a process of its own; its outcome.
-    Raises :class:`AttemptLost` or :class:`DatabaseUnavailable` as an
-    attempt here would, and :class:`DiedAlone` when the process died."""
+    """One attempt of ``request_id`` in a process of its own; its outcome
+    (``quarantine`` when this process runs ``ALONE_AT_ONCE`` requests alone
+    already and none ended within :data:`SLOT_WAIT`). Raises
+    :class:`AttemptLost` or :class:`DatabaseUnavailable` as an attempt here
+    would, and :class:`DiedAlone` when the process died."""
     job = {"request_id": request_id, "args": args, "kind": kind, "node": node,
            "time_limit": time_limit, "options": options, "modules": agent_modules()}
     alone = PROCESS.alone
-    with alone.slots:
+    at_once = PROCESS.current_settings().alone_at_once
+    if not alone.take(at_once, SLOT_WAIT):
+        # Not held here behind the others: any worker with room may take it.
+        log.info("request %s must run alone, and this worker process runs %d requests alone "
+                 "already (ALONE_AT_ONCE); it goes back to the queue", request_id, at_once,
+                 extra={"action": "quarantine_full", "request": request_id})
+        return Outcome("quarantine")
+    try:
         with alone.guard:
             # A revoke from now on stops it, however soon its process starts.
             alone.running[request_id] = None
-        try:
-            log.info("request %s: running alone in a process of its own", request_id,
-                     extra={"action": "quarantine_start", "request": request_id})
-            returncode, reply = _run_process(request_id, job, timeout)
-        finally:
-            with alone.guard:
-                alone.running.pop(request_id, None)
+        log.info("request %s: running alone in a process of its own", request_id,
+                 extra={"action": "quarantine_start", "request": request_id})
+        returncode, reply = _run_process(request_id, job, timeout)
+    finally:
+        with alone.guard:
+            alone.running.pop(request_id, None)
+        alone.give_back()
     with alone.guard:
         revoked = request_id in alone.revoked
         alone.revoked.discard(request_id)

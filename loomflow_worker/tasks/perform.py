@@ -99,6 +99,10 @@ def perform(task: AgentTask, args: dict[str, Any]) -> Any:
                 options=_message_options(task, task.request),
                 timeout=PROCESS.current_settings().run_time_limit + ALONE_GRACE,
             )
+            if outcome.kind == "quarantine":
+                # No room to run it alone here: again soon, on any worker
+                # (a first retry's countdown, whatever its retries so far).
+                raise task.retry(countdown=PROCESS.worker_context().backoff(1))
             if outcome.kind == "handed_back":
                 outcome = _attempt(task, request_id, args)
             if outcome.kind in ("quarantine", "handed_back"):

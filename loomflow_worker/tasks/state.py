@@ -29,19 +29,16 @@ from .admission import Admission
 from .loop import ChildLoop
 from .sweeper import Sweeper
 
-#: Requests of one worker process that run alone at once (each in a process).
-ALONE_AT_ONCE = 4
-
 
 @dataclass
 class AloneRuns:
     """The requests this process runs alone, each in a process of its own
     (see :mod:`loomflow_worker.tasks.alone`)."""
 
-    #: Taken while a request runs alone: :data:`ALONE_AT_ONCE` at once.
-    slots: threading.BoundedSemaphore = field(
-        default_factory=lambda: threading.BoundedSemaphore(ALONE_AT_ONCE)
-    )
+    #: How many run alone now (at most the ``ALONE_AT_ONCE`` setting).
+    taken: int = 0
+    #: Notified when one of them ends.
+    freed: threading.Condition = field(default_factory=threading.Condition)
     #: The processes running a request alone now, by request id (``None``
     #: while its process starts).
     running: dict[str, BaseProcess | None] = field(default_factory=dict)
@@ -51,6 +48,21 @@ class AloneRuns:
     revoked: set[str] = field(default_factory=set)
     #: Held while :attr:`running` or :attr:`revoked` is read or changed.
     guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self, at_once: int, wait: float) -> bool:
+        """Count one more request running alone, if fewer than ``at_once`` do
+        within ``wait`` seconds; whether it could."""
+        with self.freed:
+            if not self.freed.wait_for(lambda: self.taken < at_once, timeout=wait):
+                return False
+            self.taken += 1
+            return True
+
+    def give_back(self) -> None:
+        """One request ended running alone."""
+        with self.freed:
+            self.taken -= 1
+            self.freed.notify()
 
 
 @dataclass

@@ -305,6 +305,37 @@ def test_revoke_and_cancel_stop_requests_running_alone_and_their_sessions_move_o
     assert after.get(timeout=30)["request_id"] == after.id
 
 
+def test_a_request_that_finds_no_room_to_run_alone_goes_back_to_the_queue(
+    fleet: Fleet,
+) -> None:
+    # One request alone at a time per worker process: of the two suspects
+    # that w1 receives, the second is not held behind the first there.
+    env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
+           "TEST_TOOL_SLEEP": "3", "LOOMFLOW_WORKER_ALONE_AT_ONCE": "1"}
+    both = list(_quarantine(fleet, env))
+    deadline = time.monotonic() + 60
+    while "goes back to the queue" not in (fleet.logs / "w1.log").read_text():
+        assert time.monotonic() < deadline, fleet.log_text()
+        time.sleep(0.05)
+    # A worker with room takes it (or w1, once its own ended).
+    fleet.start("w2", concurrency=10, cli=True, pool="threads", **env)
+    for request_id in both:
+        assert wait_status(fleet.dsn, request_id, ("succeeded", "failed", "dead"),
+                           timeout=90) == "succeeded", fleet.log_text()
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        alone = conn.execute(
+            "SELECT request_id, split_part(worker, '@', 1), started_at, ended_at"
+            " FROM run_attempts WHERE request_id = ANY(%s) AND outcome = 'handed_back'",
+            (both,)).fetchall()
+        crashes = conn.execute("SELECT sum(crashes) FROM runs WHERE request_id = ANY(%s)",
+                               (both,)).fetchone()
+    assert sorted(r[0] for r in alone) == sorted(both), alone
+    assert crashes is not None and crashes[0] == 0, crashes
+    # Never two at once in one worker process.
+    (_, node_a, start_a, end_a), (_, node_b, start_b, end_b) = alone
+    assert node_a != node_b or end_a <= start_b or end_b <= start_a, alone
+
+
 def test_a_connection_lost_while_a_request_starts_alone_is_no_crash(
     fleet: Fleet, tmp_path: Path,
 ) -> None:
