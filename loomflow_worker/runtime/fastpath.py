@@ -209,8 +209,7 @@ async def _pipeline_results(
     conn: AsyncConnection[Any], syncs: int
 ) -> list[PGresult | psycopg.Error]:
     pg = conn.pgconn
-    while pg.flush():
-        await _writable(conn)
+    await _flush(conn)
     out: list[PGresult | psycopg.Error] = []
     found: PGresult | None = None
     while True:
@@ -262,8 +261,7 @@ async def _answer(conn: AsyncConnection[Any]) -> PGresult | psycopg.Error:
     """Flush what was sent and read the command's result, or the error it
     raised (a connection that fails raises)."""
     pg = conn.pgconn
-    while pg.flush():
-        await _writable(conn)
+    await _flush(conn)
     found: PGresult | None = None
     while True:
         while not pg.is_busy():
@@ -287,10 +285,30 @@ def _consume(conn: AsyncConnection[Any], found: PGresult | None) -> None:
     try:
         pg.consume_input()
     except psycopg.OperationalError as exc:
+        _socket_closed(conn)
         said = found if found is not None and found.status not in _OK else pg.get_result()
         if said is not None and said.error_field(DIAG_SQLSTATE):
             raise errors.error_from_result(said, encoding=conn.info.encoding) from exc
         raise
+
+
+async def _flush(conn: AsyncConnection[Any]) -> None:
+    """Send what libpq holds, waiting while the socket's buffer is full."""
+    try:
+        while conn.pgconn.flush():
+            await _writable(conn)
+    except psycopg.OperationalError:
+        _socket_closed(conn)
+        raise
+
+
+def _socket_closed(conn: AsyncConnection[Any]) -> None:
+    """libpq failed to read or write ``conn`` and closed its socket: no
+    reader stays on that file descriptor, which the next socket opened in
+    this process may get."""
+    watched = _watched.get(conn)
+    if watched is not None:
+        watched.stop()
 
 
 async def _readable(conn: AsyncConnection[Any]) -> None:
@@ -316,6 +334,7 @@ class _Watch:
         self.loop = loop
         self.fd: int | None = None
         self.ready: asyncio.Future[None] | None = None
+        self.resumed = False
 
     async def wait(self) -> None:
         if self.fd is None:
@@ -326,11 +345,20 @@ class _Watch:
             await ready
         finally:
             self.ready = None
+            # The loop's turn that resumed this waiter may hold a call of
+            # _readable for what the waiter reads now: until the next turn,
+            # a call finding no waiter is that one.
+            self.resumed = True
+            self.loop.call_soon(self._settled)
+
+    def _settled(self) -> None:
+        self.resumed = False
 
     def _readable(self) -> None:
         ready = self.ready
         if ready is None:
-            self.stop()
+            if not self.resumed:
+                self.stop()
         elif not ready.done():
             ready.set_result(None)
         # Done: its waiter reads the socket as soon as it resumes.

@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import psycopg
 import pytest
 from loomflow.runtime.journal import journal_scope
@@ -210,6 +211,38 @@ async def test_a_pipeline_skips_to_the_next_sync_after_an_error(dsn: str) -> Non
             "SELECT count(*) FROM journal_steps WHERE step_name = 'skipped'"
         )
         assert await cur.fetchone() == (0,)
+
+
+async def test_a_watched_connection_keeps_its_one_reader_from_answer_to_answer(
+    dsn: str,
+) -> None:
+    # The loop's turn that resumes a waiter may still hold a call of the
+    # reader for the answer that waiter then reads: that call must not take
+    # the reader away (two epoll_ctl calls and a re-registration each round trip).
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        fastpath.watch(conn)
+        try:
+            watched = fastpath._watched[conn]
+            for n in range(20):
+                results = await fastpath.pipeline(
+                    conn, [(fastpath.TRY_LOCK, (fastpath.int8(7),))])
+                assert not isinstance(results[0], psycopg.Error)
+                # Nobody waits now, as between a lock connection's turns.
+                await anyio.lowlevel.checkpoint()
+                assert watched.fd is not None, f"the reader was removed after answer {n + 1}"
+            # Data nobody waits for (the backend ended between turns) still
+            # removes it, and stays for the next wait to read.
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as other:
+                await other.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
+            for _ in range(500):
+                if watched.fd is None:
+                    break
+                await anyio.sleep(0.01)
+            assert watched.fd is None, "a reader left on a socket nobody reads"
+            with pytest.raises(psycopg.OperationalError):
+                await fastpath.pipeline(conn, [(fastpath.TRY_LOCK, (fastpath.int8(7),))])
+        finally:
+            fastpath.unwatch(conn)
 
 
 def test_a_statement_numbers_its_placeholders_in_the_order_given() -> None:
