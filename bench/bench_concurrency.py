@@ -37,6 +37,13 @@ backends, Redis), the event loop's lag (the largest of each second, from the wor
 attempts lost. Targets at ``--backlog --concurrency 1000 --runs 3000``: >= 150 runs/s,
 RSS <= 600 MB, 0 fenced, 0 retries; with ``--cpu-hogs 2``: every run finishes, 0 fenced,
 0 retries, >= 30 runs/s.
+
+``--yardstick`` adds a side that drains as many no-op tasks with a result (``noop`` in
+``bench/plain_celery_app.py``) on a plain Celery worker with the same pool and concurrency,
+and prints ours' worker CPU per run against plain Celery's per task, measured on the same
+machine in the same sitting. The worker target (< 6 ms a run) was set where plain Celery
+took 2.35 ms a no-op task: about 2.55x plain's, which is the figure to read on a machine
+whose cores are faster or slower.
 """
 
 from __future__ import annotations
@@ -89,6 +96,12 @@ TARGET_RUNS_PER_S = 50.0
 TARGET_RSS_MB = 400.0
 TARGET_CONNECTIONS = 6
 TARGET_REDIS_CONNECTIONS = 13
+#: Worker CPU per run in the backlog mode, and plain Celery's threads pool's
+#: per no-op task with a result, on the machine the target was set on: the
+#: yardstick side reads ours against plain's measured here.
+TARGET_WORKER_MS = 6.0
+ISSUE_PLAIN_NOOP_MS = 2.35
+YARDSTICK = "plain no-op"
 REDIS_PORT = 6379
 PREFORK_CONCURRENCY = 20
 
@@ -392,7 +405,19 @@ def report(results: Sequence[SideResult]) -> list[str]:
         f"enqueue of {ours.runs} runs took {ours.enqueue_s:.1f}s"
         + (" (before the worker started)" if ours.backlog else " (inside the wall time)")
     )
+    yardstick = next((r for r in results if r.label == YARDSTICK), None)
+    if yardstick is not None:
+        plain_ms = yardstick.ms_per_run(yardstick.peaks.worker_cpu_s())
+        ours_ms = ours.ms_per_run(ours.peaks.worker_cpu_s())
+        lines.append(
+            f"worker CPU per run against plain Celery's per no-op task on this machine: "
+            f"{ours_ms:.2f} / {plain_ms:.2f} ms = {ours_ms / plain_ms:.2f}x (the issue's "
+            f"target, {TARGET_WORKER_MS:g} ms where plain took {ISSUE_PLAIN_NOOP_MS:g} ms, is "
+            f"{TARGET_WORKER_MS / ISSUE_PLAIN_NOOP_MS:.2f}x)"
+        )
     for other in results[1:]:
+        if other is yardstick:
+            continue
         lines.append(
             f"ours threads vs {other.label}: {other.wall_s / ours.wall_s:.1f}x faster, "
             f"{other.peaks.rss_mb / max(ours.peaks.rss_mb, 1):.1f}x less RSS, "
@@ -435,6 +460,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="enqueue every run before the worker starts; time from its ready")
     parser.add_argument("--cpu-hogs", type=int, default=0, metavar="K",
                         help="K processes keeping a CPU busy each while a side runs")
+    parser.add_argument("--yardstick", action="store_true",
+                        help="also drain as many no-op tasks with a result on a plain Celery "
+                             "threads-pool worker (-c the same): plain Celery's own CPU per "
+                             "task on this machine, to read ours' against")
     parser.add_argument("--quick", action="store_true", help="200 runs")
     args = parser.parse_args(argv)
     if args.quick:
@@ -492,8 +521,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         def plain_submit(prompt: str, session: str) -> AsyncResult:
             return plain.run_agent.delay(prompt, session)
 
+        def noop_submit(prompt: str, session: str) -> AsyncResult:
+            return plain.noop.delay(prompt, session)
+
         sides = [("ours threads", "ours-t", "loomflow_worker.tasks", "threads",
                   args.concurrency, {**ours_env, **latency_env}, ours_submit, "ours")]
+        if args.yardstick:
+            sides.append(("plain no-op", "plain-n", "bench.plain_celery_app", "threads",
+                          args.concurrency, plain_config.env(), noop_submit, "plain"))
         if not args.only_threads:
             sides += [
                 ("ours prefork", "ours-p", "loomflow_worker.tasks", "prefork",

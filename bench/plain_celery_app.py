@@ -15,6 +15,7 @@ prefetch multiplier 1). Configured from ``BENCH_PLAIN_*`` variables at import, o
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import threading
@@ -28,7 +29,7 @@ from celery.signals import worker_process_init, worker_process_shutdown
 from loomflow.core.types import Event
 from loomflow.runtime import PostgresRuntime
 
-from bench.agents_bench import build_agent
+from bench.agents_bench import build_agent, expected_output
 
 log = logging.getLogger("bench.plain_celery_app")
 
@@ -198,3 +199,13 @@ async def _run(prompt: str, session_id: str, request_id: str) -> dict[str, Any]:
 def run_agent(self: Any, prompt: str, session_id: str) -> dict[str, Any]:
     """Run the bench agent on ``prompt`` in ``session_id`` with loomflow's PostgresRuntime."""
     return _loop.run(_run(prompt, session_id, str(self.request.id)))
+
+
+@app.task(name="bench.plain_noop")  # type: ignore[untyped-decorator]
+def noop(prompt: str, session_id: str) -> dict[str, Any]:
+    """No work, a result: what the bench agent's run answers to ``prompt``,
+    read off the prompt. Plain Celery's own cost per task (receive, run,
+    store the result, ack), the yardstick ``bench_concurrency.py --yardstick``
+    measures ours against."""
+    tags = [json.loads(line.split(" ", 2)[2])["tag"] for line in prompt.splitlines()]
+    return {"output": expected_output(*tags), "session_id": session_id}

@@ -75,6 +75,15 @@ class LockLost(LoomflowWorkerError):
         )
 
 
+class OpenFailed(Exception):
+    """A run's open query failed after its scope's lock was taken (within
+    the store: the lock is freed and ``error`` raised)."""
+
+    def __init__(self, error: psycopg.Error) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class RunStopped(BaseException):
     """Raised at a run's next step boundary after it was asked to stop.
 

@@ -42,6 +42,7 @@ from .errors import (
     DatabaseUnavailable,
     InvalidInput,
     LockLost,
+    OpenFailed,
     SessionBusy,
     translated,
 )
@@ -663,8 +664,10 @@ class PostgresJournalStore:
             try:
                 if gate is not None:
                     tried, opened = await lock_conn.send(gate(key, may_lock)), None
+                elif may_lock:
+                    tried, opened = await self._try_lock(lock_conn, key, scope, try_open)
                 else:
-                    tried, opened = await lock_conn.run(_try_lock(key, may_lock, scope, try_open))
+                    tried, opened = False, None
             except BaseException:
                 if may_lock:
                     self._forget(key)
@@ -687,6 +690,19 @@ class PostgresJournalStore:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(freed.wait(), pause if left is None else min(pause, left))
             pause = min(pause * 2, WAIT_POLL_MAX)
+
+    async def _try_lock(
+        self, lock_conn: LockConnection[Lease], key: int, scope: str, opening: OpenChoice | None
+    ) -> tuple[bool, list[DictRow] | None]:
+        """Try ``scope``'s lock on ``lock_conn`` (with the run's open query),
+        in one round trip with the other runs' statements waiting there."""
+        try:
+            return await lock_conn.send(_try_lock(key, scope, opening))
+        except OpenFailed as failed:
+            # A session lock outlives the transaction the open failed in:
+            # free it before the error goes up.
+            await lock_conn.run(lambda conn: conn.execute(query("unlock_if_held"), {"key": key}))
+            raise failed.error from None
 
     async def take_slot(self, lease: Lease, keys: Sequence[int]) -> bool:
         """Take one free slot of a concurrency limit, one of ``keys``, for
@@ -970,42 +986,34 @@ async def open_pool(
 
 
 def _try_lock(
-    key: int,
-    may_lock: bool,
-    scope: str,
-    opening: OpenChoice | None,
-) -> Callable[[Conn], Awaitable[tuple[bool | None, list[DictRow] | None]]]:
-    """The statement that tries a scope's lock; with ``may_lock`` false the
-    lock is held in this process already and is not asked for. With
-    ``opening``, the run's open query follows the try-lock in one pipeline:
-    Postgres runs it after the lock is taken, on a snapshot of its own, so
-    it reads every step the previous holder committed; its rows are dropped
-    when the lock was busy."""
+    key: int, scope: str, opening: OpenChoice | None
+) -> Batch[tuple[bool, list[DictRow] | None]]:
+    """The statement that tries a scope's lock. With ``opening``, the run's
+    open query follows the try-lock in the same transaction: Postgres runs
+    it after the lock is taken, on a snapshot of its own, so it reads every
+    step the previous holder committed; its rows are dropped when the lock
+    was busy. Raises :class:`OpenFailed` when the lock was taken but the
+    open failed."""
+    calls: list[fastpath.Call | None] = [(fastpath.TRY_LOCK, (fastpath.int8(key),))]
+    if opening is not None:
+        calls.append(opening.call(scope))
 
-    async def try_lock(conn: Conn) -> tuple[bool | None, list[DictRow] | None]:
-        if not may_lock:
+    def read(conn: Conn, results: list[PGresult | psycopg.Error]) -> tuple[
+        bool, list[DictRow] | None
+    ]:
+        tried = results[0]
+        if isinstance(tried, psycopg.Error):
+            raise tried
+        if not _first_value(tried):
             return False, None
-        lock = (fastpath.TRY_LOCK, (fastpath.int8(key),))
         if opening is None:
-            return bool(_first_value(await fastpath.execute(conn, *lock))), None
-        try:
-            tried, opened = await fastpath.pipeline(conn, [lock, opening.call(scope)])
-            if isinstance(tried, psycopg.Error):
-                raise tried
-            if not _first_value(tried):
-                return False, None
-            if isinstance(opened, psycopg.Error):
-                raise opened
-            return True, fastpath.rows(opened)
-        except psycopg.DatabaseError as exc:
-            if isinstance(exc, psycopg.OperationalError):
-                raise  # the connection is gone, and its locks with it
-            # The open failed after the lock may have been taken, and a session
-            # lock outlives its transaction: free it before the error goes up.
-            await conn.execute(query("unlock_if_held"), {"key": key})
-            raise
+            return True, None
+        opened = results[1]
+        if isinstance(opened, psycopg.Error):
+            raise OpenFailed(opened)
+        return True, fastpath.rows(opened)
 
-    return try_lock
+    return Batch(lambda conn: calls, read)
 
 
 async def _beat(

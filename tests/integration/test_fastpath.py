@@ -23,11 +23,12 @@ pytestmark = pytest.mark.anyio
 
 def _count_turns(lock_conn: LockConnection[Any]) -> dict[str, int]:
     """Count the exclusive turns and the journal writes sent to ``lock_conn`` from now on."""
-    counts = {"turns": 0, "writes": 0}
+    counts = {"turns": 0, "writes": 0, "exclusive": 0}
     run, send, write = lock_conn.run, lock_conn.send, lock_conn.write
 
     async def counted_run(fn: Callable[[Any], Awaitable[Any]]) -> Any:
         counts["turns"] += 1
+        counts["exclusive"] += 1  # a turn of its own, through psycopg
         return await run(fn)
 
     async def counted_send(batch: Batch[Any]) -> Any:
@@ -57,7 +58,8 @@ async def test_a_run_finishes_and_unlocks_in_one_round_trip(dsn: str) -> None:
         counts = _count_turns(runtime.journal.live_connections()[0])
         result = await agent.run(calls("a", "b"), session_id="s", user_id="u")
         assert result.output == "done: recorded a, recorded b"
-        assert counts == {"turns": 2, "writes": 5}
+        # The lock and the open go with the other runs' statements too.
+        assert counts == {"turns": 2, "writes": 5, "exclusive": 0}
         # The epoch advanced and the scope is free: the next run opens epoch 2 at once.
         with anyio.fail_after(5):
             again = await make_agent(runtime, effects).run(
@@ -89,7 +91,7 @@ async def test_a_step_with_no_effects_does_not_wait_for_the_one_before(dsn: str)
         counts = _count_turns(runtime.journal.live_connections()[0])
         result = await agent.run(calls("a", "b"), session_id="s", user_id="u")
         assert result.output == "done: recorded a, recorded b"
-        assert counts == {"turns": 2, "writes": 4}
+        assert counts == {"turns": 2, "writes": 4, "exclusive": 0}
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
             cur = await conn.execute(
                 "SELECT step_name FROM journal_steps WHERE session_id = %s"
