@@ -79,7 +79,7 @@ class OpenFailed(Exception):
     """A run's open query failed after its scope's lock was taken (within
     the store: the lock is freed and ``error`` raised)."""
 
-    def __init__(self, error: psycopg.Error) -> None:
+    def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
         self.error = error
 

@@ -700,8 +700,11 @@ class PostgresJournalStore:
             return await lock_conn.send(_try_lock(key, scope, opening))
         except OpenFailed as failed:
             # A session lock outlives the transaction the open failed in:
-            # free it before the error goes up.
-            await lock_conn.run(lambda conn: conn.execute(query("unlock_if_held"), {"key": key}))
+            # free it before the error goes up, whatever cancels the caller.
+            with anyio.CancelScope(shield=True), contextlib.suppress(LockLost):
+                await lock_conn.run(
+                    lambda conn: conn.execute(query("unlock_if_held"), {"key": key}), urgent=True
+                )
             raise failed.error from None
 
     async def take_slot(self, lease: Lease, keys: Sequence[int]) -> bool:
@@ -993,7 +996,7 @@ def _try_lock(
     it after the lock is taken, on a snapshot of its own, so it reads every
     step the previous holder committed; its rows are dropped when the lock
     was busy. Raises :class:`OpenFailed` when the lock was taken but the
-    open failed."""
+    open failed, or its rows could not be read."""
     calls: list[fastpath.Call | None] = [(fastpath.TRY_LOCK, (fastpath.int8(key),))]
     if opening is not None:
         calls.append(opening.call(scope))
@@ -1008,10 +1011,13 @@ def _try_lock(
             return False, None
         if opening is None:
             return True, None
-        opened = results[1]
-        if isinstance(opened, psycopg.Error):
-            raise OpenFailed(opened)
-        return True, fastpath.rows(opened)
+        try:
+            opened = results[1]
+            if isinstance(opened, psycopg.Error):
+                raise opened
+            return True, fastpath.rows(opened)
+        except Exception as exc:
+            raise OpenFailed(exc) from exc
 
     return Batch(lambda conn: calls, read)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from itertools import pairwise
@@ -11,9 +12,11 @@ import anyio
 import psycopg
 import pytest
 from loomflow import Agent, tool
+from loomflow.runtime.journal import journal_scope
 from psycopg.pq import TransactionStatus
 
 from loomflow_worker.runtime import LockLost, PostgresRuntime, current_lease
+from loomflow_worker.runtime.keys import scope_lock_key
 from loomflow_worker.testing import DeterministicModel, EffectsLog
 
 from .helpers import calls, make_agent, steps_journaled_twice
@@ -218,6 +221,71 @@ async def test_an_open_that_fails_after_the_lock_leaves_the_scope_free(dsn: str)
             assert result.output == "done: recorded b"
         finally:
             await other.aclose()
+    finally:
+        await runtime.aclose()
+
+
+async def test_a_run_cancelled_after_its_open_failed_still_frees_the_scope(dsn: str) -> None:
+    """The lock taken before a failed open is freed in a turn of its own: a
+    caller cancelled while that turn waits for the connection (busy with
+    another statement) must not leave the lock held on the shared connection."""
+    effects = EffectsLog(dsn)
+    await effects.setup()
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
+    try:
+        agent = make_agent(runtime, effects)
+        await agent.run(calls("warm"), session_id="warm", user_id="u")
+        lock_conn = runtime.journal.live_connections()[0]
+        busy_done = anyio.Event()
+        cancelled_while_busy: list[bool] = []
+
+        async def occupy(seconds: float, delay: float) -> None:
+            await anyio.sleep(delay)
+            await lock_conn.run(lambda conn: conn.execute(f"SELECT pg_sleep({seconds})"))
+
+        async def busy() -> None:
+            # Queued behind the run's lock and open: it holds the connection
+            # while the run learns that its open failed.
+            await occupy(2.0, 0.15)
+            busy_done.set()
+
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as admin:
+            await admin.execute("ALTER TABLE journal_streams RENAME TO journal_streams_away")
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(occupy, 0.3, 0.0)
+                    tg.start_soon(busy)
+                    with anyio.CancelScope() as run_scope:
+
+                        async def cancel_while_the_unlock_waits() -> None:
+                            # The open failed at about 0.3 s; the busy
+                            # statement holds the connection until about 2.3 s.
+                            await anyio.sleep(0.8)
+                            cancelled_while_busy.append(not busy_done.is_set())
+                            run_scope.cancel()
+
+                        tg.start_soon(cancel_while_the_unlock_waits)
+                        await anyio.sleep(0.05)
+                        with contextlib.suppress(psycopg.errors.UndefinedTable):
+                            await agent.run(calls("a"), session_id="s", user_id="u")
+                    assert cancelled_while_busy == [True]
+                    with anyio.fail_after(10):
+                        await busy_done.wait()
+            finally:
+                await admin.execute("ALTER TABLE journal_streams_away RENAME TO journal_streams")
+            key = scope_lock_key(journal_scope("s", "u"))
+            with anyio.fail_after(5):
+                while True:
+                    cur = await admin.execute(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                        " AND granted AND objsubid = 1 AND pid = %s"
+                        " AND classid = ((%s::bigint >> 32) & 4294967295)::oid"
+                        " AND objid = (%s::bigint & 4294967295)::oid",
+                        (lock_conn.backend_pid, key, key))
+                    row = await cur.fetchone()
+                    if row == (0,):
+                        break
+                    await anyio.sleep(0.05)
     finally:
         await runtime.aclose()
 
