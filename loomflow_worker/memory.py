@@ -13,16 +13,11 @@ from __future__ import annotations
 from loomflow.core.types import Episode
 from loomflow.memory.inmemory import InMemoryMemory
 
-from .runtime.runtime import effect_free
-
 
 class NoMemory(InMemoryMemory):
     """Keeps no episodes, so recalls nothing and no session history: a run's
     inputs are the same on every worker. (Working blocks an agent sets
     itself still live in the process.)"""
 
-    # A run's last step: with nothing to do here, it need not wait for the
-    # step before it to be committed (that goes with the run's finish).
-    @effect_free
     async def remember(self, episode: Episode) -> str:
         return episode.id

@@ -30,7 +30,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from types import CodeType
-from typing import Any, TypedDict, TypeVar, Unpack
+from typing import Any, TypedDict, Unpack
 
 import anyio
 from loomflow.core.context import get_run_context
@@ -188,20 +188,6 @@ def _waiter(user_id: str | None) -> str | None:
         check_id("user_id", str(user_id))
         return str(user_id)
     return None
-
-
-_EFFECT_FREE = "__loomflow_worker_effect_free__"
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def effect_free(fn: F) -> F:
-    """Mark ``fn`` as a step callable with no effects (calling it again
-    changes nothing, as NoMemory's ``remember``): it starts without waiting
-    for the records of the run's steps before it to be committed, since
-    running it twice costs nothing. They go with the run's next statement."""
-    setattr(fn, _EFFECT_FREE, True)
-    return fn
 
 
 def _episode_identity(episode: Episode) -> dict[str, Any]:
@@ -462,9 +448,8 @@ class PostgresRuntime(JournaledRuntime):
         a crash between ``fn`` and the write runs it again on resume).
 
         In a run holding its scope, the result is written with the run's next
-        statement: the next step's ``fn`` starts only once it is committed
-        (unless it is :func:`effect_free`), and the last step's goes in the
-        round trip of the run's finish."""
+        statement: the next step's ``fn`` starts only once it is committed,
+        and the last step's goes in the round trip of the run's finish."""
         session_id = _current_session_var.get()
         if session_id is None:
             return await fn(*args, **kwargs)
@@ -498,7 +483,7 @@ class PostgresRuntime(JournaledRuntime):
                 # The model saw this call under a new id: answer under that id.
                 value = value.model_copy(update={"call_id": call_id})
             return value
-        if lease is not None and not getattr(fn, _EFFECT_FREE, False):
+        if lease is not None:
             await lease.send_unsent()
         result = await fn(*args, **kwargs)
         await self._write_step(scope, key, result, later=True)

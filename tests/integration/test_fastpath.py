@@ -11,7 +11,6 @@ import psycopg
 import pytest
 from loomflow.runtime.journal import journal_scope
 
-from loomflow_worker import NoMemory
 from loomflow_worker.runtime import LockLost, PostgresRuntime, SessionBusy, fastpath, lockconn
 from loomflow_worker.runtime.lockconn import Batch, JournalRow, LockConnection
 from loomflow_worker.testing import EffectsLog
@@ -74,32 +73,6 @@ async def test_a_run_finishes_and_unlocks_in_one_round_trip(dsn: str) -> None:
             )
             row = await cur.fetchone()
         assert row is not None and row[0] == 2
-    finally:
-        await runtime.aclose()
-
-
-async def test_a_step_with_no_effects_does_not_wait_for_the_one_before(dsn: str) -> None:
-    """NoMemory's ``remember`` (loomflow's last step of a run) does nothing:
-    the last model call's record goes with the finish instead of in a round
-    trip of its own before it, and both are committed once the run returns."""
-    effects = EffectsLog(dsn)
-    await effects.setup()
-    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
-    try:
-        agent = make_agent(runtime, effects, memory=NoMemory())
-        await agent.run(calls("warm"), session_id="warm", user_id="u")
-        counts = _count_turns(runtime.journal.live_connections()[0])
-        result = await agent.run(calls("a", "b"), session_id="s", user_id="u")
-        assert result.output == "done: recorded a, recorded b"
-        assert counts == {"turns": 2, "writes": 4, "exclusive": 0}
-        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-            cur = await conn.execute(
-                "SELECT step_name FROM journal_steps WHERE session_id = %s"
-                " AND (step_name LIKE '%%model_call_3%%' OR step_name LIKE '%%persist_episode%%')",
-                (journal_scope("s", "u"),),
-            )
-            names = [row[0] for row in await cur.fetchall()]
-        assert len(names) == 2, names
     finally:
         await runtime.aclose()
 
