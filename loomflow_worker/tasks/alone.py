@@ -59,32 +59,37 @@ def run_alone(
            "time_limit": time_limit, "options": options, "modules": agent_modules()}
     alone = PROCESS.alone
     at_once = PROCESS.current_settings().alone_at_once
-    if not alone.take(at_once, SLOT_WAIT):
-        # Not held here behind the others: any worker with room may take it.
-        log.info("request %s must run alone, and this worker process runs %d requests alone "
-                 "already (ALONE_AT_ONCE); it goes back to the queue", request_id, at_once,
-                 extra={"action": "quarantine_full", "request": request_id})
-        return Outcome("quarantine")
+    with alone.guard:
+        # A revoke from now on stops it, while it waits for room as well as
+        # however soon its process starts.
+        alone.running[request_id] = None
+    returncode, reply = 0, None
     try:
-        with alone.guard:
-            # A revoke from now on stops it, however soon its process starts.
-            alone.running[request_id] = None
-        log.info("request %s: running alone in a process of its own", request_id,
-                 extra={"action": "quarantine_start", "request": request_id})
-        returncode, reply = _run_process(request_id, job, timeout)
+        if alone.take(at_once, SLOT_WAIT):
+            try:
+                if not _revoked(request_id):
+                    log.info("request %s: running alone in a process of its own", request_id,
+                             extra={"action": "quarantine_start", "request": request_id})
+                    returncode, reply = _run_process(request_id, job, timeout)
+            finally:
+                alone.give_back()
+        elif not _revoked(request_id):
+            # Not held here behind the others: any worker with room may take it.
+            log.info("request %s must run alone, and this worker process runs %d requests "
+                     "alone already (ALONE_AT_ONCE); it goes back to the queue", request_id,
+                     at_once, extra={"action": "quarantine_full", "request": request_id})
+            return Outcome("quarantine")
     finally:
         with alone.guard:
             alone.running.pop(request_id, None)
-        alone.give_back()
-    with alone.guard:
-        revoked = request_id in alone.revoked
-        alone.revoked.discard(request_id)
+            revoked = request_id in alone.revoked
+            alone.revoked.discard(request_id)
     if reply is None and revoked:
         # Revoked before its process could halt its run (the run had not
-        # begun): the process stopped, recording the attempt interrupted if it
-        # had started one, and released the session; the revoke ends the
-        # request cancelled in the ledger and hands the session on (see
-        # tasks/revoke.py), as for a run of this process.
+        # begun), or before it had one: the process stopped, recording the
+        # attempt interrupted if it had started one, and released the session;
+        # the revoke ends the request cancelled in the ledger and hands the
+        # session on (tasks/hooks.py), as for a run of this process.
         return Outcome("cancelled", error=ledger.REVOKED.error)
     if reply is None:
         raise DiedAlone(
@@ -98,6 +103,11 @@ def run_alone(
     if "unavailable" in reply:
         raise DatabaseUnavailable(reply["unavailable"])
     return decode_outcome(reply)
+
+
+def _revoked(request_id: str) -> bool:
+    with PROCESS.alone.guard:
+        return request_id in PROCESS.alone.revoked
 
 
 def _run_process(
