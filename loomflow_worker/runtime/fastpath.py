@@ -303,9 +303,10 @@ async def _flush(conn: AsyncConnection[Any]) -> None:
 
 
 def _socket_closed(conn: AsyncConnection[Any]) -> None:
-    """libpq failed to read or write ``conn`` and closed its socket: no
-    reader stays on that file descriptor, which the next socket opened in
-    this process may get."""
+    """libpq failed to read or write ``conn``: after a failed read it has
+    closed the socket, and no reader may stay on that file descriptor, which
+    the next socket opened in this process may get (a reader removed from a
+    socket still open is added again by the next wait)."""
     watched = _watched.get(conn)
     if watched is not None:
         watched.stop()
@@ -348,8 +349,9 @@ class _Watch:
             # The loop's turn that resumed this waiter may hold a call of
             # _readable for what the waiter reads now: until the next turn,
             # a call finding no waiter is that one.
-            self.resumed = True
-            self.loop.call_soon(self._settled)
+            if not self.loop.is_closed():  # else a coroutine closed at shutdown
+                self.resumed = True
+                self.loop.call_soon(self._settled)
 
     def _settled(self) -> None:
         self.resumed = False
