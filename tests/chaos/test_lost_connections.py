@@ -109,14 +109,15 @@ def test_a_duplicate_waits_for_the_attempt_whose_lock_connection_alone_ended(
 ) -> None:
     # G3. w1's lock connection alone ends while its tool runs: Postgres frees
     # the lock at once, but w1 learns of it only at its next heartbeat (up to
-    # 2 s later) and runs its tool until then. A duplicate of the request's
+    # 8 s later here) and runs its tool until then. A duplicate of the request's
     # message reaches w2 at once and takes the freed lock: its attempt must not
     # start before w1's attempt has stopped and recorded its end.
     from loomflow_worker.execution.pending import Pending
 
-    # w1 hears of its lost connection up to a heartbeat (4 s) later, in a 6 s tool:
-    # time enough for the duplicate to reach w2 however busy the machine.
-    env = {"TEST_TOOL_SLEEP": "6", "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "4"}
+    # w1 hears of its lost connection up to a heartbeat (8 s) later, in a 12 s
+    # tool: time enough for w2 to start (seconds on a busy machine) and for the
+    # duplicate to reach it.
+    env = {"TEST_TOOL_SLEEP": "12", "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "8"}
     fleet.start("w1", concurrency=1, pool="threads", **env)
     prompt = calls("d1", "d2")
     result = run_agent.delay(prompt, "s")

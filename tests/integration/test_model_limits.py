@@ -177,6 +177,9 @@ def test_a_run_that_would_wait_long_for_its_budget_gives_its_slot_back(
     _start(fleet, "w1", api, concurrency=1, LOOMFLOW_WORKER_MODEL_LIMITS=limits,
            LOOMFLOW_WORKER_PARK_AFTER="2")
     paced = [run_agent.delay(f"hello {i}", f"s{i}", agent="claude").id for i in range(3)]
+    # Timed from the first one's end: its first run of the agent (the model
+    # client's imports, seconds on a busy machine) is not the slot's wait.
+    run_agent.AsyncResult(paced[0]).get(timeout=60)
     sent = time.monotonic()
     behind = run_agent.delay(calls("q"), "s-free")
     assert behind.get(timeout=30)["output"] == "done: recorded q"
