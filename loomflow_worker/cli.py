@@ -526,6 +526,10 @@ def _stream_pos(event_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+#: How long ``tail`` follows a finished request's stream for its end event.
+END_AFTER_FINISH = 3.0
+
+
 @main.command()
 @click.argument("request_id", metavar="REQUEST")
 @click.option("--json", "as_json", is_flag=True, help="Print each event as JSON.")
@@ -546,10 +550,16 @@ def tail(request_id: str, as_json: bool, idle_timeout: float | None) -> None:
         last = (0, -1)
         final: str | None = None
         quiet_since = time.monotonic()
+        # A request's last events reach its stream just after the ledger says
+        # it finished (the worker sends them with those of other requests):
+        # once it has, they are followed a little longer before the ledger
+        # has the last word.
+        waited_for_end = False
         while final is None:
-            follow = not status.finished
+            follow = not (status.finished and waited_for_end)
             for event in iter_events(
-                request_id, settings=settings, follow=follow, idle_timeout=check_every
+                request_id, settings=settings, follow=follow,
+                idle_timeout=END_AFTER_FINISH if status.finished else check_every,
             ):
                 position = _stream_pos(event.id)
                 if position <= last:
@@ -569,6 +579,7 @@ def tail(request_id: str, as_json: bool, idle_timeout: float | None) -> None:
                            err=True)
                 final = status.status
                 break
+            waited_for_end = status.finished
             status = admin.request_status(conn, request_id)
             if idle_timeout is not None and time.monotonic() - quiet_since > idle_timeout:
                 raise TimeoutError(
