@@ -697,7 +697,7 @@ class PostgresJournalStore:
         """Try ``scope``'s lock on ``lock_conn`` (with the run's open query),
         in one round trip with the other runs' statements waiting there."""
         try:
-            return await lock_conn.send(_try_lock(key, scope, opening))
+            return await lock_conn.send(_lock_and_open(key, scope, opening))
         except OpenFailed as failed:
             # A session lock outlives the transaction the open failed in:
             # free it before the error goes up, whatever cancels the caller.
@@ -988,7 +988,7 @@ async def open_pool(
     return pool
 
 
-def _try_lock(
+def _lock_and_open(
     key: int, scope: str, opening: OpenChoice | None
 ) -> Batch[tuple[bool, list[DictRow] | None]]:
     """The statement that tries a scope's lock. With ``opening``, the run's

@@ -11,8 +11,8 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import pytest
 from loomflow import Agent
 from loomflow.runtime import _codec, journal_scope
 
+from loomflow_worker.runtime import PostgresRuntime
 from loomflow_worker.testing import DeterministicModel, EffectsLog
 
 from .celery_harness import ROOT, Fleet
@@ -239,3 +240,18 @@ def scrape(port: int) -> dict[str, float]:
         if match:
             samples[match[1]] = float(match[2])
     return samples
+
+
+@asynccontextmanager
+async def warm_runtime(dsn: str) -> AsyncIterator[tuple[PostgresRuntime, Agent, EffectsLog]]:
+    """A runtime with one lock connection, and an agent on it that ran once
+    (its statements prepared, its imports done); the runtime closed after."""
+    effects = EffectsLog(dsn)
+    await effects.setup()
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
+    try:
+        agent = make_agent(runtime, effects)
+        await agent.run(calls("warm"), session_id="warm", user_id="u")
+        yield runtime, agent, effects
+    finally:
+        await runtime.aclose()

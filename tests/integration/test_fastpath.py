@@ -15,7 +15,7 @@ from loomflow_worker.runtime import LockLost, PostgresRuntime, SessionBusy, fast
 from loomflow_worker.runtime.lockconn import Batch, JournalRow, LockConnection
 from loomflow_worker.testing import EffectsLog
 
-from .helpers import calls, make_agent
+from .helpers import calls, make_agent, warm_runtime
 
 pytestmark = pytest.mark.anyio
 
@@ -48,12 +48,7 @@ async def test_a_run_finishes_and_unlocks_in_one_round_trip(dsn: str) -> None:
     """Lock and open, then the steps' writes, then the last step's write, the
     epoch advance and the unlock together: two turns on the lock connection
     besides the writes of the five steps before the last."""
-    effects = EffectsLog(dsn)
-    await effects.setup()
-    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
-    try:
-        agent = make_agent(runtime, effects)
-        await agent.run(calls("warm"), session_id="warm", user_id="u")
+    async with warm_runtime(dsn) as (runtime, agent, effects):
         counts = _count_turns(runtime.journal.live_connections()[0])
         result = await agent.run(calls("a", "b"), session_id="s", user_id="u")
         assert result.output == "done: recorded a, recorded b"
@@ -73,8 +68,6 @@ async def test_a_run_finishes_and_unlocks_in_one_round_trip(dsn: str) -> None:
             )
             row = await cur.fetchone()
         assert row is not None and row[0] == 2
-    finally:
-        await runtime.aclose()
 
 
 async def test_a_steps_record_is_committed_before_the_next_step_runs(dsn: str) -> None:

@@ -19,7 +19,7 @@ from loomflow_worker.runtime import LockLost, PostgresRuntime, current_lease
 from loomflow_worker.runtime.keys import scope_lock_key
 from loomflow_worker.testing import DeterministicModel, EffectsLog
 
-from .helpers import calls, make_agent, steps_journaled_twice
+from .helpers import calls, make_agent, steps_journaled_twice, warm_runtime
 
 pytestmark = pytest.mark.anyio
 
@@ -229,12 +229,7 @@ async def test_a_run_cancelled_after_its_open_failed_still_frees_the_scope(dsn: 
     """The lock taken before a failed open is freed in a turn of its own: a
     caller cancelled while that turn waits for the connection (busy with
     another statement) must not leave the lock held on the shared connection."""
-    effects = EffectsLog(dsn)
-    await effects.setup()
-    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
-    try:
-        agent = make_agent(runtime, effects)
-        await agent.run(calls("warm"), session_id="warm", user_id="u")
+    async with warm_runtime(dsn) as (runtime, agent, _):
         lock_conn = runtime.journal.live_connections()[0]
         busy_done = anyio.Event()
         cancelled_while_busy: list[bool] = []
@@ -286,8 +281,6 @@ async def test_a_run_cancelled_after_its_open_failed_still_frees_the_scope(dsn: 
                     if row == (0,):
                         break
                     await anyio.sleep(0.05)
-    finally:
-        await runtime.aclose()
 
 
 async def test_a_late_loop_is_not_a_silent_server(dsn: str) -> None:
