@@ -27,7 +27,7 @@ from tests.chaos.checks import (
     wait_terminal,
 )
 from tests.integration.celery_harness import Fleet, ledger, wait_status
-from tests.integration.helpers import calls, wait_for_execution
+from tests.integration.helpers import calls, tool_executions, wait_for_execution
 
 # Alone (python -m tests runs it after the rest): CPU hogs load the whole
 # machine, and its loop stalls are measured against leases of a few seconds.
@@ -245,15 +245,30 @@ def test_a_tool_that_holds_the_loop_past_the_lease_ends_dead_after_max_lost(
     assert f"by request {stalling.id}" in log, fleet.log_text()
 
 
+def _wait_in_tool(dsn: str, tags: tuple[str, ...], times: int, timeout: float = 90) -> None:
+    """Wait until the tool call of each of ``tags`` runs for the ``times``-th
+    time (its model call before it is journaled)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        runs: dict[str, list[object]] = {}
+        for tag, _, _, finished in tool_executions(dsn):
+            runs.setdefault(tag, []).append(finished)
+        if all(len(runs.get(tag, [])) == times and runs[tag][-1] is None for tag in tags):
+            return
+        assert time.monotonic() < deadline, runs
+        time.sleep(0.05)
+
+
 def _quarantine(fleet: Fleet, env: dict[str, str]) -> tuple[str, str]:
     """Two requests (sessions t and n) that died twice with their shared
-    process, now running alone; their ids."""
+    process without completing a step, now running alone; their ids."""
     fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
     suspect = run_agent.delay(calls("alone-1"), "t", user_id="u")
     neighbour = run_agent.delay(calls("neighbour-1"), "n", user_id="u")
-    both = [suspect.id, neighbour.id]
     for attempt in (1, 2):
-        _wait_running(fleet.dsn, both, 2, timeout=90, attempt=attempt)
+        # Killed in its tool: a kill before its first model call was journaled
+        # would let its next attempt complete that call, clearing it.
+        _wait_in_tool(fleet.dsn, ("alone-1", "neighbour-1"), attempt)
         fleet.kill("w1")
         fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
     return suspect.id, neighbour.id
