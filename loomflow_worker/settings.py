@@ -125,11 +125,13 @@ class Settings(BaseSettings):
     max_metadata_bytes: int = Field(default=65_536, ge=2)
 
     # A running request whose worker died is dispatched again at once, then
-    # again only after this long; a queued request whose message may be lost
-    # while the broker can't say how many messages it holds, after this long.
+    # again only after this long (or handoff_grace, below, once its queue has
+    # lost that copy); a queued request whose message may be lost while the
+    # broker can't say how many messages it holds, after this long.
     redispatch_after: float = Field(default=60.0, gt=0)
     # A queued request nobody received for this long, beyond the messages the
-    # broker still holds (a backlog waits its turn), has lost its message.
+    # broker still holds (a backlog waits its turn), has lost its message; so
+    # has the copy of a running request whose worker died, sent again.
     handoff_grace: float = Field(default=5.0, gt=0)
     # The broker's visibility timeout: longer than the longest run, so the
     # broker itself never starts a second copy of a running request.

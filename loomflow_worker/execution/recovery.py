@@ -54,6 +54,11 @@ def queued_by_queue(conn: Conn, default_queue: str) -> dict[str, int]:
     return {str(queue): int(count) for queue, count in rows}
 
 
+#: The status :func:`orphans` gives a running request whose worker died, when
+#: the copy published since its last start is gone too.
+COPY_LOST = "copy_lost"
+
+
 def orphans(
     conn: Conn,
     *,
@@ -68,8 +73,9 @@ def orphans(
     """Up to ``limit`` orphans with their status: the oldest unfinished
     request of each scope whose lock nobody holds, running with its worker
     dead, or queued with its message gone (``waiting``: how many messages
-    the broker holds for each queue, ``None`` when unknown). The statement
-    ``orphans`` in sweeper.sql says each threshold's part."""
+    the broker holds for each queue, ``None`` when unknown), each with its
+    status (:data:`COPY_LOST` for a running one whose copy is gone). The
+    statement ``orphans`` in sweeper.sql says each threshold's part."""
     rows = conn.cursor(row_factory=dict_row).execute(query("orphans"), {
         "after": after, "queued_after": queued_after,
         "queues": list(waiting), "waiting": list(waiting.values()),

@@ -41,6 +41,10 @@ DUE_MARGIN = 0.02
 Conn = psycopg.Connection[Any]
 
 
+_COPY_LOST_WHY = ("it was running with its session free, and the copy published since it "
+                  "ran is in no queue: a worker that took it died before it started it")
+
+
 def confirm_lost(
     orphans: list[tuple[Pending, str]],
     suspects: dict[str, float],
@@ -50,13 +54,14 @@ def confirm_lost(
     """Which orphans to dispatch again, and the suspects to remember.
 
     A running orphan (its worker died) goes at once. A queued one whose
-    message looks lost must have looked lost since ``confirm`` seconds ago
-    (``suspects``: request id -> first seen): one a worker has just taken
-    from the broker is counted nowhere until its attempt starts."""
+    message looks lost, or a running one whose copy does, must have looked
+    lost since ``confirm`` seconds ago (``suspects``: request id -> first
+    seen): one a worker has just taken from the broker is counted nowhere
+    until its attempt starts."""
     chosen: list[tuple[Pending, str]] = []
     still: dict[str, float] = {}
     for pending, status in orphans:
-        if status == Status.QUEUED:
+        if status in (Status.QUEUED, ledger_recovery.COPY_LOST):
             since = suspects.get(pending.request_id, now)
             if now - since < confirm:
                 still[pending.request_id] = since
@@ -178,13 +183,13 @@ class Recovery:
         if meter is not None:
             meter.sweeper.labels("redispatch").inc(len(batch))
         for pending, status in batch:
+            why = (_COPY_LOST_WHY if status == ledger_recovery.COPY_LOST
+                   else f"it was {status} with its session free")
             log.warning(
-                "sweeper: dispatched request %s again (it was %s with its session free)",
-                pending.request_id, status,
+                "sweeper: dispatched request %s again (%s)", pending.request_id, why,
                 extra={"action": "sweeper_redispatch", "request": pending.request_id},
             )
-            self.note(Action(
-                "redispatch", pending.request_id, f"it was {status} with its session free"))
+            self.note(Action("redispatch", pending.request_id, why))
 
     def fence(self, conn: Conn) -> int:
         """End the lock connections of running requests whose heartbeat is

@@ -1,6 +1,7 @@
 """Recovery gaps the chaos tests once found, kept as regression tests: a worker
 lost right after its commit, a request whose worker dies twice, a run that lost
-its lock running beside its resumption, a reserved message lost with its worker."""
+its lock running beside its resumption, a reserved message lost with its worker,
+the copy of a running request lost with the worker that took it."""
 
 from __future__ import annotations
 
@@ -135,3 +136,32 @@ def test_a_queued_request_reserved_by_a_lost_worker_resumes_in_seconds(fleet: Fl
     assert ledger(fleet.dsn, request.id)["status"] == "queued"
     fleet.start("w2", 1, cli=False, **{**env, "TEST_FLAKY_FAILURES": "0"})
     assert request.get(timeout=20)["output"] == "done: recorded x"
+
+
+def test_a_running_requests_copy_lost_with_the_worker_that_took_it_goes_again_in_seconds(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Redis broker. The worker running a request is lost; the sweeper
+    publishes a copy, and the worker that takes it is lost before it starts
+    it (as the process a poison request kills next takes hundreds of such
+    copies with it). The copy is in no queue and no live worker holds it:
+    the sweeper publishes another once the queue's count says so, after
+    HANDOFF_GRACE, not after REDISPATCH_AFTER (its default here, a minute)."""
+    marker = tmp_path / "died"
+    env = {**FAST_RECOVERY, "TEST_TOOL_SLEEP": "1.5", "LOOMFLOW_WORKER_HANDOFF_GRACE": "2"}
+    fleet.start("w1", 1, cli=False, **env)
+    request = send(0, "s", "u", "ab")
+    _next_run(fleet.dsn, "s-r000-a", set())
+    fleet.start("w2", 1, cli=False,
+                **{**env, "TEST_DIE_ON_RECEIPT": f"{request.request_id}:{marker}"})
+    fleet.kill("w1")
+    wait_until(marker.exists, "w2 never received the copy")
+    fleet.workers["w2"].wait(timeout=30)
+    lost_at = time.monotonic()
+    fleet.start("w3", 1, cli=False, **env)
+    assert request.result.get(timeout=40)["output"] == request.expected
+    took = time.monotonic() - lost_at
+    row = ledger(fleet.dsn, request.request_id)
+    assert row["status"] == "succeeded" and row["attempts"] == 2, row
+    assert "the copy published since it ran is in no queue" in fleet.log_text()
+    print(f"the copy lost with w2 went again and the request finished {took:.1f}s later")

@@ -107,6 +107,26 @@ if os.environ.get("TEST_DIE_AFTER_COMMIT"):
     _die_after_commit()
 
 
+def _die_on_receipt() -> None:
+    """Kill the worker as it receives one request's message, before it starts
+    it (TEST_DIE_ON_RECEIPT=<request id>:<marker>), once: the marker file says
+    it happened."""
+    from celery.signals import task_received
+
+    request_id, marker = os.environ["TEST_DIE_ON_RECEIPT"].split(":", 1)
+
+    @task_received.connect(weak=False)
+    def received(request: Any = None, **_: Any) -> None:
+        if request is not None and request.id == request_id and not os.path.exists(marker):
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+if os.environ.get("TEST_DIE_ON_RECEIPT"):
+    _die_on_receipt()
+
+
 def _hold_first_start() -> None:
     """Hold the lock connection in a turn just before or after the first start
     of a request (TEST_HOLD_START=before:<marker> or after:<marker>: before

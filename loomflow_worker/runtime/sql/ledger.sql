@@ -143,10 +143,12 @@ SELECT request_id FROM runs WHERE request_id = ANY(%(request_ids)s::text[]);
 
 -- name: mark_held
 -- A worker holds these requests' messages, received but not started (a rate
--- limit, a prefetch): stamped, so the sweeper does not take them for lost
--- while the worker keeps saying so.
+-- limit, a prefetch), queued ones or the copy the sweeper published of a
+-- running one whose worker died: stamped, so the sweeper does not take them
+-- for lost while the worker keeps saying so.
 UPDATE runs SET held_at = now()
- WHERE request_id = ANY(%(request_ids)s::text[]) AND status = 'queued'
+ WHERE request_id = ANY(%(request_ids)s::text[])
+   AND (status = 'queued' OR status = 'running' AND swept_at >= started_at)
 RETURNING request_id;
 
 -- name: insert_failed_run

@@ -72,10 +72,13 @@ UPDATE run_attempts a SET ended_at = clock_timestamp(), outcome = 'lost'
 -- The queues the queued requests' messages wait in (the default queue for a
 -- request with no routing), with how many requests are queued in each,
 -- parked or not: the sweeper counts each queue's messages, and the leader
--- reports these counts as the fleet's backlog.
-SELECT coalesce(routing->>'queue', %(default_queue)s) AS queue, count(*) AS queued
+-- reports these counts as the fleet's backlog. A queue that holds only
+-- copies published of running requests whose worker died is counted too,
+-- with none queued (see orphans).
+SELECT coalesce(routing->>'queue', %(default_queue)s) AS queue,
+       count(*) FILTER (WHERE status = 'queued') AS queued
   FROM runs
- WHERE status = 'queued'
+ WHERE status = 'queued' OR status = 'running' AND swept_at >= started_at
  GROUP BY 1;
 
 -- name: orphans
@@ -84,7 +87,11 @@ SELECT coalesce(routing->>'queue', %(default_queue)s) AS queue, count(*) AS queu
 -- worker that merely lost its lock stops its own run within a heartbeat),
 -- or queued with a message that is gone. A running one is dispatched again at
 -- once, then again only when an attempt started since died too, or after
--- `after` seconds.
+-- `after` seconds, or when the copy published since its last start is gone
+-- as a queued request's message is (counted below: a copy that went to a
+-- process that died before it started it, as a poison request's second
+-- process does, is in no queue and held by no live worker); its status then
+-- reads `copy_lost`.
 -- A queued request's message is in the broker when nobody received it or it
 -- was published again since (a handoff), and no live worker says it holds it
 -- unstarted (held_at within held_within: a rate limit, a prefetch). Each
@@ -120,8 +127,9 @@ WITH in_broker AS (
            row_number() OVER (PARTITION BY coalesce(routing->>'queue', %(default_queue)s)
                               ORDER BY dispatched_at, seq) AS age
       FROM runs
-     WHERE status = 'queued' AND (received_at IS NULL OR dispatched_at > received_at)
-       AND (not_before IS NULL OR not_before <= now())
+     WHERE (status = 'queued' AND (received_at IS NULL OR dispatched_at > received_at)
+            AND (not_before IS NULL OR not_before <= now())
+            OR status = 'running' AND swept_at >= started_at)
        AND NOT coalesce(held_at > dispatched_at
                         AND held_at > now() - make_interval(secs => %(held_within)s), false)
 ), counted AS (
@@ -178,7 +186,9 @@ WITH in_broker AS (
       FROM heads WHERE waiting_slots IS NOT NULL
 )
 SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata,
-       h.not_before, h.options, h.routing, h.status
+       h.not_before, h.options, h.routing,
+       CASE WHEN h.status = 'running' AND h.swept_at >= h.started_at THEN 'copy_lost'
+            ELSE h.status END AS status
   FROM heads h
   LEFT JOIN in_broker b USING (request_id)
   LEFT JOIN budget g ON g.queue = b.queue
@@ -199,7 +209,9 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
        WHEN h.status = 'running' THEN
             h.heartbeat_at < now() - make_interval(secs => %(dead_after)s)
             AND (h.swept_at IS NULL OR h.swept_at < h.started_at
-                 OR h.swept_at < now() - make_interval(secs => %(after)s))
+                 OR h.swept_at < now() - make_interval(secs => %(after)s)
+                 OR (NOT h.held AND h.swept_at < now() - make_interval(secs => %(queued_after)s)
+                     AND b.age <= g.lost))
        ELSE
             NOT h.held
             AND h.dispatched_at < now() - make_interval(secs => %(queued_after)s)
