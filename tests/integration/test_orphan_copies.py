@@ -19,10 +19,15 @@ QUEUED_AFTER = 5.0
 AFTER = 60.0
 
 
-def _orphans(conn: psycopg.Connection[Any], waiting: dict[str, int | None]) -> list[str]:
+def _found(conn: psycopg.Connection[Any], waiting: dict[str, int | None]) -> dict[str, str]:
+    """The orphans, with the status each is taken for."""
     found = recovery.orphans(conn, waiting=waiting, default_queue="q", after=AFTER,
                              queued_after=QUEUED_AFTER, held_within=60, dead_after=1, limit=10)
-    return sorted(pending.request_id for pending, _ in found)
+    return {pending.request_id: status for pending, status in found}
+
+
+def _orphans(conn: psycopg.Connection[Any], waiting: dict[str, int | None]) -> list[str]:
+    return sorted(_found(conn, waiting))
 
 
 def _running(conn: psycopg.Connection[Any], request_id: str, key: int, *, started: float,
@@ -53,7 +58,7 @@ def test_a_copy_that_died_unstarted_is_published_again_once_the_queue_has_lost_i
         # hands out its oldest first), and it is gone.
         assert _orphans(conn, {"q": 1}) == ["copy-lost"]
         # It holds none: the younger is not yet QUEUED_AFTER old.
-        assert _orphans(conn, {"q": 0}) == ["copy-lost"]
+        assert _found(conn, {"q": 0}) == {"copy-lost": recovery.COPY_LOST}
         # The broker did not answer: only after AFTER.
         assert _orphans(conn, {"q": None}) == []
         assert _orphans(conn, {}) == []
@@ -68,7 +73,27 @@ def test_a_copy_that_died_unstarted_is_published_again_once_the_queue_has_lost_i
         conn.execute("UPDATE runs SET started_at = now() - interval '3 s',"
                      " heartbeat_at = now() - interval '3 s' WHERE request_id = 'copy-lost'")
         assert ledger.mark_held(conn, ["copy-lost"]) == set()
-        assert _orphans(conn, {"q": 0}) == ["copy-lost"]
+        assert _found(conn, {"q": 0}) == {"copy-lost": "running"}
+
+
+def test_a_copy_parked_by_the_worker_that_took_it_is_not_counted_in_its_queue(
+    dsn: str,
+) -> None:
+    # A queued request's message waits in the queue (the broker counts 1),
+    # and the copy of a running one was taken since and parked (its worker
+    # acknowledged it: a full concurrency limit). Counting that copy among the
+    # queue's messages would take the queued request's message for lost.
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _running(conn, "copy-parked", 94, started=30, swept=15)
+        conn.execute("UPDATE runs SET received_at = now() - interval '10 s'"
+                     " WHERE request_id = 'copy-parked'")
+        conn.execute(
+            "INSERT INTO runs (request_id, scope, session_id, agent, prompt, status, lock_key,"
+            " dispatched_at) VALUES ('queued-1', 'queued-1', 'queued-1', 'default', 'hi',"
+            " 'queued', 95, now() - interval '20 s')")
+        assert _orphans(conn, {"q": 1}) == []
+        # The queue lost it: that one goes again.
+        assert _found(conn, {"q": 0}) == {"queued-1": "queued"}
 
 
 def test_a_copy_whose_scope_lock_is_held_is_no_orphan(dsn: str) -> None:

@@ -127,9 +127,9 @@ WITH in_broker AS (
            row_number() OVER (PARTITION BY coalesce(routing->>'queue', %(default_queue)s)
                               ORDER BY dispatched_at, seq) AS age
       FROM runs
-     WHERE (status = 'queued' AND (received_at IS NULL OR dispatched_at > received_at)
-            AND (not_before IS NULL OR not_before <= now())
-            OR status = 'running' AND swept_at >= started_at)
+     WHERE (status = 'queued' OR status = 'running' AND swept_at >= started_at)
+       AND (received_at IS NULL OR dispatched_at > received_at)
+       AND (not_before IS NULL OR not_before <= now())
        AND NOT coalesce(held_at > dispatched_at
                         AND held_at > now() - make_interval(secs => %(held_within)s), false)
 ), counted AS (
@@ -187,8 +187,10 @@ WITH in_broker AS (
 )
 SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata,
        h.not_before, h.options, h.routing,
-       CASE WHEN h.status = 'running' AND h.swept_at >= h.started_at THEN 'copy_lost'
-            ELSE h.status END AS status
+       CASE WHEN h.status = 'running' AND h.waiting_signal IS NULL AND h.waiting_slots IS NULL
+                 AND h.swept_at >= h.started_at
+                 AND h.swept_at >= now() - make_interval(secs => %(after)s)
+            THEN 'copy_lost' ELSE h.status END AS status
   FROM heads h
   LEFT JOIN in_broker b USING (request_id)
   LEFT JOIN budget g ON g.queue = b.queue
