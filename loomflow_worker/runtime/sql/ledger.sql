@@ -148,7 +148,7 @@ SELECT request_id FROM runs WHERE request_id = ANY(%(request_ids)s::text[]);
 -- for lost while the worker keeps saying so.
 UPDATE runs SET held_at = now()
  WHERE request_id = ANY(%(request_ids)s::text[])
-   AND (status = 'queued' OR status = 'running' AND swept_at >= started_at)
+   AND (status = 'queued' OR loomflow_worker_copy_out(status, swept_at, started_at))
 RETURNING request_id;
 
 -- name: insert_failed_run

@@ -73,12 +73,12 @@ UPDATE run_attempts a SET ended_at = clock_timestamp(), outcome = 'lost'
 -- request with no routing), with how many requests are queued in each,
 -- parked or not: the sweeper counts each queue's messages, and the leader
 -- reports these counts as the fleet's backlog. A queue that holds only
--- copies published of running requests whose worker died is counted too,
--- with none queued (see orphans).
+-- copies out (loomflow_worker_copy_out) is counted too, with none queued
+-- (see orphans).
 SELECT coalesce(routing->>'queue', %(default_queue)s) AS queue,
        count(*) FILTER (WHERE status = 'queued') AS queued
   FROM runs
- WHERE status = 'queued' OR status = 'running' AND swept_at >= started_at
+ WHERE status = 'queued' OR loomflow_worker_copy_out(status, swept_at, started_at)
  GROUP BY 1;
 
 -- name: orphans
@@ -127,7 +127,7 @@ WITH in_broker AS (
            row_number() OVER (PARTITION BY coalesce(routing->>'queue', %(default_queue)s)
                               ORDER BY dispatched_at, seq) AS age
       FROM runs
-     WHERE (status = 'queued' OR status = 'running' AND swept_at >= started_at)
+     WHERE (status = 'queued' OR loomflow_worker_copy_out(status, swept_at, started_at))
        AND (received_at IS NULL OR dispatched_at > received_at)
        AND (not_before IS NULL OR not_before <= now())
        AND NOT coalesce(held_at > dispatched_at
@@ -187,8 +187,8 @@ WITH in_broker AS (
 )
 SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata,
        h.not_before, h.options, h.routing,
-       CASE WHEN h.status = 'running' AND h.waiting_signal IS NULL AND h.waiting_slots IS NULL
-                 AND h.swept_at >= h.started_at
+       CASE WHEN loomflow_worker_copy_out(h.status, h.swept_at, h.started_at)
+                 AND h.waiting_signal IS NULL AND h.waiting_slots IS NULL
                  AND h.swept_at >= now() - make_interval(secs => %(after)s)
             THEN 'copy_lost' ELSE h.status END AS status
   FROM heads h
