@@ -115,10 +115,15 @@ class Settings(BaseSettings):
     # ends `dead`. A death shared with other runs of a process counts toward
     # max_crashes only once the request ran alone (see the README).
     max_lost: int = Field(default=5, ge=2)
-    # Requests one worker process runs alone at once, each in a process (and
-    # with connections) of its own; a request that finds them all taken goes
-    # back to the queue, for any worker with room.
+    # Processes of quarantine one worker process runs at once, each with
+    # connections of its own: one runs a request alone, or up to
+    # quarantine_group suspects together; a request that finds them all
+    # taken goes back to the queue, for any worker with room.
     alone_at_once: int = Field(default=4, ge=1)
+    # Requests that died with other runs of their process twice in a row
+    # without completing a step run together, this many to a process of
+    # quarantine; each that dies there again runs alone (1: alone at once).
+    quarantine_group: int = Field(default=8, ge=1)
 
     # Bad input refused at enqueue.
     max_prompt_chars: int = Field(default=200_000, ge=1)

@@ -40,8 +40,15 @@ class AttemptLost(LoomflowWorkerError):
 
 
 class DiedAlone(LoomflowWorkerError):
-    """The process that ran a request alone (in quarantine) died: the death is
-    the request's own, and its next attempt counts the crash."""
+    """The process of quarantine that ran a request died: when it ran the
+    request alone, the death is the request's own, and its next attempt
+    counts the crash; when it ran a few suspects, it is none's, and each
+    runs its next attempt alone."""
+
+    def __init__(self, message: str, *, alone: bool = True) -> None:
+        super().__init__(message)
+        #: Whether the process ran the request alone.
+        self.alone = alone
 
 
 class HandedBack(BaseException):

@@ -82,8 +82,9 @@ RESTAMP_AFTER = 0.05
 
 @dataclass
 class Outcome:
-    # "quarantine": the request must run alone, in a process of its own.
-    # "handed_back": it ran alone until it completed a step; run it again here.
+    # "quarantine": the request must run in quarantine (``isolation`` says how:
+    # 1 among a few suspects, 2 alone), in a process of quarantine.
+    # "handed_back": it ran in quarantine until it completed a step; run it again here.
     # "refused": the message is not its request's own; nothing ran, nothing changed.
     # "paused": it gave its slot back to wait for its model key; publish it again
     # ``countdown`` seconds from now.
@@ -96,6 +97,7 @@ class Outcome:
     # The request ended and handed its scope on (whether or not it publishes
     # the request it handed the scope to).
     handed: bool = False
+    isolation: int = 0
 
 
 #: What a request's message carried besides its arguments, as JSON, read
@@ -132,15 +134,19 @@ class WorkerContext:
     """What one pool child owns: its runtime and the agents built with it."""
 
     def __init__(
-        self, settings: Settings, slots: int = 1, node: str | None = None, *, alone: bool = False
+        self, settings: Settings, slots: int = 1, node: str | None = None, *,
+        quarantine: int = 0,
     ) -> None:
         """``slots``: how many runs this process carries at once; ``node``:
-        the Celery node it serves (the host name when none); ``alone``: it
-        runs one suspected request in quarantine, which it hands back once
-        that completes a step."""
+        the Celery node it serves (the host name when none); ``quarantine``:
+        it runs suspected requests, each of which it hands back once it
+        completes a step, a few together (1) or one alone (2)."""
         self.settings = settings
         self.slots = slots
-        self.alone = alone
+        self.alone = quarantine > 0
+        # How apart from other runs a request runs here (see ledger.precheck):
+        # a process of one slot is alone.
+        self.isolation = quarantine or (2 if slots == 1 else 0)
         self.node = node or socket.gethostname()
         # The process as the ledger names the worker running a request (its `holder`
         # column), and its ``workers`` row.
@@ -155,7 +161,7 @@ class WorkerContext:
         # Whether a run that would wait long for its model key gives its slot
         # back (a Celery worker, which publishes it again; not an in-process
         # caller, nor a request running alone).
-        self.parks = not alone
+        self.parks = not self.alone
         self._connect_lock = anyio.Lock()
         self._beating: asyncio.Task[None] | None = None
         self._presence: asyncio.Task[None] | None = None
@@ -431,7 +437,7 @@ async def execute(
             return None if found is None else found.locked
 
         return ledger.precheck(request_id, req, ctx.settings.redispatch_after, key, may_lock,
-                               shared=ctx.slots > 1).then(keep)
+                               isolation=ctx.isolation).then(keep)
 
     # A request at the head of its session waits a moment for a lock still
     # held: usually the request before it finished and is releasing it, and
@@ -453,14 +459,17 @@ async def execute(
         assert pre is not None
         pooled = _pooled(runtime)
         if pre.quarantine:
-            # Handed to a process of its own, as a dispatch would: the sweeper
-            # leaves it to that process (for REDISPATCH_AFTER, should it die).
+            # Handed to a process of quarantine, as a dispatch would: the
+            # sweeper leaves it to that process (for REDISPATCH_AFTER, should
+            # it die).
             await pooled(lambda conn: ledger.mark_handed_alone(conn, request_id))
             log.warning(
-                "request %s runs alone: its attempts died with their shared process or lost "
-                "their lock twice in a row without completing a step", request_id,
+                "request %s runs %s: its attempts died with other runs of their process "
+                "%s in a row, without completing a step", request_id,
+                "alone" if pre.quarantine > 1 else "in quarantine among a few suspects",
+                "three times (or lost their lock twice)" if pre.quarantine > 1 else "twice",
                 extra={"action": "quarantine", **_log_fields(request_id, req)})
-            return Outcome("quarantine")
+            return Outcome("quarantine", isolation=pre.quarantine)
         if pre.status in TERMINAL:
             return await _duplicate(pooled, request_id, req, pre.status,
                                     result=pre.result, error=pre.error)

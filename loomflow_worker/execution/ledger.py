@@ -506,8 +506,9 @@ class Precheck:
     locked: bool | None = None
     # The epoch an earlier attempt pinned (``None``: none did).
     pinned: int | None = None
-    # It must run alone, not in this shared process (see precheck_run).
-    quarantine: bool = False
+    # The isolation it must run in, more than this process gives (see
+    # precheck_run): 1 among a few suspects, 2 alone; 0 when it may run here.
+    quarantine: int = 0
     # The message's arguments that differ from the row (then nothing is tried).
     differ: tuple[str, ...] = ()
     # Whose request it is for concurrency limits, as its enqueue recorded it.
@@ -521,20 +522,21 @@ def precheck(
     lock_key: int,
     may_lock: bool = True,
     *,
-    shared: bool = False,
+    isolation: int = 2,
 ) -> Batch[Precheck | None]:
     """The ledger's view of ``request_id`` (``None``: it has no row), which of
     ``req``'s arguments (its message's) differ from the row, and the scope's
     lock (``lock_key``) tried in the same statement when it may run (and
-    ``may_lock``: this process does not hold it already). In a ``shared``
-    process, a request that must run alone takes no lock and comes back with
-    ``quarantine`` set. A turn for the lock connection."""
+    ``may_lock``: this process does not hold it already). A request that
+    must run in more ``isolation`` than this process gives (0: a shared
+    process, 1: a quarantine group, 2: alone) takes no lock and comes back
+    with ``quarantine`` set to what it needs. A turn for the lock connection."""
     params = _row_params(request_id, req)
     return _one(_PRECHECK, {
         **{name: params[name] for name in _IDENTITY if name != "prompt"},
         "prompt_sha256": hashlib.sha256(req.prompt.encode()).digest(),
         "request_id": request_id, "stale": stale_after, "key": lock_key, "may_lock": may_lock,
-        "shared": shared,
+        "isolation": isolation,
     }).then(_precheck_of)
 
 
@@ -543,7 +545,7 @@ def _precheck_of(row: DictRow | None) -> Precheck | None:
         return None
     return Precheck(row["status"], row["result"], row["error"], _pending(row),
                     bool(row["stale"]), None if row["locked"] is None else bool(row["locked"]),
-                    row["pinned"], bool(row["quarantine"]), tuple(row["differ"]),
+                    row["pinned"], int(row["quarantine"]), tuple(row["differ"]),
                     row["fairness_key"])
 
 

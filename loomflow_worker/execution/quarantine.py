@@ -1,19 +1,25 @@
-"""One attempt of a request alone, in a process of its own (quarantine).
+"""Attempts of suspected requests, apart from the shared process (quarantine).
 
 A worker process carries many runs, so when it dies nobody knows whose fault
 it was: each of its requests is suspected, and none is charged a crash. A
 request whose attempts died that way twice in a row without completing a step
-(or lost their lock twice in a row, stalling their process) runs its next
-attempt here, alone: if this process dies, the death is that request's own
-and counts toward ``MAX_CRASHES``; its shared neighbours are never charged.
+runs its next attempt here, in a process with a few other such suspects
+(``QUARANTINE_GROUP``): if that process dies too, nobody is charged still,
+but each of them runs its next attempt alone (as does a request that lost
+its lock twice in a row, stalling its process). A process that runs a
+request alone dies of that request only: that counts toward
+``MAX_CRASHES``. Its shared neighbours are never charged, and a poison
+request that kills every process it runs in takes a few suspects with it
+once, not hundreds.
 
-The worker's task starts the process from a fork server that has imported
+The worker's tasks start the process from a fork server that has imported
 this module and the agents once (:func:`child` is what it runs), so a
 suspect's attempt starts in milliseconds rather than after a second of
-imports; the process sends its log lines and then its outcome as JSON
-(:func:`encode_outcome`) through a pipe. It stops its run (recorded
-``interrupted``) on SIGTERM or when the worker that started it is gone, and
-ends it revoked on SIGUSR1 (a revoke with terminate).
+imports. Its worker sends it attempts as JSON through one pipe (a revoke
+with terminate too); it sends back its log lines, each naming its request,
+and each attempt's outcome (:func:`encode_outcome`) through another. It
+stops its runs (recorded ``interrupted``) on SIGTERM or when the worker that
+started it is gone.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import logging
 import os
 import signal
+from contextvars import ContextVar
 from dataclasses import asdict
 from datetime import datetime
 from multiprocessing.connection import Connection
@@ -44,6 +51,9 @@ log = logging.getLogger("loomflow_worker.tasks")
 #: How often the process checks that the worker that started it still lives.
 ORPHAN_CHECK = 1.0
 
+#: The request whose attempt runs the code that logs (its log lines are its own).
+REQUEST: ContextVar[str | None] = ContextVar("quarantine_request", default=None)
+
 
 def encode_outcome(outcome: Outcome) -> dict[str, Any]:
     """An outcome as JSON (its handoffs' eta as ISO 8601)."""
@@ -64,15 +74,8 @@ def decode_outcome(data: dict[str, Any]) -> Outcome:
     return Outcome(**fields, dispatch=dispatch)
 
 
-async def attempt(settings: Settings, job: dict[str, Any]) -> dict[str, Any]:
+async def attempt(ctx: WorkerContext, job: dict[str, Any]) -> dict[str, Any]:
     """Run the attempt described by ``job``; what became of it, as JSON."""
-    ctx = WorkerContext(settings, slots=1, node=job["node"], alone=True)
-    run = asyncio.current_task()
-    assert run is not None
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, run.cancel)
-    loop.add_signal_handler(signal.SIGUSR1, _revoke, ctx, job["request_id"], run)
-    _stop_when_orphaned(loop, job["worker_pid"], run)
     options = job.get("options")
     try:
         outcome = await execute(
@@ -92,20 +95,107 @@ async def attempt(settings: Settings, job: dict[str, Any]) -> dict[str, Any]:
         # ones too): retried as its worker retries such an attempt, never a
         # death of this process, which would charge the request a crash.
         return {"unavailable": f"{type(exc).__name__}: {exc}"}
-    finally:
-        await ctx.aclose()
 
 
-def _revoke(ctx: WorkerContext, request_id: str, run: asyncio.Task[Any]) -> None:
-    """SIGUSR1, its worker's revoke with terminate: the run stops at once and
-    ends ``cancelled`` as revoked, recorded under its lock, as a revoked run
-    of a shared process does; stopped as by SIGTERM before it has begun."""
-    if not ctx.halt(request_id, ledger.REVOKED.error):
-        run.cancel()
+class _Members:
+    """The attempts a process of quarantine runs, as its worker sends them
+    through ``jobs``: ``{"job": ...}`` starts one, ``{"revoke": id}`` stops
+    one at once (a revoke with terminate), ``{"close": true}`` says no more
+    will come, after which the process ends with its last attempt. Each
+    attempt's reply goes back through ``out`` (``{"request": id, "reply":
+    ...}``; ``"reply": null`` when it was stopped before its run began)."""
+
+    def __init__(self, ctx: WorkerContext, jobs: Connection, out: _PipeHandler) -> None:
+        self.ctx = ctx
+        self.jobs = jobs
+        self.out = out
+        self.runs: dict[str, asyncio.Task[None]] = {}
+        self.closed = False
+        self.done = asyncio.Event()
+
+    def start(self, job: dict[str, Any]) -> None:
+        import_agent_modules(job.get("modules", []))
+        request_id = job["request_id"]
+        self.runs[request_id] = asyncio.get_running_loop().create_task(self._run(job))
+
+    async def _run(self, job: dict[str, Any]) -> None:
+        request_id = job["request_id"]
+        REQUEST.set(request_id)
+        reply: dict[str, Any] | None = None
+        try:
+            reply = await attempt(self.ctx, job)
+        except asyncio.CancelledError:
+            if self.done.is_set():
+                raise  # the process stops (SIGTERM, or its worker is gone)
+            # Revoked before its run began (else the run ends it cancelled).
+        finally:
+            self.runs.pop(request_id, None)
+        self.out.send({"request": request_id, "reply": reply})
+        self._end_if_idle()
+
+    def receive(self) -> None:
+        """Read the worker's next message (its end of ``jobs`` is readable)."""
+        try:
+            message = json.loads(self.jobs.recv_bytes())
+        except (EOFError, OSError):
+            # Its worker is gone or closed its end: nothing more comes.
+            asyncio.get_running_loop().remove_reader(self.jobs.fileno())
+            message = {"close": True}
+        if "job" in message:
+            self.start(message["job"])
+        elif "revoke" in message:
+            request_id = message["revoke"]
+            run = self.runs.get(request_id)
+            if run is not None and not self.ctx.halt(request_id, ledger.REVOKED.error):
+                run.cancel()
+        elif message.get("close"):
+            self.closed = True
+            self._end_if_idle()
+
+    def _end_if_idle(self) -> None:
+        if self.closed and not self.runs:
+            self.done.set()
+
+    async def serve(self, first: dict[str, Any], worker: int) -> None:
+        """Run ``first`` and the attempts sent after it until closed; stopped
+        (each attempt recorded ``interrupted``) on SIGTERM or when ``worker``,
+        the process that started this one, is gone."""
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        assert main is not None
+        loop.add_signal_handler(signal.SIGTERM, main.cancel)
+        _stop_when_orphaned(loop, worker, main)
+        loop.add_reader(self.jobs.fileno(), self.receive)
+        self.start(first)
+        try:
+            await self.done.wait()
+        except asyncio.CancelledError:
+            self.done.set()
+            runs = list(self.runs.values())
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+            raise
+        finally:
+            await self.ctx.aclose()
+
+
+def _stop_when_orphaned(
+    loop: asyncio.AbstractEventLoop, worker: int, main: asyncio.Task[Any]
+) -> None:
+    """Stop once the worker that started this process is gone (checked each
+    second; a pid taken by another user's process since counts as gone)."""
+    try:
+        os.kill(worker, 0)
+    except (ProcessLookupError, PermissionError):
+        main.cancel()
+        return
+    if not main.done():
+        loop.call_later(ORPHAN_CHECK, _stop_when_orphaned, loop, worker, main)
 
 
 async def _mark_lost(ctx: WorkerContext, lost: AttemptLost) -> None:
-    """Record the lost attempt before this process ends, so the next attempt
+    """Record the lost attempt before its reply goes, so the next attempt
     may start at once. A connection lost with the lock (a Postgres restart
     ends them all) fails it: the worker that started this process records
     it then, retrying, from the reply; this process must not die of it,
@@ -118,20 +208,6 @@ async def _mark_lost(ctx: WorkerContext, lost: AttemptLost) -> None:
         log.warning("request %s: could not record its lost attempt yet (%s); its worker "
                     "records it", lost.request_id, exc,
                     extra={"action": "retry", "request": lost.request_id})
-
-
-def _stop_when_orphaned(
-    loop: asyncio.AbstractEventLoop, worker: int, run: asyncio.Task[Any]
-) -> None:
-    """Stop the run once the worker that started it is gone (checked each second;
-    a pid taken by another user's process since counts as gone)."""
-    try:
-        os.kill(worker, 0)
-    except (ProcessLookupError, PermissionError):
-        run.cancel()
-        return
-    if not run.done():
-        loop.call_later(ORPHAN_CHECK, _stop_when_orphaned, loop, worker, run)
 
 
 class _PipeHandler(logging.Handler):
@@ -152,35 +228,39 @@ class _PipeHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.send({"log": self.format(record)})
+            self.send({"log": self.format(record), "request": REQUEST.get()})
         except (OSError, ValueError):
             self.handleError(record)
 
 
 #: The name of each such process (``multiprocessing.current_process().name``
-#: starts with it, the request id follows).
+#: starts with it).
 PROCESS_NAME = "loomflow-worker alone"
 
-#: Exit code of a process whose run was stopped (SIGTERM, or its worker is gone).
+#: Exit code of a process whose runs were stopped (SIGTERM, or its worker is gone).
 STOPPED = 3
 
 
-def child(job: dict[str, Any], out: Connection) -> None:
-    """The process's work: ``job``'s attempt. Sends through ``out`` its log
-    lines (``{"log": line}``), then its reply (``{"reply": ...}``), each a JSON
-    object; exits :data:`STOPPED` when stopped."""
+def child(first: dict[str, Any], jobs: Connection, out: Connection) -> None:
+    """The process's work: ``first``'s attempt, and those its worker sends
+    through ``jobs`` after it (``first["isolation"]``: 1, a few suspects
+    together; 2, ``first`` alone). Sends through ``out`` its log lines
+    (``{"log": line, "request": id}``), then each attempt's reply, each a
+    JSON object; exits :data:`STOPPED` when stopped."""
     handler = _PipeHandler(out)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(handlers=[handler], level=logging.INFO, force=True)
     try:
         settings = Settings()
-        import_agent_modules([*settings.agents, *job.get("modules", [])])
-        reply = asyncio.run(attempt(settings, job))
+        import_agent_modules(settings.agents)
+        isolation = int(first["isolation"])
+        ctx = WorkerContext(settings, slots=int(first["capacity"]), node=first["node"],
+                            quarantine=isolation)
+        asyncio.run(_Members(ctx, jobs, handler).serve(first, int(first["worker_pid"])))
     except asyncio.CancelledError:
         # Stopped (SIGTERM, or its worker is gone): recorded "interrupted".
         raise SystemExit(STOPPED) from None
     except BaseException:
-        # Its traceback reaches the worker's log under the request.
-        log.exception("request %s: its process failed", job["request_id"])
+        # Its traceback reaches the worker's log.
+        log.exception("its process of quarantine failed")
         raise
-    handler.send({"reply": reply})

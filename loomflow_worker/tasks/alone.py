@@ -1,42 +1,38 @@
-"""Running a suspected request alone: the worker's side of quarantine.
+"""Running suspected requests in quarantine: the worker's side.
 
 A shared worker process (many runs on one loop) does not run a request that
-must run alone (:mod:`loomflow_worker.execution.quarantine` says which and
-why): its task hands the attempt to a process of its own and waits for it,
-``ALONE_AT_ONCE`` at a time per worker process (a request that finds them all
-taken goes back to the queue, for any worker with room), then carries on with the outcome as if
-it had run here (result, handoffs, retry). A revoke with terminate ends
-that process, as it stops a run on the process's loop.
+must run in quarantine (:mod:`loomflow_worker.execution.quarantine` says
+which and why): its task hands the attempt to a process of quarantine and
+waits for its reply, then carries on with the outcome as if it had run here
+(result, handoffs, retry). A request that must run alone gets a process of
+its own; suspects that may run together join the process their worker
+process fills now, up to ``QUARANTINE_GROUP`` in all, and a full one is
+closed to others, so a poison among them takes only those few with it. A
+worker process runs ``ALONE_AT_ONCE`` such processes at a time (a request
+that finds them all taken goes back to the queue, for any worker with
+room). A revoke with terminate stops the request's attempt there at once.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import multiprocessing
 import multiprocessing.context
-import os
-import signal
-import time
-from contextlib import suppress
-from multiprocessing.process import BaseProcess
 from typing import Any
 
-from ..execution import ledger, quarantine
+from ..execution import ledger
 from ..execution.errors import AttemptLost, DiedAlone
 from ..execution.execute import Outcome
 from ..execution.quarantine import decode_outcome
 from ..execution.registry import agent_modules
 from ..runtime.errors import DatabaseUnavailable, LockLost
+from .groups import Member, Quarantine
 from .state import PROCESS
 
 log = logging.getLogger("loomflow_worker.tasks")
 
-#: How long a process that sent its reply may take to end before it is stopped.
-EXIT_GRACE = 10.0
-
-#: How long a request that must run alone waits for one of its worker
-#: process's ``ALONE_AT_ONCE`` to end before it goes back to the queue.
+#: How long a request that must run in quarantine waits for one of its
+#: worker process's ``ALONE_AT_ONCE`` to end before it goes back to the queue.
 SLOT_WAIT = 0.5
 
 
@@ -46,56 +42,61 @@ def run_alone(
     kind: str,
     node: str,
     *,
+    isolation: int,
     time_limit: float | None,
     options: dict[str, Any] | None,
     timeout: float,
 ) -> Outcome:
-    """One attempt of ``request_id`` in a process of its own; its outcome
-    (``quarantine`` when this process runs ``ALONE_AT_ONCE`` requests alone
-    already and none ended within :data:`SLOT_WAIT`). Raises
-    :class:`AttemptLost` or :class:`DatabaseUnavailable` as an attempt here
-    would, and :class:`DiedAlone` when the process died."""
+    """One attempt of ``request_id`` in a process of quarantine: alone
+    (``isolation`` 2), or among a few suspects (1). Its outcome
+    (``quarantine`` when this process runs ``ALONE_AT_ONCE`` processes of
+    quarantine already, none with room, and none ended within
+    :data:`SLOT_WAIT`). Raises :class:`AttemptLost` or
+    :class:`DatabaseUnavailable` as an attempt here would, and
+    :class:`DiedAlone` when its process died."""
     job = {"request_id": request_id, "args": args, "kind": kind, "node": node,
            "time_limit": time_limit, "options": options, "modules": agent_modules()}
     alone = PROCESS.alone
-    at_once = PROCESS.current_settings().alone_at_once
+    settings = PROCESS.current_settings()
+    capacity = settings.quarantine_group if isolation < 2 else 1
     with alone.guard:
         # A revoke from now on stops it, while it waits for room as well as
         # however soon its process starts.
         alone.running[request_id] = None
-    returncode, reply = 0, None
+    place: tuple[Quarantine, Member] | None = None
     try:
-        if alone.take(at_once, SLOT_WAIT):
-            try:
-                if not _revoked(request_id):
-                    log.info("request %s: running alone in a process of its own", request_id,
-                             extra={"action": "quarantine_start", "request": request_id})
-                    returncode, reply = _run_process(request_id, job, timeout)
-            finally:
-                alone.give_back()
-        elif not _revoked(request_id):
-            # Not held here behind the others: any worker with room may take it.
-            log.info("request %s must run alone, and this worker process runs %d requests "
-                     "alone already (ALONE_AT_ONCE); it goes back to the queue", request_id,
-                     at_once, extra={"action": "quarantine_full", "request": request_id})
-            return Outcome("quarantine")
+        place = _place(request_id, isolation, capacity, settings.alone_at_once)
+        if place is None:
+            if not _revoked(request_id):
+                # Not held here behind the others: any worker with room may take it.
+                log.info("request %s must run in quarantine, and this worker process runs %d "
+                         "processes of quarantine already (ALONE_AT_ONCE); it goes back to "
+                         "the queue", request_id, settings.alone_at_once,
+                         extra={"action": "quarantine_full", "request": request_id})
+                return Outcome("quarantine")
+        else:
+            group, member = place
+            _run(request_id, job, group, member, timeout)
     finally:
         with alone.guard:
             alone.running.pop(request_id, None)
             revoked = request_id in alone.revoked
             alone.revoked.discard(request_id)
+            if place is not None:
+                place[0].members.pop(request_id, None)
+        if place is not None:
+            place[0].close_if_idle()
+    reply = None if place is None else place[1].reply
     if reply is None and revoked:
-        # Revoked before its process could halt its run (the run had not
-        # begun), or before it had one: the process stopped, recording the
-        # attempt interrupted if it had started one, and released the session;
-        # the revoke ends the request cancelled in the ledger and hands the
+        # Revoked before its attempt could halt its run (the run had not
+        # begun), or before it had one: the attempt stopped, recorded
+        # interrupted if it had started, and released the session; the
+        # revoke ends the request cancelled in the ledger and hands the
         # session on (tasks/hooks.py), as for a run of this process.
         return Outcome("cancelled", error=ledger.REVOKED.error)
     if reply is None:
-        raise DiedAlone(
-            f"its process exited with {returncode}"
-            + (f" (signal {-returncode})" if returncode < 0 else "")
-        )
+        assert place is not None
+        raise DiedAlone(_death(place[0]), alone=place[0].isolation > 1)
     if "lost" in reply:
         lost = reply["lost"]
         raise AttemptLost(request_id, lost["attempt"], LockLost(lost["scope"], lost["cause"]),
@@ -105,80 +106,90 @@ def run_alone(
     return decode_outcome(reply)
 
 
+def _place(
+    request_id: str, isolation: int, capacity: int, at_once: int
+) -> tuple[Quarantine, Member] | None:
+    """A process of quarantine for ``request_id``: the group this worker
+    process fills now, if it has room, else a new one, when fewer than
+    ``at_once`` run within :data:`SLOT_WAIT`; ``None`` when none has room."""
+    alone = PROCESS.alone
+    if capacity > 1:
+        with alone.guard:
+            for group in alone.groups:
+                member = group.join(request_id)
+                if member is not None:
+                    alone.running[request_id] = group
+                    return group, member
+    if not alone.take(at_once, SLOT_WAIT):
+        return None
+    group = Quarantine(alone, isolation, capacity)
+    with alone.guard:
+        member = group.join(request_id)
+        assert member is not None
+        alone.running[request_id] = group
+        if capacity > 1:
+            alone.groups = [g for g in alone.groups if not g.closed] + [group]
+    return group, member
+
+
+def _run(request_id: str, job: dict[str, Any], group: Quarantine, member: Member,
+         timeout: float) -> None:
+    """Run ``job`` in ``group`` and wait for its reply (its process stopped past ``timeout``)."""
+    alone = PROCESS.alone
+    if _revoked(request_id):
+        return
+    if group.first == request_id:
+        # Its first request starts it; the others wait for that.
+        if group.isolation > 1:
+            log.info("request %s: running alone in a process of its own", request_id,
+                     extra={"action": "quarantine_start", "request": request_id})
+        try:
+            group.start(job, _processes())
+        except BaseException:
+            with alone.guard:
+                group.closed = True
+                ended, group.members = list(group.members.values()), {}
+            for other in ended:
+                other.ended.set()
+            alone.give_back()
+            raise
+        finally:
+            group.started.set()
+    else:
+        group.started.wait()
+        group.send({"job": job})
+    if _revoked(request_id):
+        # Revoked while its attempt started: the revoke went nowhere, or
+        # went before its job; it goes now (twice is harmless).
+        group.send({"revoke": request_id})
+    if group.isolation < 2:
+        assert group.process is not None
+        log.info("request %s: running in quarantine with other suspects, in process %s",
+                 request_id, group.process.pid,
+                 extra={"action": "quarantine_start", "request": request_id})
+    if not member.ended.wait(timeout):
+        log.warning("request %s ran past %gs in quarantine; its process is stopped",
+                    request_id, timeout, extra={"action": "quarantine_timeout",
+                                                "request": request_id})
+        group.stop()
+        member.ended.wait()
+
+
+def _death(group: Quarantine) -> str:
+    process = group.process
+    code = None if process is None else process.exitcode
+    where = "its process" if group.isolation > 1 else "its process of quarantine"
+    return (f"{where} exited with {code}"
+            + (f" (signal {-code})" if code is not None and code < 0 else ""))
+
+
 def _revoked(request_id: str) -> bool:
     with PROCESS.alone.guard:
         return request_id in PROCESS.alone.revoked
 
 
-def _run_process(
-    request_id: str, job: dict[str, Any], timeout: float
-) -> tuple[int, dict[str, Any] | None]:
-    """Run the attempt's process to its end (stopped past ``timeout``), logging
-    its lines as they come; its exit code and its reply, if it sent one."""
-    processes = _processes()
-    reader, writer = processes.Pipe(duplex=False)
-    process = processes.Process(
-        target=quarantine.child, args=({**job, "worker_pid": os.getpid()}, writer),
-        name=f"{quarantine.PROCESS_NAME} {request_id}",
-    )
-    alone = PROCESS.alone
-    reply: dict[str, Any] | None = None
-    try:
-        process.start()
-        writer.close()
-        with alone.guard:
-            alone.running[request_id] = process
-            revoked = request_id in alone.revoked
-        if revoked:
-            # Revoked while it started: stopped now (before its handler is
-            # set, the signal ends it, as a revoke before its run began).
-            _signal_revoked(process)
-        deadline = time.monotonic() + timeout
-        while True:
-            if not reader.poll(max(0.0, deadline - time.monotonic())):
-                process.kill()
-                process.join()
-                raise DiedAlone(f"its process ran past {timeout:g}s and was stopped")
-            try:
-                message = reader.recv_bytes()
-            except (EOFError, OSError):
-                break  # it closed its end, or died within a message
-            reply = _line(request_id, message) or reply
-        # A process that replied but does not end (a tool's thread that
-        # lingers) is stopped: its reply stands.
-        process.join(EXIT_GRACE if reply is not None else None)
-        if process.is_alive():
-            process.kill()
-            process.join()
-    except BaseException:
-        # Never left running unwatched: it stops its run (recorded interrupted).
-        if process.is_alive():
-            process.terminate()
-        raise
-    finally:
-        reader.close()
-        writer.close()
-    assert process.exitcode is not None
-    return process.exitcode, reply
-
-
-def _line(request_id: str, message: bytes) -> dict[str, Any] | None:
-    """Log a log line of the process as the request's; a reply, returned."""
-    try:
-        item = json.loads(message)
-    except ValueError:
-        item = None
-    if isinstance(item, dict) and isinstance(item.get("reply"), dict):
-        reply: dict[str, Any] = item["reply"]
-        return reply
-    line = item["log"] if isinstance(item, dict) and "log" in item else repr(message)
-    log.info("request %s (alone): %s", request_id, line,
-             extra={"action": "quarantine_log", "request": request_id})
-    return None
-
-
 def _processes() -> multiprocessing.context.ForkServerContext:
-    """Where a request's own process comes from: a fork server that imported
+    """Where a process of quarantine comes from: a fork server that imported
     the attempt's code and the agents once (started on first use; it stops
     with this process)."""
     context = multiprocessing.get_context("forkserver")
@@ -191,27 +202,19 @@ def _processes() -> multiprocessing.context.ForkServerContext:
 
 
 def stop_alone(request_id: str) -> bool:
-    """Stop ``request_id``'s run in its own process at once, mid-step (a
-    revoke with terminate): the process stops its run and ends it
+    """Stop ``request_id``'s attempt in quarantine at once, mid-step (a
+    revoke with terminate): its process stops the run and ends it
     ``cancelled`` as revoked under its lock, then releases the session.
-    ``False`` when the request does not run alone here."""
+    ``False`` when the request does not run in quarantine here."""
     alone = PROCESS.alone
     with alone.guard:
         if request_id not in alone.running:
             return False
-        process = alone.running[request_id]
+        group = alone.running[request_id]
         alone.revoked.add(request_id)
-    log.info("request %s: revoked; stopping its process", request_id,
+    log.info("request %s: revoked; stopping its attempt in quarantine", request_id,
              extra={"action": "revoke", "request": request_id})
-    if process is not None:
-        _signal_revoked(process)
-    # Else its process is starting: it is stopped once started.
+    if group is not None:
+        # Sent after its job, if its job went: else it never goes.
+        group.send({"revoke": request_id})
     return True
-
-
-def _signal_revoked(process: BaseProcess) -> None:
-    """Tell a request's own process its request was revoked (SIGUSR1)."""
-    # Not once it has ended: its pid may be another process's by now.
-    if process.pid is not None and process.exitcode is None:
-        with suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGUSR1)

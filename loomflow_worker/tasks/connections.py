@@ -71,3 +71,12 @@ def bound_worker_connections(app: Celery) -> None:
         # Celery's own switch, result_backend_thread_safe, would leave the
         # backends threads made before it: this one replaces them all.
         app._backend = WorkerRedisBackend(app=app, url=url)
+
+
+def bound_producers_now(app: Celery) -> None:
+    """Give kombu's pools (global to the process) the worker's limit now,
+    before any thread publishes. Celery does it on the first publish, which
+    fails ("Can't shrink pool when in use") when threads that published
+    meanwhile hold more producers than the limit: a restarted worker whose
+    requests all retry at once lost a retry so. Nothing connects yet."""
+    _ = app.amqp.producer_pool

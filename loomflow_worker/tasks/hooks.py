@@ -35,7 +35,7 @@ from ..settings import Settings
 from .admission import Admission
 from .alone import stop_alone
 from .application import current_app, settings
-from .connections import bound_worker_connections
+from .connections import bound_producers_now, bound_worker_connections
 from .dispatch import RESUME_AGENT, RUN_AGENT, dispatch_many
 from .eta import arrival
 from .pool import REFUSED_POOLS, RunPool, pool_name, refused_threads_option
@@ -89,6 +89,7 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
         metrics.prepare_multiprocess_dir()
     # A few connections to Redis and the broker, whatever the concurrency.
     bound_worker_connections(current_app())
+    bound_producers_now(current_app())
     _refuse_session_pooler(settings())
     _tune_collector()
 

@@ -95,12 +95,12 @@ def perform(task: AgentTask, args: dict[str, Any]) -> Any:
         if outcome.kind == "quarantine":
             outcome = run_alone(
                 request_id, args, task.kind, task.request.hostname or PROCESS.worker_context().node,
-                time_limit=_call_time_limit(task),
+                isolation=outcome.isolation, time_limit=_call_time_limit(task),
                 options=_message_options(task, task.request),
                 timeout=PROCESS.current_settings().run_time_limit + ALONE_GRACE,
             )
             if outcome.kind == "quarantine":
-                # No room to run it alone here: again soon, on any worker
+                # No room to run it in quarantine here: again soon, on any worker
                 # (a first retry's countdown, whatever its retries so far).
                 raise task.retry(countdown=PROCESS.worker_context().backoff(1))
             if outcome.kind == "handed_back":
@@ -108,9 +108,11 @@ def perform(task: AgentTask, args: dict[str, Any]) -> Any:
             if outcome.kind in ("quarantine", "handed_back"):
                 raise task.retry(countdown=_backoff(task))
     except DiedAlone as exc:
-        # Its own death: the next attempt (alone again) counts the crash.
-        countdown = _backoff(task)
-        log.warning("request %s died running alone (%s); retrying in %.1fs", request_id, exc,
+        # Alone, its own death: its next attempt counts the crash, after a
+        # backoff. Among suspects, nobody's: each runs its next attempt
+        # alone, soon (as one that found no room does).
+        countdown = _backoff(task) if exc.alone else PROCESS.worker_context().backoff(1)
+        log.warning("request %s died in quarantine (%s); retrying in %.1fs", request_id, exc,
                     countdown, extra={"action": "retry", "request": request_id})
         raise task.retry(exc=exc, countdown=countdown) from exc
     except (concurrent.futures.CancelledError, asyncio.CancelledError) as exc:

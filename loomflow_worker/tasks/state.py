@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 from typing import Any
 
 import psycopg
@@ -26,43 +25,9 @@ from ..execution.registry import import_agent_modules
 from ..runtime.errors import InvalidInput
 from ..settings import Settings, validation_message
 from .admission import Admission
+from .groups import AloneRuns
 from .loop import ChildLoop
 from .sweeper import Sweeper
-
-
-@dataclass
-class AloneRuns:
-    """The requests this process runs alone, each in a process of its own
-    (see :mod:`loomflow_worker.tasks.alone`)."""
-
-    #: How many run alone now (at most the ``ALONE_AT_ONCE`` setting).
-    taken: int = 0
-    #: Notified when one of them ends.
-    freed: threading.Condition = field(default_factory=threading.Condition)
-    #: The processes running a request alone now, by request id (``None``
-    #: while its process starts).
-    running: dict[str, BaseProcess | None] = field(default_factory=dict)
-    #: Whether the fork server they come from was told what to import.
-    preloaded: bool = False
-    #: The requests among them a revoke with terminate stopped.
-    revoked: set[str] = field(default_factory=set)
-    #: Held while :attr:`running` or :attr:`revoked` is read or changed.
-    guard: threading.Lock = field(default_factory=threading.Lock)
-
-    def take(self, at_once: int, wait: float) -> bool:
-        """Count one more request running alone, if fewer than ``at_once`` do
-        within ``wait`` seconds; whether it could."""
-        with self.freed:
-            if not self.freed.wait_for(lambda: self.taken < at_once, timeout=wait):
-                return False
-            self.taken += 1
-            return True
-
-    def give_back(self) -> None:
-        """One request ended running alone."""
-        with self.freed:
-            self.taken -= 1
-            self.freed.notify()
 
 
 @dataclass

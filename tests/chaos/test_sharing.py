@@ -221,10 +221,21 @@ def test_a_poison_request_is_charged_its_crashes_and_its_neighbours_none(fleet: 
     assert spans is not None
     # Nothing waited REDISPATCH_AFTER: the neighbours lost seconds to the deaths.
     assert float(spans[1]) < 30, (spans, fleet.log_text())
+    # The neighbours that died twice with the poison ran their next attempt
+    # in quarantine groups (QUARANTINE_GROUP, 8); only the few whose group
+    # the poison killed then ran alone.
+    # (Logged by the worker processes alive since the poison's last shared death.)
+    log = "\n".join(path.read_text(errors="replace") for path in fleet.logs.glob("*.log"))
+    grouped = set(re.findall(r"request (\S+): running in quarantine with other suspects", log))
+    alone = set(re.findall(r"request (\S+): running alone in a process of its own", log))
+    assert poison.id in alone and len(grouped - {poison.id}) > 7, (grouped, alone,
+                                                                   fleet.log_text())
+    assert len(alone - {poison.id}) <= 7, (alone, fleet.log_text())
     print(f"poison dead after {row['attempts']} attempts; {restarts} worker restarts; "
           f"the 40 neighbours all succeeded, none charged a crash, the last "
           f"{float(spans[1]):.1f}s after the poison was sent; test took {took:.1f}s; "
-          f"attempts by outcome {dict(outcomes)}")
+          f"{len(grouped - {poison.id})} ran in quarantine groups, "
+          f"{len(alone - {poison.id})} of them alone then; attempts by outcome {dict(outcomes)}")
 
 
 def test_a_tool_that_holds_the_loop_past_the_lease_ends_dead_after_max_lost(
@@ -265,7 +276,8 @@ def _wait_in_tool(dsn: str, tags: tuple[str, ...], times: int, timeout: float = 
 
 def _quarantine(fleet: Fleet, env: dict[str, str]) -> tuple[str, str]:
     """Two requests (sessions t and n) that died twice with their shared
-    process without completing a step, now running alone; their ids."""
+    process without completing a step, now running in quarantine (together,
+    or each alone with QUARANTINE_GROUP=1); their ids."""
     fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
     suspect = run_agent.delay(calls("alone-1"), "t", user_id="u")
     neighbour = run_agent.delay(calls("neighbour-1"), "n", user_id="u")
@@ -282,7 +294,7 @@ def test_revoke_and_cancel_stop_requests_running_alone_and_their_sessions_move_o
     fleet: Fleet,
 ) -> None:
     # Two requests whose tool takes 20 s die twice with their shared process:
-    # their third attempts run alone, each in a process of its own.
+    # their third attempts run in quarantine, together in one process.
     env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
            "TEST_TOOL_SLEEP": "20"}
     suspect_id, neighbour_id = both = list(_quarantine(fleet, env))
@@ -290,9 +302,14 @@ def test_revoke_and_cancel_stop_requests_running_alone_and_their_sessions_move_o
     log = fleet.logs / "w1.log"
     for request_id in both:
         deadline = time.monotonic() + 30
-        while f"request {request_id}: running alone" not in log.read_text():
+        while f"request {request_id}: running in quarantine" not in log.read_text():
             assert time.monotonic() < deadline, fleet.log_text()
             time.sleep(0.1)
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        places = conn.execute(
+            "SELECT DISTINCT worker FROM run_attempts WHERE request_id = ANY(%s)"
+            " AND attempt = 3", (both,)).fetchall()
+    assert len(places) == 1, places  # one process of quarantine
 
     # A cancel stops one at its next step boundary, in its own process, as it
     # stops a run of the shared process.
@@ -330,7 +347,8 @@ def test_a_request_that_finds_no_room_to_run_alone_goes_back_to_the_queue(
     # One request alone at a time per worker process: of the two suspects
     # that w1 receives, the second is not held behind the first there.
     env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
-           "TEST_TOOL_SLEEP": "3", "LOOMFLOW_WORKER_ALONE_AT_ONCE": "1"}
+           "TEST_TOOL_SLEEP": "3", "LOOMFLOW_WORKER_ALONE_AT_ONCE": "1",
+           "LOOMFLOW_WORKER_QUARANTINE_GROUP": "1"}
     both = list(_quarantine(fleet, env))
     deadline = time.monotonic() + 60
     while "goes back to the queue" not in (fleet.logs / "w1.log").read_text():
@@ -378,4 +396,4 @@ def test_a_connection_lost_while_a_request_starts_alone_is_no_crash(
                                                         fleet.log_text())
         assert ledger(fleet.dsn, request_id)["crashes"] == 0
     log = (fleet.logs / "w1.log").read_text()
-    assert "died running alone" not in log, fleet.log_text()
+    assert "died in quarantine" not in log, fleet.log_text()

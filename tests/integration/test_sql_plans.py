@@ -17,7 +17,7 @@ PARAMS: dict[str, Any] = {
     "scope": "scope-7", "request_id": "r-7", "stale": 5, "key": 1, "may_lock": False,
     "worker": "h", "pid": 1, "attempt": 1, "new_epoch": 2, "epoch_value": b"LJ12",
     "status": "succeeded", "result": None, "error": None, "error_type": None,
-    "before": 0.0, "cutoff": None, "batch": 1000, "shared": True,
+    "before": 0.0, "cutoff": None, "batch": 1000, "isolation": 0,
     "kind": "run", "session_id": "scope-7", "user_id": None, "agent": "a",
     "prompt_sha256": b"", "lease": 30.0, "interval": 2.0,
     "metadata": "{}",

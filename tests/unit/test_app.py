@@ -134,6 +134,28 @@ def test_a_worker_process_shares_one_result_backend_on_a_few_connections() -> No
     assert worker_app.conf.broker_pool_acquire_timeout == PUBLISH_WAIT
 
 
+@pytest.mark.slow
+def test_a_worker_bounds_its_producers_before_any_thread_publishes() -> None:
+    """Kombu's pools take the worker's limit at start, not on the first
+    publish, when threads publishing at once may hold more producers than
+    it (the resize then fails and the publish is lost). In a process of its
+    own: kombu's pools are global."""
+    script = (
+        "import kombu\n"
+        "from loomflow_worker import tasks\n"
+        "from loomflow_worker.tasks import application\n"
+        "from loomflow_worker.tasks import connections\n"
+        "app = application.make_app(tasks.settings())\n"
+        "connections.bound_worker_connections(app)\n"
+        "connections.bound_producers_now(app)\n"
+        "print(kombu.pools.get_limit(), app.amqp._producer_pool.limit)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(PUBLISH_CONNECTIONS)] * 2, done.stdout
+
+
 def test_a_worker_leaves_a_result_backend_other_than_redis_as_celery_makes_it() -> None:
     plain = application.make_app(None)  # Celery's defaults: results disabled
     bound_worker_connections(plain)

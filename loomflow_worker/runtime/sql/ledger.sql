@@ -174,27 +174,33 @@ UPDATE runs SET status = 'failed', error = %(error)s, error_type = %(error_type)
 -- is compared by its SHA-256), the oldest unfinished request of its scope
 -- before it, and, in the same statement, the scope's lock when the request is
 -- unfinished, its message is its own and nothing is before it (NULL: not
--- tried). A request in a `shared` process (many runs at once) must run alone
--- instead when it died in a shared process twice in a row, or lost its lock
--- connection twice in a row, without completing a step (counting its last
--- attempt, which its start counts): it takes no lock here and says so
--- (`quarantine`).
+-- tried). A request that died with other runs of its process twice in a row
+-- without completing a step (counting its last attempt, which its start
+-- counts) must run in quarantine, among a few such suspects (isolation 1);
+-- one that died there too, or lost its lock connection twice in a row, must
+-- run alone (isolation 2). In a process that gives it less isolation
+-- than that (`isolation`: 0 for a shared process) it takes no lock and says
+-- what it needs (`quarantine`, else 0).
 SELECT r.status, r.result, r.error, r.epoch AS pinned, m.differ,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
        o.not_before, o.options, o.routing, o.stale, q.quarantine, r.fairness_key,
        CASE WHEN loomflow_worker_unfinished(r.status) AND o.request_id IS NULL
-                 AND cardinality(m.differ) = 0 AND NOT q.quarantine
+                 AND cardinality(m.differ) = 0 AND q.quarantine = 0
             THEN CASE WHEN %(may_lock)s THEN pg_try_advisory_lock(%(key)s) ELSE false END
        END AS locked
   FROM runs r
   CROSS JOIN LATERAL (
-      -- Its last attempt is looked at only for a running request in a shared
-      -- process (a first delivery, nearly every one, skips it).
-      SELECT CASE WHEN %(shared)s AND r.status = 'running' THEN coalesce((
-                 SELECT r.suspicion + p.shared::int >= 2
-                        OR r.lost_streak + (p.outcome = 'lost')::int >= 2
-                   FROM loomflow_worker_last_attempt(r.request_id, r.attempts) p), false)
-             ELSE false END AS quarantine) q
+      -- Its last attempt is looked at only for a running request in a process
+      -- that is not alone (a first delivery, nearly every one, skips it).
+      SELECT CASE WHEN %(isolation)s < 2 AND r.status = 'running' THEN coalesce((
+                 SELECT CASE WHEN n.needs > %(isolation)s THEN n.needs ELSE 0 END
+                   FROM loomflow_worker_last_attempt(r.request_id, r.attempts) p
+                  CROSS JOIN LATERAL (
+                      SELECT CASE WHEN r.lost_streak + (p.outcome = 'lost')::int >= 2
+                                    OR (r.suspicion >= 2 AND p.outcome IS NULL) THEN 2
+                                  WHEN r.suspicion + p.shared::int >= 2 THEN 1
+                                  ELSE 0 END AS needs) n), 0)
+             ELSE 0 END AS quarantine) q
  CROSS JOIN LATERAL (
       SELECT array_remove(ARRAY[
           CASE WHEN r.kind IS DISTINCT FROM %(kind)s::text THEN 'kind' END,

@@ -1,0 +1,209 @@
+"""The processes of quarantine a worker process runs (see
+:mod:`loomflow_worker.tasks.alone`): one request alone, or a few suspects
+together, each answered through the process's pipe."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from contextlib import suppress
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from ..execution import quarantine
+
+log = logging.getLogger("loomflow_worker.tasks")
+
+#: How long a process whose last attempt replied may take to end before it is stopped.
+EXIT_GRACE = 10.0
+
+
+@dataclass
+class AloneRuns:
+    """The processes of quarantine this process runs, and the requests in
+    them (see :mod:`loomflow_worker.tasks.alone`)."""
+
+    #: How many processes of quarantine run now (at most ``ALONE_AT_ONCE``).
+    taken: int = 0
+    #: Notified when one of them ends.
+    freed: threading.Condition = field(default_factory=threading.Condition)
+    #: The process of quarantine of each request in one, by request id
+    #: (``None`` while it finds one).
+    running: dict[str, Quarantine | None] = field(default_factory=dict)
+    #: The groups of suspects that run, some of which may take more.
+    groups: list[Quarantine] = field(default_factory=list)
+    #: Whether the fork server they come from was told what to import.
+    preloaded: bool = False
+    #: The requests among them a revoke with terminate stopped.
+    revoked: set[str] = field(default_factory=set)
+    #: Held while :attr:`running`, :attr:`groups`, :attr:`revoked` or a
+    #: group's requests are read or changed.
+    guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def take(self, at_once: int, wait: float) -> bool:
+        """Count one more process of quarantine, if fewer than ``at_once`` run
+        within ``wait`` seconds; whether it could."""
+        with self.freed:
+            if not self.freed.wait_for(lambda: self.taken < at_once, timeout=wait):
+                return False
+            self.taken += 1
+            return True
+
+    def give_back(self) -> None:
+        """One process of quarantine ended."""
+        with self.freed:
+            self.taken -= 1
+            self.freed.notify()
+
+
+@dataclass
+class Member:
+    """One request's attempt in a process of quarantine."""
+
+    #: Set once its reply came, or its process ended without one.
+    ended: threading.Event = field(default_factory=threading.Event)
+    reply: dict[str, Any] | None = None
+
+
+class Quarantine:
+    """A process of quarantine: one request alone (``isolation`` 2), or up
+    to ``capacity`` suspects together (1). Its reader thread logs its lines
+    as their requests' and hands each attempt its reply; it takes
+    ``capacity`` requests in all, is closed once it runs none (its process
+    ends then), and gives its slot back once its process ended."""
+
+    def __init__(self, runs: AloneRuns, isolation: int, capacity: int) -> None:
+        #: The worker process's processes of quarantine, this one among them.
+        self.runs = runs
+        self.isolation = isolation
+        self.capacity = capacity
+        #: Requests it took, in all; those whose attempt has not ended.
+        self.taken = 0
+        self.members: dict[str, Member] = {}
+        #: Closed to more requests (its process ends with its last attempt).
+        self.closed = False
+        self.process: BaseProcess | None = None
+        #: The request that starts its process; set once it started (or failed to).
+        self.first: str | None = None
+        self.started = threading.Event()
+        self._jobs: Connection | None = None
+        self._sending = threading.Lock()
+
+    def join(self, request_id: str) -> Member | None:
+        """Count ``request_id`` among its requests, unless it is closed or
+        full (called under :attr:`AloneRuns.guard`)."""
+        if self.closed or self.taken >= self.capacity:
+            return None
+        self.taken += 1
+        self.first = self.first or request_id
+        self.members[request_id] = member = Member()
+        return member
+
+    def start(self, job: dict[str, Any], processes: ForkServerContext) -> None:
+        """Start its process, forked by ``processes``, with its first attempt, ``job``."""
+        reader, writer = processes.Pipe(duplex=False)
+        jobs_in, jobs_out = processes.Pipe(duplex=False)
+        first = {**job, "worker_pid": os.getpid(), "isolation": self.isolation,
+                 "capacity": self.capacity}
+        name = (f"{quarantine.PROCESS_NAME} {job['request_id']}" if self.isolation > 1
+                else f"{quarantine.PROCESS_NAME} group of {job['request_id']}")
+        self.process = processes.Process(
+            target=quarantine.child, args=(first, jobs_in, writer), name=name)
+        try:
+            self.process.start()
+        finally:
+            writer.close()
+            jobs_in.close()
+        self._jobs = jobs_out
+        threading.Thread(target=self._read, args=(reader,), daemon=True,
+                         name=f"quarantine {self.process.pid}").start()
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Send its process a message (nothing once it has ended)."""
+        with self._sending:
+            if self._jobs is None:
+                return
+            with suppress(OSError, ValueError):
+                self._jobs.send_bytes(json.dumps(message).encode())
+
+    def stop(self) -> None:
+        """Stop its process now: its attempts' deaths, none of them its own
+        when it ran several."""
+        if self.process is not None and self.process.exitcode is None:
+            self.process.kill()
+
+    def _read(self, reader: Connection) -> None:
+        assert self.process is not None
+        closed_at: float | None = None
+        try:
+            while True:
+                if closed_at is None and self.closed:
+                    closed_at = time.monotonic()
+                elif closed_at is not None and time.monotonic() - closed_at > EXIT_GRACE:
+                    # Its last attempt replied, but it does not end (a
+                    # tool's thread that lingers): stopped, its replies stand.
+                    self.stop()
+                if not reader.poll(0.5):
+                    continue
+                try:
+                    message = reader.recv_bytes()
+                except (EOFError, OSError):
+                    break  # it ended, or died within a message
+                if self._line(message):
+                    self.close_if_idle()
+        finally:
+            reader.close()
+            self.process.join()
+            with self.runs.guard:
+                self.closed = True
+                ended, self.members = list(self.members.values()), {}
+            with self._sending:
+                if self._jobs is not None:
+                    self._jobs.close()
+                    self._jobs = None
+            for member in ended:
+                member.ended.set()
+            self.runs.give_back()
+
+    def close_if_idle(self) -> None:
+        """Close it once it runs no request: its process ends (the next
+        suspects start another)."""
+        with self.runs.guard:
+            if self.members or self.process is None:
+                return
+            self.closed = True
+        self.send({"close": True})
+
+    def _line(self, message: bytes) -> bool:
+        """Log a log line of its process as its request's, or hand a reply
+        to its attempt; whether it was a reply."""
+        try:
+            item = json.loads(message)
+        except ValueError:
+            item = None
+        if not isinstance(item, dict):
+            log.info("process of quarantine %s: %r", self.process and self.process.pid, message,
+                     extra={"action": "quarantine_log"})
+            return False
+        request_id = item.get("request")
+        if "reply" in item:
+            with self.runs.guard:
+                member = self.members.pop(str(request_id), None)
+            if member is not None:
+                member.reply = item["reply"] if isinstance(item["reply"], dict) else None
+                member.ended.set()
+            return True
+        how = "alone" if self.isolation > 1 else "in quarantine"
+        if request_id is None:
+            log.info("process of quarantine %s: %s", self.process and self.process.pid,
+                     item.get("log"), extra={"action": "quarantine_log"})
+        else:
+            log.info("request %s (%s): %s", request_id, how, item.get("log"),
+                     extra={"action": "quarantine_log", "request": request_id})
+        return False

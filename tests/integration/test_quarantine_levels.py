@@ -1,0 +1,103 @@
+"""Where a request's next attempt must run, read from its attempts by
+``precheck_run`` on the real ledger: in the shared process, in quarantine
+among a few suspects, or alone; and what a death in each place charges."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+
+from loomflow_worker.runtime.sql import query
+
+PARAMS: dict[str, Any] = {
+    "kind": "run", "session_id": "s", "user_id": None, "agent": "a", "prompt_sha256": b"",
+    "metadata": None, "stale": 60, "key": 42, "may_lock": False,
+}
+
+SHARED, GROUP, ALONE = 0, 1, 2
+
+
+def _request(conn: psycopg.Connection[Any], deaths: list[list[str]], *,
+             suspicion: int, lost_streak: int = 0) -> None:
+    """Request ``r`` running, its attempts each with the requests that were
+    open in the same process when it ended (``[]``: alone, or it ended)."""
+    conn.execute("INSERT INTO runs (request_id, scope, session_id, agent, prompt, status,"
+                 " attempts, suspicion, lost_streak) VALUES ('r', 's', 's', 'a', 'p',"
+                 " 'running', %s, %s, %s)", (len(deaths), suspicion, lost_streak))
+    for attempt, others in enumerate(deaths, start=1):
+        worker = f"host:{attempt}"
+        conn.execute("INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch)"
+                     " VALUES ('r', %s, %s, 1, 0)", (attempt, worker))
+        for other in others:
+            conn.execute("INSERT INTO runs (request_id, scope, session_id, agent, prompt,"
+                         " status, attempts) VALUES (%s, %s, %s, 'a', 'p', 'running', 1)",
+                         (f"{other}-{attempt}",) * 3)
+            conn.execute("INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch)"
+                         " VALUES (%s, 1, %s, 1, 0)", (f"{other}-{attempt}", worker))
+
+
+def _needs(conn: psycopg.Connection[Any], isolation: int) -> int:
+    row = conn.execute(query("precheck_run"), {**PARAMS, "request_id": "r",
+                                               "isolation": isolation}).fetchone()
+    assert row is not None
+    return int(row[list(_columns(conn)).index("quarantine")])
+
+
+def _columns(conn: psycopg.Connection[Any]) -> list[str]:
+    cur = conn.execute(query("precheck_run"), {**PARAMS, "request_id": "r", "isolation": 0})
+    assert cur.description is not None
+    return [c.name for c in cur.description]
+
+
+@pytest.mark.parametrize(("history", "suspicion", "lost_streak", "needs"), [
+    # Died once with its shared process: it runs shared again.
+    ([["n"]], 0, 0, SHARED),
+    # Twice: among a few suspects (the second death is its last attempt's).
+    ([["n"], ["n"]], 1, 0, GROUP),
+    # Its group died with it: nobody's death, but it runs alone next.
+    ([["n"], ["n"], ["g"]], 2, 0, ALONE),
+    # Alone in its group when it died (the others had left): its own, alone next.
+    ([["n"], ["n"], []], 2, 0, ALONE),
+    # Alone and died again: alone again (each such death is a crash).
+    ([["n"], ["n"], ["g"], []], 3, 0, ALONE),
+    # A lost attempt in a row with another: alone, whatever its suspicion.
+    ([[]], 0, 1, ALONE),
+])
+def test_a_request_runs_as_apart_as_its_deaths_say(
+    dsn: str, history: list[list[str]], suspicion: int, lost_streak: int, needs: int
+) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _request(conn, history, suspicion=suspicion, lost_streak=lost_streak)
+        if lost_streak:
+            conn.execute("UPDATE run_attempts SET outcome = 'lost', ended_at = now()"
+                         " WHERE request_id = 'r'")
+        # A process that gives it less says what it needs, and takes no lock;
+        # one that gives it as much or more runs it.
+        for isolation in (SHARED, GROUP, ALONE):
+            assert _needs(conn, isolation) == (needs if needs > isolation else 0), isolation
+
+
+def test_a_death_in_a_group_is_nobodys_crash_and_one_alone_is_its_own(dsn: str) -> None:
+    """``start_request`` charges the last attempt: a death shared with another
+    open attempt of its process raises suspicion, one alone counts a crash."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _request(conn, [["n"], ["n"], ["g"]], suspicion=1)
+        conn.execute("UPDATE runs SET suspicion = 2 WHERE request_id = 'r'")
+
+        def start() -> tuple[int, int]:
+            row = conn.execute(query("start_request"), {
+                "request_id": "r", "scope": "s", "worker": "host:next", "pid": 1,
+                "stale": 60, "lease": 30.0, "interval": 2.0}).fetchone()
+            assert row is not None
+            counts = conn.execute("SELECT crashes, suspicion FROM runs"
+                                  " WHERE request_id = 'r'").fetchone()
+            assert counts is not None
+            return int(counts[0]), int(counts[1])
+
+        # Its group's death (another member open in that process): no crash.
+        assert start() == (0, 3)
+        # Its next attempt, alone, died (its heartbeat long stopped): a crash.
+        conn.execute("UPDATE runs SET heartbeat_at = now() - interval '1 hour'")
+        assert start() == (1, 3)
