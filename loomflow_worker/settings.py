@@ -117,12 +117,13 @@ class Settings(BaseSettings):
     max_lost: int = Field(default=5, ge=2)
     # Processes of quarantine one worker process runs at once, each with
     # connections of its own: one runs a request alone, or up to
-    # quarantine_group suspects together; a request that finds them all
-    # taken goes back to the queue, for any worker with room.
+    # quarantine_group suspects at once; a request that finds no room in
+    # them goes back to the queue, for any worker with room.
     alone_at_once: int = Field(default=4, ge=1)
     # Requests that died with other runs of their process twice in a row
-    # without completing a step run together, this many to a process of
-    # quarantine; each that dies there again runs alone (1: alone at once).
+    # without completing a step run together, at most this many at once in a
+    # process of quarantine; each that dies there again runs alone (1: alone
+    # at once).
     quarantine_group: int = Field(default=8, ge=1)
 
     # Bad input refused at enqueue.

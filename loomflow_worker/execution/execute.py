@@ -464,10 +464,10 @@ async def execute(
             # it die).
             await pooled(lambda conn: ledger.mark_handed_alone(conn, request_id))
             log.warning(
-                "request %s runs %s: its attempts died with other runs of their process "
-                "%s in a row, without completing a step", request_id,
-                "alone" if pre.quarantine > 1 else "in quarantine among a few suspects",
-                "three times (or lost their lock twice)" if pre.quarantine > 1 else "twice",
+                "request %s runs %s, without completing a step", request_id,
+                "alone: its attempts died in quarantine too, or lost their lock twice in a row"
+                if pre.quarantine > 1 else "in quarantine among a few suspects: its attempts "
+                "died with other runs of their process twice in a row",
                 extra={"action": "quarantine", **_log_fields(request_id, req)})
             return Outcome("quarantine", isolation=pre.quarantine)
         if pre.status in TERMINAL:

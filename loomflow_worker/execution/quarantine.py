@@ -25,6 +25,7 @@ started it is gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -114,8 +115,13 @@ class _Members:
         self.done = asyncio.Event()
 
     def start(self, job: dict[str, Any]) -> None:
-        import_agent_modules(job.get("modules", []))
         request_id = job["request_id"]
+        try:
+            import_agent_modules(job.get("modules", []))
+        except Exception as exc:
+            self.out.send({"request": request_id, "reply": _failure(request_id, exc)})
+            self._end_if_idle()
+            return
         self.runs[request_id] = asyncio.get_running_loop().create_task(self._run(job))
 
     async def _run(self, job: dict[str, Any]) -> None:
@@ -128,6 +134,8 @@ class _Members:
             if self.done.is_set():
                 raise  # the process stops (SIGTERM, or its worker is gone)
             # Revoked before its run began (else the run ends it cancelled).
+        except Exception as exc:
+            reply = _failure(request_id, exc)
         finally:
             self.runs.pop(request_id, None)
         self.out.send({"request": request_id, "reply": reply})
@@ -166,6 +174,11 @@ class _Members:
         loop.add_signal_handler(signal.SIGTERM, main.cancel)
         _stop_when_orphaned(loop, worker, main)
         loop.add_reader(self.jobs.fileno(), self.receive)
+        # Connected before any attempt, so that the process's own tasks
+        # (heartbeats) log as its, not as the first request's; an attempt
+        # says so should the database be out of reach.
+        with contextlib.suppress(Exception):
+            await self.ctx.runtime()
         self.start(first)
         try:
             await self.done.wait()
@@ -178,6 +191,15 @@ class _Members:
             raise
         finally:
             await self.ctx.aclose()
+
+
+def _failure(request_id: str, exc: Exception) -> dict[str, Any]:
+    """The reply of an attempt that failed here, not as an attempt fails (a
+    bug, an agent module that does not import): its worker takes it for a
+    death of this process, the others' attempts going on."""
+    log.error("request %s: its attempt failed in quarantine", request_id, exc_info=exc,
+              extra={"request": request_id})
+    return {"failed": f"{type(exc).__name__}: {exc}"}
 
 
 def _stop_when_orphaned(

@@ -668,8 +668,13 @@ class PostgresJournalStore:
                     tried, opened = await self._try_lock(lock_conn, key, scope, try_open)
                 else:
                     tried, opened = False, None
-            except BaseException:
+            except BaseException as exc:
                 if may_lock:
+                    if isinstance(exc, asyncio.CancelledError):
+                        # Stopped while its statement may have taken the
+                        # lock (a revoke before the run began): a session
+                        # lock outlives the caller, so free it.
+                        await _unlock_now(lock_conn, key)
                     self._forget(key)
                 raise
             if tried and may_lock:
@@ -700,11 +705,8 @@ class PostgresJournalStore:
             return await lock_conn.send(_lock_and_open(key, scope, opening))
         except OpenFailed as failed:
             # A session lock outlives the transaction the open failed in:
-            # free it before the error goes up, whatever cancels the caller.
-            with anyio.CancelScope(shield=True), contextlib.suppress(LockLost):
-                await lock_conn.run(
-                    lambda conn: conn.execute(query("unlock_if_held"), {"key": key}), urgent=True
-                )
+            # free it before the error goes up.
+            await _unlock_now(lock_conn, key)
             raise failed.error from None
 
     async def take_slot(self, lease: Lease, keys: Sequence[int]) -> bool:
@@ -1099,3 +1101,10 @@ def _unlock_then(
     return Batch(lambda conn: [unlock_call, then(conn)], read)
 
 
+async def _unlock_now(lock_conn: LockConnection[Lease], key: int) -> None:
+    """Free ``key``'s session lock if ``lock_conn`` holds it, whatever cancels
+    the caller (a lost connection has freed it already)."""
+    with anyio.CancelScope(shield=True), contextlib.suppress(LockLost):
+        await lock_conn.run(
+            lambda conn: conn.execute(query("unlock_if_held"), {"key": key}), urgent=True
+        )

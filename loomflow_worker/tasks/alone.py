@@ -5,12 +5,13 @@ must run in quarantine (:mod:`loomflow_worker.execution.quarantine` says
 which and why): its task hands the attempt to a process of quarantine and
 waits for its reply, then carries on with the outcome as if it had run here
 (result, handoffs, retry). A request that must run alone gets a process of
-its own; suspects that may run together join the process their worker
-process fills now, up to ``QUARANTINE_GROUP`` in all, and a full one is
-closed to others, so a poison among them takes only those few with it. A
-worker process runs ``ALONE_AT_ONCE`` such processes at a time (a request
-that finds them all taken goes back to the queue, for any worker with
-room). A revoke with terminate stops the request's attempt there at once.
+its own; suspects that may run together join a process of their worker
+process with room, ``QUARANTINE_GROUP`` at most at once (another takes the
+place of each that leaves), so a poison among them takes only those few
+with it. A worker process runs ``ALONE_AT_ONCE`` such processes at a time
+(a request that finds no room in them within half a second goes back to
+the queue, for any worker with room). A revoke with terminate stops the
+request's attempt there at once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.context
+import time
 from typing import Any
 
 from ..execution import ledger
@@ -60,6 +62,9 @@ def run_alone(
     settings = PROCESS.current_settings()
     capacity = settings.quarantine_group if isolation < 2 else 1
     with alone.guard:
+        if request_id in alone.running:
+            # A duplicate of a request in quarantine here: again later.
+            return Outcome("quarantine")
         # A revoke from now on stops it, while it waits for room as well as
         # however soon its process starts.
         alone.running[request_id] = None
@@ -86,6 +91,7 @@ def run_alone(
                 place[0].members.pop(request_id, None)
         if place is not None:
             place[0].close_if_idle()
+            alone.room()
     reply = None if place is None else place[1].reply
     if reply is None and revoked:
         # Revoked before its attempt could halt its run (the run had not
@@ -97,6 +103,10 @@ def run_alone(
     if reply is None:
         assert place is not None
         raise DiedAlone(_death(place[0]), alone=place[0].isolation > 1)
+    if "failed" in reply:
+        assert place is not None
+        raise DiedAlone(f"its attempt failed in quarantine: {reply['failed']}",
+                        alone=place[0].isolation > 1)
     if "lost" in reply:
         lost = reply["lost"]
         raise AttemptLost(request_id, lost["attempt"], LockLost(lost["scope"], lost["cause"]),
@@ -109,19 +119,28 @@ def run_alone(
 def _place(
     request_id: str, isolation: int, capacity: int, at_once: int
 ) -> tuple[Quarantine, Member] | None:
-    """A process of quarantine for ``request_id``: the group this worker
-    process fills now, if it has room, else a new one, when fewer than
-    ``at_once`` run within :data:`SLOT_WAIT`; ``None`` when none has room."""
+    """A place in a process of quarantine for ``request_id``: in a group of
+    this worker process with room, else in a new process when fewer than
+    ``at_once`` run, waiting up to :data:`SLOT_WAIT` for either; ``None``
+    when none came."""
     alone = PROCESS.alone
-    if capacity > 1:
-        with alone.guard:
-            for group in alone.groups:
-                member = group.join(request_id)
-                if member is not None:
-                    alone.running[request_id] = group
-                    return group, member
-    if not alone.take(at_once, SLOT_WAIT):
-        return None
+    deadline = time.monotonic() + SLOT_WAIT
+    with alone.freed:
+        while True:
+            if capacity > 1:
+                with alone.guard:
+                    for group in alone.groups:
+                        member = group.join(request_id)
+                        if member is not None:
+                            alone.running[request_id] = group
+                            return group, member
+            if alone.taken < at_once:
+                alone.taken += 1
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            alone.freed.wait(left)
     group = Quarantine(alone, isolation, capacity)
     with alone.guard:
         member = group.join(request_id)
@@ -136,10 +155,9 @@ def _run(request_id: str, job: dict[str, Any], group: Quarantine, member: Member
          timeout: float) -> None:
     """Run ``job`` in ``group`` and wait for its reply (its process stopped past ``timeout``)."""
     alone = PROCESS.alone
-    if _revoked(request_id):
-        return
     if group.first == request_id:
-        # Its first request starts it; the others wait for that.
+        # Its first request starts it, even when revoked meanwhile (then the
+        # revoke follows its job): the others wait for that.
         if group.isolation > 1:
             log.info("request %s: running alone in a process of its own", request_id,
                      extra={"action": "quarantine_start", "request": request_id})
@@ -157,6 +175,8 @@ def _run(request_id: str, job: dict[str, Any], group: Quarantine, member: Member
             group.started.set()
     else:
         group.started.wait()
+        if _revoked(request_id):
+            return
         group.send({"job": job})
     if _revoked(request_id):
         # Revoked while its attempt started: the revoke went nowhere, or

@@ -31,7 +31,8 @@ class AloneRuns:
 
     #: How many processes of quarantine run now (at most ``ALONE_AT_ONCE``).
     taken: int = 0
-    #: Notified when one of them ends.
+    #: Notified when one of them ends, or a request leaves one. Taken
+    #: before :attr:`guard` when both are held.
     freed: threading.Condition = field(default_factory=threading.Condition)
     #: The process of quarantine of each request in one, by request id
     #: (``None`` while it finds one).
@@ -46,20 +47,16 @@ class AloneRuns:
     #: group's requests are read or changed.
     guard: threading.Lock = field(default_factory=threading.Lock)
 
-    def take(self, at_once: int, wait: float) -> bool:
-        """Count one more process of quarantine, if fewer than ``at_once`` run
-        within ``wait`` seconds; whether it could."""
-        with self.freed:
-            if not self.freed.wait_for(lambda: self.taken < at_once, timeout=wait):
-                return False
-            self.taken += 1
-            return True
-
     def give_back(self) -> None:
         """One process of quarantine ended."""
         with self.freed:
             self.taken -= 1
-            self.freed.notify()
+            self.freed.notify_all()
+
+    def room(self) -> None:
+        """A request left its process of quarantine (another may join it)."""
+        with self.freed:
+            self.freed.notify_all()
 
 
 @dataclass
@@ -73,18 +70,18 @@ class Member:
 
 class Quarantine:
     """A process of quarantine: one request alone (``isolation`` 2), or up
-    to ``capacity`` suspects together (1). Its reader thread logs its lines
-    as their requests' and hands each attempt its reply; it takes
-    ``capacity`` requests in all, is closed once it runs none (its process
-    ends then), and gives its slot back once its process ended."""
+    to ``capacity`` suspects at once (1), another taking the place of each
+    that leaves, so that its death takes at most that many with it. Its
+    reader thread logs its lines as their requests' and hands each attempt
+    its reply; it is closed once it runs none (its process ends then), and
+    gives its slot back once its process ended."""
 
     def __init__(self, runs: AloneRuns, isolation: int, capacity: int) -> None:
         #: The worker process's processes of quarantine, this one among them.
         self.runs = runs
         self.isolation = isolation
         self.capacity = capacity
-        #: Requests it took, in all; those whose attempt has not ended.
-        self.taken = 0
+        #: The requests in it, whose attempt has not ended.
         self.members: dict[str, Member] = {}
         #: Closed to more requests (its process ends with its last attempt).
         self.closed = False
@@ -98,9 +95,8 @@ class Quarantine:
     def join(self, request_id: str) -> Member | None:
         """Count ``request_id`` among its requests, unless it is closed or
         full (called under :attr:`AloneRuns.guard`)."""
-        if self.closed or self.taken >= self.capacity:
+        if self.closed or len(self.members) >= self.capacity:
             return None
-        self.taken += 1
         self.first = self.first or request_id
         self.members[request_id] = member = Member()
         return member
@@ -121,8 +117,12 @@ class Quarantine:
             writer.close()
             jobs_in.close()
         self._jobs = jobs_out
-        threading.Thread(target=self._read, args=(reader,), daemon=True,
-                         name=f"quarantine {self.process.pid}").start()
+        try:
+            threading.Thread(target=self._read, args=(reader,), daemon=True,
+                             name=f"quarantine {self.process.pid}").start()
+        except BaseException:
+            self.process.kill()  # never left running unwatched
+            raise
 
     def send(self, message: dict[str, Any]) -> None:
         """Send its process a message (nothing once it has ended)."""
@@ -150,6 +150,8 @@ class Quarantine:
                     # tool's thread that lingers): stopped, its replies stand.
                     self.stop()
                 if not reader.poll(0.5):
+                    if self.process.exitcode is not None:
+                        break  # ended, its pipe held open by a process it left
                     continue
                 try:
                     message = reader.recv_bytes()
@@ -198,6 +200,7 @@ class Quarantine:
             if member is not None:
                 member.reply = item["reply"] if isinstance(item["reply"], dict) else None
                 member.ended.set()
+                self.runs.room()
             return True
         how = "alone" if self.isolation > 1 else "in quarantine"
         if request_id is None:

@@ -271,3 +271,37 @@ async def test_a_finish_whose_connection_is_lost_raises_and_frees_the_scope(dsn:
     finally:
         await other.aclose()
         await runtime.aclose()
+
+
+async def test_a_caller_stopped_while_its_lock_statement_runs_leaves_the_scope_free(
+    dsn: str,
+) -> None:
+    """A caller cancelled while the statement that takes its scope's lock is
+    in flight (a revoke before its run began) frees the lock: a session lock
+    outlives the caller, and the process may carry other runs for long."""
+    from loomflow_worker.runtime import scope_lock_key
+
+    slow = fastpath.Query("test_slow_lock",
+                          b"SELECT pg_try_advisory_lock($1) AS locked, pg_sleep(0.5)", ("key",))
+
+    def gate(key: int, may_lock: bool) -> Batch[bool | None]:
+        def read(conn: Any, results: list[Any]) -> bool | None:
+            return bool(fastpath.dicts(conn, fastpath.succeeded(results)[0])[0]["locked"])
+
+        return Batch(lambda conn: [slow.call(conn, {"key": key})], read)
+
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
+    try:
+        with anyio.move_on_after(0.2) as stopped:
+            await runtime.journal.acquire_if("s", None, gate)
+        assert stopped.cancelled_caught
+        key = scope_lock_key("s")
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as other:
+            cur = await other.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+            row = await cur.fetchone()
+        assert row is not None and row[0] is True, "the scope stayed locked by the stopped caller"
+        # And the process may take it again at once.
+        with anyio.fail_after(5):
+            await runtime.journal.acquire_if("s", None, gate)
+    finally:
+        await runtime.aclose()
