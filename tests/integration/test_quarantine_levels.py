@@ -79,6 +79,21 @@ def test_a_request_runs_as_apart_as_its_deaths_say(
             assert _needs(conn, isolation) == (needs if needs > isolation else 0), isolation
 
 
+def test_a_suspect_whose_attempt_a_shutdown_interrupted_stays_in_quarantine(dsn: str) -> None:
+    """A deploy puts a suspect's message back (queued, its attempt
+    ``interrupted``): its next attempt still runs apart, not shared."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _request(conn, [["n"], ["n"], []], suspicion=2)
+        conn.execute("UPDATE run_attempts SET outcome = 'interrupted', ended_at = now()"
+                     " WHERE request_id = 'r' AND attempt = 3")
+        conn.execute("UPDATE runs SET status = 'queued' WHERE request_id = 'r'")
+        assert _needs(conn, SHARED) == GROUP
+        assert _needs(conn, GROUP) == 0
+        # A request queued with no suspicion (nearly every one) is not looked at.
+        conn.execute("UPDATE runs SET suspicion = 1 WHERE request_id = 'r'")
+        assert _needs(conn, SHARED) == 0
+
+
 def test_a_death_in_a_group_is_nobodys_crash_and_one_alone_is_its_own(dsn: str) -> None:
     """``start_request`` charges the last attempt: a death shared with another
     open attempt of its process raises suspicion, one alone counts a crash."""

@@ -191,8 +191,11 @@ SELECT r.status, r.result, r.error, r.epoch AS pinned, m.differ,
   FROM runs r
   CROSS JOIN LATERAL (
       -- Its last attempt is looked at only for a running request in a process
-      -- that is not alone (a first delivery, nearly every one, skips it).
-      SELECT CASE WHEN %(isolation)s < 2 AND r.status = 'running' THEN coalesce((
+      -- that is not alone (a first delivery, nearly every one, skips it), or
+      -- a suspect queued again (its attempt interrupted by a shutdown).
+      SELECT CASE WHEN %(isolation)s < 2
+                       AND (r.status = 'running' OR (r.status = 'queued' AND r.suspicion >= 2))
+                  THEN coalesce((
                  SELECT CASE WHEN n.needs > %(isolation)s THEN n.needs ELSE 0 END
                    FROM loomflow_worker_last_attempt(r.request_id, r.attempts) p
                   CROSS JOIN LATERAL (
