@@ -32,6 +32,7 @@ Run it with::
 
     python bench/bench_poison.py [--runs 200] [--trials 3] [--latency 1.5] [--tool-sleep 1.0]
                                  [--handoff-grace 2] [--timeout 300] [--no-control]
+                                 [--quarantine-group N]
 """
 
 from __future__ import annotations
@@ -405,6 +406,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="seconds each tool call sleeps (default 1.0)")
     parser.add_argument("--handoff-grace", type=float, default=2.0,
                         help="LOOMFLOW_WORKER_HANDOFF_GRACE of the workers (default 2)")
+    parser.add_argument("--quarantine-group", type=int, default=None,
+                        help="LOOMFLOW_WORKER_QUARANTINE_GROUP of the workers (default: the "
+                             "package's; 1 runs every suspect alone)")
     parser.add_argument("--concurrency", type=int, default=300,
                         help="-c of each worker process (default 300)")
     parser.add_argument("--timeout", type=float, default=300.0,
@@ -418,6 +422,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.latency <= 0 or args.tool_sleep < 0 or args.handoff_grace <= 0 or args.timeout <= 0:
         parser.error("--latency, --handoff-grace and --timeout must be positive, "
                      "--tool-sleep not negative")
+    if args.quarantine_group is not None and args.quarantine_group < 1:
+        parser.error("--quarantine-group must be at least 1")
     if args.concurrency < args.runs:
         parser.error("--concurrency must be at least --runs (all innocents run at once)")
     return args
@@ -442,13 +448,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
         "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
     }
+    if args.quarantine_group is not None:
+        worker_env["LOOMFLOW_WORKER_QUARANTINE_GROUP"] = str(args.quarantine_group)
+    group = ("" if args.quarantine_group is None
+             else f" --quarantine-group {args.quarantine_group}")
     nominal = (TOOLS + 1) * args.latency + TOOLS * args.tool_sleep
     started = time.perf_counter()
     print(f"python {platform.python_version()}, celery {version('celery')}, "
           f"{os.cpu_count()} CPUs; {git_state()}; load average {os.getloadavg()[0]:.2f}")
     print(f"settings: --runs {args.runs} --trials {args.trials} --latency {args.latency:g} "
           f"--tool-sleep {args.tool_sleep:g} --handoff-grace {args.handoff_grace:g} "
-          f"--concurrency {args.concurrency} --timeout {args.timeout:g}; 2 workers, "
+          f"--concurrency {args.concurrency} --timeout {args.timeout:g}{group}; 2 workers, "
           "MAX_CRASHES 3, LEASE 5 s, heartbeat and sweep 0.5 s", flush=True)
     control: Control | None = None
     if not args.no_control:

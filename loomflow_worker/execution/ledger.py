@@ -868,6 +868,12 @@ async def worker_stopped(conn: Conn, beat: WorkerBeat) -> None:
     await conn.execute(query("worker_stopped"), {"worker": beat.worker, "stored": beat.stored})
 
 
+def mark_worker_stopped(conn: psycopg.Connection[Any], worker: str) -> None:
+    """Mark another process's row stopped: it died (a process of quarantine
+    whose worker saw it end)."""
+    conn.execute(query("worker_stopped"), {"worker": worker, "stored": []})
+
+
 # ---- requests Celery revoked or let expire (sync: the worker's main process) --------------
 
 

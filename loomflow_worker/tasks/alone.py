@@ -22,6 +22,9 @@ import multiprocessing.context
 import time
 from typing import Any
 
+import psycopg
+from psycopg_pool import PoolTimeout
+
 from ..execution import ledger
 from ..execution.errors import AttemptLost, DiedAlone
 from ..execution.execute import Outcome
@@ -141,7 +144,7 @@ def _place(
             if left <= 0:
                 return None
             alone.freed.wait(left)
-    group = Quarantine(alone, isolation, capacity)
+    group = Quarantine(alone, isolation, capacity, on_death=_stopped)
     with alone.guard:
         member = group.join(request_id)
         assert member is not None
@@ -193,6 +196,19 @@ def _run(request_id: str, job: dict[str, Any], group: Quarantine, member: Member
                                                 "request": request_id})
         group.stop()
         member.ended.wait()
+
+
+def _stopped(worker: str) -> None:
+    """Mark the row of a process of quarantine that died stopped, as a
+    worker that closes marks its own: the next attempts of its requests do
+    not wait two heartbeat intervals for it. Its requests' retries carry
+    on if the database is out of reach (then they wait)."""
+    try:
+        with PROCESS.ledger_connection() as conn:
+            ledger.mark_worker_stopped(conn, worker)
+    except (psycopg.Error, PoolTimeout) as exc:
+        log.warning("could not mark process of quarantine %s stopped (%s)", worker, exc,
+                    extra={"action": "retry"})
 
 
 def _death(group: Quarantine) -> str:

@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -76,10 +77,16 @@ class Quarantine:
     its reply; it is closed once it runs none (its process ends then), and
     gives its slot back once its process ended."""
 
-    def __init__(self, runs: AloneRuns, isolation: int, capacity: int) -> None:
+    def __init__(self, runs: AloneRuns, isolation: int, capacity: int,
+                 on_death: Callable[[str], None]) -> None:
+        """``on_death(worker)``: its process died (``worker``: the ledger's name
+        for it), called before its attempts learn it."""
         #: The worker process's processes of quarantine, this one among them.
         self.runs = runs
         self.isolation = isolation
+        self._on_death = on_death
+        #: Its process, as the ledger names the worker running its attempts.
+        self.worker: str | None = None
         self.capacity = capacity
         #: The requests in it, whose attempt has not ended.
         self.members: dict[str, Member] = {}
@@ -116,6 +123,7 @@ class Quarantine:
         finally:
             writer.close()
             jobs_in.close()
+        self.worker = f"{job['node']}:{self.process.pid}"
         self._jobs = jobs_out
         try:
             threading.Thread(target=self._read, args=(reader,), daemon=True,
@@ -162,6 +170,10 @@ class Quarantine:
         finally:
             reader.close()
             self.process.join()
+            if self.process.exitcode and self.worker is not None:
+                # Died (or stopped): its attempts' next ones need not wait
+                # for it to stop stamping its row.
+                self._on_death(self.worker)
             with self.runs.guard:
                 self.closed = True
                 ended, self.members = list(self.members.values()), {}

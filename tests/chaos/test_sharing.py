@@ -5,7 +5,9 @@ runs (tests/chaos/test_many_runs.py shows that one)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -339,6 +341,30 @@ def test_revoke_and_cancel_stop_requests_running_alone_and_their_sessions_move_o
     assert row["error"] == "cancelled while running" and row["attempts"] == 3, row
     after = run_agent.delay("hello", "n", user_id="u")
     assert after.get(timeout=30)["request_id"] == after.id
+
+
+def test_the_suspects_of_a_group_that_died_run_alone_next_without_waiting_for_it(
+    fleet: Fleet,
+) -> None:
+    # Heartbeats every 2 s (the default): a process that died is taken for
+    # stopped by the worker that saw it end, so its suspects' next attempts
+    # do not wait two heartbeat intervals for its row to go stale.
+    env = {**SHARING, "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "2",
+           "LOOMFLOW_WORKER_LEASE": "10", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
+           "TEST_TOOL_SLEEP": "20"}
+    both = list(_quarantine(fleet, env))
+    _wait_in_tool(fleet.dsn, ("alone-1", "neighbour-1"), 3)
+    log = fleet.logs / "w1.log"
+    places = {int(pid) for pid in re.findall(
+        r"running in quarantine with other suspects, in process (\d+)", log.read_text())}
+    assert len(places) == 1, (places, fleet.log_text())
+    os.kill(places.pop(), signal.SIGKILL)
+    _wait_running(fleet.dsn, both, 2, timeout=30, attempt=4)
+    text = log.read_text()
+    assert "may still be running" not in text, fleet.log_text()
+    assert text.count("running alone in a process of its own") >= 2, fleet.log_text()
+    for request_id in both:
+        assert ledger(fleet.dsn, request_id)["crashes"] == 0
 
 
 def test_a_request_that_finds_no_room_to_run_alone_goes_back_to_the_queue(
