@@ -175,9 +175,6 @@ class WorkerContext:
         self.watch_observers: list[Callable[[LoopWatch], None]] = []
         # Whether the process takes new requests (admission may pause it).
         self.admitting: Callable[[], bool] = lambda: True
-        # Called when a suspected request starts here: a process of quarantine
-        # may soon be needed (its worker readies what starts one).
-        self.suspected: Callable[[], None] = lambda: None
         # Finished requests whose result this process stored in the result
         # backend since its last stamp (appended from Celery's threads).
         self._stored: collections.deque[str] = collections.deque(maxlen=MAX_STORED_WAITING)
@@ -906,7 +903,6 @@ async def _run(
     fence = anyio.CancelScope()
     lease.request_id = request_id
     if started.suspicion or started.lost_streak:
-        ctx.suspected()
         # Its first completed step clears it of suspicion (and, running alone,
         # sends it back to its shared process, unless a cancel stops it there).
         async def cleared() -> None:

@@ -19,8 +19,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.context
-import multiprocessing.forkserver
-import threading
 import time
 from typing import Any
 
@@ -224,29 +222,6 @@ def _death(group: Quarantine) -> str:
 def _revoked(request_id: str) -> bool:
     with PROCESS.alone.guard:
         return request_id in PROCESS.alone.revoked
-
-
-def warm() -> None:
-    """Start the fork server processes of quarantine come from, in the
-    background, once: a request of this process is suspected, so the next
-    death may send a hundred requests to quarantine, and the server takes
-    seconds to import the agents (the first group's requests would wait for
-    it, and the others find no room and go back to the queue)."""
-    alone = PROCESS.alone
-    with alone.guard:
-        if alone.warmed:
-            return
-        alone.warmed = True
-    threading.Thread(target=_start_server, daemon=True, name="quarantine fork server").start()
-
-
-def _start_server() -> None:
-    _processes()
-    try:
-        multiprocessing.forkserver.ensure_running()
-    except OSError as exc:
-        # Its first process of quarantine starts it, as without this.
-        log.warning("could not start the fork server of quarantine ahead (%s)", exc)
 
 
 def _processes() -> multiprocessing.context.ForkServerContext:

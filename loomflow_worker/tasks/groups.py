@@ -40,10 +40,8 @@ class AloneRuns:
     running: dict[str, Quarantine | None] = field(default_factory=dict)
     #: The groups of suspects that run, some of which may take more.
     groups: list[Quarantine] = field(default_factory=list)
-    #: Whether the fork server they come from was told what to import, and
-    #: whether it was started ahead.
+    #: Whether the fork server they come from was told what to import.
     preloaded: bool = False
-    warmed: bool = False
     #: The requests among them a revoke with terminate stopped.
     revoked: set[str] = field(default_factory=set)
     #: Held while :attr:`running`, :attr:`groups`, :attr:`revoked` or a

@@ -34,7 +34,6 @@ from ..runtime.sessions import probe
 from ..settings import Settings
 from .admission import Admission
 from .alone import stop_alone
-from .alone import warm as warm_quarantine
 from .application import current_app, settings
 from .connections import bound_producers_now, bound_worker_connections
 from .dispatch import RESUME_AGENT, RUN_AGENT, dispatch_many
@@ -214,8 +213,6 @@ def _start_sweeper(sender: Any = None, **_: Any) -> None:
     if PROCESS.runs_here:
         if sender is not None and getattr(sender, "qos", None) is not None:
             _admit(sender)
-        # A suspected request readies the processes of quarantine.
-        PROCESS.worker_context().suspected = warm_quarantine
         # The threads pool runs in this process: connect (and migrate) now.
         try:
             PROCESS.loop.run(PROCESS.worker_context().runtime())

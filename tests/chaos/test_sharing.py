@@ -343,38 +343,6 @@ def test_revoke_and_cancel_stop_requests_running_alone_and_their_sessions_move_o
     assert after.get(timeout=30)["request_id"] == after.id
 
 
-def _fork_servers(worker: subprocess.Popen[bytes]) -> list[str]:
-    """The fork servers of quarantine in ``worker``'s process group."""
-    rows = subprocess.run(["ps", "-eo", "pgid=,args="], capture_output=True, text=True,
-                          check=True).stdout.splitlines()
-    return [args for pgid, _, args in (row.strip().partition(" ") for row in rows)
-            if pgid == str(worker.pid) and "forkserver" in args]
-
-
-def test_a_suspected_request_readies_the_fork_server_of_quarantine(fleet: Fleet) -> None:
-    # A worker's first process of quarantine waits seconds for its fork
-    # server to import the agents: a request that died with its process (a
-    # suspect) makes its next worker start that server, before a second
-    # death sends a crowd to quarantine.
-    env = {**SHARING, "TEST_TOOL_SLEEP": "5"}
-    worker = fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
-    suspect = run_agent.delay(calls("warm-1"), "t", user_id="u")
-    neighbour = run_agent.delay(calls("warm-2"), "n", user_id="u")
-    _wait_in_tool(fleet.dsn, ("warm-1", "warm-2"), 1)
-    assert _fork_servers(worker) == []  # nothing suspected yet
-    fleet.kill("w1")
-    worker = fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
-    _wait_in_tool(fleet.dsn, ("warm-1", "warm-2"), 2)
-    deadline = time.monotonic() + 10
-    while not _fork_servers(worker):
-        assert time.monotonic() < deadline, fleet.log_text()
-        time.sleep(0.1)
-    for request in (suspect, neighbour):
-        assert wait_status(fleet.dsn, request.id, ("succeeded", "failed", "dead"),
-                           timeout=60) == "succeeded"
-    assert "running in quarantine" not in (fleet.logs / "w1.log").read_text()
-
-
 def test_the_suspects_of_a_group_that_died_run_alone_next_without_waiting_for_it(
     fleet: Fleet,
 ) -> None:
