@@ -89,7 +89,10 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
         metrics.prepare_multiprocess_dir()
     # A few connections to Redis and the broker, whatever the concurrency.
     bound_worker_connections(current_app())
-    bound_producers_now(current_app())
+    if PROCESS.runs_here:
+        # Its threads publish at once (prefork's children fork from this
+        # process, and each publishes from one thread).
+        bound_producers_now(current_app())
     _refuse_session_pooler(settings())
     _tune_collector()
 
