@@ -157,7 +157,6 @@ def _place(
 def _run(request_id: str, job: dict[str, Any], group: Quarantine, member: Member,
          timeout: float) -> None:
     """Run ``job`` in ``group`` and wait for its reply (its process stopped past ``timeout``)."""
-    alone = PROCESS.alone
     if group.first == request_id:
         # Its first request starts it, even when revoked meanwhile (then the
         # revoke follows its job): the others wait for that.
@@ -167,12 +166,7 @@ def _run(request_id: str, job: dict[str, Any], group: Quarantine, member: Member
         try:
             group.start(job, _processes())
         except BaseException:
-            with alone.guard:
-                group.closed = True
-                ended, group.members = list(group.members.values()), {}
-            for other in ended:
-                other.ended.set()
-            alone.give_back()
+            group.release()  # no reader thread runs to release it
             raise
         finally:
             group.started.set()

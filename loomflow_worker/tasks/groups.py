@@ -174,16 +174,21 @@ class Quarantine:
                 # Died (or stopped): its attempts' next ones need not wait
                 # for it to stop stamping its row.
                 self._on_death(self.worker)
-            with self.runs.guard:
-                self.closed = True
-                ended, self.members = list(self.members.values()), {}
-            with self._sending:
-                if self._jobs is not None:
-                    self._jobs.close()
-                    self._jobs = None
-            for member in ended:
-                member.ended.set()
-            self.runs.give_back()
+            self.release()
+
+    def release(self) -> None:
+        """Its process ended, or never started: closed, the attempts still
+        in it ended without a reply, and its slot given back (once)."""
+        with self.runs.guard:
+            self.closed = True
+            ended, self.members = list(self.members.values()), {}
+        with self._sending:
+            if self._jobs is not None:
+                self._jobs.close()
+                self._jobs = None
+        for member in ended:
+            member.ended.set()
+        self.runs.give_back()
 
     def close_if_idle(self) -> None:
         """Close it once it runs no request: its process ends (the next

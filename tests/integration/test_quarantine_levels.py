@@ -8,6 +8,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 
 from loomflow_worker.runtime.sql import query
 
@@ -39,16 +40,11 @@ def _request(conn: psycopg.Connection[Any], deaths: list[list[str]], *,
 
 
 def _needs(conn: psycopg.Connection[Any], isolation: int) -> int:
-    row = conn.execute(query("precheck_run"), {**PARAMS, "request_id": "r",
-                                               "isolation": isolation}).fetchone()
+    cur = conn.cursor(row_factory=dict_row)
+    row = cur.execute(query("precheck_run"), {**PARAMS, "request_id": "r",
+                                              "isolation": isolation}).fetchone()
     assert row is not None
-    return int(row[list(_columns(conn)).index("quarantine")])
-
-
-def _columns(conn: psycopg.Connection[Any]) -> list[str]:
-    cur = conn.execute(query("precheck_run"), {**PARAMS, "request_id": "r", "isolation": 0})
-    assert cur.description is not None
-    return [c.name for c in cur.description]
+    return int(row["quarantine"])
 
 
 @pytest.mark.parametrize(("history", "suspicion", "lost_streak", "needs"), [
