@@ -40,6 +40,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from ..runtime.errors import DatabaseUnavailable, LockLost
+from ..runtime.loopwatch import claim_thread_for_asyncio
 from ..settings import Settings
 from . import ledger
 from .errors import AttemptLost
@@ -278,6 +279,7 @@ def child(first: dict[str, Any], jobs: Connection, out: Connection) -> None:
         isolation = int(first["isolation"])
         ctx = WorkerContext(settings, slots=int(first["capacity"]), node=first["node"],
                             quarantine=isolation)
+        claim_thread_for_asyncio()
         asyncio.run(_Members(ctx, jobs, handler).serve(first, int(first["worker_pid"])))
     except asyncio.CancelledError:
         # Stopped (SIGTERM, or its worker is gone): recorded "interrupted".

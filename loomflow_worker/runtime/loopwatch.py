@@ -196,3 +196,17 @@ class LoopWatch:
                 )
             frame = frame.f_back
         return Culprit(None, None, None, where) if where is not None else None
+
+
+def claim_thread_for_asyncio() -> None:
+    """Tell sniffio that this thread runs asyncio and nothing else.
+
+    anyio asks sniffio which library runs at each of its calls (loomflow's
+    streams make dozens per run), and sniffio otherwise finds out through
+    ``asyncio.current_task()``, a ``getpid()`` system call each time. A
+    thread that only runs an event loop can say so once, as trio does."""
+    try:
+        import sniffio
+    except ImportError:  # anyio then asks asyncio directly
+        return
+    sniffio.thread_local.name = "asyncio"

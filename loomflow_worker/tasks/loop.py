@@ -15,11 +15,19 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from ..runtime.loopwatch import claim_thread_for_asyncio
+
 T = TypeVar("T")
 
 #: How long an interrupted coroutine gets to unwind (release its session
 #: lock, close its cursor) before the caller goes on without it.
 UNWIND_TIMEOUT = 5.0
+
+
+def serve_forever(loop: asyncio.AbstractEventLoop) -> None:
+    """The loop thread's work: ``loop`` until it is stopped."""
+    claim_thread_for_asyncio()
+    loop.run_forever()
 
 
 class ChildLoop:
@@ -36,7 +44,7 @@ class ChildLoop:
             if self._loop is None or self._pid != os.getpid():
                 loop = asyncio.new_event_loop()
                 thread = threading.Thread(
-                    target=loop.run_forever, name="loomflow-worker loop", daemon=True
+                    target=serve_forever, args=(loop,), name="loomflow-worker loop", daemon=True
                 )
                 thread.start()
                 self._loop, self._thread, self._pid = loop, thread, os.getpid()

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 
 import pytest
+import sniffio
 
 from loomflow_worker.tasks.loop import ChildLoop
 
@@ -26,6 +27,18 @@ def test_run_returns_the_coroutines_result(loop: ChildLoop) -> None:
         return 42
 
     assert loop.run(answer()) == 42
+
+
+def test_the_loop_thread_tells_anyio_it_runs_asyncio_without_asking_asyncio(
+    loop: ChildLoop,
+) -> None:
+    # anyio asks sniffio at each of its calls; sniffio otherwise asks
+    # asyncio.current_task(), a getpid() system call each time.
+    async def library() -> tuple[str | None, str]:
+        return sniffio.thread_local.name, sniffio.current_async_library()
+
+    assert loop.run(library()) == ("asyncio", "asyncio")
+    assert sniffio.thread_local.name is None  # the caller's thread is untouched
 
 
 def test_a_terminate_signal_cancels_the_coroutine_and_waits_for_it_to_unwind(
