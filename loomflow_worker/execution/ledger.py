@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import secrets
 import threading
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
@@ -609,7 +610,8 @@ def start(
     round trip (one pipeline; Postgres runs it after the start), its rows in
     ``opened`` for the lease to use when it opens that epoch."""
     params = {"request_id": request_id, "scope": scope, "worker": worker, "pid": os.getpid(),
-              "stale": stale_after, "lease": lease, "interval": interval}
+              "boot": process_boot(), "stale": stale_after, "lease": lease,
+              "interval": interval}
 
     def build(conn: Conn) -> list[fastpath.Call]:
         calls = [_START.call(conn, params)]
@@ -839,6 +841,22 @@ async def heartbeat(conn: Conn, request_ids: list[str]) -> set[str]:
 
 
 
+#: This process's incarnation: its pid, and a token new in each process.
+_boot: tuple[int, str] = (0, "")
+
+
+def process_boot() -> str:
+    """A token of this process's incarnation, new in each process (a forked
+    pool child gets its own). Its worker id (node and pid) does not tell a
+    process from the one before it when a container restarts in place: the
+    same host name and, in a pid namespace of its own, the same pid."""
+    global _boot
+    pid = os.getpid()
+    if _boot[0] != pid:
+        _boot = (pid, secrets.token_hex(8))
+    return _boot[1]
+
+
 @dataclass(frozen=True)
 class WorkerBeat:
     """What a worker process says of itself on each heartbeat (``workers``)."""
@@ -856,6 +874,8 @@ class WorkerBeat:
     admitting: bool = True
     # The finished requests whose result it stored since its last beat.
     stored: list[str] = field(default_factory=list)
+    # This process's incarnation (see process_boot).
+    boot: str = field(default_factory=process_boot)
 
 
 async def worker_seen(conn: Conn, beat: WorkerBeat) -> None:

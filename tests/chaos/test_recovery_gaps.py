@@ -170,3 +170,26 @@ def test_a_running_requests_copy_lost_with_the_worker_that_took_it_goes_again_in
     assert "the copy published since it ran is in no queue" in (
         fleet.logs / "w3.log").read_text(errors="replace"), fleet.log_text()
     print(f"the copy lost with w2 went again and the request finished {took:.1f}s later")
+
+
+def test_a_worker_restarted_in_place_resumes_its_requests_in_seconds(fleet: Fleet) -> None:
+    """A container restarted in place (Kubernetes, after an OOM kill) runs its
+    worker again under the same host name and, in a pid namespace of its own,
+    the same pid: the same worker id as the process that died. The ledger must
+    still tell the two apart: the dead process's request resumes within seconds,
+    not once its heartbeat is older than LEASE (30 s here), and its attempt is
+    charged as the crash it was."""
+    env = {**FAST_RECOVERY, "LOOMFLOW_WORKER_LEASE": "30", "TEST_TOOL_SLEEP": "1.5"}
+    fleet.start("w1", 4, pool="threads", own_pids=True, **env)
+    request = send(0, "s", "u", "ab")
+    assert _next_run(fleet.dsn, "s-r000-a", set()) == 1  # pid 1, as in a container
+    fleet.kill("w1")
+    fleet.start("w1", 4, pool="threads", own_pids=True, **env)
+    assert request.result.get(timeout=20)["output"] == request.expected
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        attempts = conn.execute(
+            "SELECT worker, outcome FROM run_attempts WHERE request_id = %s ORDER BY attempt",
+            (request.result.id,)).fetchall()
+    assert len(attempts) == 2 and attempts[0][0] == attempts[1][0], attempts  # one worker id
+    assert [outcome for _, outcome in attempts] == [None, "succeeded"], attempts
+    assert ledger(fleet.dsn, request.result.id)["crashes"] == 1

@@ -49,13 +49,16 @@ class Fleet:
         gossip: bool = False,
         wait: bool = True,
         args: tuple[str, ...] = (),
+        own_pids: bool = False,
         **extra_env: str,
     ) -> subprocess.Popen[bytes]:
         """Start a worker; ``cli=True`` starts it with ``loomflow-worker worker``
         (soft shutdown on SIGTERM) instead of plain ``celery worker``;
         ``gossip=True`` keeps Celery's gossip and mingle on (its defaults);
         ``wait=False`` returns at once (:meth:`wait_ready` waits for it);
-        ``args`` are more options for the worker."""
+        ``args`` are more options for the worker; ``own_pids=True`` starts it
+        in a pid namespace of its own, as a container runs it: its main
+        process is pid 1 there, every time."""
         log = self.logs / f"{name}.log"
         if log.exists():
             log.unlink()
@@ -65,6 +68,8 @@ class Fleet:
             if cli
             else [sys.executable, "-m", "celery", "-A", "loomflow_worker.tasks", "worker"]
         )
+        if own_pids:
+            command = ["unshare", "--pid", "--fork", "--mount-proc", *command]
         proc = subprocess.Popen(
             # Node names are unique per fleet: RabbitMQ holds one exclusive
             # control queue per name, and other fleets may run beside this one.

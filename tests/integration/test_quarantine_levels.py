@@ -100,7 +100,7 @@ def test_a_death_in_a_group_is_nobodys_crash_and_one_alone_is_its_own(dsn: str) 
         def start() -> tuple[int, int]:
             row = conn.execute(query("start_request"), {
                 "request_id": "r", "scope": "s", "worker": "host:next", "pid": 1,
-                "stale": 60, "lease": 30.0, "interval": 2.0}).fetchone()
+                "boot": "now", "stale": 60, "lease": 30.0, "interval": 2.0}).fetchone()
             assert row is not None
             counts = conn.execute("SELECT crashes, suspicion FROM runs"
                                   " WHERE request_id = 'r'").fetchone()
@@ -112,3 +112,12 @@ def test_a_death_in_a_group_is_nobodys_crash_and_one_alone_is_its_own(dsn: str) 
         # Its next attempt, alone, died (its heartbeat long stopped): a crash.
         conn.execute("UPDATE runs SET heartbeat_at = now() - interval '1 hour'")
         assert start() == (1, 3)
+        # An attempt left open by an earlier process under the same worker id (a
+        # container restarted in place: same host name, same pid) did not die
+        # with it: its death alone is a crash still.
+        conn.execute("INSERT INTO runs (request_id, scope, session_id, agent, prompt, status,"
+                     " attempts) VALUES ('old', 'old', 'old', 'a', 'p', 'running', 1)")
+        conn.execute("INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch, boot)"
+                     " VALUES ('old', 1, 'host:next', 1, 0, 'earlier')")
+        conn.execute("UPDATE runs SET heartbeat_at = now() - interval '1 hour'")
+        assert start() == (2, 3)

@@ -15,7 +15,7 @@ from loomflow_worker.runtime.sql import query
 
 PARAMS: dict[str, Any] = {
     "scope": "scope-7", "request_id": "r-7", "stale": 5, "key": 1, "may_lock": False,
-    "worker": "h", "pid": 1, "attempt": 1, "new_epoch": 2, "epoch_value": b"LJ12",
+    "worker": "h", "pid": 1, "boot": "b", "attempt": 1, "new_epoch": 2, "epoch_value": b"LJ12",
     "status": "succeeded", "result": None, "error": None, "error_type": None,
     "before": 0.0, "cutoff": None, "batch": 1000, "isolation": 0,
     "kind": "run", "session_id": "scope-7", "user_id": None, "agent": "a",
@@ -112,7 +112,7 @@ def test_a_result_nobody_wants_or_its_worker_stored_is_never_checked(dsn: str) -
     (nor ``result_stored = false``); a worker's stamp takes off the results it
     stored since its last one."""
     beat = {"worker": "w:1", "hostname": "w", "pid": 1, "slots": 1, "interval": 2.0, "runs": 0,
-            "loop_lag": 0.0, "lock_queue": 0, "admitting": True}
+            "loop_lag": 0.0, "lock_queue": 0, "admitting": True, "boot": "b1"}
     with psycopg.connect(dsn, autocommit=True) as conn:
         def waiting() -> list[str]:
             rows = conn.execute("SELECT request_id FROM results_to_check ORDER BY 1")

@@ -307,8 +307,9 @@ RETURNING request_id;
 -- request does not start, and `previous_worker` names that worker, until the
 -- attempt records how it ended, its worker stops stamping its row in
 -- `workers` (dead, or stopped) for two of its heartbeat intervals (when the
--- sweeper takes its runs for orphans too), or the request's heartbeat is older
--- than the lease (see `previous_open`).
+-- sweeper takes its runs for orphans too) or a new process stamps it (`boot`:
+-- a container restarted in place, under the same worker id), or the request's
+-- heartbeat is older than the lease (see `previous_open`).
 WITH r AS (
     SELECT request_id, seq, scope, status, epoch, kind, attempts, cancel_requested,
            result, error, error_type, heartbeat_at, enqueued_at, booked_key, booked_at
@@ -327,7 +328,7 @@ WITH r AS (
        AND r.heartbeat_at > now() - make_interval(secs => %(lease)s)
        AND CASE WHEN w.worker IS NULL
                 THEN r.heartbeat_at > now() - make_interval(secs => 2 * %(interval)s)
-                ELSE w.stopped_at IS NULL
+                ELSE w.stopped_at IS NULL AND w.boot IS NOT DISTINCT FROM a.boot
                      AND w.seen_at > now() - make_interval(secs => 2 * w.heartbeat_interval)
            END
 ), older AS (
@@ -364,8 +365,8 @@ WITH r AS (
        AND NOT EXISTS (SELECT 1 FROM older) AND NOT EXISTS (SELECT 1 FROM previous_open)
     RETURNING u.epoch, u.attempts, u.crashes, u.failures, u.suspicion, u.lost_streak
 ), attempt_row AS (
-    INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch)
-    SELECT %(request_id)s, attempts, %(worker)s, %(pid)s, epoch FROM started
+    INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch, boot)
+    SELECT %(request_id)s, attempts, %(worker)s, %(pid)s, epoch, %(boot)s FROM started
     ON CONFLICT (request_id, attempt) DO NOTHING
 )
 SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
@@ -400,22 +401,24 @@ UPDATE runs SET suspicion = 0, lost_streak = 0 WHERE request_id = %(request_id)s
 -- name: worker_seen
 -- A worker process's own row, stamped once per heartbeat interval: how many
 -- runs it carries now, of how many slots, and how loaded it is (a restarted
--- pid starts a new row); the results it stored since its last stamp need no
--- check by the sweeper.
+-- pid starts a new row, and so does a new process under the same worker id:
+-- another `boot`); the results it stored since its last stamp need no check by
+-- the sweeper.
 WITH stored AS (
     DELETE FROM results_to_check WHERE request_id = ANY(%(stored)s::text[])
 )
 INSERT INTO workers AS w (worker, hostname, pid, slots, heartbeat_interval, runs, loop_lag,
-                          lock_queue, admitting)
+                          lock_queue, admitting, boot)
 VALUES (%(worker)s, %(hostname)s, %(pid)s, %(slots)s, %(interval)s, %(runs)s, %(loop_lag)s,
-        %(lock_queue)s, %(admitting)s)
+        %(lock_queue)s, %(admitting)s, %(boot)s)
 ON CONFLICT (worker) DO UPDATE
    SET runs = EXCLUDED.runs, slots = EXCLUDED.slots,
        heartbeat_interval = EXCLUDED.heartbeat_interval, seen_at = now(),
        loop_lag = EXCLUDED.loop_lag, lock_queue = EXCLUDED.lock_queue,
        admitting = EXCLUDED.admitting,
-       started_at = CASE WHEN w.stopped_at IS NULL THEN w.started_at ELSE now() END,
-       stopped_at = NULL;
+       started_at = CASE WHEN w.stopped_at IS NULL AND w.boot IS NOT DISTINCT FROM EXCLUDED.boot
+                         THEN w.started_at ELSE now() END,
+       stopped_at = NULL, boot = EXCLUDED.boot;
 
 -- name: worker_stopped
 -- A worker process that closes cleanly (and the results it stored since its
