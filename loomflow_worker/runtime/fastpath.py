@@ -165,19 +165,47 @@ async def pipeline(
     goes after a ``SYNC``. After an error, the statements up to the next
     ``SYNC`` are skipped (:class:`psycopg.errors.PipelineAborted`) and the
     rest run."""
-    pg = conn.pgconn
     await _prepare(conn, [call[0] for call in calls if call is not None])
+    reading = send(conn, calls)
+    try:
+        await _flush(conn)
+        while (results := reading.read()) is None:
+            await _readable(conn)
+            reading.consume()
+    except BaseException:
+        # Results may be left unread (a lost connection, a cancelled wait): the
+        # error going up is the one to see, and the owner closes the connection.
+        with contextlib.suppress(psycopg.Error):
+            reading.end()
+        raise
+    reading.end()
+    return results
+
+
+def prepared(conn: AsyncConnection[Any], calls: Sequence[Call | None]) -> bool:
+    """Whether every statement of ``calls`` is prepared on ``conn`` already
+    (so that :func:`send` may send them)."""
+    done = _prepared_on(conn)
+    return all(call is None or call[0].name in done for call in calls)
+
+
+def send(conn: AsyncConnection[Any], calls: Sequence[Call | None]) -> Reading:
+    """Queue ``calls`` (statements prepared on ``conn`` already) as
+    :func:`pipeline` sends them, without waiting: the caller flushes
+    (``conn.pgconn.flush()``) and reads their results with the
+    :class:`Reading` returned."""
+    pg = conn.pgconn
     statements = [call for call in calls if call is not SYNC]
     if len(statements) == 1:
         # One statement is its own transaction: no pipeline mode needed.
         stmt, values = statements[0]
         pg.send_query_prepared(stmt.name, values, stmt.formats, _BINARY)
-        return [await _answer(conn)]
+        return Reading(conn, None)
     if calls and calls[-1] is not SYNC:
         calls = [*calls, SYNC]
     pg.enter_pipeline_mode()
+    syncs = 0
     try:
-        syncs = 0
         for call in calls:
             if call is SYNC:
                 pg.pipeline_sync()
@@ -185,15 +213,59 @@ async def pipeline(
             else:
                 stmt, values = call
                 pg.send_query_prepared(stmt.name, values, stmt.formats, _BINARY)
-        results = await _pipeline_results(conn, syncs)
     except BaseException:
-        # Results may be left unread (a lost connection, a cancelled wait): the
-        # error going up is the one to see, and the owner closes the connection.
         with contextlib.suppress(psycopg.Error):
             pg.exit_pipeline_mode()
         raise
-    pg.exit_pipeline_mode()
-    return results
+    return Reading(conn, syncs)
+
+
+class Reading:
+    """The results of the statements :func:`send` sent, read as they come:
+    :meth:`read` after each :meth:`consume` of what the socket holds, until
+    it returns them."""
+
+    def __init__(self, conn: AsyncConnection[Any], syncs: int | None) -> None:
+        self.conn = conn
+        # Commit points still to come; None: one statement, not in pipeline mode.
+        self.syncs = syncs
+        self.out: list[PGresult | psycopg.Error] = []
+        # The current statement's result: its first error, else its last result.
+        self.found: PGresult | None = None
+
+    def read(self) -> list[PGresult | psycopg.Error] | None:
+        """Each statement's result or error, once every one came; ``None``
+        until then. Reads only what libpq holds (no read that would only say
+        "not yet")."""
+        pg = self.conn.pgconn
+        while not pg.is_busy():
+            res = pg.get_result()
+            if res is None:  # the end of one statement's results
+                if self.syncs is None:
+                    if self.found is None:
+                        raise psycopg.OperationalError("the server sent no result")
+                    return [_checked(self.found, self.conn)]
+                if self.found is not None:
+                    self.out.append(_checked(self.found, self.conn))
+                self.found = None
+            elif res.status == ExecStatus.PIPELINE_SYNC:
+                assert self.syncs is not None
+                self.syncs -= 1
+                if not self.syncs:
+                    return self.out
+            elif self.found is None or self.found.status in _OK:
+                self.found = res  # the first error of a statement wins
+        return None
+
+    def consume(self) -> None:
+        """Take in what the socket holds (raising how the server said it ended
+        the connection, if it did)."""
+        _consume(self.conn, self.found)
+
+    def end(self) -> None:
+        """Leave pipeline mode, if the statements were sent in it."""
+        if self.syncs is not None:
+            self.conn.pgconn.exit_pipeline_mode()
 
 
 def succeeded(results: Sequence[PGresult | psycopg.Error]) -> list[PGresult]:
@@ -203,32 +275,6 @@ def succeeded(results: Sequence[PGresult | psycopg.Error]) -> list[PGresult]:
         if isinstance(result, psycopg.Error):
             raise result
     return [result for result in results if not isinstance(result, psycopg.Error)]
-
-
-async def _pipeline_results(
-    conn: AsyncConnection[Any], syncs: int
-) -> list[PGresult | psycopg.Error]:
-    pg = conn.pgconn
-    await _flush(conn)
-    out: list[PGresult | psycopg.Error] = []
-    found: PGresult | None = None
-    while True:
-        # Read what libpq holds before waiting on the socket (no read that
-        # would only say "not yet" right after sending).
-        while not pg.is_busy():
-            res = pg.get_result()
-            if res is None:  # the end of one statement's results
-                if found is not None:
-                    out.append(_checked(found, conn))
-                found = None
-            elif res.status == ExecStatus.PIPELINE_SYNC:
-                syncs -= 1
-                if not syncs:
-                    return out
-            elif found is None or found.status in _OK:
-                found = res  # the first error of a statement wins
-        await _readable(conn)
-        _consume(conn, found)
 
 
 def _checked(res: PGresult, conn: AsyncConnection[Any]) -> PGresult | psycopg.Error:
@@ -260,20 +306,12 @@ async def _result(conn: AsyncConnection[Any]) -> PGresult:
 async def _answer(conn: AsyncConnection[Any]) -> PGresult | psycopg.Error:
     """Flush what was sent and read the command's result, or the error it
     raised (a connection that fails raises)."""
-    pg = conn.pgconn
     await _flush(conn)
-    found: PGresult | None = None
-    while True:
-        while not pg.is_busy():
-            res = pg.get_result()
-            if res is None:
-                if found is None:
-                    raise psycopg.OperationalError("the server sent no result")
-                return _checked(found, conn)
-            if found is None or found.status in _OK:
-                found = res  # the first error of a command wins
+    reading = Reading(conn, None)
+    while (results := reading.read()) is None:
         await _readable(conn)
-        _consume(conn, found)
+        reading.consume()
+    return results[0]
 
 
 def _consume(conn: AsyncConnection[Any], found: PGresult | None) -> None:
@@ -336,11 +374,17 @@ class _Watch:
         self.fd: int | None = None
         self.ready: asyncio.Future[None] | None = None
         self.resumed = False
+        # Called when the socket turns readable, instead of waking a waiter
+        # (see read_in_callback).
+        self.callback: Callable[[], None] | None = None
 
-    async def wait(self) -> None:
+    def listen(self) -> None:
         if self.fd is None:
             self.fd = self.conn.pgconn.socket
             self.loop.add_reader(self.fd, self._readable)
+
+    async def wait(self) -> None:
+        self.listen()
         ready = self.ready = self.loop.create_future()
         try:
             await ready
@@ -357,6 +401,9 @@ class _Watch:
         self.resumed = False
 
     def _readable(self) -> None:
+        if self.callback is not None:
+            self.callback()
+            return
         ready = self.ready
         if ready is None:
             if not self.resumed:
@@ -383,6 +430,34 @@ def watch(conn: AsyncConnection[Any]) -> None:
     of its own), and :func:`unwatch` it before it is closed."""
     if conn not in _watched:
         _watched[conn] = _Watch(conn, asyncio.get_running_loop())
+
+
+def watched(conn: AsyncConnection[Any]) -> bool:
+    """Whether :func:`watch` watches ``conn``."""
+    return conn in _watched
+
+
+def read_in_callback(conn: AsyncConnection[Any], callback: Callable[[], None] | None) -> None:
+    """While ``callback`` is set, it is called each time the socket of
+    ``conn`` (a connection :func:`watch` watches; else nothing is set) turns
+    readable, in the loop's callback: it reads the results itself, with
+    :class:`Reading`, and no task waits. ``None`` sets it back."""
+    found = _watched.get(conn)
+    if found is not None:
+        if callback is not None:
+            found.listen()
+        found.callback = callback
+
+
+async def flush(conn: AsyncConnection[Any]) -> None:
+    """Send what libpq holds of ``conn``'s statements, waiting while the
+    socket's buffer is full."""
+    await _flush(conn)
+
+
+async def readable(conn: AsyncConnection[Any]) -> None:
+    """Wait until ``conn``'s socket can be read."""
+    await _readable(conn)
 
 
 def unwatch(conn: AsyncConnection[Any]) -> None:

@@ -139,6 +139,9 @@ class LockConnection(Generic[L]):
         self._watchdog = _Watchdog(self)
         self._wake = asyncio.Event()
         self._server: asyncio.Task[None] | None = None
+        # The server waits for work; and statements its caller sent at once.
+        self._idle = False
+        self._flight: _Flight | None = None
         # Statements of journal writes sent, and the rows they carried.
         self.batches = 0
         self.rows_written = 0
@@ -196,6 +199,11 @@ class LockConnection(Generic[L]):
         if self.fenced is not None:
             raise self.fenced
         done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        if self._free():
+            calls = list(batch.build(self.conn))
+            if self._send_now(calls, done, functools.partial(self._answer, batch, done)):
+                return await done
+            batch = Batch(lambda conn: calls, batch.read)
         self._work.append(_Work(None, done, batch))
         self._wake.set()
         return await done
@@ -205,8 +213,11 @@ class LockConnection(Generic[L]):
         if self.fenced is not None:
             raise self.fenced
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._writes.append(_Write(rows, done))
-        self._wake.set()
+        if not (self._free() and self._send_now(
+                _journal_calls(self.conn, rows), done,
+                functools.partial(self._wrote, rows, done))):
+            self._writes.append(_Write(rows, done))
+            self._wake.set()
         await done
 
     def fence(self, cause: str, exc: BaseException | None = None) -> LockLost:
@@ -223,8 +234,7 @@ class LockConnection(Generic[L]):
             self.index, self.backend_pid, cause, self.load,
             extra={"action": "fenced", "backend": self.backend_pid, "runs": self.load},
         )
-        for done in self._current:
-            _fail(done, fenced)
+        self._abandon(fenced)
         self._fail_waiting(fenced)
         for lease in list(self._leases):
             lease.fence(fenced)
@@ -266,6 +276,13 @@ class LockConnection(Generic[L]):
         fastpath.watch(self.conn)
         try:
             while self.fenced is None:
+                if self._flight is not None:
+                    # Statements a caller sent at once are on their way.
+                    if self._flight.by_server:
+                        await self._complete(self._flight)
+                    else:
+                        await self._flight.landed
+                    continue
                 while self._urgent and self.fenced is None:
                     await self._take(self._urgent)
                 # Writes and batches go together, and other work takes turns
@@ -277,10 +294,15 @@ class LockConnection(Generic[L]):
                     await self._take(self._work)
                 if not self._writes and not self._work and not self._urgent:
                     self._wake.clear()
-                    await self._wake.wait()
+                    self._idle = True
+                    try:
+                        await self._wake.wait()
+                    finally:
+                        self._idle = False
         finally:
             # Closing frees every lock the connection holds.
             self.fenced = self.fenced or LockLost(self._scopes(), "the connection closed")
+            self._abandon(self.fenced)
             self._fail_waiting(self.fenced)
             await asyncio.shield(self._close())
 
@@ -313,9 +335,7 @@ class LockConnection(Generic[L]):
         try:
             return await fn(self.conn)
         except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            raise self.fence(
-                f"{type(exc).__name__}: {str(exc).strip() or 'connection lost'}", exc
-            ) from exc
+            raise self._lost(exc) from exc
         finally:
             self._watchdog.stop()
             self._current = []
@@ -413,6 +433,154 @@ class LockConnection(Generic[L]):
                     raise
             else:
                 _succeed(write.done)
+
+    # ---- statements sent by their caller -----------------------------------------------
+
+    # A caller that finds the connection free sends its statements itself, and
+    # the socket's reader callback reads their results and answers it: two
+    # turns of the loop fewer than a turn of the server task (waking it, and
+    # it waking on the answer), which is most of a round trip's cost to a run
+    # that has the connection to itself. The caller waits only for its answer:
+    # cancelled, it stops waiting, and the results are read all the same.
+
+    def _free(self) -> bool:
+        """Whether a caller may send its statements at once: the server waits
+        for work, none is queued and nothing is in flight."""
+        return (self._idle and self._flight is None and self.fenced is None
+                and not self._urgent and not self._work and not self._writes)
+
+    def _send_now(self, calls: Sequence[fastpath.Call | None], done: asyncio.Future[Any],
+                  answer: Callable[[list[PGresult | psycopg.Error]], None]) -> bool:
+        """Send ``calls`` now, and ``answer`` their results once they come (in
+        the socket's reader callback). ``False`` when they can't go now (a
+        statement not yet prepared on the connection, or a large one): the
+        caller queues them for the server."""
+        if not calls or not fastpath.prepared(self.conn, calls) or sum(
+            len(value or b"") for call in calls if call is not None for value in call[1]
+        ) > MAX_SENT_NOW or not fastpath.watched(self.conn):
+            return False
+        try:
+            reading = fastpath.send(self.conn, calls)
+            unsent = self.conn.pgconn.flush()
+        except psycopg.Error as exc:
+            self._current = [done]
+            self._lost(exc)
+            return True
+        flight = self._flight = _Flight(
+            reading, answer, asyncio.get_running_loop().create_future(), by_server=bool(unsent))
+        self._current = [done]
+        self._watchdog.start()
+        if flight.by_server:
+            # The socket's buffer is full: the server sends the rest and reads
+            # the answer, waiting for the socket as its turns do.
+            self._wake.set()
+        else:
+            fastpath.read_in_callback(self.conn, self._read)
+        return True
+
+    def _read(self) -> None:
+        """The socket is readable: the results of the statements in flight,
+        once they all came."""
+        flight = self._flight
+        if flight is None:
+            return
+        try:
+            flight.reading.consume()
+            results = flight.reading.read()
+            if results is None:
+                return
+            flight.reading.end()
+        except (psycopg.Error, OSError) as exc:
+            self._lost(exc)
+            return
+        self._land()
+        flight.answer(results)
+
+    async def _complete(self, flight: _Flight) -> None:
+        """The rest of statements a caller sent that the socket's buffer could
+        not take at once, sent, and their answer read: a turn of the server."""
+
+        async def finish(conn: Conn) -> list[PGresult | psycopg.Error]:
+            await fastpath.flush(conn)
+            while (results := flight.reading.read()) is None:
+                await fastpath.readable(conn)
+                flight.reading.consume()
+            flight.reading.end()
+            return results
+
+        waiting = self._current
+        try:
+            results = await self._guarded(finish, waiting)
+        except BaseException as exc:
+            self._land()
+            for done in waiting:
+                _fail(done, exc)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        self._land()
+        flight.answer(results)
+
+    def _land(self) -> None:
+        """The statements in flight are answered (or never will be): the
+        connection is the server's again."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return
+        fastpath.read_in_callback(self.conn, None)
+        self._watchdog.stop()
+        self._current = []
+        if not flight.landed.done():
+            flight.landed.set_result(None)
+
+    def _abandon(self, exc: LockLost) -> None:
+        """Fail the callers of the statement in flight (the server's, or those
+        a caller sent at once): the connection is lost."""
+        current = self._current
+        self._land()
+        self._current = []
+        for done in current:
+            _fail(done, exc)
+
+    def _lost(self, exc: BaseException) -> LockLost:
+        return self.fence(f"{type(exc).__name__}: {str(exc).strip() or 'connection lost'}", exc)
+
+    def _wrote(self, rows: list[JournalRow], done: asyncio.Future[None],
+               results: list[PGresult | psycopg.Error]) -> None:
+        failed = next((r for r in results if isinstance(r, psycopg.Error)), None)
+        if failed is not None:
+            _fail(done, failed)
+            return
+        self.batches += 1
+        self.rows_written += len(rows)
+        _succeed(done)
+
+    def _answer(self, batch: Batch[T], done: asyncio.Future[T],
+                results: list[PGresult | psycopg.Error]) -> None:
+        try:
+            answer = batch.read(self.conn, results)
+        except Exception as exc:
+            _fail(done, exc)
+        else:
+            if not done.done():
+                done.set_result(answer)
+
+
+#: Statements a caller sends at once carry at most this many bytes of values:
+#: a larger write waits for the server, which can wait for the socket's buffer.
+MAX_SENT_NOW = 64 * 1024
+
+
+@dataclass
+class _Flight:
+    """Statements a caller sent at once (see ``LockConnection._send_now``)."""
+
+    reading: fastpath.Reading
+    answer: Callable[[list[PGresult | psycopg.Error]], None]
+    landed: asyncio.Future[None]
+    # Part of them waited for room in the socket's buffer: the server sends
+    # the rest and reads the answer.
+    by_server: bool = False
 
 
 #: A timer that fires this much after its time found the loop busy elsewhere.

@@ -225,14 +225,15 @@ def test_a_poison_request_is_charged_its_crashes_and_its_neighbours_none(fleet: 
     assert float(spans[1]) < 30, (spans, fleet.log_text())
     # The neighbours that died twice with the poison ran their next attempt
     # in quarantine groups (QUARANTINE_GROUP, 8); only the few whose group
-    # the poison killed then ran alone.
+    # the poison killed then ran alone. How many died twice depends on where
+    # the poison's second attempt landed: most runs here, one in some.
     # (Logged by the worker processes alive since the poison's last shared death.)
     log = "\n".join(path.read_text(errors="replace") for path in fleet.logs.glob("*.log"))
     grouped = set(re.findall(r"request (\S+): running in quarantine with other suspects", log))
     alone = set(re.findall(r"request (\S+): running alone in a process of its own", log))
-    assert poison.id in alone and len(grouped - {poison.id}) > 7, (grouped, alone,
-                                                                   fleet.log_text())
-    assert len(alone - {poison.id}) <= 7, (alone, fleet.log_text())
+    assert poison.id in alone and grouped - {poison.id}, (grouped, alone, fleet.log_text())
+    assert alone - {poison.id} <= grouped and len(alone - {poison.id}) <= 7, (
+        grouped, alone, fleet.log_text())
     print(f"poison dead after {row['attempts']} attempts; {restarts} worker restarts; "
           f"the 40 neighbours all succeeded, none charged a crash, the last "
           f"{float(spans[1]):.1f}s after the poison was sent; test took {took:.1f}s; "

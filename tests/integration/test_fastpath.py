@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -303,5 +305,163 @@ async def test_a_caller_stopped_while_its_lock_statement_runs_leaves_the_scope_f
         # And the process may take it again at once.
         with anyio.fail_after(5):
             await runtime.journal.acquire_if("s", None, gate)
+    finally:
+        await runtime.aclose()
+
+
+class _HeldRow:
+    """A journal row another transaction inserted and holds uncommitted: an
+    upsert of the same key waits for it (a write in flight for as long as the
+    test likes)."""
+
+    def __init__(self, dsn: str, scope: str, key: str) -> None:
+        self.dsn, self.scope, self.key = dsn, scope, key
+
+    async def __aenter__(self) -> _HeldRow:
+        self.conn = await psycopg.AsyncConnection.connect(self.dsn)
+        await self.conn.execute(
+            "INSERT INTO journal_steps (session_id, step_name, value, created_at)"
+            " VALUES (%s, %s, 'held', 0)", (self.scope, self.key))
+        return self
+
+    async def release(self) -> None:
+        await self.conn.rollback()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.conn.close()
+
+
+async def _written(dsn: str, scope: str, key: str) -> bytes | None:
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute("SELECT value FROM journal_steps WHERE session_id = %s"
+                                 " AND step_name = %s", (scope, key))
+        row = await cur.fetchone()
+    return None if row is None else bytes(row[0])
+
+
+async def test_a_write_its_caller_stopped_waiting_for_is_read_and_the_connection_goes_on(
+    dsn: str,
+) -> None:
+    """A run alone on its lock connection sends its write itself, and the
+    socket's reader reads the answer: a caller cancelled meanwhile (a revoke)
+    stops waiting, the answer is read all the same, and the connection serves
+    the next write, unfenced."""
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
+    try:
+        lease = await runtime.journal.acquire("alone", 0)
+        await lease.open(pinned=None, resume_last=False)
+        lock_conn = lease.lock_conn
+        await lock_conn.write([JournalRow("steps", "alone", "warm", b"w")])  # prepared now
+        async with _HeldRow(dsn, "alone", "k") as held:
+            with anyio.move_on_after(0.5) as stopped:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lock_conn.write, [JournalRow("steps", "alone", "k", b"mine")])
+                    await anyio.sleep(0.1)
+                    # Sent by its caller: in flight, the server task not woken.
+                    assert lock_conn._flight is not None
+            assert stopped.cancelled_caught
+            await held.release()
+            with anyio.fail_after(5):
+                await lock_conn.write([JournalRow("steps", "alone", "next", b"n")])
+        assert lock_conn.fenced is None
+        assert await _written(dsn, "alone", "k") == b"mine"
+        assert await _written(dsn, "alone", "next") == b"n"
+        await runtime.journal.release(lease)
+    finally:
+        await runtime.aclose()
+
+
+@pytest.mark.parametrize("how", ["backend ended", "no answer"])
+async def test_a_write_sent_by_its_caller_on_a_lost_connection_fences_every_run_on_it(
+    dsn: str, how: str,
+) -> None:
+    """G6 for a write its caller sent itself: the backend ended under it, or
+    no answer within the I/O timeout (a held row here), fences the connection
+    at once, for the writer and for every other run on it."""
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1, lock_io_timeout=1.0)
+    try:
+        lease = await runtime.journal.acquire("lost", 0)
+        other = await runtime.journal.acquire("other", 0)
+        await lease.open(pinned=None, resume_last=False)
+        lock_conn = lease.lock_conn
+        assert other.lock_conn is lock_conn
+        await lock_conn.write([JournalRow("steps", "lost", "warm", b"w")])
+        async with _HeldRow(dsn, "lost", "k") as held:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_kill_when_in_flight, dsn, lock_conn, how == "backend ended")
+                with anyio.fail_after(10), pytest.raises(LockLost):
+                    await lock_conn.write([JournalRow("steps", "lost", "k", b"mine")])
+            await held.release()
+        assert lock_conn.fenced is not None and other.fenced is not None
+        with pytest.raises(LockLost):
+            await other.lock_conn.write([JournalRow("steps", "other", "k", b"x")])
+    finally:
+        await runtime.aclose()
+
+
+async def _kill_when_in_flight(dsn: str, lock_conn: LockConnection[Any], kill: bool) -> None:
+    await anyio.sleep(0.2)
+    assert lock_conn._flight is not None  # sent by its caller, waiting for the held row
+    if kill:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as admin:
+            await admin.execute("SELECT pg_terminate_backend(%s)", (lock_conn.backend_pid,))
+
+
+async def test_a_write_the_sockets_buffer_cannot_take_at_once_is_sent_by_the_server(
+    dsn: str,
+) -> None:
+    """A caller whose statements fill the socket's buffer leaves the rest to
+    the server, which waits for the socket as its turns do: the write is
+    committed, and the connection serves the next one."""
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1)
+    try:
+        lease = await runtime.journal.acquire("big", 0)
+        await lease.open(pinned=None, resume_last=False)
+        lock_conn = lease.lock_conn
+        await lock_conn.write([JournalRow("steps", "big", "warm", b"w")])
+        sock = socket.socket(fileno=os.dup(lock_conn.conn.pgconn.socket))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sock.close()  # the duplicate only
+        value = os.urandom(60_000)
+        sent: list[bool] = []
+        send_now = lock_conn._send_now
+
+        def watched(*args: Any) -> bool:
+            took = send_now(*args)
+            sent.append(took and lock_conn._flight is not None and lock_conn._flight.by_server)
+            return took
+
+        lock_conn._send_now = watched  # type: ignore[method-assign]
+        with anyio.fail_after(10):
+            await lock_conn.write([JournalRow("steps", "big", "k", value)])
+            await lock_conn.write([JournalRow("steps", "big", "next", b"n")])
+        assert sent == [True, False]
+        assert lock_conn.fenced is None
+        assert await _written(dsn, "big", "k") == value
+        assert await _written(dsn, "big", "next") == b"n"
+    finally:
+        await runtime.aclose()
+
+
+async def test_a_write_refused_before_it_is_sent_leaves_the_connection_as_it_was(
+    dsn: str,
+) -> None:
+    """A value libpq can't send (a bug in the caller) raises to that caller;
+    nothing was sent, and the next statements, the caller's own and the
+    server's, go as before."""
+    runtime = await PostgresRuntime.connect(dsn, lock_connections=1, lock_io_timeout=2.0)
+    try:
+        lease = await runtime.journal.acquire("refused", 0)
+        await lease.open(pinned=None, resume_last=False)
+        lock_conn = lease.lock_conn
+        await lock_conn.write([JournalRow("steps", "refused", "warm", b"w")])
+        with pytest.raises(TypeError):
+            await lock_conn.write([JournalRow("steps", "refused", "k", "text")])  # type: ignore[arg-type]
+        with anyio.fail_after(5):
+            await lock_conn.write([JournalRow("steps", "refused", "next", b"n")])
+            # Larger than a caller sends itself: the server's turn.
+            await lock_conn.write([JournalRow("steps", "refused", "big", b"b" * 100_000)])
+        assert lock_conn.fenced is None
+        assert await _written(dsn, "refused", "big") == b"b" * 100_000
     finally:
         await runtime.aclose()
