@@ -22,7 +22,11 @@ server task of its own that takes work from a queue:
   before every queued write and turn, so a busy connection never makes its
   runs look dead;
 - a caller that is cancelled stops waiting, but never a statement half
-  sent: the shared connection stays usable for the other runs.
+  sent: the shared connection stays usable for the other runs;
+- a journal write or a batch whose caller finds the connection free (the
+  server waits for work: a run alone on it, a quiet process) is sent by
+  that caller at once, and its answer read by the socket's reader callback:
+  no turn of the server task, which is most of a round trip's cost.
 
 When the connection fails (its backend ended, the network lost, no answer
 within the I/O timeout) every run on it is fenced at once: queued work
