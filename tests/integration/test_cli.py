@@ -141,7 +141,8 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
 
 
 def test_show_after_a_sigkill_mid_tool_says_which_steps_replayed(fleet: Fleet) -> None:
-    fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="0.5")
+    # Each tool sleeps 2 s: long enough to be seen running, and killed, on a busy machine.
+    fleet.start("w1", concurrency=1, TEST_TOOL_SLEEP="2")
     request_id = enqueued(fleet, calls("t1", "t2", "t3"), "s", "--user", "u")
     _, pid, _, _ = wait_for_execution(fleet.dsn, "t2")
     os.kill(pid, signal.SIGKILL)
