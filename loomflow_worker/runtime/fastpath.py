@@ -168,10 +168,7 @@ async def pipeline(
     await _prepare(conn, [call[0] for call in calls if call is not None])
     reading = send(conn, calls)
     try:
-        await _flush(conn)
-        while (results := reading.read()) is None:
-            await _readable(conn)
-            reading.consume()
+        results = await reading.collect()
     except BaseException:
         # Results may be left unread (a lost connection, a cancelled wait): the
         # error going up is the one to see, and the owner closes the connection.
@@ -257,6 +254,15 @@ class Reading:
                 self.found = res  # the first error of a statement wins
         return None
 
+    async def collect(self) -> list[PGresult | psycopg.Error]:
+        """Send what libpq still holds of the statements, then wait for the
+        socket until :meth:`read` returns their results."""
+        await _flush(self.conn)
+        while (results := self.read()) is None:
+            await _readable(self.conn)
+            self.consume()
+        return results
+
     def consume(self) -> None:
         """Take in what the socket holds (raising how the server said it ended
         the connection, if it did)."""
@@ -306,12 +312,7 @@ async def _result(conn: AsyncConnection[Any]) -> PGresult:
 async def _answer(conn: AsyncConnection[Any]) -> PGresult | psycopg.Error:
     """Flush what was sent and read the command's result, or the error it
     raised (a connection that fails raises)."""
-    await _flush(conn)
-    reading = Reading(conn, None)
-    while (results := reading.read()) is None:
-        await _readable(conn)
-        reading.consume()
-    return results[0]
+    return (await Reading(conn, None).collect())[0]
 
 
 def _consume(conn: AsyncConnection[Any], found: PGresult | None) -> None:
@@ -447,17 +448,6 @@ def read_in_callback(conn: AsyncConnection[Any], callback: Callable[[], None] | 
         if callback is not None:
             found.listen()
         found.callback = callback
-
-
-async def flush(conn: AsyncConnection[Any]) -> None:
-    """Send what libpq holds of ``conn``'s statements, waiting while the
-    socket's buffer is full."""
-    await _flush(conn)
-
-
-async def readable(conn: AsyncConnection[Any]) -> None:
-    """Wait until ``conn``'s socket can be read."""
-    await _readable(conn)
 
 
 def unwatch(conn: AsyncConnection[Any]) -> None:

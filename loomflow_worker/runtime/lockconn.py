@@ -217,10 +217,11 @@ class LockConnection(Generic[L]):
         if self.fenced is not None:
             raise self.fenced
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        write = _Write(rows, done)
         if not (self._free() and self._send_now(
                 _journal_calls(self.conn, rows), done,
-                functools.partial(self._wrote, rows, done))):
-            self._writes.append(_Write(rows, done))
+                functools.partial(self._wrote, [write], rows))):
+            self._writes.append(write)
             self._wake.set()
         await done
 
@@ -404,28 +405,14 @@ class LockConnection(Generic[L]):
             return
         for work, start, end in spans:
             assert work.batch is not None
-            try:
-                answer = work.batch.read(self.conn, results[start:end])
-            except Exception as exc:
-                _fail(work.done, exc)
-            else:
-                if not work.done.done():
-                    work.done.set_result(answer)
+            self._answer(work.batch, work.done, results[start:end])
         if writes:
             await self._written(writes, rows, results[:written])
 
     async def _written(self, writes: list[_Write], rows: list[JournalRow],
                        results: list[PGresult | psycopg.Error]) -> None:
         """Answer the writers of ``writes``, sent together (``results``)."""
-        failed = next((r for r in results if isinstance(r, psycopg.Error)), None)
-        if failed is None:
-            self.batches += 1
-            self.rows_written += len(rows)
-            for write in writes:
-                _succeed(write.done)
-            return
-        if len(writes) == 1:
-            _fail(writes[0].done, failed)
+        if self._wrote(writes, rows, results):
             return
         # One bad entry must not fail the others: each write on its own.
         for write in writes:
@@ -454,7 +441,7 @@ class LockConnection(Generic[L]):
                 and not self._urgent and not self._work and not self._writes)
 
     def _send_now(self, calls: Sequence[fastpath.Call | None], done: asyncio.Future[Any],
-                  answer: Callable[[list[PGresult | psycopg.Error]], None]) -> bool:
+                  answer: Callable[[list[PGresult | psycopg.Error]], object]) -> bool:
         """Send ``calls`` now, and ``answer`` their results once they come (in
         the socket's reader callback). ``False`` when they can't go now (a
         statement not yet prepared on the connection, or a large one): the
@@ -505,10 +492,7 @@ class LockConnection(Generic[L]):
         not take at once, sent, and their answer read: a turn of the server."""
 
         async def finish(conn: Conn) -> list[PGresult | psycopg.Error]:
-            await fastpath.flush(conn)
-            while (results := flight.reading.read()) is None:
-                await fastpath.readable(conn)
-                flight.reading.consume()
+            results = await flight.reading.collect()
             flight.reading.end()
             return results
 
@@ -549,15 +533,23 @@ class LockConnection(Generic[L]):
     def _lost(self, exc: BaseException) -> LockLost:
         return self.fence(f"{type(exc).__name__}: {str(exc).strip() or 'connection lost'}", exc)
 
-    def _wrote(self, rows: list[JournalRow], done: asyncio.Future[None],
-               results: list[PGresult | psycopg.Error]) -> None:
+    def _wrote(self, writes: list[_Write], rows: list[JournalRow],
+               results: list[PGresult | psycopg.Error]) -> bool:
+        """Answer the writers of ``writes``, sent together (``results``), if
+        that can be done at once: all written, or one writer whose write
+        failed. ``False``: several, one of which failed, to be sent again
+        each on its own (see ``_written``)."""
         failed = next((r for r in results if isinstance(r, psycopg.Error)), None)
-        if failed is not None:
-            _fail(done, failed)
-            return
-        self.batches += 1
-        self.rows_written += len(rows)
-        _succeed(done)
+        if failed is None:
+            self.batches += 1
+            self.rows_written += len(rows)
+            for write in writes:
+                _succeed(write.done)
+            return True
+        if len(writes) == 1:
+            _fail(writes[0].done, failed)
+            return True
+        return False
 
     def _answer(self, batch: Batch[T], done: asyncio.Future[T],
                 results: list[PGresult | psycopg.Error]) -> None:
@@ -580,7 +572,7 @@ class _Flight:
     """Statements a caller sent at once (see ``LockConnection._send_now``)."""
 
     reading: fastpath.Reading
-    answer: Callable[[list[PGresult | psycopg.Error]], None]
+    answer: Callable[[list[PGresult | psycopg.Error]], object]
     landed: asyncio.Future[None]
     # Part of them waited for room in the socket's buffer: the server sends
     # the rest and reads the answer.
