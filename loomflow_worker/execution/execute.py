@@ -150,7 +150,7 @@ class WorkerContext:
         self.node = node or socket.gethostname()
         # The process as the ledger names the worker running a request (its `holder`
         # column), and its ``workers`` row.
-        self.worker = f"{self.node}:{os.getpid()}"
+        self.worker = ledger.worker_name(self.node, os.getpid())
         self._runtime: PostgresRuntime | None = None
         self.events: EventPublisher | None = None
         self._agents: dict[str, Any] = {}
@@ -484,7 +484,7 @@ async def execute(
     outcome: Outcome | None = None
     bounds: list[Bound] = []
     try:
-        worker = f"{node or ctx.node}:{os.getpid()}"
+        worker = ledger.worker_name(node or ctx.node, os.getpid())
         bounds = (await ctx.limits.bounds(req, pre.fairness_key if pre is not None else None)
                   if ctx.limits is not None else [])
         full = await take_limits(functools.partial(runtime.journal.take_slot, lease), bounds)

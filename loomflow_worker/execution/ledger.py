@@ -841,6 +841,12 @@ async def heartbeat(conn: Conn, request_ids: list[str]) -> set[str]:
 
 
 
+def worker_name(node: str, pid: int) -> str:
+    """How the ledger names a worker process (``runs.holder``, its attempts,
+    its ``workers`` row): the Celery node it serves and its pid."""
+    return f"{node}:{pid}"
+
+
 #: This process's incarnation: its pid, and a token new in each process.
 _boot: tuple[int, str] = (0, "")
 

@@ -17,7 +17,7 @@ from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from ..execution import quarantine
+from ..execution import ledger, quarantine
 
 log = logging.getLogger("loomflow_worker.tasks")
 
@@ -123,7 +123,8 @@ class Quarantine:
         finally:
             writer.close()
             jobs_in.close()
-        self.worker = f"{job['node']}:{self.process.pid}"
+        assert self.process.pid is not None  # started
+        self.worker = ledger.worker_name(job["node"], self.process.pid)
         self._jobs = jobs_out
         try:
             threading.Thread(target=self._read, args=(reader,), daemon=True,
