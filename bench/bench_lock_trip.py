@@ -25,7 +25,6 @@ import os
 import statistics
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -36,14 +35,7 @@ if str(ROOT) not in sys.path:
 import anyio  # noqa: E402
 import psycopg  # noqa: E402
 
-from bench.bench_runtime import (  # noqa: E402
-    ADMIN_DSN_ENV,
-    DEFAULT_ADMIN_DSN,
-    create_database,
-    database_uri,
-    describe,
-    drop_database,
-)
+from bench.bench_runtime import describe, scratch_database  # noqa: E402
 from loomflow_worker.runtime import PostgresRuntime, fastpath  # noqa: E402
 from loomflow_worker.runtime.lockconn import JournalRow  # noqa: E402
 
@@ -100,16 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.writes, args.rounds, args.chunk) < 1:
         parser.error("--writes, --rounds and --chunk must be at least 1")
-    admin_dsn = os.environ.get(ADMIN_DSN_ENV, DEFAULT_ADMIN_DSN)
-    dbname = f"lfw_bench_{uuid.uuid4().hex[:10]}"
-    dsn = database_uri(admin_dsn, dbname)
-    create_database(admin_dsn, dbname)
-    try:
+    with scratch_database() as dsn:
         print(f"scratch database {describe(dsn)}; {os.cpu_count()} CPUs; --writes {args.writes}"
               f" --rounds {args.rounds} --chunk {args.chunk}", flush=True)
         per_write = anyio.run(bench, dsn, args.writes, args.rounds, args.chunk)
-    finally:
-        drop_database(admin_dsn, dbname)
     ratios = [a / b for a, b in zip(per_write["lock connection"], per_write["bare"],
                                      strict=True)]
     print("process CPU per journal write, us:")

@@ -55,14 +55,7 @@ from loomflow import Agent  # noqa: E402
 from loomflow.runtime.journaled import JournaledRuntime  # noqa: E402
 
 from bench.agents_bench import calls, expected_output, record_tool  # noqa: E402
-from bench.bench_runtime import (  # noqa: E402
-    ADMIN_DSN_ENV,
-    DEFAULT_ADMIN_DSN,
-    create_database,
-    database_uri,
-    describe,
-    drop_database,
-)
+from bench.bench_runtime import describe, scratch_database  # noqa: E402
 from loomflow_worker import NoMemory  # noqa: E402
 from loomflow_worker.runtime import PostgresRuntime  # noqa: E402
 from loomflow_worker.testing import DeterministicModel  # noqa: E402
@@ -194,19 +187,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    admin_dsn = os.environ.get(ADMIN_DSN_ENV, DEFAULT_ADMIN_DSN)
-    dbname = f"lfw_bench_{uuid.uuid4().hex[:10]}"
-    dsn = database_uri(admin_dsn, dbname)
-    create_database(admin_dsn, dbname)
-    try:
+    with scratch_database() as dsn:
         print(f"scratch database {describe(dsn)}; python {platform.python_version()}, "
               f"psycopg {version('psycopg')}, loomflow {version('loomflow')}, "
               f"{os.cpu_count()} CPUs; --runs {args.runs} --rounds {args.rounds} "
               f"--chunk {args.chunk}", flush=True)
         result = anyio.run(bench, dsn, args.runs, args.rounds, args.chunk, args.profile)
         print("\n".join(report(result)))
-    finally:
-        drop_database(admin_dsn, dbname)
     return 0
 
 

@@ -27,6 +27,7 @@ and is overridden by LOOMFLOW_WORKER_BENCH_ADMIN_DSN.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import multiprocessing
@@ -37,7 +38,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from multiprocessing.connection import Connection
@@ -155,6 +156,19 @@ def drop_database(admin_dsn: str, name: str) -> None:
         conn.execute(
             sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
         )
+
+
+@contextlib.contextmanager
+def scratch_database() -> Iterator[str]:
+    """A database of its own for a benchmark (through LOOMFLOW_WORKER_BENCH_ADMIN_DSN, or
+    the default), dropped after it; yields its connection string."""
+    admin_dsn = os.environ.get(ADMIN_DSN_ENV, DEFAULT_ADMIN_DSN)
+    dbname = f"lfw_bench_{uuid.uuid4().hex[:10]}"
+    create_database(admin_dsn, dbname)
+    try:
+        yield database_uri(admin_dsn, dbname)
+    finally:
+        drop_database(admin_dsn, dbname)
 
 
 # ---- 0. setup and checks ----------------------------------------------------------------------
@@ -728,12 +742,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    admin_dsn = os.environ.get(ADMIN_DSN_ENV, DEFAULT_ADMIN_DSN)
-    dbname = f"lfw_bench_{uuid.uuid4().hex[:10]}"
-    dsn = database_uri(admin_dsn, dbname)
     started = time.perf_counter()
-    create_database(admin_dsn, dbname)
-    try:
+    with scratch_database() as dsn:
         server = anyio.run(setup, dsn)
         print(f"scratch database {describe(dsn)} (PostgreSQL {server}); "
               f"python {platform.python_version()}, psycopg {version('psycopg')}, "
@@ -758,9 +768,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else None
         )
         print("\n".join(report(args, fresh, replay, handoff, resume)))
-    finally:
-        drop_database(admin_dsn, dbname)
-    print(f"\n(dropped {dbname}; total {time.perf_counter() - started:.1f} s)")
+    dropped = conninfo_to_dict(dsn)["dbname"]
+    print(f"\n(dropped {dropped}; total {time.perf_counter() - started:.1f} s)")
     return 0
 
 
