@@ -17,7 +17,7 @@ process and children, sampled every 0.2 s from /proc), the peak number of Postgr
 connections to its database, its TCP connections to Redis (port 6379, from /proc: at
 the peak / once every result is in), and the retries, warnings and errors in its log.
 
-Targets for ``ours threads`` at ``--concurrency 200``: wall <= 1.3x ideal, >= 50 runs/s,
+Targets for ``ours threads`` at ``--concurrency 200``: wall <= 1.15x ideal, >= 50 runs/s,
 peak RSS <= 400 MB, <= 6 Postgres connections, <= 13 Redis connections, 0 retries.
 
 Run it with::
@@ -35,8 +35,9 @@ prints its CPU per run by component (the worker's processes, its database's Post
 backends, Redis), the event loop's lag (the largest of each second, from the worker's
 ``workers`` row, sampled: median and 99th percentile), the runs its process fenced and the
 attempts lost. Targets at ``--backlog --concurrency 1000 --runs 3000``: >= 150 runs/s,
-RSS <= 600 MB, 0 fenced, 0 retries; with ``--cpu-hogs 2``: every run finishes, 0 fenced,
-0 retries, >= 30 runs/s.
+worker < 6 ms of CPU per run, RSS <= 600 MB, 0 fenced, 0 retries; with ``--cpu-hogs 2``:
+every run finishes, 0 fenced, 0 retries, >= 30 runs/s. The last line checks the targets of
+the way the side was loaded.
 
 ``--yardstick`` adds a side that drains as many no-op tasks with a result (``noop`` in
 ``bench/plain_celery_app.py``) on a plain Celery worker with the same pool and concurrency,
@@ -91,9 +92,13 @@ from bench.bench_runtime import create_database, database_uri  # noqa: E402
 from loomflow_worker import sockets, tasks  # noqa: E402
 
 MODEL_CALLS = 3
-TARGET_IDEAL_RATIO = 1.3
+TARGET_IDEAL_RATIO = 1.15
 TARGET_RUNS_PER_S = 50.0
 TARGET_RSS_MB = 400.0
+#: Under pressure, one process at ``-c 1000``: the backlog alone, and with CPU hogs.
+TARGET_BACKLOG_RUNS_PER_S = 150.0
+TARGET_BACKLOG_RSS_MB = 600.0
+TARGET_HOGS_RUNS_PER_S = 30.0
 TARGET_CONNECTIONS = 6
 TARGET_REDIS_CONNECTIONS = 13
 #: Worker CPU per run in the backlog mode, and plain Celery's threads pool's
@@ -160,6 +165,7 @@ class SideResult:
     log_counts: dict[str, int] = field(default_factory=dict)
     redis_cpu_s: float = 0.0
     backlog: bool = False
+    hogs: int = 0
 
     @property
     def ratio(self) -> float:
@@ -369,7 +375,7 @@ def run_side(
     fleet.stop([name])
     ideal = runs * MODEL_CALLS * latency / concurrency
     return SideResult(label, concurrency, runs, wall, enqueued, ideal, wrong, sampler.peaks,
-                      counts, redis_used, pressure.backlog)
+                      counts, redis_used, pressure.backlog, pressure.hogs)
 
 
 def report(results: Sequence[SideResult]) -> list[str]:
@@ -424,22 +430,48 @@ def report(results: Sequence[SideResult]) -> list[str]:
             f"{other.peaks.connections / max(ours.peaks.connections, 1):.1f}x fewer "
             "Postgres connections"
         )
-    checks = [
-        (f"wall <= {TARGET_IDEAL_RATIO}x ideal", ours.ratio <= TARGET_IDEAL_RATIO),
-        (f">= {TARGET_RUNS_PER_S:g} runs/s", ours.runs_per_s >= TARGET_RUNS_PER_S),
-        (f"peak RSS <= {TARGET_RSS_MB:g} MB", ours.peaks.rss_mb <= TARGET_RSS_MB),
+    lines.append("targets (ours threads, " + _mode(ours) + "): " + "; ".join(
+        f"{name}: {'met' if ok else 'MISSED'}" for name, ok in targets(ours)
+    ))
+    return lines
+
+
+def _mode(result: SideResult) -> str:
+    if result.hogs:
+        return f"{result.hogs} CPU hogs"
+    return "backlog" if result.backlog else "enqueued while running"
+
+
+def targets(ours: SideResult) -> list[tuple[str, bool]]:
+    """The issue's targets for the way ``ours`` was loaded, each with whether it held."""
+    worker_ms = ours.ms_per_run(ours.peaks.worker_cpu_s())
+    common = [
         (f"<= {TARGET_CONNECTIONS} Postgres connections",
          ours.peaks.connections <= TARGET_CONNECTIONS),
         (f"<= {TARGET_REDIS_CONNECTIONS} Redis connections",
          ours.peaks.redis <= TARGET_REDIS_CONNECTIONS),
         ("0 retries", ours.log_counts["retries"] == 0),
         ("0 fenced", ours.log_counts["fenced"] == 0),
-        ("every result right", ours.wrong == 0),
+        ("every run finished, every result right", ours.wrong == 0),
     ]
-    lines.append("targets (ours threads): " + "; ".join(
-        f"{name}: {'met' if ok else 'MISSED'}" for name, ok in checks
-    ))
-    return lines
+    if ours.hogs:
+        return [(f">= {TARGET_HOGS_RUNS_PER_S:g} runs/s",
+                 ours.runs_per_s >= TARGET_HOGS_RUNS_PER_S), *common]
+    if ours.backlog:
+        return [
+            (f">= {TARGET_BACKLOG_RUNS_PER_S:g} runs/s",
+             ours.runs_per_s >= TARGET_BACKLOG_RUNS_PER_S),
+            (f"worker < {TARGET_WORKER_MS:g} ms CPU per run", worker_ms < TARGET_WORKER_MS),
+            (f"peak RSS <= {TARGET_BACKLOG_RSS_MB:g} MB",
+             ours.peaks.rss_mb <= TARGET_BACKLOG_RSS_MB),
+            *common,
+        ]
+    return [
+        (f"wall <= {TARGET_IDEAL_RATIO}x ideal", ours.ratio <= TARGET_IDEAL_RATIO),
+        (f">= {TARGET_RUNS_PER_S:g} runs/s", ours.runs_per_s >= TARGET_RUNS_PER_S),
+        (f"peak RSS <= {TARGET_RSS_MB:g} MB", ours.peaks.rss_mb <= TARGET_RSS_MB),
+        *common,
+    ]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
