@@ -13,6 +13,7 @@ from celery.exceptions import TimeLimitExceeded
 from celery.result import AsyncResult
 
 from ..execution import ledger
+from ..execution.errors import RunCancelled, RunDead, RunFailed
 from ..execution.ledger import ON_BUSY, OnBusy
 from ..execution.pending import Pending
 from ..execution.registry import import_agent_modules
@@ -116,6 +117,10 @@ class AgentTask(Task):  # type: ignore[misc]
     typing = False  # arguments are checked by check_request, with clearer errors
     # A message whose body Celery can't unpack is dropped, not left to stop the worker.
     Strategy = "loomflow_worker.tasks.wire:strategy"
+    # A request's end as the ledger has it: its own log line says why (at ERROR
+    # for failed and dead), so Celery logs "raised expected" at INFO, without a
+    # traceback that would only point at the line raising it. The state is FAILURE all the same.
+    throws = (RunFailed, RunDead, RunCancelled)
 
     def on_failure(
         self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any

@@ -228,6 +228,13 @@ def test_past_the_retry_limit_a_request_fails_and_the_session_moves_on(fleet: Fl
     assert row["status"] == "failed" and row["attempts"] == 3 and row["failures"] == 2
     assert "model overloaded" in str(row["error"])
     assert max(_retry_gaps(fleet.dsn, failing.id)) < 4
+    # The request's own line says why, at ERROR; Celery's says it ended so, at
+    # INFO, with no traceback.
+    log = (fleet.logs / "w1.log").read_text(errors="replace")
+    assert any("ERROR/" in line and f"request {failing.id} failed after 3 attempts: "
+               "RuntimeError: model overloaded" in line for line in log.splitlines()), log[-3000:]
+    assert f"run_agent[{failing.id}] raised expected: RunFailed(" in log, log[-3000:]
+    assert "raised unexpected" not in log and "Traceback" not in log, log[-3000:]
 
 
 def _queue_length(fleet: Fleet) -> int:
