@@ -234,7 +234,7 @@ async def _mark_lost(ctx: WorkerContext, lost: AttemptLost) -> None:
 
 
 class _PipeHandler(logging.Handler):
-    """Sends each log line to the worker, which logs it as the request's."""
+    """Sends each log line to the worker, which logs it as the request's, at its level."""
 
     def __init__(self, out: Connection) -> None:
         super().__init__()
@@ -251,7 +251,8 @@ class _PipeHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.send({"log": self.format(record), "request": REQUEST.get()})
+            self.send({"log": self.format(record), "level": record.levelno,
+                       "request": REQUEST.get()})
         except (OSError, ValueError):
             self.handleError(record)
 
@@ -268,10 +269,10 @@ def child(first: dict[str, Any], jobs: Connection, out: Connection) -> None:
     """The process's work: ``first``'s attempt, and those its worker sends
     through ``jobs`` after it (``first["isolation"]``: 1, a few suspects
     together; 2, ``first`` alone). Sends through ``out`` its log lines
-    (``{"log": line, "request": id}``), then each attempt's reply, each a
+    (``{"log": line, "level": level, "request": id}``), then each attempt's reply, each a
     JSON object; exits :data:`STOPPED` when stopped."""
     handler = _PipeHandler(out)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     logging.basicConfig(handlers=[handler], level=logging.INFO, force=True)
     try:
         settings = Settings()

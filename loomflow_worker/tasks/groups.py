@@ -221,10 +221,14 @@ class Quarantine:
                 self.runs.room()
             return True
         how = "alone" if self.isolation > 1 else "in quarantine"
+        # At the level the process logged it at: an ERROR there is one here.
+        level = item.get("level")
+        if not isinstance(level, int) or not logging.DEBUG <= level <= logging.CRITICAL:
+            level = logging.INFO
         if request_id is None:
-            log.info("process of quarantine %s: %s", self.process and self.process.pid,
-                     item.get("log"), extra={"action": "quarantine_log"})
+            log.log(level, "process of quarantine %s: %s", self.process and self.process.pid,
+                    item.get("log"), extra={"action": "quarantine_log"})
         else:
-            log.info("request %s (%s): %s", request_id, how, item.get("log"),
-                     extra={"action": "quarantine_log", "request": request_id})
+            log.log(level, "request %s (%s): %s", request_id, how, item.get("log"),
+                    extra={"action": "quarantine_log", "request": request_id})
         return False

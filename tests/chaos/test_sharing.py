@@ -234,6 +234,10 @@ def test_a_poison_request_is_charged_its_crashes_and_its_neighbours_none(fleet: 
     assert poison.id in alone and grouped - {poison.id}, (grouped, alone, fleet.log_text())
     assert alone - {poison.id} <= grouped and len(alone - {poison.id}) <= 7, (
         grouped, alone, fleet.log_text())
+    # Its end, logged in its process of quarantine, is an ERROR in its worker's log.
+    levels = {line.split(": ", 1)[1].split("/", 1)[0] for line in log.splitlines()
+              if f"request {poison.id}" in line and f" request {poison.id} dead: " in line}
+    assert levels == {"ERROR"}, (levels, fleet.log_text())
     print(f"poison dead after {row['attempts']} attempts; {restarts} worker restarts; "
           f"the 40 neighbours all succeeded, none charged a crash, the last "
           f"{float(spans[1]):.1f}s after the poison was sent; test took {took:.1f}s; "
