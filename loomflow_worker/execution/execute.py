@@ -775,6 +775,7 @@ async def _start(
         started = await lease.send(ledger.start(
             request_id, req.scope, worker, settings.redispatch_after, opening,
             lease=settings.lease_timeout, interval=settings.heartbeat_interval,
+            isolation=ctx.isolation,
         ))
         if started.status != ledger.WAITING:
             if waited is not None:

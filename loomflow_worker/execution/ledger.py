@@ -598,20 +598,22 @@ def start(
     *,
     lease: float,
     interval: float,
+    isolation: int,
 ) -> Batch[Started]:
     """Under the scope lock, in one statement: a duplicate of a finished request
     gets its stored outcome; a request behind an unfinished older one parks; a
     request whose previous attempt may still be running (its worker lives, see
     ``start_request``) waits (``interval``: this worker's heartbeat interval,
-    ``lease``: the lease's timeout); otherwise the attempt is counted and the
-    request marked running, its epoch
-    pinned on the first attempt (the scope's current one, or its last run's
-    for a resume). With ``opening``, the run's open query follows in the same
-    round trip (one pipeline; Postgres runs it after the start), its rows in
-    ``opened`` for the lease to use when it opens that epoch."""
+    ``lease``: the lease's timeout); otherwise the attempt is counted, with
+    how apart it runs (``isolation``: 0 shared, 1 among a few suspects, 2
+    alone), and the request marked running, its epoch pinned on the first
+    attempt (the scope's current one, or its last run's for a resume). With
+    ``opening``, the run's open query follows in the same round trip (one
+    pipeline; Postgres runs it after the start), its rows in ``opened`` for
+    the lease to use when it opens that epoch."""
     params = {"request_id": request_id, "scope": scope, "worker": worker, "pid": os.getpid(),
               "boot": process_boot(), "stale": stale_after, "lease": lease,
-              "interval": interval}
+              "interval": interval, "isolation": isolation}
 
     def build(conn: Conn) -> list[fastpath.Call]:
         calls = [_START.call(conn, params)]

@@ -54,7 +54,7 @@ def _needs(conn: psycopg.Connection[Any], isolation: int) -> int:
     ([["n"], ["n"]], 1, 0, GROUP),
     # Its group died with it: nobody's death, but it runs alone next.
     ([["n"], ["n"], ["g"]], 2, 0, ALONE),
-    # Alone in its group when it died (the others had left): its own, alone next.
+    # Died again, with no other attempt of its process open: alone next.
     ([["n"], ["n"], []], 2, 0, ALONE),
     # Alone and died again: alone again (each such death is a crash).
     ([["n"], ["n"], ["g"], []], 3, 0, ALONE),
@@ -96,11 +96,13 @@ def test_a_death_in_a_group_is_nobodys_crash_and_one_alone_is_its_own(dsn: str) 
     with psycopg.connect(dsn, autocommit=True) as conn:
         _request(conn, [["n"], ["n"], ["g"]], suspicion=1)
         conn.execute("UPDATE runs SET suspicion = 2 WHERE request_id = 'r'")
+        isolation = ALONE
 
         def start() -> tuple[int, int]:
             row = conn.execute(query("start_request"), {
                 "request_id": "r", "scope": "s", "worker": "host:next", "pid": 1,
-                "boot": "now", "stale": 60, "lease": 30.0, "interval": 2.0}).fetchone()
+                "boot": "now", "stale": 60, "lease": 30.0, "interval": 2.0,
+                "isolation": isolation}).fetchone()
             assert row is not None
             counts = conn.execute("SELECT crashes, suspicion FROM runs"
                                   " WHERE request_id = 'r'").fetchone()
@@ -121,3 +123,42 @@ def test_a_death_in_a_group_is_nobodys_crash_and_one_alone_is_its_own(dsn: str) 
                      " VALUES ('old', 1, 'host:next', 1, 0, 'earlier')")
         conn.execute("UPDATE runs SET heartbeat_at = now() - interval '1 hour'")
         assert start() == (2, 3)
+
+
+@pytest.mark.parametrize(("isolation", "charged"), [(GROUP, 0), (SHARED, 1), (ALONE, 1)])
+def test_a_death_alone_in_a_group_that_others_had_left_is_shared(
+    dsn: str, isolation: int, charged: int
+) -> None:
+    """A process of quarantine among a few suspects takes a new member as
+    another leaves; one whose attempt replied may have left behind what kills
+    the process later (a thread, memory). A member that dies there with no
+    other attempt open is not charged once another ran in that process: its
+    death raises its suspicion. Elsewhere (a shared process, a pool child of
+    one slot, alone) such a death is its own, as before."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO runs (request_id, scope, session_id, agent, prompt, status,"
+                     " attempts, suspicion) VALUES ('r', 's', 's', 'a', 'p', 'running', 1, 1)")
+        conn.execute("INSERT INTO runs (request_id, scope, session_id, agent, prompt, status,"
+                     " attempts) VALUES ('left', 'l', 'l', 'a', 'p', 'succeeded', 1)")
+        for request_id, outcome in (("left", "succeeded"), ("r", None)):
+            conn.execute("INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch,"
+                         " boot, isolation, outcome) VALUES (%s, 1, 'host:7', 7, 0, 'b', %s, %s)",
+                         (request_id, isolation, outcome))
+        row = conn.execute("SELECT shared FROM loomflow_worker_last_attempt('r', 1)").fetchone()
+        assert row is not None and row[0] is (charged == 0)
+        # The same process's member of an earlier incarnation (another boot)
+        # does not make it shared.
+        conn.execute("UPDATE run_attempts SET boot = 'earlier' WHERE request_id = 'left'")
+        row = conn.execute("SELECT shared FROM loomflow_worker_last_attempt('r', 1)").fetchone()
+        assert row is not None and row[0] is False
+        conn.execute("UPDATE run_attempts SET boot = 'b' WHERE request_id = 'left'")
+        conn.execute(query("start_request"), {
+            "request_id": "r", "scope": "s", "worker": "host:8", "pid": 8, "boot": "c",
+            "stale": 60, "lease": 30.0, "interval": 2.0, "isolation": ALONE})
+        counts = conn.execute("SELECT crashes, suspicion FROM runs WHERE request_id = 'r'"
+                              ).fetchone()
+        assert counts == (charged, 1 + (1 - charged)), counts
+        # Its new attempt records how apart it runs.
+        isolations = conn.execute("SELECT attempt, isolation FROM run_attempts"
+                                  " WHERE request_id = 'r' ORDER BY attempt").fetchall()
+        assert isolations == [(1, isolation), (2, ALONE)], isolations

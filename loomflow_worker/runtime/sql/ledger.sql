@@ -300,8 +300,10 @@ RETURNING request_id;
 -- statement. A previous attempt that ended "interrupted" (its worker shut
 -- down for a deploy) or "lost" (its worker lost its database connection and
 -- lived) does not count as a crash, and neither does one that died with
--- other runs of its process (shared): that raises the request's suspicion
--- instead. A lost one lengthens its streak of lost attempts.
+-- other runs of its process (shared; in a process of quarantine among a few
+-- suspects, with any other attempt that process ran): that raises the
+-- request's suspicion instead. A lost one lengthens its streak of lost
+-- attempts. The attempt records how apart it runs (`isolation`).
 -- A previous attempt that may still be running (its lock connection ended
 -- but its worker lives and has not yet stopped its step) is waited for: the
 -- request does not start, and `previous_worker` names that worker, until the
@@ -365,8 +367,9 @@ WITH r AS (
        AND NOT EXISTS (SELECT 1 FROM older) AND NOT EXISTS (SELECT 1 FROM previous_open)
     RETURNING u.epoch, u.attempts, u.crashes, u.failures, u.suspicion, u.lost_streak
 ), attempt_row AS (
-    INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch, boot)
-    SELECT %(request_id)s, attempts, %(worker)s, %(pid)s, epoch, %(boot)s FROM started
+    INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch, boot, isolation)
+    SELECT %(request_id)s, attempts, %(worker)s, %(pid)s, epoch, %(boot)s, %(isolation)s
+      FROM started
     ON CONFLICT (request_id, attempt) DO NOTHING
 )
 SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
