@@ -281,17 +281,19 @@ def _wait_in_tool(dsn: str, tags: tuple[str, ...], times: int, timeout: float = 
         time.sleep(0.05)
 
 
-def _quarantine(fleet: Fleet, env: dict[str, str]) -> tuple[str, str]:
-    """Two requests (sessions t and n) that died twice with their shared
-    process without completing a step, now running in quarantine (together,
-    or each alone with QUARANTINE_GROUP=1); their ids."""
+def _quarantine(fleet: Fleet, env: dict[str, str],
+                tags: tuple[str, str] = ("alone-1", "neighbour-1")) -> tuple[str, str]:
+    """Two requests (sessions t and n, a tool call tagged by ``tags`` each)
+    that died twice with their shared process without completing a step, now
+    running in quarantine (together, or each alone with QUARANTINE_GROUP=1);
+    their ids."""
     fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
-    suspect = run_agent.delay(calls("alone-1"), "t", user_id="u")
-    neighbour = run_agent.delay(calls("neighbour-1"), "n", user_id="u")
+    suspect = run_agent.delay(calls(tags[0]), "t", user_id="u")
+    neighbour = run_agent.delay(calls(tags[1]), "n", user_id="u")
     for attempt in (1, 2):
         # Killed in its tool: a kill before its first model call was journaled
         # would let its next attempt complete that call, clearing it.
-        _wait_in_tool(fleet.dsn, ("alone-1", "neighbour-1"), attempt)
+        _wait_in_tool(fleet.dsn, tags, attempt)
         fleet.kill("w1")
         fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
     return suspect.id, neighbour.id
@@ -370,6 +372,50 @@ def test_the_suspects_of_a_group_that_died_run_alone_next_without_waiting_for_it
     assert text.count("running alone in a process of its own") >= 2, fleet.log_text()
     for request_id in both:
         assert ledger(fleet.dsn, request_id)["crashes"] == 0
+
+
+def test_a_member_left_alone_in_its_group_is_not_charged_the_groups_death(
+    fleet: Fleet,
+) -> None:
+    # Two suspects in one process of quarantine: one leaves it (its step
+    # completed, handed back), the other's tool call lasts 10 s longer. The
+    # process then dies, as it would of what the first left behind (a thread
+    # of its tool, memory it holds): the one still there is charged nothing.
+    env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
+           "TEST_TOOL_SLEEP": "4", "TEST_LASTING_SECONDS": "10"}
+    left_id, stayed_id = both = list(_quarantine(fleet, env, ("alone-1", "lasting-1")))
+    _wait_in_tool(fleet.dsn, ("lasting-1",), 3)
+    log = fleet.logs / "w1.log"
+    places = {int(pid) for pid in re.findall(
+        r"running in quarantine with other suspects, in process (\d+)", log.read_text())}
+    assert len(places) == 1, (places, fleet.log_text())
+    deadline = time.monotonic() + 30
+    while True:
+        with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+            ended = dict(conn.execute(
+                "SELECT request_id, outcome FROM run_attempts WHERE request_id = ANY(%s)"
+                " AND attempt = 3", (both,)).fetchall())
+        if ended.get(left_id) == "handed_back":
+            break
+        assert time.monotonic() < deadline, (ended, fleet.log_text())
+        time.sleep(0.05)
+    assert ended.get(stayed_id) is None, ended
+    os.kill(places.pop(), signal.SIGKILL)
+    for request_id in both:
+        assert wait_status(fleet.dsn, request_id, ("succeeded", "failed", "dead"),
+                           timeout=90) == "succeeded", fleet.log_text()
+    stayed = ledger(fleet.dsn, stayed_id)
+    # Its death there raised its suspicion, and charged nothing: it ran alone
+    # next, until it completed a step, then shared again.
+    assert stayed["crashes"] == 0, stayed
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        outcomes = [r[0] for r in conn.execute(
+            "SELECT outcome FROM run_attempts WHERE request_id = %s ORDER BY attempt",
+            (stayed_id,)).fetchall()]
+    assert outcomes == [None, None, None, "handed_back", "succeeded"], outcomes
+    assert "request " + stayed_id + ": running alone in a process of its own" \
+        in log.read_text(), fleet.log_text()
+    assert ledger(fleet.dsn, left_id)["crashes"] == 0
 
 
 def test_a_request_that_finds_no_room_to_run_alone_goes_back_to_the_queue(

@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any
 
+import anyio
 from loomflow import Agent
 
 from loomflow_worker import register_agent
@@ -31,6 +32,9 @@ async def _on_start(tag: str) -> None:
     # other run of the process with it, for TEST_BLOCK_SECONDS (30).
     if tag.startswith("block"):
         time.sleep(float(os.environ.get("TEST_BLOCK_SECONDS", "30")))
+    # "lasting" makes its tool call TEST_LASTING_SECONDS (10) longer than the others.
+    if tag.startswith("lasting"):
+        await anyio.sleep(float(os.environ.get("TEST_LASTING_SECONDS", "10")))
 
 
 class FlakyModel(DeterministicModel):
