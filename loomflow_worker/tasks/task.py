@@ -117,9 +117,12 @@ class AgentTask(Task):  # type: ignore[misc]
     typing = False  # arguments are checked by check_request, with clearer errors
     # A message whose body Celery can't unpack is dropped, not left to stop the worker.
     Strategy = "loomflow_worker.tasks.wire:strategy"
-    # A request's end as the ledger has it: its own log line says why (at ERROR
-    # for failed and dead), so Celery logs "raised expected" at INFO, without a
-    # traceback that would only point at the line raising it. The state is FAILURE all the same.
+    # A request's end as the ledger has it: its own log line says why (an
+    # ERROR for a failed or dead run, a WARNING for a request refused as bad
+    # input), so Celery logs "raised expected" at INFO, without a traceback
+    # that would only point at the line raising it. The state is FAILURE all
+    # the same; Sentry's Celery integration skips these (its logging
+    # integration reports the ERROR line).
     throws = (RunFailed, RunDead, RunCancelled)
 
     def on_failure(
