@@ -139,19 +139,20 @@ def _place(
                             return group, member
             if alone.taken < at_once:
                 alone.taken += 1
-                break
+                # Listed before the condition is let go: a suspect placed
+                # meanwhile joins this group rather than start another.
+                group = Quarantine(alone, isolation, capacity, on_death=_stopped)
+                with alone.guard:
+                    member = group.join(request_id)
+                    assert member is not None
+                    alone.running[request_id] = group
+                    if capacity > 1:
+                        alone.groups = [g for g in alone.groups if not g.closed] + [group]
+                return group, member
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
             alone.freed.wait(left)
-    group = Quarantine(alone, isolation, capacity, on_death=_stopped)
-    with alone.guard:
-        member = group.join(request_id)
-        assert member is not None
-        alone.running[request_id] = group
-        if capacity > 1:
-            alone.groups = [g for g in alone.groups if not g.closed] + [group]
-    return group, member
 
 
 def _run(request_id: str, job: dict[str, Any], group: Quarantine, member: Member,

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from loomflow_worker.tasks import alone
 from loomflow_worker.tasks.groups import AloneRuns, Quarantine
 
 
@@ -26,3 +33,31 @@ def test_a_request_alone_has_its_process_to_itself() -> None:
     alone = Quarantine(AloneRuns(), isolation=2, capacity=1, on_death=print)
     assert alone.join("a") is not None
     assert alone.join("b") is None
+
+
+def test_suspects_placed_at_once_share_one_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group is listed before another suspect can look for one: two placed
+    at the same moment join one process, however long making the group takes."""
+    runs = AloneRuns()
+    monkeypatch.setattr(alone.PROCESS, "alone", runs)
+
+    class Slow(Quarantine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            time.sleep(0.2)  # the first suspect between its slot and its group
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(alone, "Quarantine", Slow)
+    places: dict[str, Any] = {}
+
+    def place(request_id: str) -> None:
+        places[request_id] = alone._place(request_id, isolation=1, capacity=8, at_once=4)
+
+    threads = [threading.Thread(target=place, args=(r,)) for r in ("a", "b")]
+    threads[0].start()
+    time.sleep(0.05)
+    threads[1].start()
+    for thread in threads:
+        thread.join()
+    assert places["a"] is not None and places["b"] is not None
+    assert places["a"][0] is places["b"][0], places
+    assert runs.taken == 1 and runs.groups == [places["a"][0]]
