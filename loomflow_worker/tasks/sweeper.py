@@ -32,6 +32,7 @@ from typing import Any
 import psycopg
 
 from .. import metrics
+from ..execution import ledger
 from ..execution.pending import Pending
 from ..runtime.sql import query
 from ..settings import Settings
@@ -77,7 +78,7 @@ class Sweeper:
         self.held = held
         # This worker process, as the leader's row and the actions name it
         # (the column sweeper_leader.holder keeps its stored name).
-        self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.worker = ledger.worker_name(socket.gethostname(), os.getpid())
         # This sweep's actions, recorded at its end (record_actions).
         self.actions: list[Action] = []
         self.recovery = Recovery(settings, dispatch, self.actions.append,
