@@ -16,6 +16,7 @@ from kombu import pools as kombu_pools
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from ..execution import ledger
 from ..settings import Settings
 from .broker import AMQP
 from .dispatch import RESUME_AGENT, RUN_AGENT
@@ -71,6 +72,9 @@ def configure(new: Settings | None = None) -> Settings:
         PROCESS.settings, PROCESS.settings_error, PROCESS.context = new, None, None
         _use(make_app(new))
         PROCESS.enqueue.close()
+        # The limits enqueues hold requests back on were read from the fleet
+        # before's database: the next enqueue reads this one's.
+        ledger.HOLD_LIMITS.forget()
         return new
 
 

@@ -59,6 +59,18 @@ def test_new_settings_get_a_new_app_with_its_own_backend_and_tasks(restored: Non
     assert second.conf.result_backend_transport_options["global_keyprefix"] == "elsewhere:"
 
 
+def test_new_settings_forget_the_limits_read_from_the_fleet_before(restored: None) -> None:
+    """An enqueue holds requests back on the per_key and fair_queue limits it
+    read (for a few seconds) from its fleet's database: another fleet's are
+    read again at its first enqueue, not taken from the one before."""
+    from loomflow_worker.execution import ledger
+
+    assert ledger.HOLD_LIMITS.get(lambda: (1, 10)) == (1, 10)
+    assert ledger.HOLD_LIMITS.get(lambda: (None, None)) == (1, 10)  # kept
+    tasks.configure(tasks.settings().model_copy(update={"queue": "elsewhere"}))
+    assert ledger.HOLD_LIMITS.get(lambda: (None, None)) == (None, None)
+
+
 def test_configuring_again_with_the_same_settings_keeps_the_app(restored: None) -> None:
     first = application.current_app()
     tasks.configure(tasks.settings().model_copy())
