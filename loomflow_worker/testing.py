@@ -21,11 +21,15 @@ is answered at once.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import anyio
@@ -164,11 +168,17 @@ class Execution:
     finished_at: Any
 
 
+#: The effects tool's connections open at once in one event loop.
+MAX_EFFECT_CONNECTIONS = 16
+
+
 class EffectsLog:
     """A side-effect tool that counts its executions in Postgres.
 
     ``on_start(tag)`` runs after the start is recorded and before the
-    tool sleeps and finishes: a crash test kills its process there."""
+    tool sleeps and finishes: a crash test kills its process there.
+    ``entries``: a file each call appends a line to as it is called (its tag,
+    pid and time), before anything awaits."""
 
     def __init__(
         self,
@@ -176,10 +186,25 @@ class EffectsLog:
         *,
         sleep: float = 0.0,
         on_start: Callable[[str], Awaitable[None]] | None = None,
+        entries: str | None = None,
     ) -> None:
         self.dsn = dsn
         self.sleep = sleep
         self.on_start = on_start
+        self.entries = entries
+        # Connections open at once per event loop: hundreds of runs of one
+        # process calling the tool side by side stay within the server's limit.
+        self._connecting: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+    @contextlib.asynccontextmanager
+    async def _connect(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        loop = asyncio.get_running_loop()
+        gate = self._connecting.get(loop)
+        if gate is None:
+            gate = self._connecting[loop] = asyncio.Semaphore(MAX_EFFECT_CONNECTIONS)
+        async with gate, await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
+            yield conn
 
     async def setup(self) -> None:
         async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as conn:
@@ -190,18 +215,29 @@ class EffectsLog:
 
         async def record(tag: str) -> str:
             """Record one execution of a side effect tagged ``tag``."""
+            entered_at = datetime.now(UTC)
+            if log.entries is not None:
+                # Before anything awaits: a call that a cancel stops at its first
+                # await (a fenced run's) was entered all the same.
+                line = f"{tag} {os.getpid()} {entered_at.isoformat()}\n".encode()
+                fd = os.open(log.entries, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line)
+                finally:
+                    os.close(fd)
             # No connection is held while the tool sleeps: many runs of one
             # process record their effects at once.
-            async with await psycopg.AsyncConnection.connect(log.dsn, autocommit=True) as conn:
+            async with log._connect() as conn:
                 cur = await conn.execute(
-                    query("effect_started"), {"tag": tag, "pid": os.getpid()})
+                    query("effect_started"),
+                    {"tag": tag, "pid": os.getpid(), "entered_at": entered_at})
                 row = await cur.fetchone()
             assert row is not None
             if log.on_start is not None:
                 await log.on_start(tag)
             if log.sleep:
                 await anyio.sleep(log.sleep)
-            async with await psycopg.AsyncConnection.connect(log.dsn, autocommit=True) as conn:
+            async with log._connect() as conn:
                 await conn.execute(query("effect_finished"), {"id": row[0]})
             return f"recorded {tag}"
 

@@ -17,6 +17,7 @@ import pytest
 from psycopg import sql
 
 from loomflow_worker.runtime import PostgresRuntime, migrate
+from loomflow_worker.runtime.sql import query
 from tests.needs import ADMIN_DSN, skip_as_failure, skip_reason, skips_fail
 
 # Every write of a journal entry, kept by a trigger: a step key written twice
@@ -119,12 +120,8 @@ def template_db() -> Iterator[str]:
                     await migrate(aconn)
 
             anyio.run(apply)
-            conn.execute(
-                "CREATE TABLE IF NOT EXISTS loomflow_worker_effects ("
-                " id BIGSERIAL PRIMARY KEY, tag TEXT NOT NULL, pid INTEGER NOT NULL,"
-                " started_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),"
-                " finished_at TIMESTAMPTZ)"
-            )
+            # The effects tool's table, as EffectsLog.setup makes it.
+            conn.execute(query("effects_table"))
             conn.execute(JOURNAL_WRITES_DDL)
         yield name
     finally:
@@ -196,8 +193,11 @@ def dsn(_clones: _Clones) -> Iterator[str]:
 
 
 @pytest.fixture
-async def runtime(dsn: str) -> AsyncIterator[PostgresRuntime]:
-    rt = await PostgresRuntime.connect(dsn, lock_wait_timeout=10)
+async def runtime(dsn: str, request: pytest.FixtureRequest) -> AsyncIterator[PostgresRuntime]:
+    """A runtime on the test's database; parametrized indirectly, its number of
+    lock connections (``@pytest.mark.parametrize("runtime", [1], indirect=True)``)."""
+    rt = await PostgresRuntime.connect(
+        dsn, lock_wait_timeout=10, lock_connections=getattr(request, "param", 2))
     try:
         yield rt
     finally:

@@ -38,7 +38,7 @@ from ..runtime import (
 from ..runtime.lockconn import Batch
 from ..runtime.loopwatch import LoopWatch, Stall
 from ..runtime.runtime import signal_waits
-from ..runtime.store import Conn, Lease, OpenChoice
+from ..runtime.store import Conn, Lease, Liveness, OpenChoice
 from ..settings import Settings
 from . import ledger
 from .errors import AttemptLost, HandedBack, Paused
@@ -279,16 +279,26 @@ class WorkerContext:
         loop or a busy connection only delays a stamp. A frozen process
         stamps nothing, so its lease runs out and the sweeper fences it."""
         interval = self.settings.heartbeat_interval
-        limit = fence_after(self.settings)
+        runtime.journal.keep_alive(liveness(self.settings))
         while True:
             await anyio.sleep(interval)
-            runtime.journal.heartbeat(
-                fence_after=limit, lease_timeout=self.settings.lease_timeout,
-                stamp=ledger.heartbeat, on_cancelled=_cancelled,
-            )
+            runtime.journal.heartbeat()
 
     def _stalled(self, stall: Stall) -> None:
-        """The loop was held (from the loop watch's thread): say by what."""
+        """The loop was held (from the loop watch's thread): say by what, or
+        that the whole process was stopped."""
+        if stall.frozen:
+            log.warning(
+                "the whole process was stopped for %.1fs (SIGSTOP, a paused VM or container, "
+                "or a machine that gave it no CPU): no run held the event loop. Each of its "
+                "%d runs confirms its lease before its next step, and a run whose lease may "
+                "have lapsed meanwhile is fenced", stall.held, len(self._halts),
+                extra={"action": "process_stopped", "held": round(stall.held, 3)},
+            )
+            meter = metrics.get()
+            if meter is not None:
+                meter.loop_stalls.inc()
+            return
         culprit = stall.culprit.describe() if stall.culprit is not None else "unknown code"
         others = max(0, len(self._halts) - 1)
         log.warning(
@@ -902,7 +912,7 @@ async def _run(
     # The process's heartbeat stamps the request from now on; when the lock
     # connection is lost, the run stops at once, mid-step.
     fence = anyio.CancelScope()
-    lease.request_id = request_id
+    lease.request_id, lease.attempt = request_id, started.attempt
     if started.suspicion or started.lost_streak:
         # Its first completed step clears it of suspicion (and, running alone,
         # sends it back to its shared process, unless a cancel stops it there).
@@ -943,7 +953,7 @@ async def _run(
             if fence.cancelled_caught:
                 raise lease.fenced or LockLost(req.scope, "the heartbeat failed")
         finally:
-            lease.request_id = None
+            lease.request_id = lease.attempt = None
             ctx._halts.pop(request_id, None)
             if meter is not None:
                 meter.steps.labels("executed").inc(runtime.stats.steps_executed - executed)
@@ -1039,6 +1049,22 @@ def fence_after(settings: Settings) -> float:
     of a worker silent for ``LEASE``, may act, and never sooner than a heartbeat interval."""
     margin = max(2 * settings.heartbeat_interval, settings.lease_timeout / 5)
     return max(settings.lease_timeout - margin, settings.heartbeat_interval)
+
+
+def confirm_within(settings: Settings) -> float:
+    """How long after a heartbeat was sent a run may start a step without
+    waiting for another: two heartbeat intervals (a busy loop fires them
+    late), and never more than half of :func:`fence_after`, so a step starts
+    at least half the lease before the sweeper could resume its run elsewhere."""
+    return min(2 * settings.heartbeat_interval, fence_after(settings) / 2)
+
+
+def liveness(settings: Settings) -> Liveness:
+    """How a worker's running requests are kept alive and fenced (see :class:`Liveness`)."""
+    return Liveness(
+        fence_after=fence_after(settings), confirm_within=confirm_within(settings),
+        lease_timeout=settings.lease_timeout, stamp=ledger.heartbeat, on_cancelled=_cancelled,
+    )
 
 
 def _cancelled(lease: Lease) -> None:

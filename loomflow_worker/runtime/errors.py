@@ -59,6 +59,11 @@ class SessionBusy(LoomflowWorkerError):
         )
 
 
+#: The SQLSTATE of a write the database refused because its attempt has ended
+#: (``loomflow_worker_refuse``, migration 0034): the attempt is fenced.
+FENCED_SQLSTATE = "LW001"
+
+
 class LockLost(LoomflowWorkerError):
     """The run's lock connection failed, so the run no longer owns its scope.
 

@@ -541,8 +541,8 @@ def boolean(value: bool) -> bytes:
     return b"\x01" if value else b"\x00"
 
 
-_JOURNAL_PARAMS = ("scope", "key", "value")
-_JOURNAL_TYPES = (TEXT_OID, TEXT_OID, BYTEA_OID)
+_JOURNAL_PARAMS = ("scope", "key", "value", "request", "attempt")
+_JOURNAL_TYPES = (TEXT_OID, TEXT_OID, BYTEA_OID, TEXT_OID, INT4_OID)
 PUT_STEP = Statement.of("put_step", _JOURNAL_PARAMS, _JOURNAL_TYPES)
 PUT_STREAM = Statement.of("put_stream", _JOURNAL_PARAMS, _JOURNAL_TYPES)
 
@@ -552,9 +552,15 @@ PUT_STREAM = Statement.of("put_stream", _JOURNAL_PARAMS, _JOURNAL_TYPES)
 MAX_PIPELINED_ROWS = 8
 
 
-def journal_call(table: str, scope: str, key: str, value: bytes) -> Call:
-    """The upsert of one journal entry of ``table`` (``steps`` or ``streams``)."""
-    return (PUT_STEP if table == "steps" else PUT_STREAM, (text(scope), text(key), value))
+def journal_call(
+    table: str, scope: str, key: str, value: bytes, token: tuple[str, int] | None = None
+) -> Call:
+    """The upsert of one journal entry of ``table`` (``steps`` or ``streams``),
+    landing only while the attempt ``token`` (request id, attempt number) is
+    open, if one is given."""
+    request, attempt = (None, None) if token is None else (text(token[0]), int4(token[1]))
+    return (PUT_STEP if table == "steps" else PUT_STREAM,
+            (text(scope), text(key), value, request, attempt))
 
 
 ADVANCE_EPOCH = Statement.of(

@@ -82,12 +82,14 @@ L = TypeVar("L", bound=LeaseView)
 
 @dataclass(frozen=True)
 class JournalRow:
-    """One journal entry to upsert."""
+    """One journal entry to upsert; ``token``, the attempt (request id and
+    attempt number) that writes it, which the database checks is still open."""
 
     table: Table
     scope: str
     key: str
     value: bytes
+    token: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,11 @@ class LockConnection(Generic[L]):
     def running(self) -> list[L]:
         """The leases that run a request: those a heartbeat stamps."""
         return [lease for lease in self._leases if lease.request_id is not None]
+
+    def unconfirmed_for(self) -> float:
+        """Seconds (monotonic, loop time) since the last heartbeat that stamped
+        every run of the connection was sent."""
+        return asyncio.get_running_loop().time() - self.stamped_at
 
     def stamped(self, at: float) -> None:
         """Every request running here is alive in the ledger since ``at`` (loop
@@ -646,21 +653,24 @@ async def upsert(conn: Conn, rows: list[JournalRow]) -> None:
 def _journal_calls(conn: Conn, rows: list[JournalRow]) -> list[fastpath.Call | None]:
     """The statements that upsert journal rows (the last value of a key wins),
     as one transaction: a few as plain statements, more as one statement."""
-    latest: dict[tuple[Table, str, str], bytes] = {}
+    latest: dict[tuple[Table, str, str], JournalRow] = {}
     for row in rows:
-        latest[(row.table, row.scope, row.key)] = row.value
+        latest[(row.table, row.scope, row.key)] = row
     if len(latest) <= fastpath.MAX_PIPELINED_ROWS:
-        return [fastpath.journal_call(table, scope, key, value)
-                for (table, scope, key), value in latest.items()]
+        return [fastpath.journal_call(row.table, row.scope, row.key, row.value, row.token)
+                for row in latest.values()]
     params: dict[str, list[Any]] = {
-        "step_scopes": [], "step_keys": [], "step_values": [],
-        "stream_scopes": [], "stream_keys": [], "stream_values": [],
+        f"{prefix}_{column}": []
+        for prefix in ("step", "stream")
+        for column in ("scopes", "keys", "values", "requests", "attempts")
     }
-    for (table, scope, key), value in latest.items():
-        prefix = "step" if table == "steps" else "stream"
-        params[f"{prefix}_scopes"].append(scope)
-        params[f"{prefix}_keys"].append(key)
-        params[f"{prefix}_values"].append(value)
+    for row in latest.values():
+        prefix = "step" if row.table == "steps" else "stream"
+        params[f"{prefix}_scopes"].append(row.scope)
+        params[f"{prefix}_keys"].append(row.key)
+        params[f"{prefix}_values"].append(row.value)
+        params[f"{prefix}_requests"].append(None if row.token is None else row.token[0])
+        params[f"{prefix}_attempts"].append(None if row.token is None else row.token[1])
     return [PUT_JOURNAL_BATCH.call(conn, params)]
 
 

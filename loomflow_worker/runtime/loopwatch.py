@@ -65,10 +65,13 @@ class Culprit:
 
 @dataclass(frozen=True)
 class Stall:
-    """The loop held for ``held`` seconds by ``culprit``."""
+    """The loop held for ``held`` seconds by ``culprit``; or, ``frozen``, the
+    whole process stopped that long (no code of it ran, the watch's own
+    thread neither: SIGSTOP, a paused VM, a throttled or starved container)."""
 
     held: float
     culprit: Culprit | None
+    frozen: bool = False
 
 
 class LoopWatch:
@@ -158,21 +161,42 @@ class LoopWatch:
     # ---- the watch's thread ----------------------------------------------------------
 
     def _watch(self) -> None:
+        woke, cpu = time.monotonic(), time.process_time()
+        # The loop's last tick when the process was found stopped: no stall of
+        # the loop is looked for until it ticks again (it was never held).
+        frozen_at: float | None = None
         while not self._stopping.wait(TICK):
-            silent = time.monotonic() - self.last_tick
-            if self._stalled is None and silent >= self.stall:
-                self._stalled = self._culprit() or Culprit(None, None, None, "unknown")
-            elif self._stalled is not None and silent < self.stall:
-                culprit, self._stalled = self._stalled, None
-                held = max((lag for _, lag in list(self._lags)[-3:]), default=0.0)
+            now, spent = time.monotonic(), time.process_time() - cpu
+            late = now - woke - TICK
+            woke, cpu = now, time.process_time()
+            if late >= self.stall and spent < late / 2:
+                # This thread woke as late as the loop, and the process used
+                # little CPU meanwhile: it was stopped as a whole, not held by
+                # one of its runs (whose code holding the GIL burns CPU).
+                self._stalled, frozen_at = None, self.last_tick
                 self.stalls += 1
                 if self._on_stall is not None:
-                    self._on_stall(Stall(max(held, self.stall), culprit))
+                    self._on_stall(Stall(late, None, frozen=True))
+            elif frozen_at is None or self.last_tick != frozen_at:
+                frozen_at = None
+                self._look(now)
             for observer in list(self.observers):
                 try:
                     observer(self)
                 except Exception:
                     log.exception("a loop watch observer failed")
+
+    def _look(self, now: float) -> None:
+        """Notice a stall of the loop as it starts, and report it once it ends."""
+        silent = now - self.last_tick
+        if self._stalled is None and silent >= self.stall:
+            self._stalled = self._culprit() or Culprit(None, None, None, "unknown")
+        elif self._stalled is not None and silent < self.stall:
+            culprit, self._stalled = self._stalled, None
+            held = max((lag for _, lag in list(self._lags)[-3:]), default=0.0)
+            self.stalls += 1
+            if self._on_stall is not None:
+                self._on_stall(Stall(max(held, self.stall), culprit))
 
     def _culprit(self) -> Culprit | None:
         """What the loop thread runs now: the innermost frame outside the

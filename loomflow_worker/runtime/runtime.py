@@ -445,7 +445,9 @@ class PostgresRuntime(JournaledRuntime):
         **kwargs: Any,
     ) -> Any:
         """Run ``fn`` once per journal key and journal its result (at-least-once:
-        a crash between ``fn`` and the write runs it again on resume).
+        a crash between ``fn`` and the write runs it again on resume). In a
+        worker, ``fn`` starts only while the run's lease is confirmed alive
+        (:meth:`Lease.confirm`), with no await between that check and ``fn``.
 
         In a run holding its scope, the result is written with the run's next
         statement: the next step's ``fn`` starts only once it is committed,
@@ -485,6 +487,9 @@ class PostgresRuntime(JournaledRuntime):
             return value
         if lease is not None:
             await lease.send_unsent()
+            if not lease.live():
+                await lease.confirm()
+        # Nothing awaits between the lease's check and the step's callable.
         result = await fn(*args, **kwargs)
         await self._write_step(scope, key, result, later=True)
         self.stats.steps_executed += 1
@@ -505,11 +510,12 @@ class PostgresRuntime(JournaledRuntime):
             lease.last_replayed = replayed
 
     def _check_can_continue(self) -> None:
-        """At a step boundary: a fenced run stops here, and so does one asked to stop."""
+        """At a step boundary: a fenced run stops here, and so does one asked to
+        stop, or one whose lease may have lapsed (its process was stopped or
+        its loop held past the heartbeats' bound: :meth:`Lease.check_lapsed`)."""
         lease = _lease_var.get()
         if lease is not None:
-            if lease.fenced is not None:
-                raise lease.fenced
+            lease.check_lapsed()
             if lease.stop is not None:
                 raise lease.stop
 
@@ -552,6 +558,8 @@ class PostgresRuntime(JournaledRuntime):
         recorded: list[Any] = []
         if lease is not None:
             await lease.send_unsent()
+            if not lease.live():
+                await lease.confirm()
         async for chunk in fn(*args, **kwargs):
             recorded.append(chunk)
             yield chunk

@@ -39,6 +39,7 @@ from . import fastpath
 from .codec import CodecStats, Serializer, check_serializer, decode, encode
 from .errors import (
     CONNECT,
+    FENCED_SQLSTATE,
     DatabaseUnavailable,
     InvalidInput,
     LockLost,
@@ -173,6 +174,33 @@ class OpenChoice:
         return cur
 
 
+@dataclass(frozen=True)
+class Liveness:
+    """How a worker keeps the requests its runs hold alive in the ledger, and
+    when a run may start a step (:meth:`Lease.confirm`).
+
+    Each lock connection's running requests are stamped every heartbeat
+    interval; the sweeper ends the lock connections of a worker whose
+    requests went unstamped for ``lease_timeout`` and resumes them
+    elsewhere. So a step starts only within ``confirm_within`` seconds (well
+    below the lease) of a heartbeat that was answered, measured on the
+    monotonic clock from when that heartbeat was sent; past that, the run
+    first waits for a heartbeat of its connection, and past ``fence_after``
+    (the process was stopped, or its loop held, for so long that the
+    sweeper may have acted) its connection is fenced instead."""
+
+    fence_after: float
+    confirm_within: float
+    lease_timeout: float
+    stamp: Callable[[Conn, list[str]], Awaitable[set[str]]]
+    on_cancelled: Callable[[Lease], None]
+
+
+#: A heartbeat sent to confirm a lease that failed (not a lost connection) is
+#: sent again after this many seconds, until the connection is fenced.
+CONFIRM_RETRY = 0.1
+
+
 class Lease:
     """One outermost run holding its scope: its lease on a shared lock
     connection, and the journal entries of the namespaces the run has
@@ -190,8 +218,10 @@ class Lease:
         self.on_fenced: list[Callable[[LockLost], None]] = []
         # Set to stop the run at its next step boundary (a cancel, a deadline).
         self.stop: BaseException | None = None
-        # The request the lease runs, when it runs one (heartbeats).
+        # The request the lease runs, when it runs one (heartbeats), and the
+        # attempt: with the request id, the fencing token its writes carry.
         self.request_id: str | None = None
+        self.attempt: int | None = None
         # Whether the latest step came from the journal (marks live events).
         self.last_replayed = False
         self.released = False
@@ -242,6 +272,65 @@ class Lease:
         if self.stop is None:
             self.stop = reason
 
+    @property
+    def token(self) -> tuple[str, int] | None:
+        """The attempt the run's journal writes land for (request id, attempt
+        number): the database refuses them once that attempt has ended."""
+        if self.request_id is None or self.attempt is None:
+            return None
+        return self.request_id, self.attempt
+
+    def refused(self, exc: psycopg.Error) -> LockLost:
+        """The database refused a write of the run (its attempt ended: fenced
+        and resumed elsewhere): the lease is fenced, its lock connection's
+        other runs are not."""
+        cause = LockLost(self.scope, f"the database refused its write: {exc.diag.message_primary}")
+        cause.__cause__ = exc
+        self.fence(cause)
+        return self.fenced or cause
+
+    def live(self) -> bool:
+        """Whether the run may start a step now, with no I/O: its lock
+        connection's runs were confirmed alive in the ledger less than
+        ``confirm_within`` seconds ago (a run that no heartbeat stamps, outside
+        a worker, always may). A fenced or stopped run raises why."""
+        if self.fenced is not None:
+            raise self.fenced
+        liveness = self.store.liveness
+        if liveness is None or self.request_id is None:
+            return True
+        return self.lock_conn.unconfirmed_for() <= liveness.confirm_within
+
+    def check_lapsed(self) -> None:
+        """Fence the run's lock connection, and raise, when its runs went
+        unconfirmed for longer than ``fence_after``: the process was stopped
+        (SIGSTOP, a paused VM, a throttled container) or its loop held, and
+        the sweeper may have resumed them elsewhere. No I/O."""
+        if self.fenced is not None:
+            raise self.fenced
+        liveness = self.store.liveness
+        if liveness is None or self.request_id is None:
+            return
+        silent = self.lock_conn.unconfirmed_for()
+        if silent > liveness.fence_after:
+            raise self.lock_conn.fence(
+                f"its runs were last confirmed alive {silent:.1f}s ago (the process was "
+                "stopped or its event loop held; the sweeper may end the connection after "
+                f"LEASE={liveness.lease_timeout:g}s): no step starts on a lease that may be gone"
+            )
+
+    async def confirm(self) -> None:
+        """Before a step whose run is not :meth:`live`: wait for a heartbeat of
+        its lock connection sent now (one for every run waiting on that
+        connection), or fence the connection once it went unconfirmed past
+        ``fence_after``. Returns once the run may start its step."""
+        liveness = self.store.liveness
+        while not self.live():
+            self.check_lapsed()
+            assert liveness is not None
+            if not await self.store.beat(self.lock_conn, liveness):
+                await anyio.sleep(CONFIRM_RETRY)
+
     async def io(self, fn: Callable[[Conn], Awaitable[T]]) -> T:
         """Run ``fn`` in a turn on the lock connection (after the run's unsent
         journal rows); its loss fences the run."""
@@ -255,7 +344,12 @@ class Lease:
         if self.fenced is not None:
             raise self.fenced
         rows, self._unsent = self._unsent, []
-        return await self.lock_conn.send(after_rows(rows, batch) if rows else batch)
+        try:
+            return await self.lock_conn.send(after_rows(rows, batch) if rows else batch)
+        except psycopg.Error as exc:
+            if exc.sqlstate == FENCED_SQLSTATE:
+                raise self.refused(exc) from exc
+            raise
 
     async def send_unsent(self) -> None:
         """Write the run's unsent journal rows now (no round trip when there
@@ -269,7 +363,8 @@ class Lease:
         """The run's unsent journal rows as statements, for a caller that
         sends them itself; they are no longer the lease's to send."""
         rows, self._unsent = self._unsent, []
-        return [fastpath.journal_call(row.table, row.scope, row.key, row.value) for row in rows]
+        return [fastpath.journal_call(row.table, row.scope, row.key, row.value, row.token)
+                for row in rows]
 
     # ---- reading -----------------------------------------------------------
 
@@ -364,7 +459,7 @@ class Lease:
         blob = self.store._encode(value, key)
         if blob is None:
             return
-        await self._write([JournalRow("steps", scope, key, blob)], later=later)
+        await self._write([JournalRow("steps", scope, key, blob, self.token)], later=later)
         self._steps[(scope, key)] = blob
 
     async def write_stream(
@@ -373,7 +468,7 @@ class Lease:
         blob = self.store._encode(list(chunks), key)
         if blob is None:
             return
-        await self._write([JournalRow("streams", scope, key, blob)], later=later)
+        await self._write([JournalRow("streams", scope, key, blob, self.token)], later=later)
         self._streams[(scope, key)] = blob
 
     async def _write(self, rows: list[JournalRow], *, later: bool = False) -> None:
@@ -392,8 +487,13 @@ class Lease:
         if last_run is not None:
             mark = self.store._encode(last_run, LAST_RUN_KEY)
             assert mark is not None
-            rows = [*rows, JournalRow("steps", self.scope, LAST_RUN_KEY, mark)]
-        await self.lock_conn.write(rows)
+            rows = [*rows, JournalRow("steps", self.scope, LAST_RUN_KEY, mark, self.token)]
+        try:
+            await self.lock_conn.write(rows)
+        except psycopg.Error as exc:
+            if exc.sqlstate == FENCED_SQLSTATE:
+                raise self.refused(exc) from exc
+            raise
         if last_run is not None:
             self.pending_last_run = None
             self.last_run = last_run
@@ -508,8 +608,13 @@ class PostgresJournalStore:
         self._closed = False
         # Called with the seconds each journal write of a run took (metrics).
         self._on_write: Callable[[float], None] | None = None
-        # The heartbeat running on each lock connection, if one is.
-        self._beats: dict[LockConnection[Lease], asyncio.Task[None]] = {}
+        # The heartbeat running on each lock connection, if one is, and when
+        # (loop time) it was sent.
+        self._beats: dict[LockConnection[Lease], asyncio.Task[bool]] = {}
+        self._beat_sent: weakref.WeakKeyDictionary[LockConnection[Lease], float] = (
+            weakref.WeakKeyDictionary())
+        # How running requests are kept alive (a worker's), if they are.
+        self.liveness: Liveness | None = None
 
     def time_writes(self, on_write: Callable[[float], None] | None) -> None:
         """Call ``on_write`` with the seconds each journal write of a run takes
@@ -529,40 +634,62 @@ class PostgresJournalStore:
         """Statements waiting for the lock connections."""
         return sum(lock_conn.depth for lock_conn in self._lock_conns)
 
-    def heartbeat(
-        self,
-        *,
-        fence_after: float,
-        lease_timeout: float,
-        stamp: Callable[[Conn, list[str]], Awaitable[set[str]]],
-        on_cancelled: Callable[[Lease], None],
-    ) -> None:
-        """One heartbeat of the process's running requests. For each live lock
-        connection: with no run on it, it is stamped alive now; when nothing
-        has stamped its runs for more than ``fence_after`` seconds (the sweeper
-        ends the lock connections of a worker silent for ``lease_timeout``), it
-        is fenced; otherwise, unless a beat of it is still under way (never
-        two at once on a connection), ``stamp`` stamps its requests in one
-        urgent statement, ahead of every statement queued there, and returns
-        those whose cancel was requested: ``on_cancelled`` is called with
-        their leases."""
+    def keep_alive(self, liveness: Liveness) -> None:
+        """The runs of this store's leases that run a request are kept alive
+        in the ledger by :meth:`heartbeat`, and start a step only while
+        ``liveness`` says their lease holds (:meth:`Lease.confirm`)."""
+        self.liveness = liveness
+
+    def heartbeat(self) -> None:
+        """One heartbeat of the process's running requests (see
+        :meth:`keep_alive`). For each live lock connection: with no run on it,
+        it is stamped alive now; when nothing has stamped its runs for more
+        than ``fence_after`` seconds (the sweeper ends the lock connections of
+        a worker silent for ``lease_timeout``), it is fenced; otherwise, unless
+        a beat of it is still under way (never two at once on a connection),
+        ``stamp`` stamps its requests in one urgent statement, ahead of every
+        statement queued there, and returns those whose cancel was requested:
+        ``on_cancelled`` is called with their leases."""
+        liveness = self.liveness
+        if liveness is None:
+            return
         now = asyncio.get_running_loop().time()
         lock_conns = self.live_connections()
         for lock_conn in lock_conns:
             running = lock_conn.running()
             if not running:
                 lock_conn.stamped(now)
-            elif now - lock_conn.stamped_at > fence_after:
+            elif now - lock_conn.stamped_at > liveness.fence_after:
                 lock_conn.fence(
                     f"no heartbeat stamped its runs for {now - lock_conn.stamped_at:.1f}s "
                     "(the sweeper may end the connection after "
-                    f"LEASE={lease_timeout:g}s)"
+                    f"LEASE={liveness.lease_timeout:g}s)"
                 )
             elif lock_conn not in self._beats or self._beats[lock_conn].done():
-                self._beats[lock_conn] = asyncio.get_running_loop().create_task(
-                    _beat(lock_conn, running, stamp, on_cancelled)
-                )
+                self._beats[lock_conn] = self._beat_task(lock_conn, liveness)
         self._beats = {conn: task for conn, task in self._beats.items() if conn in lock_conns}
+
+    async def beat(self, lock_conn: LockConnection[Lease], liveness: Liveness) -> bool:
+        """A heartbeat of ``lock_conn``'s running requests, waited for: the one
+        under way if it was sent lately enough to confirm them (every run
+        confirming on the connection waits for that one), else one sent now;
+        whether it stamped them. A caller that stops waiting leaves it going."""
+        now = asyncio.get_running_loop().time()
+        task = self._beats.get(lock_conn)
+        if task is None or task.done() or (
+            now - self._beat_sent.get(lock_conn, now) > liveness.confirm_within / 2
+        ):
+            task = self._beats[lock_conn] = self._beat_task(lock_conn, liveness)
+        return await asyncio.shield(task)
+
+    def _beat_task(
+        self, lock_conn: LockConnection[Lease], liveness: Liveness
+    ) -> asyncio.Task[bool]:
+        loop = asyncio.get_running_loop()
+        self._beat_sent[lock_conn] = loop.time()
+        return loop.create_task(
+            _beat(lock_conn, lock_conn.running(), liveness.stamp, liveness.on_cancelled)
+        )
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -872,7 +999,8 @@ class PostgresJournalStore:
         async with self.pool.connection() as conn:
             await conn.execute(
                 query("put_step"),
-                {"scope": session_id, "key": step_name, "value": blob},
+                {"scope": session_id, "key": step_name, "value": blob,
+                 "request": None, "attempt": None},
             )
 
     async def get_stream(self, session_id: str, step_name: str) -> list[Any] | None:
@@ -889,7 +1017,8 @@ class PostgresJournalStore:
         async with self.pool.connection() as conn:
             await conn.execute(
                 query("put_stream"),
-                {"scope": session_id, "key": step_name, "value": blob},
+                {"scope": session_id, "key": step_name, "value": blob,
+                 "request": None, "attempt": None},
             )
 
     # ---- checkpoints ------------------------------------------------------------------
@@ -1029,23 +1158,24 @@ async def _beat(
     running: list[Lease],
     stamp: Callable[[Conn, list[str]], Awaitable[set[str]]],
     on_cancelled: Callable[[Lease], None],
-) -> None:
+) -> bool:
     """One heartbeat of the requests running on ``lock_conn`` (see
-    :meth:`PostgresJournalStore.heartbeat`)."""
+    :meth:`PostgresJournalStore.heartbeat`); whether it stamped them."""
     ids = [a.request_id for a in running if a.request_id is not None]
     sent = asyncio.get_running_loop().time()
     try:
         cancelled = await lock_conn.run(lambda conn: stamp(conn, ids), urgent=True)
     except LockLost:
-        return
+        return False
     except Exception as exc:
         log.warning("a heartbeat on lock connection %d failed: %s", lock_conn.index, exc,
                     extra={"action": "heartbeat_failed", "backend": lock_conn.backend_pid})
-        return
+        return False
     lock_conn.stamped(sent)
     for lease in running:
         if lease.request_id in cancelled:
             on_cancelled(lease)
+    return True
 
 
 async def _take_one(keys: list[int], conn: Conn) -> int | None:

@@ -66,9 +66,13 @@ class Execution:
 
 
 def executions(dsn: str) -> list[Execution]:
+    """Every execution of the effects tool; each started when its tool was
+    called (a start recorded late, its process stopped as it connected, still
+    says when it began)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         rows = conn.execute(
-            "SELECT tag, pid, started_at, finished_at FROM loomflow_worker_effects ORDER BY id"
+            "SELECT tag, pid, coalesce(entered_at, started_at), finished_at "
+            "FROM loomflow_worker_effects ORDER BY id"
         ).fetchall()
     return [Execution(*row) for row in rows]
 
@@ -91,6 +95,17 @@ def ledger_rows(dsn: str, sent: list[Sent]) -> dict[str, dict[str, Any]]:
         )
         names = [d.name for d in cur.description or ()]
         return {str(row[0]): dict(zip(names, row, strict=True)) for row in cur.fetchall()}
+
+
+def running_count(dsn: str, ids: list[str]) -> int:
+    """How many of the requests ``ids`` are running."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM runs WHERE request_id = ANY(%s) AND status = 'running'",
+            (ids,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def all_terminal(dsn: str, sent: list[Sent]) -> bool:

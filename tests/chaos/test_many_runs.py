@@ -16,6 +16,7 @@ from tests.chaos.checks import (
     Sent,
     assert_sound,
     install_journal_audit,
+    running_count,
     send,
     verdict,
     wait_terminal,
@@ -39,20 +40,10 @@ def _ids(sent: list[Sent]) -> list[str]:
     return [s.request_id for s in sent]
 
 
-def _running(dsn: str, ids: list[str]) -> int:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM runs WHERE request_id = ANY(%s) AND status = 'running'",
-            (ids,),
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 def _wait_running(dsn: str, ids: list[str], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while _running(dsn, ids) < len(ids):
-        assert time.monotonic() < deadline, f"only {_running(dsn, ids)} running"
+    while running_count(dsn, ids) < len(ids):
+        assert time.monotonic() < deadline, f"only {running_count(dsn, ids)} running"
         time.sleep(0.05)
 
 
@@ -143,7 +134,7 @@ HUNDRED = {**FAST_RECOVERY, "TEST_TOOL_SLEEP": "5"}
 def test_a_process_killed_with_a_hundred_runs_in_flight(fleet: Fleet) -> None:
     install_journal_audit(fleet.dsn)
     sent, cut = _fill_one_process(fleet, 100, **HUNDRED)
-    assert _running(fleet.dsn, _ids(sent)) == 100
+    assert running_count(fleet.dsn, _ids(sent)) == 100
     fleet.kill("w1")
 
     wait_terminal(fleet.dsn, sent, timeout=180)
@@ -153,6 +144,16 @@ def test_a_process_killed_with_a_hundred_runs_in_flight(fleet: Fleet) -> None:
     assert len(resumed) == 100, v.summary()
     last = (max(resumed) - cut).total_seconds()
     print(f"the last of 100 runs resumed {last:.2f}s after the kill")
+    # The killed process's attempts were ended as their requests' next attempts
+    # started: none stays open, each says it died, and a death shared by a
+    # hundred runs is charged to none of them.
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        ended = conn.execute(
+            "SELECT outcome, count(*), count(ended_at) FROM run_attempts "
+            "WHERE request_id = ANY(%s) AND started_at < %s GROUP BY outcome",
+            (_ids(sent), cut)).fetchall()
+    assert ended == [("died", 100, 100)], ended
+    assert v.crashes == 0, v.summary()
 
 
 #: Three hundred runs that wait on their model (and open no connection of
@@ -185,7 +186,7 @@ def test_three_hundred_orphans_resume_in_seconds_dispatched_in_one_batch(fleet: 
     ids = [r.id for r in sent]
     _wait_running(fleet.dsn, ids)
     fleet.start("w2", concurrency=ORPHANS, pool="threads", **env)
-    assert _running(fleet.dsn, ids) == ORPHANS
+    assert running_count(fleet.dsn, ids) == ORPHANS
     fleet.kill("w1")
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         row = conn.execute("SELECT clock_timestamp(), max(heartbeat_at) FROM runs "
@@ -273,7 +274,7 @@ def test_a_frozen_process_is_fenced_as_a_whole(fleet: Fleet) -> None:
     # Tool calls as long as HUNDRED's: every run is still in flight once the
     # spare worker is ready, however slowly it starts.
     sent, cut = _fill_one_process(fleet, 30, **HUNDRED)
-    assert _running(fleet.dsn, _ids(sent)) == 30
+    assert running_count(fleet.dsn, _ids(sent)) == 30
     frozen = fleet.workers["w1"]
     os.killpg(frozen.pid, signal.SIGSTOP)
     try:

@@ -63,6 +63,7 @@ def _effects() -> EffectsLog:
         settings().database_url.get_secret_value(),
         sleep=float(os.environ.get("TEST_TOOL_SLEEP", "0")),
         on_start=_on_start,
+        entries=os.environ.get("TEST_ENTRIES_FILE"),
     )
 
 
@@ -70,7 +71,8 @@ def _effects() -> EffectsLog:
 def build(runtime: Any) -> Agent:
     return Agent(
         "test agent",
-        model=DeterministicModel(),
+        # TEST_MODEL_LATENCY: seconds each model call waits, as a real model's would.
+        model=DeterministicModel(latency=float(os.environ.get("TEST_MODEL_LATENCY", "0"))),
         tools=[_effects().tool()],
         runtime=runtime,
         auto_extract=False,

@@ -189,14 +189,16 @@ async def test_a_few_journal_rows_are_written_all_or_none(dsn: str) -> None:
 
 
 async def test_a_pipeline_skips_to_the_next_sync_after_an_error(dsn: str) -> None:
-    bad = fastpath.Statement.of("put_step", ("scope", "key", "value"),
-                                (fastpath.TEXT_OID, fastpath.TEXT_OID, fastpath.BYTEA_OID))
+    bad = fastpath.Statement.of(
+        "put_step", ("scope", "key", "value", "request", "attempt"),
+        (fastpath.TEXT_OID, fastpath.TEXT_OID, fastpath.BYTEA_OID, fastpath.TEXT_OID,
+         fastpath.INT4_OID))
     unlock = (fastpath.UNLOCK_SCOPE, (fastpath.int8(42),))
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         await conn.execute("SELECT pg_advisory_lock(42)")
         results = await fastpath.pipeline(conn, [
-            (bad, (fastpath.text("s"), fastpath.text("k\x00"), b"v")),
-            (fastpath.PUT_STEP, (fastpath.text("s"), fastpath.text("skipped"), b"v")),
+            (bad, (fastpath.text("s"), fastpath.text("k\x00"), b"v", None, None)),
+            (fastpath.PUT_STEP, (fastpath.text("s"), fastpath.text("skipped"), b"v", None, None)),
             fastpath.SYNC,
             unlock,
         ])

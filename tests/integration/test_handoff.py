@@ -37,7 +37,12 @@ async def conns(dsn: str) -> AsyncIterator[tuple[Any, Any]]:
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as setup:
         for request_id in (FIRST, NEXT):
             await ledger.ensure_row(setup, request_id, REQUEST)
-        await setup.execute("UPDATE runs SET status = 'running' WHERE request_id = %s", (FIRST,))
+        await setup.execute(
+            "UPDATE runs SET status = 'running', attempts = 1 WHERE request_id = %s", (FIRST,))
+        # Its attempt, open: a finish lands only for an open attempt (its fencing token).
+        await setup.execute(
+            "INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch) "
+            "VALUES (%s, 1, 'w@h', 1, 0)", (FIRST,))
     async with await psycopg.AsyncConnection.connect(dsn) as hander, \
             await psycopg.AsyncConnection.connect(dsn, autocommit=True) as parker:
         yield hander, parker

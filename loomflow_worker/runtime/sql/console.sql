@@ -83,9 +83,10 @@ SELECT worker, hostname, pid, slots, runs, heartbeat_interval, started_at, seen_
 
 -- name: console_recent_workers
 -- console: worker processes that started attempts within `window` seconds, and how
--- those attempts ended (NULL outcome with a later attempt: the worker died).
+-- those attempts ended ("died": ended as the next attempt started; a NULL outcome with a
+-- later attempt, from a release that left them open: the worker died).
 SELECT a.worker, count(*) AS attempts, max(a.started_at) AS last_start,
-       count(*) FILTER (WHERE a.outcome IS NULL AND a.ended_at IS NULL
+       count(*) FILTER (WHERE a.outcome = 'died' OR a.outcome IS NULL AND a.ended_at IS NULL
                           AND EXISTS (SELECT 1 FROM run_attempts n
                                        WHERE n.request_id = a.request_id
                                          AND n.attempt > a.attempt)) AS died,

@@ -112,34 +112,45 @@ SELECT true, step_name, chunks FROM journal_streams
 -- name: put_step
 -- One step's value written (the last write of a key wins), stamped on the database's clock:
 -- prepared by fastpath for a run's writes, plain for the JournalStore protocol's put_step.
+-- A run of a worker's attempt writes with the attempt (request, attempt: its fencing token)
+-- and its write lands only while that attempt is open in the ledger; past that it is
+-- refused (loomflow_worker_holds raises LW001, migration 0034). A run with no attempt
+-- passes NULLs.
 INSERT INTO journal_steps (session_id, step_name, value, created_at)
-VALUES (%(scope)s, %(key)s, %(value)s, extract(epoch FROM clock_timestamp()))
+SELECT %(scope)s, %(key)s, %(value)s, extract(epoch FROM clock_timestamp())
+ WHERE loomflow_worker_holds(%(request)s, %(attempt)s)
 ON CONFLICT (session_id, step_name) DO UPDATE
    SET value = EXCLUDED.value, created_at = EXCLUDED.created_at;
 
 -- name: put_stream
--- One stream's chunks written, as put_step: prepared by fastpath for a run's writes, plain
--- for the JournalStore protocol's put_stream.
+-- One stream's chunks written, as put_step (with its fencing token): prepared by fastpath for
+-- a run's writes, plain for the JournalStore protocol's put_stream.
 INSERT INTO journal_streams (session_id, step_name, chunks, created_at)
-VALUES (%(scope)s, %(key)s, %(value)s, extract(epoch FROM clock_timestamp()))
+SELECT %(scope)s, %(key)s, %(value)s, extract(epoch FROM clock_timestamp())
+ WHERE loomflow_worker_holds(%(request)s, %(attempt)s)
 ON CONFLICT (session_id, step_name) DO UPDATE
    SET chunks = EXCLUDED.chunks, created_at = EXCLUDED.created_at;
 
 -- name: put_journal_batch
 -- The journal writes of every run on one lock connection that arrived while
--- its previous statement was in flight, in one statement (each key once).
+-- its previous statement was in flight, in one statement (each key once), each
+-- row with its run's fencing token (as put_step): one refused fails them all,
+-- and the lock connection sends each run's writes again on their own.
 WITH steps AS (
     INSERT INTO journal_steps (session_id, step_name, value, created_at)
     SELECT s, k, v, extract(epoch FROM clock_timestamp())
-      FROM unnest(%(step_scopes)s::text[], %(step_keys)s::text[], %(step_values)s::bytea[])
-           AS t(s, k, v)
+      FROM unnest(%(step_scopes)s::text[], %(step_keys)s::text[], %(step_values)s::bytea[],
+                  %(step_requests)s::text[], %(step_attempts)s::int[]) AS t(s, k, v, r, a)
+     WHERE loomflow_worker_holds(r, a)
     ON CONFLICT (session_id, step_name) DO UPDATE
        SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
 ), streams AS (
     INSERT INTO journal_streams (session_id, step_name, chunks, created_at)
     SELECT s, k, v, extract(epoch FROM clock_timestamp())
       FROM unnest(%(stream_scopes)s::text[], %(stream_keys)s::text[],
-                  %(stream_values)s::bytea[]) AS t(s, k, v)
+                  %(stream_values)s::bytea[], %(stream_requests)s::text[],
+                  %(stream_attempts)s::int[]) AS t(s, k, v, r, a)
+     WHERE loomflow_worker_holds(r, a)
     ON CONFLICT (session_id, step_name) DO UPDATE
        SET chunks = EXCLUDED.chunks, created_at = EXCLUDED.created_at
 )

@@ -297,7 +297,8 @@ RETURNING request_id;
 -- Under the scope lock: read the request, look for an older unfinished one,
 -- and (when there is none and the request is not finished) count the
 -- attempt, pin the epoch on the first attempt and mark it running, in one
--- statement. A previous attempt that ended "interrupted" (its worker shut
+-- statement (the previous attempt, if it never ended, ends "died" then). A
+-- previous attempt that ended "interrupted" (its worker shut
 -- down for a deploy) or "lost" (its worker lost its database connection and
 -- lived) does not count as a crash, and neither does one that died with
 -- other runs of its process (shared; in a process of quarantine among a few
@@ -366,6 +367,12 @@ WITH r AS (
      WHERE u.request_id = r.request_id AND loomflow_worker_unfinished(r.status)
        AND NOT EXISTS (SELECT 1 FROM older) AND NOT EXISTS (SELECT 1 FROM previous_open)
     RETURNING u.epoch, u.attempts, u.crashes, u.failures, u.suspicion, u.lost_streak
+), buried AS (
+    -- The previous attempt, if it never ended (its process died, or was
+    -- stopped past the lease): ended now that the next one starts, "died".
+    UPDATE run_attempts a SET ended_at = clock_timestamp(), outcome = 'died'
+      FROM r, started s
+     WHERE a.request_id = r.request_id AND a.attempt = r.attempts AND a.ended_at IS NULL
 ), attempt_row AS (
     INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch, boot, isolation)
     SELECT %(request_id)s, attempts, %(worker)s, %(pid)s, epoch, %(boot)s, %(isolation)s
@@ -502,10 +509,16 @@ UPDATE run_attempts SET ended_at = clock_timestamp(), outcome = %(outcome)s
 -- name: finish_request
 -- The request's end in one statement: the scope's epoch advanced past the
 -- pinned one (forward only), the status, result and error recorded, the
--- attempt closed, and the next unfinished request of the scope chosen.
-WITH advanced AS (
+-- attempt closed, and the next unfinished request of the scope chosen. Only
+-- while the attempt is open (its fencing token, as the journal's writes): an
+-- attempt ended meanwhile (fenced, resumed elsewhere) is refused with LW001
+-- and nothing of the statement lands.
+WITH held AS (
+    SELECT loomflow_worker_holds(%(request_id)s, %(attempt)s) AS ok
+), advanced AS (
     INSERT INTO journal_steps (session_id, step_name, value, created_at)
-    VALUES (%(scope)s, '__run_epoch__', %(epoch_value)s, extract(epoch FROM clock_timestamp()))
+    SELECT %(scope)s, '__run_epoch__', %(epoch_value)s, extract(epoch FROM clock_timestamp())
+      FROM held WHERE held.ok
     ON CONFLICT (session_id, step_name) DO UPDATE
        SET value = EXCLUDED.value, created_at = EXCLUDED.created_at
      WHERE coalesce(loomflow_worker_epoch(journal_steps.value), -1) < %(new_epoch)s

@@ -13,10 +13,14 @@ CREATE TABLE IF NOT EXISTS loomflow_worker_effects (
     started_at  TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),
     finished_at TIMESTAMPTZ
 );
+-- When the tool was called, on its process's clock: a start recorded late (its process
+-- stopped while it connected) still says when the execution began.
+ALTER TABLE loomflow_worker_effects ADD COLUMN IF NOT EXISTS entered_at TIMESTAMPTZ;
 
 -- name: effect_started
 -- One execution of the tool begins, by this process: its id, to stamp its end with.
-INSERT INTO loomflow_worker_effects (tag, pid) VALUES (%(tag)s, %(pid)s) RETURNING id;
+INSERT INTO loomflow_worker_effects (tag, pid, entered_at)
+VALUES (%(tag)s, %(pid)s, %(entered_at)s) RETURNING id;
 
 -- name: effect_finished
 -- The execution's end, stamped once its side effect is done (NULL: it never finished).

@@ -1,0 +1,180 @@
+"""A worker frozen past its lease and then continued (SIGSTOP, then SIGCONT, as
+a paused VM, a long GC pause or a throttled container does to a process)
+while another worker resumes its runs: the continued process must never start
+a step whose result the other worker journaled (G1), and what it wrote after
+its lease lapsed never lands.
+
+Each trial stops one worker carrying two hundred runs, lets a second worker
+resume and finish every one of them, then continues the first and waits until
+it has given up each of its attempts. Three ways the stop lands:
+
+- on a busy loop (runs whose model answers at once, two tool calls a turn
+  side by side): tasks the loop had scheduled before the stop run the moment
+  it continues, before the heartbeat's timer; the second tool call of a pair
+  has no statement of its own to send first, so only the lease's check before
+  the step stands between the continued process and its side effect;
+- while the runs wait on their model (each answer comes due during the stop);
+- inside the tool calls."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from datetime import datetime
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from loomflow_worker.tasks import run_agent
+from tests.chaos.checks import (
+    Sent,
+    executions,
+    install_journal_audit,
+    running_count,
+    verdict,
+    wait_terminal,
+)
+from tests.integration.celery_harness import Fleet
+
+pytestmark = pytest.mark.slow
+
+RUNS = 200
+FROZEN_ENV = {
+    "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_LEASE": "3",
+    "LOOMFLOW_WORKER_MAX_CRASHES": "20",
+}
+
+
+def _send_pairs(index: int, session: str, turns: int) -> Sent:
+    """A request of ``turns`` turns of two tool calls each, the two of a turn
+    run side by side: the second of a pair starts with no statement of its run
+    before it (the first sends the run's unsent journal rows)."""
+    tags = tuple(f"{session}-r{index:03d}-{turn}{letter}"
+                 for turn in range(turns) for letter in "ab")
+    prompt = "\n".join(
+        f'call record {{"tag": "{tags[i]}"}} && record {{"tag": "{tags[i + 1]}"}}'
+        for i in range(0, len(tags), 2)
+    )
+    return Sent(index, session, "u", tags, run_agent.delay(prompt, session, user_id="u"))
+
+
+def _now(dsn: str) -> datetime:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    return row[0]
+
+
+def _trial(
+    fleet: Fleet, trial: int, *, model: float, tool: float, turns: int, stop_after: float
+) -> tuple[list[Sent], str, datetime]:
+    """One stop: ``RUNS`` requests in flight in a worker that is stopped
+    ``stop_after`` seconds after they all started, past the lease, while a
+    second worker resumes and finishes them; then it is continued. Returns the
+    requests, the stopped worker's name and the database's clock just before
+    it continued."""
+    env = {**FROZEN_ENV, "TEST_MODEL_LATENCY": str(model), "TEST_TOOL_SLEEP": str(tool)}
+    frozen_name, spare_name = f"frozen{trial}", f"spare{trial}"
+    fleet.start(frozen_name, concurrency=RUNS, pool="threads",
+                TEST_ENTRIES_FILE=str(_entries_file(fleet, frozen_name)), **env)
+    frozen = fleet.workers[frozen_name]
+    sent = [_send_pairs(i, f"t{trial}s{i}", turns) for i in range(RUNS)]
+    ids = [s.request_id for s in sent]
+    deadline = time.monotonic() + 90
+    while running_count(fleet.dsn, ids) < RUNS:
+        assert time.monotonic() < deadline, f"only {running_count(fleet.dsn, ids)} running"
+        time.sleep(0.05)
+    time.sleep(stop_after)
+    os.killpg(frozen.pid, signal.SIGSTOP)
+    try:
+        fleet.start(spare_name, concurrency=RUNS, pool="threads", **env)
+        found = wait_terminal(fleet.dsn, sent, timeout=180)
+        assert sorted(set(found.values())) == ["succeeded"], found
+    finally:
+        continued_at = _now(fleet.dsn)
+        os.killpg(frozen.pid, signal.SIGCONT)
+    _wait_settled(fleet, frozen_name, ids)
+    return sent, frozen_name, continued_at
+
+
+def _entries_file(fleet: Fleet, name: str) -> Path:
+    return fleet.logs / f"{name}.entries"
+
+
+def _entered_after(fleet: Fleet, name: str, after: datetime) -> list[str]:
+    """The tool calls worker ``name`` entered after ``after``, even those a
+    cancel stopped before they recorded anything."""
+    path = _entries_file(fleet, name)
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [line for line in lines if datetime.fromisoformat(line.split()[2]) > after]
+
+
+def _wait_settled(fleet: Fleet, name: str, ids: list[str], timeout: float = 120) -> None:
+    """Wait until worker ``name`` ended every task of ``ids`` it received, and
+    received no other for a second."""
+    log = fleet.logs / f"{name}.log"
+    deadline = time.monotonic() + timeout
+    settled: tuple[set[str], float] = (set(), time.monotonic())
+    while True:
+        text = log.read_text(errors="replace")
+        received = {rid for rid in ids if f"[{rid}] received" in text}
+        pending = {rid for rid in received if not re.search(
+            rf"Task \S+\[{rid}\] (succeeded|raised|retry|ignored|reject)", text)}
+        if received != settled[0] or pending:
+            settled = (received, time.monotonic())
+        elif time.monotonic() - settled[1] > 1.0:
+            return
+        assert time.monotonic() < deadline, f"worker {name} still running {sorted(pending)[:5]}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("model", "tool", "turns", "stop_after", "trials"),
+    [
+        pytest.param(0.05, 0.0, 8, 1.0, 2, id="stopped-on-a-busy-loop"),
+        pytest.param(1.5, 0.0, 2, 0.75, 1, id="stopped-waiting-on-the-model"),
+        pytest.param(0.2, 1.5, 2, 0.95, 1, id="stopped-mid-tool"),
+    ],
+)
+def test_a_continued_process_starts_no_step_completed_elsewhere(
+    fleet: Fleet, model: float, tool: float, turns: int, stop_after: float, trials: int
+) -> None:
+    install_journal_audit(fleet.dsn)
+    for trial in range(trials):
+        sent, frozen_name, continued_at = _trial(
+            fleet, trial, model=model, tool=tool, turns=turns, stop_after=stop_after)
+        frozen_pid = fleet.workers[frozen_name].pid
+        v = verdict(fleet.dsn, sent)
+        summary = v.summary()
+        assert v.lost == [], summary
+        # G1: no execution, in either process, started after its result was journaled.
+        assert v.g1_violations == [], summary
+        assert v.keys_per_tag == [], summary
+        # Stronger: the continued process starts no tool call at all. A tool call
+        # in flight at the stop finishes there (and ran again on the spare
+        # worker, the at-least-once window of a step in flight); every run then
+        # fences before its next step.
+        late = [e for e in executions(fleet.dsn)
+                if e.pid == frozen_pid and e.started_at > continued_at]
+        assert late == [], f"{len(late)} tool calls started in the continued process: {late[:3]}"
+        entered = _entered_after(fleet, frozen_name, continued_at)
+        assert entered == [], f"{len(entered)} tool calls entered when it continued: {entered[:3]}"
+        with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+            # No attempt stays open: the stopped process's ended lost, the
+            # spare's with their requests.
+            open_attempts = conn.execute(
+                "SELECT request_id, attempt, worker FROM run_attempts "
+                "WHERE request_id = ANY(%s) AND ended_at IS NULL",
+                ([s.request_id for s in sent],),
+            ).fetchall()
+        assert open_attempts == [], open_attempts[:5]
+        log = (fleet.logs / f"{frozen_name}.log").read_text(errors="replace")
+        # The continued process says it was stopped, not that one request held its loop.
+        assert re.search(r"the whole process was stopped for \d+\.\ds", log), log[-3000:]
+        fleet.kill(frozen_name)
+        fleet.kill(f"spare{trial}")
