@@ -484,7 +484,7 @@ def show(request_id: str, as_json: bool) -> None:
         rows = []
         for i, a in enumerate(detail.attempts):
             ongoing = i == len(detail.attempts) - 1 and detail.status == "running"
-            outcome = a.outcome or ("running" if ongoing else "worker died")
+            outcome = a.said(last=ongoing, running=ongoing)
             rows.append((str(a.attempt), a.worker, str(a.pid), _when(a.started_at, precise=True),
                          _when(a.ended_at, precise=True), outcome))
         for line in _table(("#", "WORKER", "PID", "STARTED", "ENDED", "OUTCOME"), rows):

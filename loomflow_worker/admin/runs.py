@@ -118,8 +118,23 @@ class AttemptInfo:
     ended_at: datetime | None
     outcome: str | None
     # When the attempt after it started (None: the last): where the console's
-    # lane of an attempt whose worker died, which recorded no end, ends.
+    # lane of an attempt whose worker died ends.
     next_started_at: datetime | None = None
+
+    @property
+    def died(self) -> bool:
+        """Its worker died under it: ended "died" as the next attempt started, or
+        (a release that left such attempts open) never ended, another after it."""
+        return self.outcome == "died" or (
+            self.outcome is None and self.ended_at is None and self.next_started_at is not None)
+
+    def said(self, *, last: bool, running: bool) -> str:
+        """How it ended, as ``show`` and the console's lanes say it."""
+        if self.outcome == "died":
+            return "worker died"
+        if self.outcome:
+            return self.outcome
+        return "running" if last and running else "worker died"
 
 
 @dataclass

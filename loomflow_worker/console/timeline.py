@@ -3,9 +3,9 @@
 Pure layout (no I/O): :func:`layout` turns a run's attempts and attributed
 journal entries into coordinates, which ``run.html`` draws as inline SVG.
 Time runs left to right. A lane spans its attempt, from its start to its end
-(or to now while it runs; for an attempt whose worker died, which recorded no
-end, a solid bar to its last journal write and a dashed one to the next
-attempt's start). A step executed by an attempt is a mark where its journal
+(or to now while it runs; for an attempt whose worker died, ended only when
+the next began, a solid bar to its last journal write and a dashed one to the
+next attempt's start). A step executed by an attempt is a mark where its journal
 entry was written; a step an attempt replayed from the journal is a mark of
 the other colour in that attempt's lane, at its start, where the replay
 happens (in order, a few pixels apart).
@@ -87,15 +87,6 @@ class Timeline:
         return LABEL_WIDTH + PLOT_WIDTH
 
 
-def outcome_of(attempt: admin.AttemptInfo, *, last: bool, running: bool) -> str:
-    """How an attempt ended, as the lanes and ``show`` say it."""
-    if attempt.outcome:
-        return attempt.outcome
-    if last and running:
-        return "running"
-    return "worker died"
-
-
 def _clock(value: datetime) -> str:
     return value.strftime("%H:%M:%S.") + f"{value.microsecond // 1000:03d}"
 
@@ -131,7 +122,7 @@ def layout(
         writes = [(s.written_at - origin).total_seconds() for s in own]
         last_write = max(writes, default=start)
         dashed: float | None = None
-        if attempt.ended_at is not None:
+        if attempt.ended_at is not None and attempt.outcome != "died":
             end = (attempt.ended_at - origin).total_seconds()
         elif i == len(attempts) - 1 and running:
             end = (now - origin).total_seconds()
@@ -151,7 +142,7 @@ def layout(
         lane = Lane(
             attempt=attempt.attempt,
             worker=attempt.worker,
-            outcome=outcome_of(attempt, last=i == len(attempts) - 1, running=running),
+            outcome=attempt.said(last=i == len(attempts) - 1, running=running),
             y=AXIS_HEIGHT + i * LANE_HEIGHT,
             x_start=x(start),
             x_end=max(x(end), x(start) + 1.0),

@@ -191,5 +191,5 @@ def test_a_worker_restarted_in_place_resumes_its_requests_in_seconds(fleet: Flee
             "SELECT worker, outcome FROM run_attempts WHERE request_id = %s ORDER BY attempt",
             (request.result.id,)).fetchall()
     assert len(attempts) == 2 and attempts[0][0] == attempts[1][0], attempts  # one worker id
-    assert [outcome for _, outcome in attempts] == [None, "succeeded"], attempts
+    assert [outcome for _, outcome in attempts] == ["died", "succeeded"], attempts
     assert ledger(fleet.dsn, request.result.id)["crashes"] == 1

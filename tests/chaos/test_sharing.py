@@ -414,7 +414,7 @@ def test_a_member_left_alone_in_its_group_is_not_charged_the_groups_death(
         outcomes = [r[0] for r in conn.execute(
             "SELECT outcome FROM run_attempts WHERE request_id = %s ORDER BY attempt",
             (stayed_id,)).fetchall()]
-    assert outcomes == [None, None, None, "handed_back", "succeeded"], outcomes
+    assert outcomes == ["died", "died", "died", "handed_back", "succeeded"], outcomes
     assert "request " + stayed_id + ": running alone in a process of its own" \
         in log.read_text(), fleet.log_text()
     assert ledger(fleet.dsn, left_id)["crashes"] == 0

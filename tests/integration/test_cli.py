@@ -151,7 +151,7 @@ def test_show_after_a_sigkill_mid_tool_says_which_steps_replayed(fleet: Fleet) -
     detail = show_json(fleet, request_id)
     attempts = detail["attempts"]
     assert isinstance(attempts, list)
-    assert [(a["attempt"], a["outcome"]) for a in attempts] == [(1, None), (2, "succeeded")]
+    assert [(a["attempt"], a["outcome"]) for a in attempts] == [(1, "died"), (2, "succeeded")]
     assert attempts[0]["pid"] == pid and attempts[1]["pid"] != pid
     steps = detail["journal"]
     assert isinstance(steps, list)
