@@ -97,12 +97,12 @@ def ledger_rows(dsn: str, sent: list[Sent]) -> dict[str, dict[str, Any]]:
         return {str(row[0]): dict(zip(names, row, strict=True)) for row in cur.fetchall()}
 
 
-def running_count(dsn: str, ids: list[str]) -> int:
-    """How many of the requests ``ids`` are running."""
+def running_count(dsn: str, ids: list[str], status: str = "running") -> int:
+    """How many of the requests ``ids`` are running (or of another ``status``)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT count(*) FROM runs WHERE request_id = ANY(%s) AND status = 'running'",
-            (ids,),
+            "SELECT count(*) FROM runs WHERE request_id = ANY(%s) AND status = %s",
+            (ids, status),
         ).fetchone()
     assert row is not None
     return int(row[0])

@@ -63,16 +63,6 @@ def _send_pairs(index: int, session: str, turns: int) -> Sent:
     return Sent(index, session, "u", tags, run_agent.delay(prompt, session, user_id="u"))
 
 
-def _queued(dsn: str, ids: list[str]) -> int:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM runs WHERE request_id = ANY(%s) AND status = 'queued'",
-            (ids,),
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 def _now(dsn: str) -> datetime:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT clock_timestamp()").fetchone()
@@ -96,7 +86,7 @@ def _trial(
     sent = [_send_pairs(i, f"t{trial}s{i}", turns) for i in range(RUNS)]
     ids = [s.request_id for s in sent]
     deadline = time.monotonic() + 90
-    while (queued := _queued(fleet.dsn, ids)) > 0:
+    while (queued := running_count(fleet.dsn, ids, "queued")) > 0:
         assert time.monotonic() < deadline, f"{queued} not started yet"
         time.sleep(0.05)
     time.sleep(stop_after)
