@@ -28,6 +28,7 @@ from loomflow.runtime.journaled import resuming_last_run
 from .. import metrics, sockets
 from ..events import EventPublisher, events_url
 from ..runtime import (
+    Diverged,
     InvalidInput,
     LockLost,
     PostgresRuntime,
@@ -977,6 +978,10 @@ async def _run(
         paused = _found(exc, Paused)
         if paused is not None and lease.fenced is None:
             return paused
+        diverged = _found(exc, Diverged)
+        if diverged is not None:
+            return Ending("failed", error=f"Diverged: {diverged}", error_type="Diverged",
+                          note=f": {diverged}")
         stopped = _found(exc, RunStopped)
         if stopped is not None:
             return Ending("cancelled", error=stopped.reason, error_type="Cancelled",

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 from ..lazy import exports
 from .errors import (
     DatabaseUnavailable,
+    Diverged,
     InvalidInput,
     LockLost,
     LoomflowWorkerError,
@@ -34,6 +35,7 @@ __getattr__ = exports(__name__, {
 
 __all__ = [
     "DatabaseUnavailable",
+    "Diverged",
     "InvalidInput",
     "Lease",
     "LockLost",

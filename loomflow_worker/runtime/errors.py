@@ -100,6 +100,30 @@ class RunStopped(BaseException):
         super().__init__(f"the run was stopped at a step boundary: {reason}")
 
 
+class Diverged(BaseException):
+    """A resumed run reached a tool call whose position in its journal holds a
+    completed call of other content (another tool or other arguments: the
+    agent's code, its instructions or its model changed under the request).
+    Raised before the call executes: a completed side effect never runs
+    again under other content. A ``BaseException``, as :class:`RunStopped`:
+    loomflow turns a tool's exceptions into error results."""
+
+    def __init__(self, step: str, journaled: str, attempted: str) -> None:
+        self.step = step
+        self.journaled = journaled
+        self.attempted = attempted
+        # Its arguments as given: a copy of it (an exception group's) is made from them.
+        super().__init__(step, journaled, attempted)
+
+    def __str__(self) -> str:
+        return (
+            f"the run diverged from its journal at {self.step}: it completed {self.journaled} "
+            f"there, and now calls {self.attempted}; nothing was executed. The agent changed "
+            "under the request (its code, instructions or model): finish it on the code it "
+            "started on"
+        )
+
+
 # ---- driver errors --------------------------------------------------------------------------
 
 #: What :func:`translated` is told when the driver's error came from connecting.

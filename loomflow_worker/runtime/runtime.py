@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -48,7 +49,7 @@ from loomflow.runtime.journaled import (
 from psycopg_pool import AsyncConnectionPool
 
 from .codec import Serializer
-from .errors import InvalidInput
+from .errors import Diverged, InvalidInput
 from .signals import DEFAULT_SIGNALS_PER_SCOPE, SignalListener, check_keep
 from .store import (
     LAST_RUN_KEY,
@@ -193,6 +194,23 @@ def _waiter(user_id: str | None) -> str | None:
 def _episode_identity(episode: Episode) -> dict[str, Any]:
     # The episode's id and timestamp are new on every attempt; what it says is not.
     return episode.model_dump(mode="json", exclude={"id", "occurred_at", "embedding"})
+
+
+def _check_converges(lease: Lease, scope: str, key: str, args: tuple[Any, ...]) -> None:
+    """Raise :class:`Diverged` when a tool call missing from the journal meets,
+    at its position, a completed call of other content."""
+    diverged = lease.diverged(scope, key)
+    if diverged is None:
+        return
+    position, journaled = diverged
+    if isinstance(journaled, ToolResult):
+        answer = journaled.output if journaled.ok else journaled.error
+        done = f"a call of other content that answered {str(answer)[:200]!r}"
+    else:
+        done = "a call of other content"
+    tool, arguments = (*args, None, None)[:2]
+    attempted = f"{tool!r} with {json.dumps(arguments, default=repr, sort_keys=True)[:200]}"
+    raise Diverged(position.rsplit("/", 1)[-1], done, attempted)
 
 
 class PostgresSession:
@@ -476,6 +494,13 @@ class PostgresRuntime(JournaledRuntime):
             key = await self._run_key(scope, base)
             found, value = await self._lookup_step(scope, key)
         self._mark_replayed(found)
+        if not found and lease is not None and lease.request_id is not None and (
+            not _resume_last_run_var.get()
+        ):
+            # A worker's request owns its namespace: another call at a completed
+            # position is the request's own code changed (outside a worker a
+            # session's next run may reuse a crashed run's namespace).
+            _check_converges(lease, scope, key, args)
         if found:
             self.stats.steps_replayed += 1
             call_id = kwargs.get("call_id")

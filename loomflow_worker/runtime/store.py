@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -174,6 +175,19 @@ class OpenChoice:
         return cur
 
 
+#: A tool call's journal key: its position (the run's namespace, ``idem:``,
+#: loomflow's ``tool_call_{turn}_{slot}``), then a digest of its tool and arguments.
+_TOOL_KEY = re.compile(r"^((?:[^/]+/)?idem:tool_call_\d+_\d+):")
+
+
+def tool_position(key: str) -> str | None:
+    """The position part of a tool call's journal key (``None``: not a tool call's)."""
+    if "idem:tool_call_" not in key:
+        return None
+    found = _TOOL_KEY.match(key)
+    return None if found is None else found[1]
+
+
 @dataclass(frozen=True)
 class Liveness:
     """How a worker keeps the requests its runs hold alive in the ledger, and
@@ -226,6 +240,9 @@ class Lease:
         self.last_replayed = False
         self.released = False
         self._steps: dict[tuple[str, str], bytes] = {}
+        # The key journaled at each tool call's position (its namespace, turn
+        # and slot), to tell a call of other content there (see ``diverged``).
+        self._positions: dict[tuple[str, str], str] = {}
         self._streams: dict[tuple[str, str], bytes] = {}
         self._loaded: set[tuple[str, str]] = set()
         self.signal_counts: dict[tuple[str, str], int] = {}
@@ -425,6 +442,27 @@ class Lease:
             if row["step_name"] is not None:
                 kept = self._streams if row["stream"] else self._steps
                 kept[(scope, row["step_name"])] = bytes(row["value"])
+                if not row["stream"]:
+                    self._note_position(scope, row["step_name"])
+
+    def _note_position(self, scope: str, key: str) -> None:
+        position = tool_position(key)
+        if position is not None:
+            self._positions.setdefault((scope, position), key)
+
+    def diverged(self, scope: str, key: str) -> tuple[str, Any] | None:
+        """For a tool call not in the journal under ``key``: the position and
+        the result of the call of other content journaled at its position
+        (its namespace, turn and slot), if one is; ``None`` otherwise."""
+        position = tool_position(key)
+        if position is None:
+            return None
+        found = self._positions.get((scope, position))
+        if found is None or found == key:
+            return None
+        blob = self._steps.get((scope, found))
+        ok, value = self.store._decode(blob, found) if blob is not None else (False, None)
+        return position, value if ok else None
 
     def cached_step(self, scope: str, ns: str, key: str) -> tuple[bool | None, Any]:
         """``lookup_step`` without I/O: ``(None, None)`` when the namespace isn't
@@ -461,6 +499,7 @@ class Lease:
             return
         await self._write([JournalRow("steps", scope, key, blob, self.token)], later=later)
         self._steps[(scope, key)] = blob
+        self._note_position(scope, key)
 
     async def write_stream(
         self, scope: str, key: str, chunks: list[Any], *, later: bool = False
@@ -501,6 +540,7 @@ class Lease:
 
     def remember_step(self, scope: str, key: str, blob: bytes) -> None:
         self._steps[(scope, key)] = blob
+        self._note_position(scope, key)
 
     # ---- epochs --------------------------------------------------------------
 

@@ -11,9 +11,10 @@ from loomflow import Agent
 from loomflow.core.types import Episode, ToolResult
 from loomflow.memory.inmemory import InMemoryMemory
 from loomflow.runtime import InMemoryJournalStore, JournaledRuntime
+from loomflow.runtime.journal import journal_scope
 
 from loomflow_worker import NoMemory
-from loomflow_worker.runtime import PostgresRuntime, run_options
+from loomflow_worker.runtime import Diverged, PostgresRuntime, run_options
 from loomflow_worker.testing import DeterministicModel, EffectsLog, UnmatchedToolResult
 
 from .helpers import Crash, calls, crash_on, crashes, epoch_of, make_agent
@@ -234,6 +235,55 @@ async def test_a_replayed_tool_result_answers_under_the_new_call_id(
     assert await _rerun_with_new_instructions(runtime, effects) == (
         "done: recorded a, recorded b"
     )
+    assert await effects.counts() == {"a": 1, "b": 2}
+
+
+class CentsModel(DeterministicModel):
+    """A deploy's model: each tool call it asks for carries other arguments."""
+
+    def reply(self, messages: list[Any]) -> tuple[str, list[Any]]:
+        text, tool_calls = super().reply(messages)
+        return text, [c.model_copy(update={"args": {**c.args, "tag": f"{c.args['tag']}-cents"}})
+                      for c in tool_calls]
+
+
+async def test_a_resumed_run_calling_a_completed_position_with_other_arguments_diverges(
+    runtime: PostgresRuntime, dsn: str
+) -> None:
+    # A deploy changed the instructions and the model: asked again, it calls the
+    # tool of the journal's first position with other arguments. The call is not
+    # executed: the run stops there, saying what was journaled and what it called.
+    crashing = EffectsLog(dsn, on_start=crash_on("b"))
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute(
+            "INSERT INTO runs (request_id, scope, session_id, agent, prompt, status, attempts)"
+            " VALUES ('req', %s, 's', 'default', 'p', 'running', 1)", (journal_scope("s", None),))
+        await conn.execute("INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch)"
+                           " VALUES ('req', 1, 'w@h', 1, 0)")
+    lease = await runtime.journal.acquire(journal_scope("s", None), 0)
+    # A worker's request: its attempt's runs own their namespace.
+    lease.request_id, lease.attempt = "req", 1
+    with crashes(), run_options(lease=lease, epoch=0):
+        await make_agent(runtime, crashing, instructions="v1").run(calls("a", "b"), session_id="s")
+    effects = EffectsLog(dsn)
+    with pytest.raises(BaseException) as info, run_options(lease=lease, epoch=0):
+        await make_agent(runtime, effects, instructions="v2", model=CentsModel()).run(
+            calls("a", "b"), session_id="s")
+    exc = info.value
+    diverged = exc.subgroup(Diverged) if isinstance(exc, BaseExceptionGroup) else exc
+    while isinstance(diverged, BaseExceptionGroup):
+        diverged = diverged.exceptions[0]
+    assert isinstance(diverged, Diverged), repr(exc)
+    assert diverged.step == "idem:tool_call_1_0"
+    assert "'recorded a'" in diverged.journaled and "a-cents" in diverged.attempted
+    assert await effects.counts() == {"a": 1, "b": 1}
+    # The diverged attempt journaled its model call: asked the same, it calls the
+    # same again. Another change, whose calls keep their arguments, replays tool a.
+    with run_options(lease=lease, epoch=0):
+        result = await make_agent(runtime, EffectsLog(dsn), instructions="v3").run(
+            calls("a", "b"), session_id="s")
+    await runtime.journal.release(lease)
+    assert result.output == "done: recorded a, recorded b"
     assert await effects.counts() == {"a": 1, "b": 2}
 
 

@@ -93,3 +93,15 @@ def test_a_bad_setting_is_reported_without_its_value(monkeypatch: pytest.MonkeyP
         Settings()
     assert "max_retries" in str(info.value)
     assert "sekrit-pw" not in str(info.value)
+
+
+def test_a_tool_calls_position_is_its_namespace_turn_and_slot() -> None:
+    from loomflow_worker.runtime.store import tool_position
+
+    assert tool_position("idem:tool_call_1_0:ab12") == "idem:tool_call_1_0"
+    assert tool_position("3/idem:tool_call_12_3:ab12") == "3/idem:tool_call_12_3"
+    assert tool_position("0123456789abcdef/idem:tool_call_2_1:x:y") == (
+        "0123456789abcdef/idem:tool_call_2_1")
+    for key in ("model_call_1@ab", "3/model_call_2@cd", "persist_episode_1@x", "idem:other:x",
+                "__run_epoch__"):
+        assert tool_position(key) is None
