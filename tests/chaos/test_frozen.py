@@ -39,9 +39,9 @@ from tests.chaos.checks import (
 )
 from tests.integration.celery_harness import Fleet
 
-pytestmark = pytest.mark.slow
-
-RUNS = 200
+# Alone, not beside other tests: two hundred runs and their stand-in tools load
+# this 2-CPU machine enough to slow every test beside them.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 FROZEN_ENV = {
     "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
     "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
@@ -71,19 +71,20 @@ def _now(dsn: str) -> datetime:
 
 
 def _trial(
-    fleet: Fleet, trial: int, *, model: float, tool: float, turns: int, stop_after: float
+    fleet: Fleet, *, runs: int, model: float, tool: float, turns: int,
+    stop_after: float,
 ) -> tuple[list[Sent], str, datetime]:
-    """One stop: ``RUNS`` requests in flight in a worker that is stopped
+    """One stop: ``runs`` requests in flight in a worker that is stopped
     ``stop_after`` seconds after they all started, past the lease, while a
     second worker resumes and finishes them; then it is continued. Returns the
     requests, the stopped worker's name and the database's clock just before
     it continued."""
     env = {**FROZEN_ENV, "TEST_MODEL_LATENCY": str(model), "TEST_TOOL_SLEEP": str(tool)}
-    frozen_name, spare_name = f"frozen{trial}", f"spare{trial}"
-    fleet.start(frozen_name, concurrency=RUNS, pool="threads",
+    frozen_name, spare_name = "frozen", "spare"
+    fleet.start(frozen_name, concurrency=runs, pool="threads",
                 TEST_ENTRIES_FILE=str(_entries_file(fleet, frozen_name)), **env)
     frozen = fleet.workers[frozen_name]
-    sent = [_send_pairs(i, f"t{trial}s{i}", turns) for i in range(RUNS)]
+    sent = [_send_pairs(i, f"s{i}", turns) for i in range(runs)]
     ids = [s.request_id for s in sent]
     deadline = time.monotonic() + 90
     while (queued := running_count(fleet.dsn, ids, "queued")) > 0:
@@ -92,10 +93,10 @@ def _trial(
     time.sleep(stop_after)
     # Most still run when the process stops (on a loaded machine the first
     # may have finished before the last started).
-    assert running_count(fleet.dsn, ids) >= RUNS // 2
+    assert running_count(fleet.dsn, ids) >= runs // 2
     os.killpg(frozen.pid, signal.SIGSTOP)
     try:
-        fleet.start(spare_name, concurrency=RUNS, pool="threads", **env)
+        fleet.start(spare_name, concurrency=runs, pool="threads", **env)
         found = wait_terminal(fleet.dsn, sent, timeout=180)
         assert sorted(set(found.values())) == ["succeeded"], found
     finally:
@@ -137,47 +138,47 @@ def _wait_settled(fleet: Fleet, name: str, ids: list[str], timeout: float = 120)
 
 
 @pytest.mark.parametrize(
-    ("model", "tool", "turns", "stop_after", "trials"),
+    ("runs", "model", "tool", "turns", "stop_after"),
     [
-        pytest.param(0.05, 0.0, 8, 0.5, 1, id="stopped-on-a-busy-loop"),
-        pytest.param(1.5, 0.0, 4, 0.75, 1, id="stopped-waiting-on-the-model"),
-        pytest.param(0.2, 1.5, 4, 0.95, 1, id="stopped-mid-tool"),
+        pytest.param(200, 0.05, 0.0, 4, 0.5, id="stopped-on-a-busy-loop"),
+        pytest.param(100, 1.5, 0.0, 3, 0.75, id="stopped-waiting-on-the-model"),
+        pytest.param(100, 0.2, 1.5, 3, 0.95, id="stopped-mid-tool"),
     ],
 )
 def test_a_continued_process_starts_no_step_completed_elsewhere(
-    fleet: Fleet, model: float, tool: float, turns: int, stop_after: float, trials: int
+    fleet: Fleet, runs: int, model: float, tool: float, turns: int, stop_after: float
 ) -> None:
     install_journal_audit(fleet.dsn)
-    for trial in range(trials):
-        sent, frozen_name, continued_at = _trial(
-            fleet, trial, model=model, tool=tool, turns=turns, stop_after=stop_after)
-        frozen_pid = fleet.workers[frozen_name].pid
-        v = verdict(fleet.dsn, sent)
-        summary = v.summary()
-        assert v.lost == [], summary
-        # G1: no execution, in either process, started after its result was journaled.
-        assert v.g1_violations == [], summary
-        assert v.keys_per_tag == [], summary
-        # Stronger: the continued process starts no tool call at all. A tool call
-        # in flight at the stop finishes there (and ran again on the spare
-        # worker, the at-least-once window of a step in flight); every run then
-        # fences before its next step.
-        late = [e for e in executions(fleet.dsn)
-                if e.pid == frozen_pid and e.started_at > continued_at]
-        assert late == [], f"{len(late)} tool calls started in the continued process: {late[:3]}"
-        entered = _entered_after(fleet, frozen_name, continued_at)
-        assert entered == [], f"{len(entered)} tool calls entered when it continued: {entered[:3]}"
-        with psycopg.connect(fleet.dsn, autocommit=True) as conn:
-            # No attempt stays open: the stopped process's ended lost, the
-            # spare's with their requests.
-            open_attempts = conn.execute(
-                "SELECT request_id, attempt, worker FROM run_attempts "
-                "WHERE request_id = ANY(%s) AND ended_at IS NULL",
-                ([s.request_id for s in sent],),
-            ).fetchall()
-        assert open_attempts == [], open_attempts[:5]
-        log = (fleet.logs / f"{frozen_name}.log").read_text(errors="replace")
-        # The continued process says it was stopped, not that one request held its loop.
-        assert re.search(r"the whole process was stopped for \d+\.\ds", log), log[-3000:]
-        fleet.kill(frozen_name)
-        fleet.kill(f"spare{trial}")
+    sent, frozen_name, continued_at = _trial(
+        fleet, runs=runs, model=model, tool=tool, turns=turns,
+        stop_after=stop_after)
+    frozen_pid = fleet.workers[frozen_name].pid
+    v = verdict(fleet.dsn, sent)
+    summary = v.summary()
+    assert v.lost == [], summary
+    # G1: no execution, in either process, started after its result was journaled.
+    assert v.g1_violations == [], summary
+    assert v.keys_per_tag == [], summary
+    # Stronger: the continued process starts no tool call at all. A tool call
+    # in flight at the stop finishes there (and ran again on the spare
+    # worker, the at-least-once window of a step in flight); every run then
+    # fences before its next step.
+    late = [e for e in executions(fleet.dsn)
+            if e.pid == frozen_pid and e.started_at > continued_at]
+    assert late == [], f"{len(late)} tool calls started in the continued process: {late[:3]}"
+    entered = _entered_after(fleet, frozen_name, continued_at)
+    assert entered == [], f"{len(entered)} tool calls entered when it continued: {entered[:3]}"
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        # No attempt stays open: the stopped process's ended lost, the
+        # spare's with their requests.
+        open_attempts = conn.execute(
+            "SELECT request_id, attempt, worker FROM run_attempts "
+            "WHERE request_id = ANY(%s) AND ended_at IS NULL",
+            ([s.request_id for s in sent],),
+        ).fetchall()
+    assert open_attempts == [], open_attempts[:5]
+    log = (fleet.logs / f"{frozen_name}.log").read_text(errors="replace")
+    # The continued process says it was stopped, not that one request held its loop.
+    assert re.search(r"the whole process was stopped for \d+\.\ds", log), log[-3000:]
+    fleet.kill(frozen_name)
+    fleet.kill("spare")
