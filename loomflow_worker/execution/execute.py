@@ -53,9 +53,15 @@ from .limits import Bound, Limits, set_limits
 from .limits import take as take_limits
 from .pacing import Budgets, RunPacing, pace, pacing_run, set_model_limits
 from .pending import Pending
-from .registry import agent_factory, agent_model_key, agent_time_limit
+from .registry import (
+    agent_declared_version,
+    agent_factory,
+    agent_model_key,
+    agent_time_limit,
+)
 from .request import Kind, RunRequest, check_request, refuse_message
 from .statuses import TERMINAL
+from .versions import agent_version
 
 log = logging.getLogger("loomflow_worker.tasks")
 
@@ -155,6 +161,8 @@ class WorkerContext:
         self._runtime: PostgresRuntime | None = None
         self.events: EventPublisher | None = None
         self._agents: dict[str, Any] = {}
+        # Each agent's version, as built here (execution.versions).
+        self.versions: dict[str, str] = {}
         # The fleet's model-call budgets and concurrency limits, once the
         # runtime is up.
         self.budgets: Budgets | None = None
@@ -246,6 +254,12 @@ class WorkerContext:
     async def agent(self, name: str) -> Any:
         if name not in self._agents:
             agent = agent_factory(name)(await self.runtime())
+            declared = agent_declared_version(name)
+            # Before pacing wraps its model: the version is of the agent as written.
+            self.versions[name] = version = agent_version(agent, declared)
+            log.info("agent %r version %s (%s)", name, version,
+                     "declared" if declared else "a digest of its definition",
+                     extra={"action": "agent_version", "agent": name, "version": version})
             assert self.budgets is not None
             pace(agent, agent_model_key(name), self.budgets)
             if type(getattr(agent, "_memory", None)) is InMemoryMemory:

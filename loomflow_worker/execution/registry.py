@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 from ..runtime.errors import InvalidInput
 from ..settings import check_key
+from .versions import check_version
 
 AgentFactory = Callable[[Any], Any]
 F = TypeVar("F", bound=AgentFactory)
@@ -19,6 +20,7 @@ _time_limits: dict[str, float] = {}
 _model_keys: dict[str, str] = {}
 _limits: dict[str, tuple[str, ...]] = {}
 _fairness_keys: dict[str, str] = {}
+_versions: dict[str, str] = {}
 _imported: set[str] = set()
 
 
@@ -29,6 +31,7 @@ def register_agent(
     model_key: str | None = None,
     limits: Iterable[str] = (),
     fairness_key: str | None = None,
+    version: str | None = None,
 ) -> Callable[[F], F]:
     """Register ``build(runtime) -> loomflow.Agent`` under ``name``.
 
@@ -42,7 +45,10 @@ def register_agent(
     agent that names them (``LOOMFLOW_WORKER_LIMITS``), besides ``per_key``
     and its own ``agent:NAME``. ``fairness_key`` is the key its requests
     count under for per_key limits and fair shares when the call names none
-    (by default, each request's user, else its session)."""
+    (by default, each request's user, else its session). ``version`` declares
+    the agent's version (1 to 64 letters, digits or ``._+-``), changed only
+    when its team changes it; by default the version is a digest of the agent
+    as the worker builds it (:func:`.versions.agent_version`)."""
     if not isinstance(name, str) or not name.strip():
         raise InvalidInput("register_agent needs a non-empty agent name")
     if time_limit is not None and time_limit <= 0:
@@ -58,6 +64,8 @@ def register_agent(
             check_key(fairness_key, "fairness key")
         except ValueError as exc:
             raise InvalidInput(f"fairness_key {fairness_key!r}: {exc}") from None
+    if version is not None:
+        check_version(version)
     if isinstance(limits, str):
         raise InvalidInput(f"limits is a list of limit names, not the string {limits!r}")
     shared = tuple(limits)
@@ -75,6 +83,7 @@ def register_agent(
         _set(_model_keys, name, model_key)
         _set(_limits, name, shared or None)
         _set(_fairness_keys, name, fairness_key)
+        _set(_versions, name, version)
         return factory
 
     return decorate
@@ -117,6 +126,11 @@ def agent_limits(name: str) -> tuple[str, ...]:
 def agent_fairness_key(name: str) -> str | None:
     """The fairness key ``register_agent`` gave the agent's requests, if any."""
     return _fairness_keys.get(name)
+
+
+def agent_declared_version(name: str) -> str | None:
+    """The version ``register_agent`` declared for the agent, if any."""
+    return _versions.get(name)
 
 
 def agent_model_key(name: str) -> str | None:

@@ -62,3 +62,19 @@ def test_an_agent_keeps_its_memory_where_the_worker_looks_for_it() -> None:
 
     agent = Agent("a", model=DeterministicModel(), auto_extract=False)
     assert isinstance(agent._memory, InMemoryMemory)
+
+
+def test_an_agents_definition_is_where_its_version_reads_it() -> None:
+    """The attributes ``execution.versions`` digests: gone, every version
+    would be the same and a changed agent would replay as the old one."""
+    from loomflow import Agent
+
+    from loomflow_worker.testing import DeterministicModel
+
+    agent = Agent("instructions", model=DeterministicModel(), effort="low", auto_extract=False)
+    assert agent._instructions == "instructions"
+    assert isinstance(agent._model, DeterministicModel)
+    assert isinstance(agent._tool_host._tools, dict)
+    for name in ("_architecture", "_default_output_schema", "_strict_effort", "_max_turns"):
+        assert hasattr(agent, name), f"Agent.{name} is gone"
+    assert agent._default_effort == "low"
