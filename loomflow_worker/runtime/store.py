@@ -23,7 +23,7 @@ import logging
 import re
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -297,14 +297,20 @@ class Lease:
             return None
         return self.request_id, self.attempt
 
-    def refused(self, exc: psycopg.Error) -> LockLost:
-        """The database refused a write of the run (its attempt ended: fenced
-        and resumed elsewhere): the lease is fenced, its lock connection's
-        other runs are not."""
-        cause = LockLost(self.scope, f"the database refused its write: {exc.diag.message_primary}")
-        cause.__cause__ = exc
-        self.fence(cause)
-        return self.fenced or cause
+    @contextlib.contextmanager
+    def _refusals(self) -> Iterator[None]:
+        """Inside, the database's refusal of a write of the run (its attempt
+        ended: fenced and resumed elsewhere) fences the lease, not its lock
+        connection's other runs, and raises :class:`LockLost`."""
+        try:
+            yield
+        except psycopg.Error as exc:
+            if exc.sqlstate != FENCED_SQLSTATE:
+                raise
+            cause = LockLost(
+                self.scope, f"the database refused its write: {exc.diag.message_primary}")
+            self.fence(cause)
+            raise (self.fenced or cause) from exc
 
     def live(self) -> bool:
         """Whether the run may start a step now, with no I/O: its lock
@@ -361,12 +367,8 @@ class Lease:
         if self.fenced is not None:
             raise self.fenced
         rows, self._unsent = self._unsent, []
-        try:
+        with self._refusals():
             return await self.lock_conn.send(after_rows(rows, batch) if rows else batch)
-        except psycopg.Error as exc:
-            if exc.sqlstate == FENCED_SQLSTATE:
-                raise self.refused(exc) from exc
-            raise
 
     async def send_unsent(self) -> None:
         """Write the run's unsent journal rows now (no round trip when there
@@ -527,12 +529,8 @@ class Lease:
             mark = self.store._encode(last_run, LAST_RUN_KEY)
             assert mark is not None
             rows = [*rows, JournalRow("steps", self.scope, LAST_RUN_KEY, mark, self.token)]
-        try:
+        with self._refusals():
             await self.lock_conn.write(rows)
-        except psycopg.Error as exc:
-            if exc.sqlstate == FENCED_SQLSTATE:
-                raise self.refused(exc) from exc
-            raise
         if last_run is not None:
             self.pending_last_run = None
             self.last_run = last_run
@@ -650,9 +648,7 @@ class PostgresJournalStore:
         self._on_write: Callable[[float], None] | None = None
         # The heartbeat running on each lock connection, if one is, and when
         # (loop time) it was sent.
-        self._beats: dict[LockConnection[Lease], asyncio.Task[bool]] = {}
-        self._beat_sent: weakref.WeakKeyDictionary[LockConnection[Lease], float] = (
-            weakref.WeakKeyDictionary())
+        self._beats: dict[LockConnection[Lease], tuple[asyncio.Task[bool], float]] = {}
         # How running requests are kept alive (a worker's), if they are.
         self.liveness: Liveness | None = None
 
@@ -705,9 +701,9 @@ class PostgresJournalStore:
                     "(the sweeper may end the connection after "
                     f"LEASE={liveness.lease_timeout:g}s)"
                 )
-            elif lock_conn not in self._beats or self._beats[lock_conn].done():
-                self._beats[lock_conn] = self._beat_task(lock_conn, liveness)
-        self._beats = {conn: task for conn, task in self._beats.items() if conn in lock_conns}
+            elif lock_conn not in self._beats or self._beats[lock_conn][0].done():
+                self._beat_now(lock_conn, liveness)
+        self._beats = {conn: beat for conn, beat in self._beats.items() if conn in lock_conns}
 
     async def beat(self, lock_conn: LockConnection[Lease], liveness: Liveness) -> bool:
         """A heartbeat of ``lock_conn``'s running requests, waited for: the one
@@ -715,21 +711,20 @@ class PostgresJournalStore:
         confirming on the connection waits for that one), else one sent now;
         whether it stamped them. A caller that stops waiting leaves it going."""
         now = asyncio.get_running_loop().time()
-        task = self._beats.get(lock_conn)
-        if task is None or task.done() or (
-            now - self._beat_sent.get(lock_conn, now) > liveness.confirm_within / 2
-        ):
-            task = self._beats[lock_conn] = self._beat_task(lock_conn, liveness)
-        return await asyncio.shield(task)
+        beat = self._beats.get(lock_conn)
+        if beat is None or beat[0].done() or now - beat[1] > liveness.confirm_within / 2:
+            beat = self._beat_now(lock_conn, liveness)
+        return await asyncio.shield(beat[0])
 
-    def _beat_task(
+    def _beat_now(
         self, lock_conn: LockConnection[Lease], liveness: Liveness
-    ) -> asyncio.Task[bool]:
+    ) -> tuple[asyncio.Task[bool], float]:
+        """A heartbeat of ``lock_conn``'s running requests, started now."""
         loop = asyncio.get_running_loop()
-        self._beat_sent[lock_conn] = loop.time()
-        return loop.create_task(
+        beat = self._beats[lock_conn] = (loop.create_task(
             _beat(lock_conn, lock_conn.running(), liveness.stamp, liveness.on_cancelled)
-        )
+        ), loop.time())
+        return beat
 
     # ---- lifecycle -----------------------------------------------------------
 
