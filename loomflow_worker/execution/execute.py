@@ -56,12 +56,15 @@ from .pending import Pending
 from .registry import (
     agent_declared_version,
     agent_factory,
+    agent_fairness_key,
+    agent_limits,
     agent_model_key,
     agent_time_limit,
+    registered_agents,
 )
 from .request import Kind, RunRequest, check_request, refuse_message
 from .statuses import TERMINAL
-from .versions import agent_version
+from .versions import agent_version, queue_suffix
 
 log = logging.getLogger("loomflow_worker.tasks")
 
@@ -251,6 +254,11 @@ class WorkerContext:
                     )
             return self._runtime
 
+    async def version(self, name: str) -> str:
+        """The version of agent ``name`` as this process builds it."""
+        await self.agent(name)
+        return self.versions[name]
+
     async def agent(self, name: str) -> Any:
         if name not in self._agents:
             agent = agent_factory(name)(await self.runtime())
@@ -260,6 +268,7 @@ class WorkerContext:
             log.info("agent %r version %s (%s)", name, version,
                      "declared" if declared else "a digest of its definition",
                      extra={"action": "agent_version", "agent": name, "version": version})
+            await self._record_built(name, version, declared is not None)
             assert self.budgets is not None
             pace(agent, agent_model_key(name), self.budgets)
             if type(getattr(agent, "_memory", None)) is InMemoryMemory:
@@ -273,6 +282,33 @@ class WorkerContext:
                 )
             self._agents[name] = agent
         return self._agents[name]
+
+    async def serve_agents(self) -> dict[str, str]:
+        """Build every registered agent now, as a worker does at start: each
+        one's version, by name (an agent whose factory fails is logged and left
+        out; its requests fail as they come, as before)."""
+        for name in registered_agents():
+            try:
+                await self.agent(name)
+            except Exception:
+                log.exception("agent %r could not be built; its requests fail until it can",
+                              name, extra={"action": "agent_build_failed", "agent": name})
+        return dict(self.versions)
+
+    async def _record_built(self, name: str, version: str, declared: bool) -> None:
+        """The fleet's registry of agents learns that this process serves
+        ``name`` at ``version`` (logged, not raised, when Postgres is away:
+        its next build records it)."""
+        built = ledger.BuiltAgent(
+            worker=self.worker, agent=name, version=version, declared=declared,
+            fairness_key=agent_fairness_key(name), limits=list(agent_limits(name)),
+            time_limit=agent_time_limit(name), model_key=agent_model_key(name))
+        try:
+            async with (await self.runtime()).pool.connection() as conn:
+                await ledger.agent_built(conn, built)
+        except Exception as exc:
+            log.warning("could not record agent %r version %s in worker_agents: %s", name,
+                        version, exc, extra={"action": "agent_record", "agent": name})
 
     def halt(self, request_id: str, reason: str, *, timed_out: bool = False) -> bool:
         """Stop a running request of this process at once, mid-step: it ends
@@ -735,8 +771,9 @@ async def _run_holding(
     the run's open query goes with the start, for that epoch (or the one the
     start pins now), and the run opens from what it read."""
     opening = OpenChoice(pinned, req.kind == "resume")
+    version = await ctx.version(req.agent)
     try:
-        started = await _start(ctx, lease, request_id, req, worker, opening)
+        started = await _start(ctx, lease, request_id, req, worker, opening, version)
     except LockLost as exc:
         # The start may have committed (its attempt counted) before the answer
         # was lost: this worker's open attempt is lost, not crashed.
@@ -746,6 +783,10 @@ async def _run_holding(
     if started.status in TERMINAL:
         return await _duplicate(lease.io, request_id, req, started.status,
                                 result=started.result, error=started.error)
+    if started.status == ledger.OTHER_VERSION:
+        assert started.other_version is not None
+        return await _send_to_version(ctx, lease, request_id, req, version,
+                                      started.other_version, options)
     if started.status == "parked":
         assert started.older is not None
         await _park_behind(lease.io, request_id, req, started.older, started.older_stale,
@@ -778,6 +819,26 @@ async def _run_holding(
         return Outcome("handed_back")
 
 
+async def _send_to_version(
+    ctx: WorkerContext, lease: Lease, request_id: str, req: RunRequest, version: str,
+    pinned: str, options: MessageOptions | None,
+) -> Outcome:
+    """The request is pinned to version ``pinned`` of its agent, and this
+    worker runs ``version``: nothing of it runs here. It waits, queued, for a
+    worker of its version, its message published to that version's queue."""
+    kept = options() if options is not None else None
+    pending = await lease.io(lambda conn: ledger.await_version(
+        conn, request_id, kept, ctx.settings.queue, queue_suffix(req.agent, pinned)))
+    queue = (pending.routing or {}).get("queue") if pending is not None else None
+    log.warning(
+        "request %s is pinned to version %s of agent %r, and this worker runs version %s: "
+        "it waits in queue %s for a worker of its version (or `loomflow-worker upgrade`)",
+        request_id, pinned, req.agent, version, queue,
+        extra={"action": "other_version", "agent": req.agent, "version": pinned,
+               **_log_fields(request_id, req)})
+    return Outcome("parked", dispatch=[pending] if pending is not None else [])
+
+
 async def _start(
     ctx: WorkerContext,
     lease: Lease,
@@ -785,6 +846,7 @@ async def _start(
     req: RunRequest,
     worker: str,
     opening: OpenChoice,
+    version: str | None = None,
 ) -> ledger.Started:
     """Start the attempt under the scope lock, once the request's previous
     attempt has ended. Holding the lock is not enough: when a lock connection
@@ -800,7 +862,7 @@ async def _start(
         started = await lease.send(ledger.start(
             request_id, req.scope, worker, settings.redispatch_after, opening,
             lease=settings.lease_timeout, interval=settings.heartbeat_interval,
-            isolation=ctx.isolation,
+            isolation=ctx.isolation, version=version,
         ))
         if started.status != ledger.WAITING:
             if waited is not None:

@@ -587,6 +587,13 @@ class Started:
     # (the key, and in how many seconds), for this attempt to take.
     booked_key: str | None = None
     booked_in: float | None = None
+    # Status "other_version": the version of its agent the request is pinned
+    # to, which is not the starting worker's.
+    other_version: str | None = None
+
+
+#: start's status for a request pinned to a version its worker does not run.
+OTHER_VERSION = "other_version"
 
 
 def start(
@@ -599,6 +606,7 @@ def start(
     lease: float,
     interval: float,
     isolation: int,
+    version: str | None = None,
 ) -> Batch[Started]:
     """Under the scope lock, in one statement: a duplicate of a finished request
     gets its stored outcome; a request behind an unfinished older one parks; a
@@ -607,13 +615,15 @@ def start(
     ``lease``: the lease's timeout); otherwise the attempt is counted, with
     how apart it runs (``isolation``: 0 shared, 1 among a few suspects, 2
     alone), and the request marked running, its epoch pinned on the first
-    attempt (the scope's current one, or its last run's for a resume). With
+    attempt (the scope's current one, or its last run's for a resume), and
+    the request pinned to ``version`` of its agent (a request pinned to
+    another version does not start: :data:`OTHER_VERSION`). With
     ``opening``, the run's open query follows in the same round trip (one
     pipeline; Postgres runs it after the start), its rows in ``opened`` for
     the lease to use when it opens that epoch."""
     params = {"request_id": request_id, "scope": scope, "worker": worker, "pid": os.getpid(),
               "boot": process_boot(), "stale": stale_after, "lease": lease,
-              "interval": interval, "isolation": isolation}
+              "interval": interval, "isolation": isolation, "version": version}
 
     def build(conn: Conn) -> list[fastpath.Call]:
         calls = [_START.call(conn, params)]
@@ -643,6 +653,8 @@ def _started_of(request_id: str, row: DictRow | None, opened: list[DictRow] | No
         return Started("parked", seq, older=older, older_stale=bool(row["stale"]))
     if row["previous_worker"] is not None:
         return Started(WAITING, seq, previous_worker=row["previous_worker"])
+    if row["other_version"] is not None:
+        return Started(OTHER_VERSION, seq, other_version=row["other_version"])
     return Started(
         Status.RUNNING, seq, row["epoch"], row["attempts"], row["crashes"], row["failures"],
         cancel_requested=bool(row["cancel_requested"]),
@@ -694,6 +706,21 @@ async def schedule_retry(
             query("end_attempt"),
             {"request_id": request_id, "attempt": attempt, "outcome": "retry"},
         )
+
+
+async def await_version(
+    conn: Conn, request_id: str, options: dict[str, Any] | None, default_queue: str,
+    suffix: str,
+) -> Pending | None:
+    """The request is pinned to a version of its agent this worker does not
+    run: queued again, waiting for that version, routed to its queue (its own
+    queue's name, else ``default_queue``, then ``suffix``); the request to
+    publish there (``None``: it finished meanwhile). See ``await_version``."""
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(query("await_version"), {
+        "request_id": request_id, "options": _jsonb(options),
+        "default_queue": default_queue, "suffix": suffix})
+    return _pending(await cur.fetchone())
 
 
 async def park_on_limit(
@@ -889,6 +916,25 @@ class WorkerBeat:
 async def worker_seen(conn: Conn, beat: WorkerBeat) -> None:
     """Stamp the process's row in ``workers`` (made on its first beat)."""
     await conn.execute(query("worker_seen"), asdict(beat))
+
+
+@dataclass(frozen=True)
+class BuiltAgent:
+    """An agent a worker process built: its version, and what enqueuing needs of it."""
+
+    worker: str
+    agent: str
+    version: str
+    declared: bool
+    fairness_key: str | None
+    limits: list[str]
+    time_limit: float | None
+    model_key: str | None
+
+
+async def agent_built(conn: Conn, built: BuiltAgent) -> None:
+    """Record in ``worker_agents`` that the process serves this agent, at this version."""
+    await conn.execute(query("agent_built"), asdict(built))
 
 
 async def worker_stopped(conn: Conn, beat: WorkerBeat) -> None:

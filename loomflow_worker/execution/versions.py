@@ -48,6 +48,14 @@ def check_version(version: object) -> str:
     return version
 
 
+def queue_suffix(agent: str, version: str) -> str:
+    """What follows a queue's name in the name of the queue its requests
+    pinned to ``version`` of ``agent`` go to: ``loomflow`` becomes
+    ``loomflow@deploy@v1``. Workers of that version take messages from it
+    beside their own queues."""
+    return f"@{agent}@{version}"
+
+
 def agent_version(agent: Any, declared: str | None = None) -> str:
     """``declared`` if given, else a digest of the agent's definition (12 hex digits)."""
     if declared is not None:

@@ -39,7 +39,7 @@ from .connections import bound_producers_now, bound_worker_connections
 from .dispatch import RESUME_AGENT, RUN_AGENT, dispatch_many
 from .eta import arrival
 from .pool import REFUSED_POOLS, RunPool, pool_name, refused_threads_option
-from .queues import queue_lengths
+from .queues import queue_lengths, version_queues
 from .result_watch import ResultRepair
 from .results import probe_result_backend, result_lifetime, results_missing, store_result
 from .revoke import end_revoked_requests, end_revoked_soon
@@ -135,6 +135,8 @@ def _open_child(**_: Any) -> None:
         PROCESS.loop.run(PROCESS.worker_context().runtime())
     except Exception:
         log.exception("pool child could not connect to Postgres yet; will retry per task")
+        return
+    _serve_versions(None)
 
 
 @worker_process_shutdown.connect
@@ -221,6 +223,8 @@ def _start_sweeper(sender: Any = None, **_: Any) -> None:
             PROCESS.loop.run(PROCESS.worker_context().runtime())
         except Exception:
             log.exception("the worker could not connect to Postgres yet; will retry per task")
+        else:
+            _serve_versions(sender)
     if settings().sweeper:
         sweeper = Sweeper(settings(), dispatch_many, queue_lengths,
                           ResultRepair(results_missing, store_result,
@@ -228,6 +232,28 @@ def _start_sweeper(sender: Any = None, **_: Any) -> None:
                           revoked=end_revoked_requests, held=_stamp_held)
         PROCESS.sweeper = sweeper
         sweeper.start()
+
+
+def _serve_versions(consumer: Any) -> None:
+    """Build the process's agents and take messages from their versions'
+    queues too (:func:`.queues.version_queues`): through ``consumer``, the
+    worker's own, when it runs in this process (the threads pool); else
+    (a pool child) by asking its worker, over Celery's remote control."""
+    try:
+        versions = PROCESS.loop.run(PROCESS.worker_context().serve_agents())
+        names = version_queues(versions)
+        for name in names:
+            if consumer is not None:
+                consumer.add_task_queue(name)
+            else:
+                current_app().control.add_consumer(name, destination=[PROCESS.node],
+                                                   reply=False)
+    except Exception:
+        log.exception("could not take messages from the queues of this worker's agent "
+                      "versions; requests pinned to them wait for another worker")
+        return
+    log.info("taking messages from the queues of this worker's agent versions too: %s",
+             ", ".join(names), extra={"action": "version_queues"})
 
 
 def _admit(consumer: Any) -> None:

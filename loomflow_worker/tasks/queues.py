@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from ..execution.versions import queue_suffix
 from .application import current_app, settings
 
 log = logging.getLogger("loomflow_worker.tasks")
@@ -36,3 +37,15 @@ def queue_length() -> int:
     if count is None:
         raise ConnectionError(f"the broker did not count the messages of queue {name}")
     return count
+
+
+def version_queues(versions: dict[str, str]) -> list[str]:
+    """The queues of the agents' versions this worker serves (``versions``:
+    each agent's, by name), one per agent and queue it takes messages from:
+    a request pinned to a version waits in its queue's one (see
+    :func:`~loomflow_worker.execution.versions.queue_suffix`)."""
+    app = current_app()
+    suffixes = [queue_suffix(agent, version) for agent, version in sorted(versions.items())]
+    bases = [name for name in (app.amqp.queues.consume_from or {})
+             if not any(name.endswith(suffix) for suffix in suffixes)] or [settings().queue]
+    return [base + suffix for base in bases for suffix in suffixes]

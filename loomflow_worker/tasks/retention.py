@@ -86,8 +86,8 @@ class Retention:
             return 0
         self._next_forget = time.monotonic() + PRUNE_EVERY
         try:
-            forgot = conn.execute(
-                query("forget_workers"), {"after": FORGET_WORKERS_AFTER}).rowcount
+            row = conn.execute(query("forget_workers"), {"after": FORGET_WORKERS_AFTER}).fetchone()
+            forgot = int(row[0]) if row is not None else 0
         except psycopg.Error as exc:
             log.warning("sweeper: could not forget long-gone workers: %s", exc,
                         extra={"action": "sweeper_forget"})

@@ -272,8 +272,9 @@ class AgentTask(Task):  # type: ignore[misc]
         chain, callbacks, chord and group, headers, priority, time limits), as
         Celery's retry would; with ``producer``, over its connection."""
         task_args, task_kwargs = pending.task_args()
-        options = {**(pending.routing or {}), **(pending.options or {}),
-                   "retry_policy": DISPATCH_RETRY}
+        # Routing's other keys are the ledger's (a request sent to its version's queue).
+        routing = {k: v for k, v in (pending.routing or {}).items() if k in ROUTING}
+        options = {**routing, **(pending.options or {}), "retry_policy": DISPATCH_RETRY}
         if pending.not_before is not None:
             options["eta"] = pending.not_before
         super().apply_async(task_args, task_kwargs, task_id=pending.request_id,

@@ -337,12 +337,22 @@ def fleet(dsn: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[
         fleet.stop_all()
         tasks.configure(previous)
         if broker_name == "rabbitmq":
-            _delete_amqp_queue(queue)
+            for name in [queue, *_version_queues(dsn, queue)]:
+                _delete_amqp_queue(name)
         client = redis.Redis.from_url(REDIS_URL)
         keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
         if keys:
             client.delete(*keys)
         client.close()
+
+
+def _version_queues(dsn: str, queue: str) -> list[str]:
+    """The queues of the agent versions the fleet's workers registered."""
+    from loomflow_worker.execution.versions import queue_suffix
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        pairs = conn.execute("SELECT DISTINCT agent, version FROM worker_agents").fetchall()
+    return [queue + queue_suffix(agent, version) for agent, version in pairs]
 
 
 def _delete_amqp_queue(queue: str) -> None:

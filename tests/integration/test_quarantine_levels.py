@@ -102,7 +102,7 @@ def test_a_death_in_a_group_is_nobodys_crash_and_one_alone_is_its_own(dsn: str) 
             row = conn.execute(query("start_request"), {
                 "request_id": "r", "scope": "s", "worker": "host:next", "pid": 1,
                 "boot": "now", "stale": 60, "lease": 30.0, "interval": 2.0,
-                "isolation": isolation}).fetchone()
+                "isolation": isolation, "version": None}).fetchone()
             assert row is not None
             counts = conn.execute("SELECT crashes, suspicion FROM runs"
                                   " WHERE request_id = 'r'").fetchone()
@@ -154,7 +154,8 @@ def test_a_death_alone_in_a_group_that_others_had_left_is_shared(
         conn.execute("UPDATE run_attempts SET boot = 'b' WHERE request_id = 'left'")
         conn.execute(query("start_request"), {
             "request_id": "r", "scope": "s", "worker": "host:8", "pid": 8, "boot": "c",
-            "stale": 60, "lease": 30.0, "interval": 2.0, "isolation": ALONE})
+            "stale": 60, "lease": 30.0, "interval": 2.0, "isolation": ALONE,
+            "version": None})
         counts = conn.execute("SELECT crashes, suspicion FROM runs WHERE request_id = 'r'"
                               ).fetchone()
         assert counts == (charged, 1 + (1 - charged)), counts

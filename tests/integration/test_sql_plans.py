@@ -19,7 +19,7 @@ PARAMS: dict[str, Any] = {
     "status": "succeeded", "result": None, "error": None, "error_type": None,
     "before": 0.0, "cutoff": None, "batch": 1000, "isolation": 0,
     "kind": "run", "session_id": "scope-7", "user_id": None, "agent": "a",
-    "prompt_sha256": b"", "lease": 30.0, "interval": 2.0,
+    "prompt_sha256": b"", "lease": 30.0, "interval": 2.0, "version": None,
     "metadata": "{}",
 }
 

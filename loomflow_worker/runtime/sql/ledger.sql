@@ -313,10 +313,21 @@ RETURNING request_id;
 -- sweeper takes its runs for orphans too) or a new process stamps it (`boot`:
 -- a container restarted in place, under the same worker id), or the request's
 -- heartbeat is older than the lease (see `previous_open`).
+-- The first attempt pins the request to the worker's version of its agent
+-- (`version`; NULL: a caller with none, which pins nothing); a request pinned
+-- to another version does not start, and `other_version` names the version
+-- it is pinned to (see await_version). An attempt that starts records its
+-- version, clears the request's wait for one, and takes back the routing the
+-- request had before it was sent to its version's queue.
 WITH r AS (
     SELECT request_id, seq, scope, status, epoch, kind, attempts, cancel_requested,
-           result, error, error_type, heartbeat_at, enqueued_at, booked_key, booked_at
+           result, error, error_type, heartbeat_at, enqueued_at, booked_key, booked_at,
+           agent_version
       FROM runs WHERE request_id = %(request_id)s FOR UPDATE
+), other AS (
+    SELECT r.agent_version FROM r
+     WHERE loomflow_worker_unfinished(r.status) AND %(version)s::text IS NOT NULL
+       AND r.agent_version IS DISTINCT FROM %(version)s AND r.agent_version IS NOT NULL
 ), prev AS (
     -- The previous attempt, if the request was running: how it ended, and
     -- whether other runs of its process died with it.
@@ -362,10 +373,13 @@ WITH r AS (
            started_at = now(),
            heartbeat_at = now(),
            waiting_for = NULL, waiting_slots = NULL, booked_key = NULL, booked_at = NULL,
-           waiting_signal = NULL, waiting_signal_session = NULL
+           waiting_signal = NULL, waiting_signal_session = NULL,
+           agent_version = coalesce(u.agent_version, %(version)s), version_wait_since = NULL,
+           routing = CASE WHEN u.routing ? 'version' THEN u.routing -> 'base' ELSE u.routing END
       FROM r CROSS JOIN marks m LEFT JOIN prev p ON true
      WHERE u.request_id = r.request_id AND loomflow_worker_unfinished(r.status)
        AND NOT EXISTS (SELECT 1 FROM older) AND NOT EXISTS (SELECT 1 FROM previous_open)
+       AND NOT EXISTS (SELECT 1 FROM other)
     RETURNING u.epoch, u.attempts, u.crashes, u.failures, u.suspicion, u.lost_streak
 ), buried AS (
     -- The previous attempt, if it never ended (its process died, or was
@@ -374,8 +388,10 @@ WITH r AS (
       FROM r, started s
      WHERE a.request_id = r.request_id AND a.attempt = r.attempts AND a.ended_at IS NULL
 ), attempt_row AS (
-    INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch, boot, isolation)
-    SELECT %(request_id)s, attempts, %(worker)s, %(pid)s, epoch, %(boot)s, %(isolation)s
+    INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch, boot, isolation,
+                              agent_version)
+    SELECT %(request_id)s, attempts, %(worker)s, %(pid)s, epoch, %(boot)s, %(isolation)s,
+           %(version)s
       FROM started
     ON CONFLICT (request_id, attempt) DO NOTHING
 )
@@ -390,12 +406,57 @@ SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
        o.not_before, o.options, o.routing, o.stale,
        (SELECT worker FROM previous_open) AS previous_worker,
+       (SELECT agent_version FROM other) AS other_version,
        CASE WHEN s.attempts IS NOT NULL THEN r.booked_key END AS booked_key,
        CASE WHEN s.attempts IS NOT NULL
             THEN extract(epoch FROM r.booked_at - now())::float8 END AS booked_in
   FROM r
   LEFT JOIN started s ON true
   LEFT JOIN older o ON true;
+
+-- name: await_version
+-- Under the scope lock: the request is pinned to a version of its agent this
+-- worker does not run (start_request said `other_version`). It goes back to
+-- queued, waiting for that version since now (or since it first waited), its
+-- messages routed to the version's queue (`suffix` after its queue's name,
+-- `default_queue` when its routing names none; its routing before that kept
+-- under `base`, with the version under `version`); its previous attempt, if it
+-- never ended, ends "died", and is charged as start_request charges it. What
+-- the message the worker took carried (`options`) is kept as park_request
+-- keeps it, and its columns come back for the worker to publish it there.
+WITH r AS (
+    SELECT request_id, status, attempts FROM runs
+     WHERE request_id = %(request_id)s FOR UPDATE
+), prev AS (
+    SELECT p.outcome, p.shared
+      FROM r, loomflow_worker_last_attempt(r.request_id, r.attempts) p
+     WHERE r.status = 'running'
+), buried AS (
+    UPDATE run_attempts a SET ended_at = clock_timestamp(), outcome = 'died'
+      FROM r
+     WHERE a.request_id = r.request_id AND a.attempt = r.attempts AND a.ended_at IS NULL
+       AND r.status = 'running'
+), base AS (
+    SELECT CASE WHEN routing ? 'version' THEN routing -> 'base' ELSE routing END AS routing
+      FROM runs WHERE request_id = %(request_id)s
+)
+UPDATE runs u
+   SET status = 'queued',
+       crashes = u.crashes + (r.status = 'running'
+           AND coalesce(p.outcome IS NULL AND NOT p.shared, true))::int,
+       suspicion = u.suspicion + coalesce(p.shared, false)::int,
+       lost_streak = u.lost_streak + coalesce(p.outcome = 'lost', false)::int,
+       version_wait_since = coalesce(u.version_wait_since, now()),
+       dispatched_at = clock_timestamp(), received_at = now(), holder_pid = NULL,
+       options = coalesce(%(options)s::jsonb, u.options),
+       routing = jsonb_strip_nulls(jsonb_build_object(
+           'queue', coalesce(b.routing ->> 'queue', %(default_queue)s) || %(suffix)s,
+           'priority', b.routing -> 'priority', 'version', u.agent_version,
+           'base', b.routing))
+  FROM r CROSS JOIN base b LEFT JOIN prev p ON true
+ WHERE u.request_id = r.request_id AND loomflow_worker_unfinished(r.status)
+RETURNING u.request_id, u.kind, u.session_id, u.user_id, u.agent, u.prompt, u.metadata,
+          u.not_before, u.options, u.routing, u.agent_version;
 
 -- name: heartbeat
 -- Every running request of one lock connection, stamped in one statement;
@@ -429,6 +490,18 @@ ON CONFLICT (worker) DO UPDATE
        started_at = CASE WHEN w.stopped_at IS NULL AND w.boot IS NOT DISTINCT FROM EXCLUDED.boot
                          THEN w.started_at ELSE now() END,
        stopped_at = NULL, boot = EXCLUDED.boot;
+
+-- name: agent_built
+-- A worker process built an agent: its row in worker_agents says which
+-- version it serves and what enqueuing needs of the agent.
+INSERT INTO worker_agents AS a (worker, agent, version, declared, fairness_key, limits,
+                                time_limit, model_key)
+VALUES (%(worker)s, %(agent)s, %(version)s, %(declared)s, %(fairness_key)s,
+        %(limits)s::text[], %(time_limit)s, %(model_key)s)
+ON CONFLICT (worker, agent) DO UPDATE
+   SET version = EXCLUDED.version, declared = EXCLUDED.declared,
+       fairness_key = EXCLUDED.fairness_key, limits = EXCLUDED.limits,
+       time_limit = EXCLUDED.time_limit, model_key = EXCLUDED.model_key, built_at = now();
 
 -- name: worker_stopped
 -- A worker process that closes cleanly (and the results it stored since its

@@ -288,8 +288,14 @@ DELETE FROM results_to_check
 
 -- name: forget_workers
 -- Worker processes not seen for `after` seconds (an autoscaled fleet's
--- long-gone ones).
-DELETE FROM workers WHERE seen_at < now() - make_interval(secs => %(after)s);
+-- long-gone ones), and the agents they served; how many processes.
+WITH gone AS (
+    DELETE FROM workers WHERE seen_at < now() - make_interval(secs => %(after)s)
+    RETURNING worker
+), agents AS (
+    DELETE FROM worker_agents a USING gone g WHERE a.worker = g.worker
+)
+SELECT count(*) FROM gone;
 
 -- name: record_sweeper_actions
 -- What one sweep did, in one statement that also keeps the table short: the

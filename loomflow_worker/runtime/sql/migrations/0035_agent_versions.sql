@@ -1,0 +1,42 @@
+-- Agent versions (see loomflow_worker.execution.versions).
+--
+-- A request is pinned to the version of its agent that its first attempt ran
+-- (runs.agent_version, set by start_request): a later attempt starts only on a
+-- worker of that version. A worker of another version that receives it sends
+-- it on to the version's own queue and leaves it queued, waiting for that
+-- version since version_wait_since (cleared when an attempt starts). Each
+-- attempt records the version it ran.
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS agent_version TEXT;
+ALTER TABLE runs ADD COLUMN IF NOT EXISTS version_wait_since TIMESTAMPTZ;
+ALTER TABLE run_attempts ADD COLUMN IF NOT EXISTS agent_version TEXT;
+CREATE INDEX IF NOT EXISTS runs_version_waiting ON runs (agent, agent_version)
+    WHERE version_wait_since IS NOT NULL;
+
+-- The fleet's agents: each worker process's row per agent it serves, with the
+-- version it built and what enqueuing needs of it (fairness key, shared
+-- limits, time limit, model key). A worker is alive while its row in
+-- `workers` is stamped; its agents go with that row.
+CREATE TABLE IF NOT EXISTS worker_agents (
+    worker TEXT NOT NULL,
+    agent TEXT NOT NULL,
+    version TEXT NOT NULL,
+    declared BOOLEAN NOT NULL DEFAULT false,
+    fairness_key TEXT,
+    limits TEXT[] NOT NULL DEFAULT '{}',
+    time_limit DOUBLE PRECISION,
+    model_key TEXT,
+    built_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    PRIMARY KEY (worker, agent)
+);
+CREATE INDEX IF NOT EXISTS worker_agents_version ON worker_agents (agent, version);
+
+-- A request moved to another version on purpose (`loomflow-worker upgrade`, or
+-- its agent's on_version_gone policy): from, to, when and by whom.
+CREATE TABLE IF NOT EXISTS run_upgrades (
+    request_id TEXT NOT NULL REFERENCES runs (request_id) ON DELETE CASCADE,
+    at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),
+    from_version TEXT,
+    to_version TEXT NOT NULL,
+    by TEXT NOT NULL,
+    PRIMARY KEY (request_id, at)
+);
