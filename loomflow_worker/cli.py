@@ -419,12 +419,12 @@ def list_requests(
     if not found:
         click.echo("no requests match", err=True)
         return
-    headers = ("REQUEST", "SESSION", "USER", "AGENT", "STATUS", "ATTEMPTS", "ENQUEUED",
-               "ETA", "FINISHED", "WORKER", "WAITS")
+    headers = ("REQUEST", "SESSION", "USER", "AGENT", "VERSION", "STATUS", "ATTEMPTS",
+               "ENQUEUED", "ETA", "FINISHED", "WORKER", "WAITS")
     rows = [
-        (r.request_id, r.session_id, r.user_id or "-", r.agent, r.status, str(r.attempts),
-         _when(r.enqueued_at), _when(r.not_before), _when(r.finished_at), r.worker or "-",
-         r.waiting_for or "-")
+        (r.request_id, r.session_id, r.user_id or "-", r.agent, r.agent_version or "-",
+         r.status, str(r.attempts), _when(r.enqueued_at), _when(r.not_before),
+         _when(r.finished_at), r.worker or "-", r.waits() or "-")
         for r in found
     ]
     for line in _table(headers, rows):
@@ -458,6 +458,12 @@ def show(request_id: str, as_json: bool) -> None:
         f" ({detail.error_type})" if detail.error_type and detail.status != "succeeded" else ""))
     click.echo(f"run       {detail.kind} of agent {detail.agent} in {who}")
     click.echo(f"epoch     {detail.epoch if detail.epoch is not None else '- (not started)'}")
+    version = detail.version_said()
+    click.echo("version   " + (version if version is not None
+                               else "- (not started: it runs on any version)"))
+    for move in detail.upgrades:
+        click.echo(f"moved     {_when(move.at)} from version {move.from_version} to "
+                   f"{move.to_version}, by {move.by}")
     if detail.waiting_for:
         why = (f"for a slot of {detail.waiting_for}" if detail.waiting_for.startswith("limit ")
                else detail.waiting_for)
@@ -485,9 +491,11 @@ def show(request_id: str, as_json: bool) -> None:
         for i, a in enumerate(detail.attempts):
             ongoing = i == len(detail.attempts) - 1 and detail.status == "running"
             outcome = a.said(last=ongoing, running=ongoing)
-            rows.append((str(a.attempt), a.worker, str(a.pid), _when(a.started_at, precise=True),
-                         _when(a.ended_at, precise=True), outcome))
-        for line in _table(("#", "WORKER", "PID", "STARTED", "ENDED", "OUTCOME"), rows):
+            rows.append((str(a.attempt), a.worker, str(a.pid), a.agent_version or "-",
+                         _when(a.started_at, precise=True), _when(a.ended_at, precise=True),
+                         outcome))
+        for line in _table(("#", "WORKER", "PID", "VERSION", "STARTED", "ENDED", "OUTCOME"),
+                           rows):
             click.echo("  " + line)
     else:
         click.echo("  none yet")
@@ -497,15 +505,15 @@ def show(request_id: str, as_json: bool) -> None:
     if not detail.journal:
         click.echo("  no entries" + (" (pruned, or none written)" if detail.epoch is not None
                                      else ""))
-    rows = []
+    steps = []
     for step in detail.journal:
         took = "" if step.took is None else "+" + admin.format_duration(step.took)
         key = admin.shorten(step.key.removeprefix(f"{detail.epoch}/"), 44)
-        rows.append((_when(step.written_at, precise=True), took,
-                     "stream" if step.stream else "step", key, step.history(),
-                     admin.shorten(step.summary, 60)))
-    if rows:
-        for line in _table(("WRITTEN", "AFTER", "KIND", "KEY", "HISTORY", "VALUE"), rows):
+        steps.append((_when(step.written_at, precise=True), took,
+                      "stream" if step.stream else "step", key, step.history(),
+                      admin.shorten(step.summary, 60)))
+    if steps:
+        for line in _table(("WRITTEN", "AFTER", "KIND", "KEY", "HISTORY", "VALUE"), steps):
             click.echo("  " + line)
 
 

@@ -103,6 +103,11 @@ class Settings(BaseSettings):
     agents: Annotated[list[str], NoDecode] = Field(default_factory=list)
     queue: str = "loomflow"
     redis_key_prefix: str = ""
+    # Whether the worker takes new requests from its queues. False: it takes
+    # only the requests pinned to its agents' versions (their versions'
+    # queues), as the old release of a rolling deploy that changed an agent
+    # does while it drains (deploy/OPERATIONS.md).
+    take_new: bool = True
 
     # Retries of errors that are not crashes, with jittered exponential backoff.
     max_retries: int = Field(default=3, ge=0)

@@ -31,6 +31,7 @@ from .runs import (
     RunRow,
     RunStatus,
     StepInfo,
+    UpgradeInfo,
     add_journal,
     attempts_that_ran_nothing,
     attribute_steps,
@@ -52,7 +53,7 @@ from .signals import send_signal
 __all__ = [
     "MAX_DURATION", "MAX_LIST", "STATUSES", "TERMINAL", "AttemptInfo", "Check", "Conn",
     "RequestDetail", "RequestNotFound", "RequestStatus", "RequestSummary", "RunDetail",
-    "RunRow", "RunStatus", "StepInfo", "add_journal", "attempts_that_ran_nothing",
+    "RunRow", "RunStatus", "StepInfo", "UpgradeInfo", "add_journal", "attempts_that_ran_nothing",
     "attribute_steps", "check_settings", "connect", "doctor", "format_duration", "get_request",
     "get_run", "journal_params", "list_requests", "list_runs", "parse_duration", "redact",
     "request_params", "request_status", "run_status", "sanitize_url", "secrets_of",

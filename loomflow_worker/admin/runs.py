@@ -44,6 +44,16 @@ class RequestSummary:
     # Why a queued request waits, when not merely for its turn: a limit ("limit
     # per_key:alice"), its model key, a signal.
     waiting_for: str | None = None
+    # The version of its agent it is pinned to (None: not started), and since
+    # when it waits, queued, for a worker of that version.
+    agent_version: str | None = None
+    version_wait_since: datetime | None = None
+
+    def waits(self) -> str | None:
+        """Why it waits, when not merely for its turn."""
+        if self.version_wait_since is not None:
+            return f"a worker of version {self.agent_version}"
+        return self.waiting_for
 
 
 def list_requests(
@@ -120,6 +130,8 @@ class AttemptInfo:
     # When the attempt after it started (None: the last): where the console's
     # lane of an attempt whose worker died ends.
     next_started_at: datetime | None = None
+    # The version of its agent it ran (None: a release that recorded none).
+    agent_version: str | None = None
 
     @property
     def died(self) -> bool:
@@ -173,6 +185,17 @@ class StepInfo:
         return ", ".join(parts)
 
 
+@dataclass(frozen=True)
+class UpgradeInfo:
+    """A move of a request to another version of its agent (``upgrade``, or
+    its agent's on_version_gone policy): when, from and to which version, by whom."""
+
+    at: datetime
+    from_version: str | None
+    to_version: str
+    by: str
+
+
 @dataclass
 class RequestDetail:
     """One request as the ledger has it, its attempts and its journal (each
@@ -213,7 +236,17 @@ class RequestDetail:
     # Why a queued request waits, when it gave its slot back (e.g. "waiting for
     # model key 'anthropic' (its budget)").
     waiting_for: str | None = None
+    # The version of its agent its first attempt pinned it to (None: not
+    # started yet, it runs on any version); since when it waits, queued, for a
+    # worker of that version; whether a live worker serves that version, and
+    # when a worker of it was last seen (None: none known).
+    agent_version: str | None = None
+    version_wait_since: datetime | None = None
+    version_live: bool | None = None
+    version_seen_at: datetime | None = None
     attempts: list[AttemptInfo] = field(default_factory=list)
+    # Its moves to another version of its agent, oldest first.
+    upgrades: list[UpgradeInfo] = field(default_factory=list)
     journal: list[StepInfo] = field(default_factory=list)
     # The journal holds more entries than the reader's limit, which were left out.
     journal_cut: bool = False
@@ -221,6 +254,25 @@ class RequestDetail:
     @property
     def finished(self) -> bool:
         return self.status in TERMINAL
+
+    def version_said(self) -> str | None:
+        """The version it is pinned to, and whether it waits for a worker of it
+        (``"3f2a9c1b0d4e; waits for a worker of this version since 12:03:07;
+        none alive since 12:02:55"``); ``None`` when not pinned."""
+        if self.agent_version is None:
+            return None
+        if self.version_wait_since is None:
+            return self.agent_version
+        since = f"since {self.version_wait_since:%Y-%m-%d %H:%M:%S}"
+        if self.version_live:
+            alive = "a worker of it is alive: it starts there soon"
+        elif self.version_seen_at is not None:
+            alive = f"none alive since {self.version_seen_at:%Y-%m-%d %H:%M:%S}"
+        else:
+            alive = "no worker of it known"
+        return (f"{self.agent_version}; waits for a worker of agent {self.agent} version "
+                f"{self.agent_version} {since} (UTC); {alive} "
+                f"(start one, or move it: loomflow-worker upgrade {self.request_id})")
 
     @property
     def prompt_cut(self) -> bool:
@@ -236,6 +288,7 @@ class RequestDetail:
         # `show --json` printed the worker as "holder" first: scripts read it.
         data["holder"] = self.worker
         data["attempts"] = [asdict(a) for a in self.attempts]
+        data["upgrades"] = [asdict(u) for u in self.upgrades]
         data["journal"] = [
             {**asdict(s), "name": s.name, "history": s.history()} for s in self.journal
         ]
@@ -260,6 +313,9 @@ def get_request(conn: Conn, request_id: str) -> RequestDetail:
         detail = RequestDetail(**row)
         detail.attempts = [
             AttemptInfo(**attempt) for attempt in ledger_reads.request_attempts(conn, request_id)
+        ]
+        detail.upgrades = [
+            UpgradeInfo(**move) for move in ledger_reads.request_upgrades(conn, request_id)
         ]
         if detail.epoch is not None:
             rows = conn.cursor(row_factory=dict_row).execute(

@@ -279,6 +279,7 @@ async def get_request(
     async with pool.connection() as conn:
         run = await _request_row(conn, request_id, full_prompt=full_prompt)
         run.attempts = await ledger_views.request_attempts(conn, admin.AttemptInfo, request_id)
+        run.upgrades = await ledger_views.request_upgrades(conn, admin.UpgradeInfo, request_id)
         if run.epoch is None:
             return run
         async with conn.cursor(row_factory=dict_row) as cur:

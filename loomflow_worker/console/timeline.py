@@ -50,6 +50,8 @@ class Lane:
     started_at: datetime
     ended_at: datetime | None
     marks: list[Mark] = field(default_factory=list)
+    # The version of its agent the attempt ran (None: not recorded).
+    version: str | None = None
 
     @property
     def executed(self) -> int:
@@ -142,6 +144,7 @@ def layout(
         lane = Lane(
             attempt=attempt.attempt,
             worker=attempt.worker,
+            version=attempt.agent_version,
             outcome=attempt.said(last=i == len(attempts) - 1, running=running),
             y=AXIS_HEIGHT + i * LANE_HEIGHT,
             x_start=x(start),

@@ -63,6 +63,12 @@ def request_attempts(conn: Conn, request_id: str) -> list[DictRow]:
     return _rows(conn, "get_run_attempts", {"request_id": request_id})
 
 
+def request_upgrades(conn: Conn, request_id: str) -> list[DictRow]:
+    """The request's moves to another version of its agent, oldest first:
+    ``at``, ``from_version``, ``to_version``, ``by``."""
+    return _rows(conn, "get_run_upgrades", {"request_id": request_id})
+
+
 def _rows(conn: Conn, name: str, params: Mapping[str, Any]) -> list[DictRow]:
     return conn.cursor(row_factory=dict_row).execute(query(name), params).fetchall()
 

@@ -73,6 +73,11 @@ async def request_attempts(conn: AsyncConn, row: type[Row], request_id: str) -> 
     return await _rows(conn, row, "get_run_attempts", {"request_id": request_id})
 
 
+async def request_upgrades(conn: AsyncConn, row: type[Row], request_id: str) -> list[Row]:
+    """The request's moves to another version of its agent, oldest first."""
+    return await _rows(conn, row, "get_run_upgrades", {"request_id": request_id})
+
+
 async def queue_depth(conn: AsyncConn, row: type[Row]) -> Row:
     """The queue of record: queued requests ready to run, those backing off,
     running ones, and the oldest queued one's enqueue time."""

@@ -239,21 +239,33 @@ def _serve_versions(consumer: Any) -> None:
     queues too (:func:`.queues.version_queues`): through ``consumer``, the
     worker's own, when it runs in this process (the threads pool); else
     (a pool child) by asking its worker, over Celery's remote control."""
+    app = current_app()
     try:
         versions = PROCESS.loop.run(PROCESS.worker_context().serve_agents())
+        bases = list(app.amqp.queues.consume_from or {})
         names = version_queues(versions)
         for name in names:
             if consumer is not None:
                 consumer.add_task_queue(name)
             else:
-                current_app().control.add_consumer(name, destination=[PROCESS.node],
-                                                   reply=False)
+                app.control.add_consumer(name, destination=[PROCESS.node], reply=False)
+        if not settings().take_new:
+            for name in bases:
+                if consumer is not None:
+                    consumer.cancel_task_queue(name)
+                else:
+                    app.control.cancel_consumer(name, destination=[PROCESS.node], reply=False)
     except Exception:
         log.exception("could not take messages from the queues of this worker's agent "
                       "versions; requests pinned to them wait for another worker")
         return
-    log.info("taking messages from the queues of this worker's agent versions too: %s",
-             ", ".join(names), extra={"action": "version_queues"})
+    if settings().take_new:
+        log.info("taking messages from the queues of this worker's agent versions too: %s",
+                 ", ".join(names), extra={"action": "version_queues"})
+    else:
+        log.info("taking no new requests (TAKE_NEW is false): only those pinned to this "
+                 "worker's agent versions, from %s", ", ".join(names) or "no queue",
+                 extra={"action": "version_queues"})
 
 
 def _admit(consumer: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -89,12 +90,13 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
     table = cli(fleet, "requests", "--session", "s1")
     assert table.returncode == 0, table.stderr
     header, *rows = lines(table.stdout)
-    assert header.split() == ["REQUEST", "SESSION", "USER", "AGENT", "STATUS", "ATTEMPTS",
-                              "ENQUEUED", "ETA", "FINISHED", "WORKER", "WAITS"]
+    assert header.split() == ["REQUEST", "SESSION", "USER", "AGENT", "VERSION", "STATUS",
+                              "ATTEMPTS", "ENQUEUED", "ETA", "FINISHED", "WORKER", "WAITS"]
     assert [r.split()[0] for r in rows] == [second_id, first_id]  # newest first
     for row in rows:
         cells = row.split()
-        assert cells[1:6] == ["s1", "u1", "default", "succeeded", "1"]
+        assert cells[1:4] == ["s1", "u1", "default"] and cells[5:7] == ["succeeded", "1"]
+        assert re.fullmatch(r"[0-9a-f]{12}", cells[4])  # the version it ran
         assert ":" in cells[-2] and cells[-1] == "-"  # the worker (node:pid); no wait
 
     # `runs`, the command's first name, lists them too.
@@ -114,6 +116,9 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
     assert 'call record {"tag": "a"}' in text and '"ticket": 7' in text
     assert "1 attempts, 0 failures, 0 crashes" in text
     assert "succeeded" in text.split("attempts\n", 1)[1].splitlines()[1]
+    version = re.search(r"^version   ([0-9a-f]{12})$", text, re.MULTILINE)
+    assert version is not None, text  # pinned to the version its attempt ran, waiting for none
+    assert version[1] in text.split("attempts\n", 1)[1].splitlines()[1]
     journal = text.split("journal ", 1)[1]
     assert "ok: recorded a" in journal and "ok: recorded b" in journal
     assert "replayed" not in journal
@@ -123,6 +128,8 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
     attempts = detail["attempts"]
     assert isinstance(attempts, list) and len(attempts) == 1
     assert attempts[0]["outcome"] == "succeeded"
+    assert attempts[0]["agent_version"] == detail["agent_version"] == version[1]
+    assert detail["version_wait_since"] is None and detail["upgrades"] == []
     steps = detail["journal"]
     assert isinstance(steps, list) and steps
     assert {(s["executed_in"], tuple(s["replayed_in"])) for s in steps} == {(1, ())}

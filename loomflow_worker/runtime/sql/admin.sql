@@ -11,7 +11,8 @@ SELECT current_setting('server_version');
 -- none), ages by enqueue time on the database's clock, at most `limit`.
 SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
        holder AS worker, not_before,
-       CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for
+       CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for, agent_version,
+       CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since
   FROM runs
  WHERE (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
    AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
@@ -29,20 +30,38 @@ SELECT status, result, error, error_type FROM runs WHERE request_id = %(request_
 -- name: get_run
 -- One request as `show` and the console's run page read it (admin.RunDetail),
 -- its prompt cut to `prompt_chars` characters (NULL: whole), with the
--- database's clock.
+-- database's clock. The version of its agent it is pinned to, since when it
+-- waits for a worker of that version (queued), whether a live worker serves
+-- that version, and when one was last seen (NULL: none known).
 SELECT request_id, seq, scope, session_id, user_id, agent, kind,
        CASE WHEN %(prompt_chars)s::integer IS NULL THEN prompt
             ELSE left(prompt, %(prompt_chars)s) END AS prompt,
        length(prompt) AS prompt_length, metadata, status, epoch, attempts AS attempts_count,
        failures, crashes, holder AS worker, cancel_requested, result, error, error_type, enqueued_at,
        started_at, heartbeat_at, finished_at, not_before, now() AS now,
-       CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for
-  FROM runs WHERE request_id = %(request_id)s;
+       CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for,
+       agent_version, CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since,
+       v.live AS version_live, v.seen_at AS version_seen_at
+  FROM runs r
+  LEFT JOIN LATERAL (
+      SELECT bool_or(w.stopped_at IS NULL
+                     AND w.seen_at > now() - make_interval(secs => 2 * w.heartbeat_interval))
+             AS live,
+             max(w.seen_at) AS seen_at
+        FROM worker_agents a JOIN workers w USING (worker)
+       WHERE a.agent = r.agent AND a.version = r.agent_version
+  ) v ON r.agent_version IS NOT NULL
+ WHERE r.request_id = %(request_id)s;
+
+-- name: get_run_upgrades
+-- The moves of a request to another version of its agent, oldest first.
+SELECT at, from_version, to_version, by FROM run_upgrades
+ WHERE request_id = %(request_id)s ORDER BY at;
 
 -- name: get_run_attempts
 -- A request's attempts, each with the start of the one after it (where the
 -- console's lane of an attempt whose worker died ends).
-SELECT attempt, worker, pid, epoch, started_at, ended_at, outcome,
+SELECT attempt, worker, pid, epoch, started_at, ended_at, outcome, agent_version,
        lead(started_at) OVER (ORDER BY attempt) AS next_started_at
   FROM run_attempts WHERE request_id = %(request_id)s
  ORDER BY attempt;

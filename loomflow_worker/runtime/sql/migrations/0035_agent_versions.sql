@@ -9,8 +9,10 @@
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS agent_version TEXT;
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS version_wait_since TIMESTAMPTZ;
 ALTER TABLE run_attempts ADD COLUMN IF NOT EXISTS agent_version TEXT;
-CREATE INDEX IF NOT EXISTS runs_version_waiting ON runs (agent, agent_version)
-    WHERE version_wait_since IS NOT NULL;
+-- Unfinished requests by the version they are pinned to (versions, the
+-- waiting gauge, loomflow_worker_version_demand).
+CREATE INDEX IF NOT EXISTS runs_pinned_open ON runs (agent, agent_version)
+    WHERE status IN ('queued', 'running') AND agent_version IS NOT NULL;
 
 -- The fleet's agents: each worker process's row per agent it serves, with the
 -- version it built and what enqueuing needs of it (fairness key, shared
@@ -40,3 +42,29 @@ CREATE TABLE IF NOT EXISTS run_upgrades (
     by TEXT NOT NULL,
     PRIMARY KEY (request_id, at)
 );
+
+-- What the workers of one release still owe: unfinished requests pinned to a
+-- version of an agent that a worker whose host name starts with `host_prefix`
+-- (a Deployment's pods: its name) built, and that no live worker of another
+-- host name serves. An autoscaler keeps that release running (or starts it
+-- again) while this is above zero, and lets it scale to zero after
+-- (deploy/k8s). A version whose workers were all forgotten (a day unseen)
+-- counts nowhere: see `loomflow-worker versions`.
+CREATE OR REPLACE FUNCTION loomflow_worker_version_demand(host_prefix TEXT) RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    WITH mine AS (
+        SELECT DISTINCT a.agent, a.version
+          FROM worker_agents a JOIN workers w USING (worker)
+         WHERE starts_with(w.hostname, host_prefix)
+    ), served_elsewhere AS (
+        SELECT DISTINCT a.agent, a.version
+          FROM worker_agents a JOIN workers w USING (worker)
+         WHERE NOT starts_with(w.hostname, host_prefix) AND w.stopped_at IS NULL
+           AND w.seen_at > now() - make_interval(secs => 2 * w.heartbeat_interval)
+    )
+    SELECT count(*)
+      FROM runs r JOIN mine m ON m.agent = r.agent AND m.version = r.agent_version
+     WHERE r.status IN ('queued', 'running') AND r.agent_version IS NOT NULL
+       AND NOT EXISTS (SELECT 1 FROM served_elsewhere s
+                        WHERE s.agent = r.agent AND s.version = r.agent_version)
+$$;
