@@ -597,6 +597,81 @@ def tail(request_id: str, as_json: bool, idle_timeout: float | None) -> None:
     sys.exit(_STATUS_EXIT.get(final, EXIT_FAILED))
 
 
+# ---- versions, upgrade ----------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per version.")
+@handled
+def versions(as_json: bool) -> None:
+    """Each agent's versions: the live workers serving each, and the unfinished
+    requests pinned to it (running; waiting for a worker of it; queued). A
+    request is pinned to the version its first attempt ran, and runs only on
+    a worker of that version: a version with requests waiting and no live
+    worker needs a worker of it, or `loomflow-worker upgrade`."""
+    from . import admin
+
+    with admin.connect(_settings()) as conn:
+        found = admin.agent_versions(conn)
+    if as_json:
+        for info in found:
+            _echo_json({**asdict(info), "live": info.live})
+        return
+    if not found:
+        click.echo("no agent versions known: no worker has started yet", err=True)
+        return
+    rows = []
+    for info in found:
+        seen = ("now" if info.live else
+                f"last seen {_when(info.seen_at)}" if info.seen_at is not None else "never seen")
+        waits = (f"{info.waiting} since {_when(info.waiting_since)}" if info.waiting
+                 else "0")
+        rows.append((info.agent, info.version + (" (declared)" if info.declared else ""),
+                     str(len(info.workers)), seen, str(info.running), waits, str(info.queued)))
+    for line in _table(("AGENT", "VERSION", "WORKERS", "SEEN", "RUNNING", "WAITING", "QUEUED"),
+                       rows):
+        click.echo(line)
+    stranded = [i for i in found if i.waiting and not i.live]
+    for info in stranded:
+        click.echo(f"agent {info.agent!r} version {info.version}: {info.waiting} requests wait "
+                   "for a worker of it and none is alive; start one, or move them: "
+                   f"loomflow-worker upgrade --agent {info.agent} --from {info.version}",
+                   err=True)
+
+
+@main.command()
+@click.argument("request_id", metavar="[REQUEST]", required=False)
+@click.option("--agent", default=None, help="Move every queued request of this agent ...")
+@click.option("--from", "from_version", default=None, metavar="VERSION",
+              help="... pinned to this version.")
+@click.option("--to", "to", default=None, metavar="VERSION",
+              help="The version to move to (default: the newest one a live worker serves).")
+@handled
+def upgrade(request_id: str | None, agent: str | None, from_version: str | None,
+            to: str | None) -> None:
+    """Move a queued request (or, with --agent and --from, every queued request
+    of an agent pinned to a version) to another version of its agent. What it
+    completed stays in its journal and is never executed again: its next
+    attempt replays its journaled model calls by position, with their tool
+    calls, and only what had not completed runs on the new version's code.
+    Prints each request moved and the version it left."""
+    if (request_id is None) == (agent is None):
+        raise click.UsageError("give a REQUEST, or --agent NAME --from VERSION")
+    if agent is not None and from_version is None:
+        raise click.UsageError("--agent needs --from VERSION: the version to move requests off")
+    if request_id is not None and from_version is not None:
+        raise click.UsageError("--from goes with --agent")
+    _settings()
+    from .tasks.upgrade import upgrade_agent, upgrade_request
+
+    done = (upgrade_request(request_id, to) if request_id is not None
+            else upgrade_agent(str(agent), str(from_version), to))
+    for moved, left in done.moved:
+        click.echo(f"{moved}: moved from version {left} to {done.to}")
+    click.echo(f"moved {len(done.moved)} request{'' if len(done.moved) == 1 else 's'} of "
+               f"agent {done.agent!r} to version {done.to}", err=True)
+
+
 # ---- cancel, signal -------------------------------------------------------------------------
 
 

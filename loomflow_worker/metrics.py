@@ -41,6 +41,7 @@ class Metrics:
     refused: Any
     signals_dropped: Any
     backlog: Any
+    version_waiting: Any
     model_waits: Any
     model_wait_seconds: Any
 
@@ -133,6 +134,13 @@ def setup() -> Metrics:
                 "(sum or max it across workers)",
                 ["queue"], multiprocess_mode="liveall",
             ),
+            version_waiting=Gauge(
+                "loomflow_worker_version_waiting",
+                "Requests waiting for a worker of the version of their agent they are pinned "
+                "to, by agent and version, from the runs ledger: set by the sweeper's leader, 0 "
+                "on every other worker (sum or max it across workers)",
+                ["agent", "version"], multiprocess_mode="liveall",
+            ),
             model_waits=Counter(
                 "loomflow_worker_model_waits",
                 "Model calls that waited: for their key's budget (budget), or because the "
@@ -163,6 +171,23 @@ def report_backlog(queued: dict[str, int]) -> None:
     for queue, count in queued.items():
         _metrics.backlog.labels(queue=queue).set(count)
     _backlog_queues.update(queued)
+
+
+#: The (agent, version) pairs this process reported waiting requests for.
+_waiting_versions: set[tuple[str, str]] = set()
+
+
+def report_version_waiting(waiting: dict[tuple[str, str], int]) -> None:
+    """Set the gauge of requests waiting for a version to ``waiting`` ((agent,
+    version) -> requests), and to 0 for a pair reported before and absent now,
+    when metrics are on."""
+    if _metrics is None:
+        return
+    for agent, version in _waiting_versions - set(waiting):
+        _metrics.version_waiting.labels(agent=agent, version=version).set(0)
+    for (agent, version), count in waiting.items():
+        _metrics.version_waiting.labels(agent=agent, version=version).set(count)
+    _waiting_versions.update(waiting)
 
 
 def observe_connections(ports: dict[int, str]) -> None:

@@ -19,6 +19,7 @@ from ..execution import ledger_reads
 from ..execution import statuses as ledger_statuses
 from ..execution.errors import RequestNotFound
 from ..execution.statuses import STATUSES as STATUSES
+from ..execution.versions import VersionInfo as VersionInfo
 from ..runtime.errors import InvalidInput, translated
 from ..runtime.sql import query
 from .connect import Conn
@@ -183,6 +184,12 @@ class StepInfo:
         if self.rerun_in:
             parts.append("run again (new inputs) in " + ", ".join(map(str, self.rerun_in)))
         return ", ".join(parts)
+
+
+def agent_versions(conn: Conn) -> list[VersionInfo]:
+    """Every version of every agent the fleet knows, newest build first per agent."""
+    with translated("query"):
+        return [VersionInfo(**row) for row in ledger_reads.agent_versions(conn)]
 
 
 @dataclass(frozen=True)

@@ -990,6 +990,7 @@ async def _run(
     # connection is lost, the run stops at once, mid-step.
     fence = anyio.CancelScope()
     lease.request_id, lease.attempt = request_id, started.attempt
+    lease.upgraded = started.upgraded
     if started.suspicion or started.lost_streak:
         # Its first completed step clears it of suspicion (and, running alone,
         # sends it back to its shared process, unless a cancel stops it there).
@@ -1031,6 +1032,7 @@ async def _run(
                 raise lease.fenced or LockLost(req.scope, "the heartbeat failed")
         finally:
             lease.request_id = lease.attempt = None
+            lease.upgraded = False
             ctx._halts.pop(request_id, None)
             if meter is not None:
                 meter.steps.labels("executed").inc(runtime.stats.steps_executed - executed)
@@ -1056,8 +1058,13 @@ async def _run(
             return paused
         diverged = _found(exc, Diverged)
         if diverged is not None:
-            return Ending("failed", error=f"Diverged: {diverged}", error_type="Diverged",
-                          note=f": {diverged}")
+            # The request is pinned to this worker's version: the version said
+            # the code had not changed (declared, and left unchanged).
+            said = (f"{diverged} (both under version {ctx.versions.get(req.agent)} of agent "
+                    f"{req.agent!r}: the agent changed in a way its version does not show, "
+                    "e.g. a declared version left as it was)")
+            return Ending("failed", error=f"Diverged: {said}", error_type="Diverged",
+                          note=f": {said}")
         stopped = _found(exc, RunStopped)
         if stopped is not None:
             return Ending("cancelled", error=stopped.reason, error_type="Cancelled",

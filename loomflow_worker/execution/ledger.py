@@ -590,6 +590,9 @@ class Started:
     # Status "other_version": the version of its agent the request is pinned
     # to, which is not the starting worker's.
     other_version: str | None = None
+    # It was moved to another version of its agent on purpose (``upgrade``):
+    # its model calls journaled before replay by position (see Lease.upgraded).
+    upgraded: bool = False
 
 
 #: start's status for a request pinned to a version its worker does not run.
@@ -662,6 +665,7 @@ def _started_of(request_id: str, row: DictRow | None, opened: list[DictRow] | No
         since_handoff=row["since_handoff"],
         suspicion=row["suspicion"], lost_streak=row["lost_streak"],
         opened=opened, booked_key=row["booked_key"], booked_in=row["booked_in"],
+        upgraded=bool(row["upgraded"]),
     )
 
 
@@ -721,6 +725,43 @@ async def await_version(
         "request_id": request_id, "options": _jsonb(options),
         "default_queue": default_queue, "suffix": suffix})
     return _pending(await cur.fetchone())
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A request ``upgrade_requests`` moved to another version, to publish."""
+
+    pending: Pending
+    from_version: str
+
+
+def upgrade_requests(
+    conn: psycopg.Connection[Any], *, to: str, by: str, default_queue: str, suffix: str,
+    request_id: str | None = None, agent: str | None = None, from_version: str | None = None,
+) -> list[Moved]:
+    """Move queued requests pinned to another version to version ``to``
+    (``request_id``, or every one of ``agent`` pinned to ``from_version``),
+    recorded with ``by``; routed to ``to``'s queue (its queue's name, else
+    ``default_queue``, then ``suffix``). See ``upgrade_requests``."""
+    rows = conn.cursor(row_factory=dict_row).execute(query("upgrade_requests"), {
+        "request_id": request_id, "agent": agent, "from": from_version, "to": to, "by": by,
+        "default_queue": default_queue, "suffix": suffix}).fetchall()
+    return [Moved(Pending.of(row), row["from_version"]) for row in rows]
+
+
+def waiting_for_version(
+    conn: psycopg.Connection[Any], agent: str, version: str, limit: int
+) -> list[str]:
+    """Up to ``limit`` requests of ``agent`` waiting for a worker of ``version``."""
+    return [row[0] for row in conn.execute(
+        query("waiting_for_version"), {"agent": agent, "version": version, "limit": limit})]
+
+
+def known_versions(conn: psycopg.Connection[Any], agent: str) -> list[DictRow]:
+    """Each version of ``agent`` the fleet's registry knows, newest build
+    first: ``version``, ``live``, ``built_at``."""
+    return conn.cursor(row_factory=dict_row).execute(
+        query("known_versions"), {"agent": agent}).fetchall()
 
 
 async def park_on_limit(

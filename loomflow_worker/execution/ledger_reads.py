@@ -69,6 +69,12 @@ def request_upgrades(conn: Conn, request_id: str) -> list[DictRow]:
     return _rows(conn, "get_run_upgrades", {"request_id": request_id})
 
 
+def agent_versions(conn: Conn) -> list[DictRow]:
+    """Each version of each agent, from the fleet's registry and the requests
+    pinned to it (see ``agent_versions``)."""
+    return _rows(conn, "agent_versions", {})
+
+
 def _rows(conn: Conn, name: str, params: Mapping[str, Any]) -> list[DictRow]:
     return conn.cursor(row_factory=dict_row).execute(query(name), params).fetchall()
 

@@ -14,6 +14,10 @@ AgentFactory = Callable[[Any], Any]
 F = TypeVar("F", bound=AgentFactory)
 
 DEFAULT_AGENT = "default"
+#: What becomes of a request whose version no live worker serves (see register_agent).
+ON_VERSION_GONE = ("wait", "upgrade", "cancel")
+#: Seconds with no live worker of its version before the policy acts.
+DEFAULT_GRACE = 600.0
 
 _factories: dict[str, AgentFactory] = {}
 _time_limits: dict[str, float] = {}
@@ -21,6 +25,7 @@ _model_keys: dict[str, str] = {}
 _limits: dict[str, tuple[str, ...]] = {}
 _fairness_keys: dict[str, str] = {}
 _versions: dict[str, str] = {}
+_on_version_gone: dict[str, tuple[str, float]] = {}
 _imported: set[str] = set()
 
 
@@ -32,6 +37,8 @@ def register_agent(
     limits: Iterable[str] = (),
     fairness_key: str | None = None,
     version: str | None = None,
+    on_version_gone: str = "wait",
+    grace: float = DEFAULT_GRACE,
 ) -> Callable[[F], F]:
     """Register ``build(runtime) -> loomflow.Agent`` under ``name``.
 
@@ -48,7 +55,12 @@ def register_agent(
     (by default, each request's user, else its session). ``version`` declares
     the agent's version (1 to 64 letters, digits or ``._+-``), changed only
     when its team changes it; by default the version is a digest of the agent
-    as the worker builds it (:func:`.versions.agent_version`)."""
+    as the worker builds it (:func:`.versions.agent_version`). A request is
+    pinned to the version its first attempt ran; ``on_version_gone`` says what
+    becomes of one whose version no live worker has served for ``grace``
+    seconds: ``"wait"`` (the default: it waits, visibly, for a worker of its
+    version), ``"upgrade"`` (it moves to the newest version a live worker
+    serves, as ``loomflow-worker upgrade`` moves it) or ``"cancel"``."""
     if not isinstance(name, str) or not name.strip():
         raise InvalidInput("register_agent needs a non-empty agent name")
     if time_limit is not None and time_limit <= 0:
@@ -66,6 +78,11 @@ def register_agent(
             raise InvalidInput(f"fairness_key {fairness_key!r}: {exc}") from None
     if version is not None:
         check_version(version)
+    if on_version_gone not in ON_VERSION_GONE:
+        choices = ", ".join(map(repr, ON_VERSION_GONE))
+        raise InvalidInput(f"on_version_gone must be one of {choices}, not {on_version_gone!r}")
+    if not isinstance(grace, int | float) or grace <= 0:
+        raise InvalidInput(f"grace must be positive seconds, not {grace!r}")
     if isinstance(limits, str):
         raise InvalidInput(f"limits is a list of limit names, not the string {limits!r}")
     shared = tuple(limits)
@@ -84,6 +101,8 @@ def register_agent(
         _set(_limits, name, shared or None)
         _set(_fairness_keys, name, fairness_key)
         _set(_versions, name, version)
+        _set(_on_version_gone, name,
+             None if on_version_gone == "wait" else (on_version_gone, float(grace)))
         return factory
 
     return decorate
@@ -131,6 +150,12 @@ def agent_fairness_key(name: str) -> str | None:
 def agent_declared_version(name: str) -> str | None:
     """The version ``register_agent`` declared for the agent, if any."""
     return _versions.get(name)
+
+
+def agent_on_version_gone(name: str) -> tuple[str, float]:
+    """What becomes of the agent's requests whose version is gone, and after
+    how many seconds (``register_agent``'s ``on_version_gone`` and ``grace``)."""
+    return _on_version_gone.get(name, ("wait", DEFAULT_GRACE))
 
 
 def agent_model_key(name: str) -> str | None:

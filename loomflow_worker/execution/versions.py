@@ -17,6 +17,8 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from ..runtime.errors import InvalidInput
@@ -159,3 +161,27 @@ def _describe(value: Any, depth: int = 0) -> Any:
 def _qualname(value: Any, *, of_class: bool = False) -> str:
     kind = value if of_class else type(value)
     return f"{kind.__module__}.{kind.__qualname__}"
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One version of one agent, as ``versions`` lists it: the live workers
+    serving it, when a worker of it was last seen and built it, whether its
+    team declared it, and the unfinished requests pinned to it: running,
+    waiting for a worker of it (since ``waiting_since``), queued otherwise."""
+
+    agent: str
+    version: str
+    declared: bool
+    workers: list[str]
+    seen_at: datetime | None
+    built_at: datetime | None
+    running: int
+    waiting: int
+    queued: int
+    waiting_since: datetime | None
+    now: datetime
+
+    @property
+    def live(self) -> bool:
+        return bool(self.workers)

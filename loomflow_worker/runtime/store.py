@@ -180,6 +180,18 @@ class OpenChoice:
 _TOOL_KEY = re.compile(r"^((?:[^/]+/)?idem:tool_call_\d+_\d+):")
 
 
+_MODEL_KEY = re.compile(r"^((?:[^/]+/)?model_call_\d+)@")
+
+
+def model_position(key: str) -> str | None:
+    """The position part of a model call's journal key, its namespace and turn
+    (``None``: not a model call's)."""
+    if "model_call_" not in key:
+        return None
+    found = _MODEL_KEY.match(key)
+    return None if found is None else found[1]
+
+
 def tool_position(key: str) -> str | None:
     """The position part of a tool call's journal key (``None``: not a tool call's)."""
     if "idem:tool_call_" not in key:
@@ -236,6 +248,12 @@ class Lease:
         # attempt: with the request id, the fencing token its writes carry.
         self.request_id: str | None = None
         self.attempt: int | None = None
+        # The request was moved to another version of its agent on purpose: a
+        # model call the journal holds at the same position (namespace and
+        # turn) under another fingerprint (the old version's instructions or
+        # tools) replays as it was, so its tool calls replay too and only what
+        # had not completed runs on the new code.
+        self.upgraded = False
         # Whether the latest step came from the journal (marks live events).
         self.last_replayed = False
         self.released = False
@@ -243,6 +261,9 @@ class Lease:
         # The key journaled at each tool call's position (its namespace, turn
         # and slot), to tell a call of other content there (see ``diverged``).
         self._positions: dict[tuple[str, str], str] = {}
+        # The key journaled at each model call's position, as read from the
+        # database (see ``upgraded``).
+        self._model_positions: dict[tuple[str, str], str] = {}
         self._streams: dict[tuple[str, str], bytes] = {}
         self._loaded: set[tuple[str, str]] = set()
         self.signal_counts: dict[tuple[str, str], int] = {}
@@ -446,6 +467,9 @@ class Lease:
                 kept[(scope, row["step_name"])] = bytes(row["value"])
                 if not row["stream"]:
                     self._note_position(scope, row["step_name"])
+                model = model_position(row["step_name"])
+                if model is not None:
+                    self._model_positions.setdefault((scope, model), row["step_name"])
 
     def _note_position(self, scope: str, key: str) -> None:
         position = tool_position(key)
@@ -471,6 +495,7 @@ class Lease:
         loaded yet."""
         if (scope, ns) not in self._loaded:
             return None, None
+        key = self._upgraded_key(self._steps, scope, key)
         blob = self._steps.get((scope, key))
         if blob is None:
             return False, None
@@ -478,6 +503,7 @@ class Lease:
 
     async def lookup_step(self, scope: str, ns: str, key: str) -> tuple[bool, Any]:
         await self.load(scope, ns)
+        key = self._upgraded_key(self._steps, scope, key)
         blob = self._steps.get((scope, key))
         if blob is None:
             return False, None
@@ -485,11 +511,21 @@ class Lease:
 
     async def lookup_stream(self, scope: str, ns: str, key: str) -> tuple[bool, Any]:
         await self.load(scope, ns)
+        key = self._upgraded_key(self._streams, scope, key)
         blob = self._streams.get((scope, key))
         if blob is None:
             return False, None
         ok, chunks = self.store._decode(blob, key)
         return (True, list(chunks or [])) if ok else (False, None)
+
+    def _upgraded_key(self, kept: dict[tuple[str, str], bytes], scope: str, key: str) -> str:
+        """``key``, or for an upgraded request's model call the journal does not
+        hold under it, the key of the model call journaled at its position."""
+        if not self.upgraded or (scope, key) in kept:
+            return key
+        position = model_position(key)
+        found = self._model_positions.get((scope, position)) if position is not None else None
+        return found if found is not None and (scope, found) in kept else key
 
     # ---- writing -----------------------------------------------------------
 

@@ -35,6 +35,7 @@ from ..settings import Settings
 from .admission import Admission
 from .alone import stop_alone
 from .application import current_app, settings
+from .cancel import cancel_request
 from .connections import bound_producers_now, bound_worker_connections
 from .dispatch import RESUME_AGENT, RUN_AGENT, dispatch_many
 from .eta import arrival
@@ -46,6 +47,8 @@ from .revoke import end_revoked_requests, end_revoked_soon
 from .state import PROCESS
 from .sweeper import Sweeper
 from .task import AgentTask
+from .upgrade import upgrade_stranded
+from .version_watch import VersionWatch
 
 log = logging.getLogger("loomflow_worker.tasks")
 
@@ -229,7 +232,8 @@ def _start_sweeper(sender: Any = None, **_: Any) -> None:
         sweeper = Sweeper(settings(), dispatch_many, queue_lengths,
                           ResultRepair(results_missing, store_result,
                                        probe_result_backend, result_lifetime()),
-                          revoked=end_revoked_requests, held=_stamp_held)
+                          revoked=end_revoked_requests, held=_stamp_held,
+                          versions=VersionWatch(upgrade_stranded, cancel_request))
         PROCESS.sweeper = sweeper
         sweeper.start()
 

@@ -13,6 +13,9 @@ sweep, the leader:
   backend since (:mod:`.repair`);
 - with ``retention`` set, prunes what is older than it, and forgets worker
   processes long gone (:mod:`.retention`);
+- counts the requests waiting for a version of their agent, says so when no
+  live worker serves it, and applies its agent's on_version_gone policy
+  (:mod:`.version_watch`);
 
 and records what it did in ``sweeper_actions``, for the console. Every
 worker, leader or not, says on each turn which messages it holds unstarted.
@@ -41,6 +44,7 @@ from .recovery import Recovery
 from .repair import ResultRepairer
 from .result_watch import ResultRepair
 from .retention import Retention
+from .version_watch import VersionWatch
 
 log = logging.getLogger("loomflow_worker.sweeper")
 
@@ -71,6 +75,7 @@ class Sweeper:
         results: ResultRepair | None = None,
         revoked: Callable[[list[str]], None] | None = None,
         held: Callable[[psycopg.Connection[Any]], int] | None = None,
+        versions: VersionWatch | None = None,
     ) -> None:
         self.settings = settings
         # Stamps the requests this worker holds unstarted (a rate limit, an
@@ -86,6 +91,7 @@ class Sweeper:
         self.repair = (ResultRepairer(settings, results, self.actions.append)
                        if results is not None else None)
         self.retention = Retention(settings, self.actions.append)
+        self.versions = versions or VersionWatch()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: Conn | None = None
@@ -152,8 +158,10 @@ class Sweeper:
                     self.repair.recheck(conn)
                 self.retention.retain(conn)
                 self.retention.forget_workers(conn)
+                self.versions.watch(conn)
             else:
-                metrics.report_backlog({})  # the leader reports it
+                metrics.report_backlog({})  # the leader reports them
+                metrics.report_version_waiting({})
         finally:
             self.record_actions(conn)
 

@@ -13,6 +13,8 @@ again."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,14 @@ def _entered(path: Path, tag: str) -> bool:
                                  for line in path.read_text().splitlines())
 
 
+def _in_flight(path: Path, orders: list[str]) -> int:
+    """How many of ``orders`` version 1 entered before it was killed (the last
+    of them was in flight: the kill lands in the fourth charge, or a later one
+    on a slow machine)."""
+    entered = {line.split(" ", 1)[0] for line in path.read_text().splitlines()}
+    return max(i + 1 for i, tag in enumerate(orders) if tag in entered)
+
+
 def _model_calls(path: Path, first_line: str) -> list[str]:
     """The versions that made each model call of the request whose prompt
     starts with ``first_line``."""
@@ -106,6 +116,7 @@ def test_a_request_finishes_on_the_version_it_started_on(
 
     wait_until(lambda: _entered(entries, "A-o4"), "version 1 charging order 4", timeout=60)
     fleet.kill("v1")
+    cut = _in_flight(entries, orders)
     # The request waits for version 1, in its version's queue; version 2 runs
     # nothing of it, and a new request runs on version 2 at once.
     wait_until(lambda: _row(fleet.dsn, pinned.id)["version_wait_since"] is not None,
@@ -130,11 +141,88 @@ def test_a_request_finishes_on_the_version_it_started_on(
         f"recorded {tag}" for tag in orders)
     charges = _charges(fleet.dsn, "A-")
     assert set(charges) == set(orders), charges
-    assert {tag: n for tag, n in charges.items() if tag != "A-o4"} == dict.fromkeys(
-        set(orders) - {"A-o4"}, 1), charges
-    assert charges["A-o4"] in (1, 2), charges
+    assert all(charges[tag] == 1 for tag in orders if tag != orders[cut - 1]), charges
+    assert charges[orders[cut - 1]] in (1, 2), charges
     row = _row(fleet.dsn, pinned.id)
     assert row["status"] == "succeeded" and row["agent_version"] == v1
     assert row["version_wait_since"] is None
-    # Four model calls before the kill (one a charge), three after: none asked twice.
+    # One model call per charge and one to answer, each asked once, all on version 1.
     assert _model_calls(model_calls, prompt.splitlines()[0]) == ["1"] * 7
+
+
+def _kill_v1_mid_run(
+    fleet: Fleet, tmp_path: Path, **env: str
+) -> tuple[Any, list[str], Path, int]:
+    """A request charging six orders started on version 1, version 2 alive, and
+    version 1 SIGKILLed in the middle of the fourth charge; the request, its
+    orders, the model calls' file and how many orders version 1 entered."""
+    entries, model_calls = tmp_path / "entries", tmp_path / "model-calls"
+    env = {**FAST_ENV, "TEST_ENTRIES_FILE": str(entries), "TEST_MODEL_CALLS": str(model_calls),
+           **env}
+    orders = [f"A-o{n}" for n in range(1, 7)]
+    fleet.start("v1", concurrency=4, pool="threads", TEST_AGENT_VERSION="1", **env)
+    request = run_agent.apply_async((calls(*orders), "session-a"), {"agent": "deploy"})
+    fleet.start("v2", concurrency=4, pool="threads", TEST_AGENT_VERSION="2", **env)
+    wait_until(lambda: _entered(entries, "A-o4"), "version 1 charging order 4", timeout=60)
+    fleet.kill("v1")
+    return request, orders, model_calls, _in_flight(entries, orders)
+
+
+@pytest.mark.parametrize("how", ["command", "policy"])
+def test_an_upgraded_request_continues_on_the_new_version_from_what_it_completed(
+    fleet: Fleet, tmp_path: Path, how: str
+) -> None:
+    # Version 1 is gone for good: the request moves to version 2, by the
+    # command or by its agent's policy (on_version_gone="upgrade", after its
+    # grace). The orders charged under version 1 are not charged again; the
+    # rest are charged once, on version 2, whose model writes the output.
+    from loomflow_worker import admin
+    from loomflow_worker.settings import Settings
+
+    policy = {"TEST_ON_VERSION_GONE": "upgrade", "TEST_GRACE": "2"} if how == "policy" else {}
+    request, orders, model_calls, cut = _kill_v1_mid_run(fleet, tmp_path, **policy)
+    v1, v2 = _version_of(fleet.dsn, "v1"), _version_of(fleet.dsn, "v2")
+    if how == "command":
+        wait_until(lambda: _row(fleet.dsn, request.id)["version_wait_since"] is not None,
+                   "the request waiting for version 1", timeout=60)
+        moved = subprocess.run(
+            [sys.executable, "-m", "loomflow_worker.cli", "upgrade", request.id],
+            env=fleet.env, capture_output=True, text=True, timeout=60)
+        assert moved.returncode == 0, moved.stderr
+        assert moved.stdout == f"{request.id}: moved from version {v1} to {v2}\n"
+    # Version 1 asked for the charges up to the one in flight; version 2 for the rest.
+    expected = [*orders[:cut], *(f"{tag}-cents" for tag in orders[cut:])]
+    assert request.get(timeout=90)["output"] == "done: " + ", ".join(
+        f"recorded {tag}" for tag in expected)
+    charges = _charges(fleet.dsn, "A-")
+    assert set(charges) == set(expected), charges
+    assert all(charges[tag] == 1 for tag in expected if tag != orders[cut - 1]), charges
+    assert charges[orders[cut - 1]] in (1, 2), charges  # in flight at the kill
+    # Version 1's model calls replay by position; version 2 asks the rest, once each.
+    calls_made = _model_calls(model_calls, calls(*orders).splitlines()[0])
+    assert calls_made == ["1"] * cut + ["2"] * (len(orders) + 1 - cut), calls_made
+    with admin.connect(Settings(database_url=fleet.dsn)) as conn:  # type: ignore[arg-type]
+        detail = admin.get_request(conn, request.id)
+    assert detail.agent_version == v2 and detail.status == "succeeded"
+    assert [(u.from_version, u.to_version) for u in detail.upgrades] == [(v1, v2)]
+    assert detail.upgrades[0].by == (
+        "upgrade" if how == "command" else "on_version_gone=upgrade after 2s")
+    assert detail.attempts[-1].agent_version == v2
+
+
+def test_a_change_under_an_unchanged_declared_version_diverges_before_a_second_charge(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    # Both deploys declare version "1": version 2 resumes the request, asks its
+    # model again (its instructions changed), and the first charge it asks for
+    # carries other arguments than the one journaled there: the request ends
+    # failed, Diverged, and nothing is charged again.
+    request, orders, _, _ = _kill_v1_mid_run(fleet, tmp_path, TEST_DECLARED_VERSION="1")
+    with pytest.raises(Exception, match="diverged from its journal") as info:
+        request.get(timeout=90)
+    assert "A-o1-cents" in str(info.value) and "version 1 of agent 'deploy'" in str(info.value)
+    row = _row(fleet.dsn, request.id)
+    assert row["status"] == "failed" and row["agent_version"] == "1"
+    charges = _charges(fleet.dsn, "A-")
+    assert set(charges) <= set(orders), charges
+    assert all(n == 1 for n in charges.values()), charges

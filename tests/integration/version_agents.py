@@ -46,7 +46,9 @@ async def _count_call(messages: list[Any]) -> None:
         f.write(f"{VERSION}\t{prompt.splitlines()[0] if prompt else ''}\n")
 
 
-@register_agent("deploy")
+@register_agent("deploy", version=os.environ.get("TEST_DECLARED_VERSION"),
+                on_version_gone=os.environ.get("TEST_ON_VERSION_GONE", "wait"),
+                grace=float(os.environ.get("TEST_GRACE", "600")))
 def build(runtime: Any) -> Agent:
     changed = VERSION == "2"
     model_class = CentsModel if changed and CHANGE == "tool" else DeterministicModel

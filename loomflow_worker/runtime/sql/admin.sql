@@ -85,3 +85,38 @@ SELECT true, step_name, created_at, chunks FROM journal_streams
  ORDER BY created_at, step_name
  LIMIT %(limit)s;
 
+
+-- name: agent_versions
+-- `loomflow-worker versions`, the console's fleet page and the sweeper's
+-- watch: each version of each agent, from the fleet's registry (its live
+-- workers, when a worker of it was last seen and built it, whether declared)
+-- and from the requests pinned to it (running; queued and waiting for a
+-- worker of it, since when; queued otherwise). Newest build first per agent.
+WITH served AS (
+    SELECT a.agent, a.version, bool_or(a.declared) AS declared,
+           array_agg(a.worker ORDER BY a.worker) FILTER (WHERE l.live) AS workers,
+           max(w.seen_at) AS seen_at, max(a.built_at) AS built_at
+      FROM worker_agents a
+      LEFT JOIN workers w USING (worker)
+     CROSS JOIN LATERAL (
+         SELECT coalesce(w.stopped_at IS NULL AND w.seen_at > now()
+                         - make_interval(secs => 2 * w.heartbeat_interval), false) AS live) l
+     GROUP BY a.agent, a.version
+), pinned AS (
+    SELECT agent, agent_version AS version,
+           count(*) FILTER (WHERE status = 'running') AS running,
+           count(*) FILTER (WHERE status = 'queued' AND version_wait_since IS NOT NULL)
+               AS waiting,
+           count(*) FILTER (WHERE status = 'queued' AND version_wait_since IS NULL) AS queued,
+           min(version_wait_since) AS waiting_since
+      FROM runs
+     WHERE loomflow_worker_unfinished(status) AND agent_version IS NOT NULL
+     GROUP BY agent, agent_version
+)
+SELECT coalesce(s.agent, p.agent) AS agent, coalesce(s.version, p.version) AS version,
+       coalesce(s.declared, false) AS declared, coalesce(s.workers, '{}') AS workers,
+       s.seen_at, s.built_at, coalesce(p.running, 0) AS running,
+       coalesce(p.waiting, 0) AS waiting, coalesce(p.queued, 0) AS queued, p.waiting_since,
+       now() AS now
+  FROM served s FULL JOIN pinned p ON p.agent = s.agent AND p.version = s.version
+ ORDER BY 1, s.built_at DESC NULLS LAST, 2;

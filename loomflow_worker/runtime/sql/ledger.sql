@@ -315,8 +315,9 @@ RETURNING request_id;
 -- heartbeat is older than the lease (see `previous_open`).
 -- The first attempt pins the request to the worker's version of its agent
 -- (`version`; NULL: a caller with none, which pins nothing); a request pinned
--- to another version does not start, and `other_version` names the version
--- it is pinned to (see await_version). An attempt that starts records its
+-- to another version does not start, unless asked to cancel (it starts only
+-- to end so), and `other_version` names the version it is pinned to (see
+-- await_version). `upgraded`: it was moved to another version on purpose. An attempt that starts records its
 -- version, clears the request's wait for one, and takes back the routing the
 -- request had before it was sent to its version's queue.
 WITH r AS (
@@ -326,7 +327,8 @@ WITH r AS (
       FROM runs WHERE request_id = %(request_id)s FOR UPDATE
 ), other AS (
     SELECT r.agent_version FROM r
-     WHERE loomflow_worker_unfinished(r.status) AND %(version)s::text IS NOT NULL
+     WHERE loomflow_worker_unfinished(r.status) AND NOT r.cancel_requested
+       AND %(version)s::text IS NOT NULL
        AND r.agent_version IS DISTINCT FROM %(version)s AND r.agent_version IS NOT NULL
 ), prev AS (
     -- The previous attempt, if the request was running: how it ended, and
@@ -407,6 +409,7 @@ SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
        o.not_before, o.options, o.routing, o.stale,
        (SELECT worker FROM previous_open) AS previous_worker,
        (SELECT agent_version FROM other) AS other_version,
+       EXISTS (SELECT 1 FROM run_upgrades g WHERE g.request_id = r.request_id) AS upgraded,
        CASE WHEN s.attempts IS NOT NULL THEN r.booked_key END AS booked_key,
        CASE WHEN s.attempts IS NOT NULL
             THEN extract(epoch FROM r.booked_at - now())::float8 END AS booked_in
@@ -418,9 +421,8 @@ SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
 -- Under the scope lock: the request is pinned to a version of its agent this
 -- worker does not run (start_request said `other_version`). It goes back to
 -- queued, waiting for that version since now (or since it first waited), its
--- messages routed to the version's queue (`suffix` after its queue's name,
--- `default_queue` when its routing names none; its routing before that kept
--- under `base`, with the version under `version`); its previous attempt, if it
+-- messages routed to the version's queue (loomflow_worker_version_routing);
+-- its previous attempt, if it
 -- never ended, ends "died", and is charged as start_request charges it. What
 -- the message the worker took carried (`options`) is kept as park_request
 -- keeps it, and its columns come back for the worker to publish it there.
@@ -436,9 +438,6 @@ WITH r AS (
       FROM r
      WHERE a.request_id = r.request_id AND a.attempt = r.attempts AND a.ended_at IS NULL
        AND r.status = 'running'
-), base AS (
-    SELECT CASE WHEN routing ? 'version' THEN routing -> 'base' ELSE routing END AS routing
-      FROM runs WHERE request_id = %(request_id)s
 )
 UPDATE runs u
    SET status = 'queued',
@@ -449,14 +448,58 @@ UPDATE runs u
        version_wait_since = coalesce(u.version_wait_since, now()),
        dispatched_at = clock_timestamp(), received_at = now(), holder_pid = NULL,
        options = coalesce(%(options)s::jsonb, u.options),
-       routing = jsonb_strip_nulls(jsonb_build_object(
-           'queue', coalesce(b.routing ->> 'queue', %(default_queue)s) || %(suffix)s,
-           'priority', b.routing -> 'priority', 'version', u.agent_version,
-           'base', b.routing))
-  FROM r CROSS JOIN base b LEFT JOIN prev p ON true
+       routing = loomflow_worker_version_routing(u.routing, %(default_queue)s, %(suffix)s,
+                                                 u.agent_version)
+  FROM r LEFT JOIN prev p ON true
  WHERE u.request_id = r.request_id AND loomflow_worker_unfinished(r.status)
 RETURNING u.request_id, u.kind, u.session_id, u.user_id, u.agent, u.prompt, u.metadata,
           u.not_before, u.options, u.routing, u.agent_version;
+
+-- name: upgrade_requests
+-- Move queued requests pinned to another version of their agent to version
+-- `to` (`request_id`, or every one of `agent` pinned to `from`): pinned to it,
+-- waiting for no version, routed to its queue (`suffix`, see
+-- loomflow_worker_version_routing), each move recorded in run_upgrades with
+-- `by`. A running request is not moved (its attempt runs on, or dies and then
+-- waits). The moved requests come back, to publish.
+WITH target AS (
+    SELECT request_id, agent_version AS from_version
+      FROM runs
+     WHERE CASE WHEN %(request_id)s::text IS NOT NULL THEN request_id = %(request_id)s
+                ELSE agent = %(agent)s AND agent_version = %(from)s END
+       AND status = 'queued' AND agent_version IS NOT NULL AND agent_version <> %(to)s
+       FOR UPDATE
+), logged AS (
+    INSERT INTO run_upgrades (request_id, from_version, to_version, by)
+    SELECT request_id, from_version, %(to)s, %(by)s FROM target
+)
+UPDATE runs u
+   SET agent_version = %(to)s, version_wait_since = NULL, dispatched_at = clock_timestamp(),
+       routing = loomflow_worker_version_routing(u.routing, %(default_queue)s, %(suffix)s,
+                                                 %(to)s)
+  FROM target t
+ WHERE u.request_id = t.request_id
+RETURNING u.request_id, u.kind, u.session_id, u.user_id, u.agent, u.prompt, u.metadata,
+          u.not_before, u.options, u.routing, t.from_version;
+
+-- name: known_versions
+-- Each version of `agent` the fleet's registry knows, newest build first, and
+-- whether a live worker serves it (what `upgrade` checks its target against).
+SELECT a.version, bool_or(w.stopped_at IS NULL
+                          AND w.seen_at > now() - make_interval(secs => 2 * w.heartbeat_interval))
+       AS live, max(a.built_at) AS built_at
+  FROM worker_agents a LEFT JOIN workers w USING (worker)
+ WHERE a.agent = %(agent)s
+ GROUP BY a.version
+ ORDER BY max(a.built_at) DESC;
+
+-- name: waiting_for_version
+-- Requests of `agent` waiting for a worker of `version`, oldest first, at
+-- most `limit` (the on_version_gone policy cancels them).
+SELECT request_id FROM runs
+ WHERE agent = %(agent)s AND agent_version = %(version)s AND status = 'queued'
+   AND version_wait_since IS NOT NULL
+ ORDER BY version_wait_since LIMIT %(limit)s;
 
 -- name: heartbeat
 -- Every running request of one lock connection, stamped in one statement;

@@ -68,3 +68,20 @@ LANGUAGE sql STABLE AS $$
        AND NOT EXISTS (SELECT 1 FROM served_elsewhere s
                         WHERE s.agent = r.agent AND s.version = r.agent_version)
 $$;
+
+-- The routing of a request sent to the queue of `version` of its agent: its
+-- queue's name (`default_queue` when its routing names none) followed by
+-- `suffix`, its priority kept, the version under `version` and its routing
+-- before under `base` (which an attempt that starts takes back). A routing
+-- that already names a version is made again from its base.
+CREATE OR REPLACE FUNCTION loomflow_worker_version_routing(
+    routing JSONB, default_queue TEXT, suffix TEXT, version TEXT) RETURNS jsonb
+LANGUAGE sql IMMUTABLE AS $$
+    WITH b AS (
+        SELECT CASE WHEN routing ? 'version' THEN routing -> 'base' ELSE routing END AS base
+    )
+    SELECT jsonb_strip_nulls(jsonb_build_object(
+               'queue', coalesce(b.base ->> 'queue', default_queue) || suffix,
+               'priority', b.base -> 'priority', 'version', version, 'base', b.base))
+      FROM b
+$$;
