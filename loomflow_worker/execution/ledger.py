@@ -30,6 +30,7 @@ from ..runtime.validate import MAX_ID_BYTES, MAX_ID_LENGTH
 from .cached import CachedRead
 from .errors import RequestNotFound
 from .pending import Pending
+from .registry import FleetAgent
 from .request import RunRequest
 from .statuses import TERMINAL, UNFINISHED, Status
 
@@ -719,12 +720,14 @@ async def await_version(
     """The request is pinned to a version of its agent this worker does not
     run: queued again, waiting for that version, routed to its queue (its own
     queue's name, else ``default_queue``, then ``suffix``); the request to
-    publish there (``None``: it finished meanwhile). See ``await_version``."""
+    publish there (``None``: it finished meanwhile, or waited already, its
+    message in that queue). See ``await_version``."""
     cur = conn.cursor(row_factory=dict_row)
     await cur.execute(query("await_version"), {
         "request_id": request_id, "options": _jsonb(options),
         "default_queue": default_queue, "suffix": suffix})
-    return _pending(await cur.fetchone())
+    row = await cur.fetchone()
+    return _pending(row) if row is not None and row["first"] else None
 
 
 @dataclass(frozen=True)
@@ -755,6 +758,16 @@ def waiting_for_version(
     """Up to ``limit`` requests of ``agent`` waiting for a worker of ``version``."""
     return [row[0] for row in conn.execute(
         query("waiting_for_version"), {"agent": agent, "version": version, "limit": limit})]
+
+
+def fleet_agent(conn: psycopg.Connection[Any], agent: str) -> tuple[FleetAgent | None, list[str]]:
+    """``agent`` as the fleet's workers last recorded it (``None``: none did),
+    and the names of every agent they recorded."""
+    row = conn.execute(query("fleet_agent"), {"agent": agent}).fetchone()
+    names = [r[0] for r in conn.execute(query("fleet_agent_names"))]
+    if row is None:
+        return None, names
+    return FleetAgent(row[0], tuple(row[1] or ()), row[2], row[3]), names
 
 
 def known_versions(conn: psycopg.Connection[Any], agent: str) -> list[DictRow]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..runtime.errors import InvalidInput
@@ -26,7 +27,47 @@ _limits: dict[str, tuple[str, ...]] = {}
 _fairness_keys: dict[str, str] = {}
 _versions: dict[str, str] = {}
 _on_version_gone: dict[str, tuple[str, float]] = {}
+# Agents this process knows only from the fleet's registry (worker_agents, as
+# the workers that build them recorded them): what enqueuing needs of each.
+_fleet: dict[str, FleetAgent] = {}
 _imported: set[str] = set()
+
+
+@dataclass(frozen=True)
+class FleetAgent:
+    """An agent as the fleet's workers recorded it (``worker_agents``): what a
+    process that enqueues without the agents' code needs of it."""
+
+    fairness_key: str | None
+    limits: tuple[str, ...]
+    time_limit: float | None
+    model_key: str | None
+
+
+def learn_fleet_agent(name: str, agent: FleetAgent | None) -> None:
+    """Know ``name`` from the fleet's registry (``None``: forget it); an agent
+    registered in this process is never shadowed."""
+    _set(_fleet, name, agent)
+
+
+def agent_registered(name: str) -> bool:
+    """Whether this process can build agent ``name`` (it imported its module)."""
+    return name in _factories
+
+
+def check_agent_known(name: str, fleet_names: list[str] | None = None) -> None:
+    """Refuse an agent neither this process nor the fleet's registry knows
+    (``fleet_names``: every agent the registry has, for the message)."""
+    if name in _factories or name in _fleet:
+        return
+    here = ", ".join(sorted(_factories)) or "none"
+    if fleet_names is None:
+        agent_factory(name)
+    fleet = ", ".join(sorted(fleet_names or [])) or "none yet"
+    raise InvalidInput(
+        f"unknown agent {name!r} (registered in this process: {here}; by the fleet's "
+        f"workers: {fleet}); a worker records the agents it serves when it starts, so start "
+        "one, or import the agents module here (LOOMFLOW_WORKER_AGENTS)")
 
 
 def register_agent(
@@ -134,17 +175,23 @@ def agent_factory(name: str) -> AgentFactory:
 
 
 def agent_time_limit(name: str) -> float | None:
-    return _time_limits.get(name)
+    if name in _factories or name not in _fleet:
+        return _time_limits.get(name)
+    return _fleet[name].time_limit
 
 
 def agent_limits(name: str) -> tuple[str, ...]:
     """The shared concurrency limits ``register_agent`` gave the agent."""
-    return _limits.get(name, ())
+    if name in _factories or name not in _fleet:
+        return _limits.get(name, ())
+    return _fleet[name].limits
 
 
 def agent_fairness_key(name: str) -> str | None:
     """The fairness key ``register_agent`` gave the agent's requests, if any."""
-    return _fairness_keys.get(name)
+    if name in _factories or name not in _fleet:
+        return _fairness_keys.get(name)
+    return _fleet[name].fairness_key
 
 
 def agent_declared_version(name: str) -> str | None:
@@ -160,7 +207,9 @@ def agent_on_version_gone(name: str) -> tuple[str, float]:
 
 def agent_model_key(name: str) -> str | None:
     """The model key ``register_agent`` gave the agent, if any."""
-    return _model_keys.get(name)
+    if name in _factories or name not in _fleet:
+        return _model_keys.get(name)
+    return _fleet[name].model_key
 
 
 def _set(table: dict[str, Any], name: str, value: Any) -> None:

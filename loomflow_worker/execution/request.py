@@ -14,7 +14,7 @@ from ..runtime.errors import InvalidInput
 from ..runtime.validate import check_id, check_json_text, check_text
 from ..settings import Settings
 from .pending import task_args
-from .registry import agent_factory, agent_fairness_key
+from .registry import agent_factory, agent_fairness_key, check_agent_known
 
 Kind = Literal["run", "resume"]
 
@@ -59,8 +59,11 @@ def check_request(
     metadata: object = None,
     *,
     kind: Kind = "run",
+    fleet_agents: list[str] | None = None,
 ) -> RunRequest:
-    """A :class:`RunRequest`, or :class:`InvalidInput` saying what is wrong."""
+    """A :class:`RunRequest`, or :class:`InvalidInput` saying what is wrong.
+    The agent must be registered in this process, or (``fleet_agents``: the
+    agents the fleet's registry has, for an enqueue) known from the fleet's."""
     if not isinstance(prompt, str):
         raise InvalidInput(f"prompt must be a string, not {type(prompt).__name__}")
     if not prompt.strip():
@@ -78,7 +81,10 @@ def check_request(
         assert isinstance(user_id, str)
     if not isinstance(agent, str):
         raise InvalidInput(f"agent must be a string, not {type(agent).__name__}")
-    agent_factory(agent)
+    if fleet_agents is None:
+        agent_factory(agent)
+    else:
+        check_agent_known(agent, fleet_agents)
     if metadata is None:
         metadata = {}
     if not isinstance(metadata, dict):

@@ -10,6 +10,7 @@ context (each checks the process id, or is made at ``worker_process_init``)."""
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,15 +20,20 @@ from celery import Celery
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
+from ..execution import ledger
 from ..execution.execute import WorkerContext
 from ..execution.ledger import EnqueuePool
-from ..execution.registry import import_agent_modules
+from ..execution.registry import agent_registered, import_agent_modules, learn_fleet_agent
 from ..runtime.errors import InvalidInput
 from ..settings import Settings, validation_message
 from .admission import Admission
 from .groups import AloneRuns
 from .loop import ChildLoop
 from .sweeper import Sweeper
+
+#: How often a process that enqueues for an agent it does not build reads the
+#: agent again from the fleet's registry (seconds).
+LEARN_EVERY = 10.0
 
 
 @dataclass
@@ -65,6 +71,10 @@ class ProcessState:
     alone: AloneRuns = field(default_factory=AloneRuns)
     #: Held while the app is made or replaced.
     lock: threading.RLock = field(default_factory=threading.RLock)
+    #: Agents this process enqueues for without their code: when each is read
+    #: again from the fleet's registry (monotonic), and the registry's names.
+    fleet_checked: dict[str, float] = field(default_factory=dict)
+    fleet_names: list[str] = field(default_factory=list)
 
     def current_settings(self) -> Settings:
         """The settings the app runs with (raises if the environment's are invalid)."""
@@ -97,6 +107,22 @@ class ProcessState:
     def ledger_connection(self) -> AbstractContextManager[psycopg.Connection[Any]]:
         """A connection to the ledger from the enqueue pool."""
         return self.enqueue.connection(*self.database())
+
+    def learn_agent(self, agent: object) -> list[str] | None:
+        """For an enqueue of ``agent``: ``None`` when this process registered it
+        (its own registration applies); else the names of the agents the
+        fleet's workers recorded, after reading ``agent`` from their registry
+        (``worker_agents``; again at most every LEARN_EVERY seconds), so that a
+        process enqueues with ``loomflow_worker`` and the database alone."""
+        if not isinstance(agent, str) or agent_registered(agent):
+            return None
+        now = time.monotonic()
+        if now >= self.fleet_checked.get(agent, 0.0):
+            with self.ledger_connection() as conn:
+                found, self.fleet_names = ledger.fleet_agent(conn, agent)
+            learn_fleet_agent(agent, found)
+            self.fleet_checked[agent] = now + LEARN_EVERY
+        return self.fleet_names
 
     def worker_context(self) -> WorkerContext:
         """The process's context for running requests, made on first use."""

@@ -183,7 +183,9 @@ class AgentTask(Task):  # type: ignore[misc]
             raise InvalidInput(f"on_busy must be one of {', '.join(ON_BUSY)}, not {on_busy!r}")
         current = PROCESS.current_settings()
         import_agent_modules(current.agents)
-        request = check_request(current, kind=self.kind, **self.bind_arguments(args, kwargs))
+        bound = self.bind_arguments(args, kwargs)
+        request = check_request(current, kind=self.kind, **bound,
+                                fleet_agents=PROCESS.learn_agent(bound.get("agent")))
         if task_id:  # Celery's rule: an empty one means "make one"
             check_id("task_id", task_id)
         task_id = task_id or str(uuid.uuid4())
@@ -272,9 +274,15 @@ class AgentTask(Task):  # type: ignore[misc]
         chain, callbacks, chord and group, headers, priority, time limits), as
         Celery's retry would; with ``producer``, over its connection."""
         task_args, task_kwargs = pending.task_args()
-        # Routing's other keys are the ledger's (a request sent to its version's queue).
+        # Routing's other keys are the ledger's (a request sent to its version's
+        # queue). There, the version's queue wins over the routing its message
+        # carried.
         routing = {k: v for k, v in (pending.routing or {}).items() if k in ROUTING}
-        options = {**routing, **(pending.options or {}), "retry_policy": DISPATCH_RETRY}
+        carried = dict(pending.options or {})
+        if "version" in (pending.routing or {}):
+            for key in ("queue", "exchange", "routing_key"):
+                carried.pop(key, None)
+        options = {**routing, **carried, "retry_policy": DISPATCH_RETRY}
         if pending.not_before is not None:
             options["eta"] = pending.not_before
         super().apply_async(task_args, task_kwargs, task_id=pending.request_id,

@@ -26,7 +26,7 @@ from psycopg.rows import dict_row
 from loomflow_worker.tasks import run_agent
 from tests.integration import version_agents  # noqa: F401  (registers "deploy" here too)
 from tests.integration.celery_harness import Fleet
-from tests.integration.helpers import calls, wait_until
+from tests.integration.helpers import calls, cli, wait_until
 
 pytestmark = [pytest.mark.slow]
 
@@ -40,7 +40,7 @@ FAST_ENV = {
 }
 
 
-def _row(dsn: str, request_id: str) -> dict[str, Any]:
+def _ledger_row(dsn: str, request_id: str) -> dict[str, Any]:
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
         row = conn.execute("SELECT status, agent_version, version_wait_since, routing, result"
                            " FROM runs WHERE request_id = %s", (request_id,)).fetchone()
@@ -119,31 +119,49 @@ def test_a_request_finishes_on_the_version_it_started_on(
     cut = _in_flight(entries, orders)
     # The request waits for version 1, in its version's queue; version 2 runs
     # nothing of it, and a new request runs on version 2 at once.
-    wait_until(lambda: _row(fleet.dsn, pinned.id)["version_wait_since"] is not None,
+    wait_until(lambda: _ledger_row(fleet.dsn, pinned.id)["version_wait_since"] is not None,
                "the request waiting for version 1", timeout=60)
-    row = _row(fleet.dsn, pinned.id)
+    row = _ledger_row(fleet.dsn, pinned.id)
     assert row["status"] == "queued" and row["agent_version"] == v1
     assert row["routing"]["queue"] == f"{fleet.queue}@deploy@{v1}"
     fresh = run_agent.apply_async((calls("B-o1", "B-o2"), "session-b"), {"agent": "deploy"})
     expected = ("B-o1-cents", "B-o2-cents") if change == "tool" else ("B-o1", "B-o2")
     assert fresh.get(timeout=60)["output"] == "done: " + ", ".join(
         f"recorded {tag}" for tag in expected)
-    assert _row(fleet.dsn, fresh.id)["agent_version"] == v2
+    assert _ledger_row(fleet.dsn, fresh.id)["agent_version"] == v2
     time.sleep(2)
-    assert _row(fleet.dsn, pinned.id)["status"] == "queued"
+    assert _ledger_row(fleet.dsn, pinned.id)["status"] == "queued"
     assert not any(tag.endswith("-cents") for tag in _charges(fleet.dsn, "A-"))
     assert "2" not in _model_calls(model_calls, prompt.splitlines()[0])
     fleet.wait_logged(f"request {pinned.id} is pinned to version {v1}")
+    # Sent on once: its message waits in its version's queue, not back and forth.
+    assert fleet.log_text().count(f"request {pinned.id} is pinned to version") <= 2
+    # Never silent: the sweeper's leader warns, show and versions say it waits.
+    fleet.wait_logged(f"1 requests of agent 'deploy' wait for a worker of version {v1}")
+    shown = cli(fleet, "show", pinned.id).stdout
+    assert f"waits for a worker of agent deploy version {v1} since" in shown, shown
+    assert "none alive since" in shown, shown
+    listed = cli(fleet, "versions")
+    assert f"agent 'deploy' version {v1}: 1 requests wait" in listed.stderr, listed.stderr
 
-    # A worker of version 1 comes back: the request finishes there.
-    fleet.start("v1-again", concurrency=4, pool=pool, TEST_AGENT_VERSION="1", **env)
+    # A worker of version 1 comes back: the request finishes there. Started as
+    # the old release of a drain is (TAKE_NEW=false), it takes no new request.
+    drain = {"LOOMFLOW_WORKER_TAKE_NEW": "false"} if change == "instructions" else {}
+    fleet.start("v1-again", concurrency=4, pool=pool, TEST_AGENT_VERSION="1", **env, **drain)
+    if drain:
+        fleet.wait_logged("taking no new requests (TAKE_NEW is false)")
+        newer = [run_agent.apply_async((calls(f"C{n}-o1"), f"session-c{n}"), {"agent": "deploy"})
+                 for n in range(8)]
+        for handle in newer:
+            handle.get(timeout=60)
+            assert _ledger_row(fleet.dsn, handle.id)["agent_version"] == v2
     assert pinned.get(timeout=90)["output"] == "done: " + ", ".join(
         f"recorded {tag}" for tag in orders)
     charges = _charges(fleet.dsn, "A-")
     assert set(charges) == set(orders), charges
     assert all(charges[tag] == 1 for tag in orders if tag != orders[cut - 1]), charges
     assert charges[orders[cut - 1]] in (1, 2), charges
-    row = _row(fleet.dsn, pinned.id)
+    row = _ledger_row(fleet.dsn, pinned.id)
     assert row["status"] == "succeeded" and row["agent_version"] == v1
     assert row["version_wait_since"] is None
     # One model call per charge and one to answer, each asked once, all on version 1.
@@ -183,7 +201,7 @@ def test_an_upgraded_request_continues_on_the_new_version_from_what_it_completed
     request, orders, model_calls, cut = _kill_v1_mid_run(fleet, tmp_path, **policy)
     v1, v2 = _version_of(fleet.dsn, "v1"), _version_of(fleet.dsn, "v2")
     if how == "command":
-        wait_until(lambda: _row(fleet.dsn, request.id)["version_wait_since"] is not None,
+        wait_until(lambda: _ledger_row(fleet.dsn, request.id)["version_wait_since"] is not None,
                    "the request waiting for version 1", timeout=60)
         moved = subprocess.run(
             [sys.executable, "-m", "loomflow_worker.cli", "upgrade", request.id],
@@ -221,7 +239,7 @@ def test_a_change_under_an_unchanged_declared_version_diverges_before_a_second_c
     with pytest.raises(Exception, match="diverged from its journal") as info:
         request.get(timeout=90)
     assert "A-o1-cents" in str(info.value) and "version 1 of agent 'deploy'" in str(info.value)
-    row = _row(fleet.dsn, request.id)
+    row = _ledger_row(fleet.dsn, request.id)
     assert row["status"] == "failed" and row["agent_version"] == "1"
     charges = _charges(fleet.dsn, "A-")
     assert set(charges) <= set(orders), charges

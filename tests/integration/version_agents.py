@@ -47,6 +47,7 @@ async def _count_call(messages: list[Any]) -> None:
 
 
 @register_agent("deploy", version=os.environ.get("TEST_DECLARED_VERSION"),
+                fairness_key=os.environ.get("TEST_FAIRNESS_KEY"),
                 on_version_gone=os.environ.get("TEST_ON_VERSION_GONE", "wait"),
                 grace=float(os.environ.get("TEST_GRACE", "600")))
 def build(runtime: Any) -> Agent:

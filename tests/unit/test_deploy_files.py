@@ -15,7 +15,12 @@
   ``terminationGracePeriodSeconds``) exceed the soft shutdown timeout configured in the same
   files, with margin; KEDA watches the Redis list of the configured queue, on the broker's
   Redis;
-- the Dockerfile runs as a non-root user and bakes in no secret; the Secret is placeholders.
+- the Dockerfile runs as a non-root user and bakes in no secret; the Secret is placeholders;
+- a deploy that changes an agent: each release is its own Deployment and ScaledObject
+  (``k8s/release``, the fleet ``k8s-releases``), named and labelled after it, sharing the rest;
+  a draining release takes no new request (``TAKE_NEW``, a setting) and KEDA scales it, down to
+  zero, on what it owes: ``loomflow_worker_version_demand`` of its own pods' host names. The
+  same in Compose (``worker-previous``).
 """
 
 from __future__ import annotations
@@ -55,6 +60,16 @@ DOCKERFILE = DEPLOY / "Dockerfile"
 DOCKERIGNORE = DEPLOY / "Dockerfile.dockerignore"
 COMPOSE = DEPLOY / "compose.yaml"
 KUSTOMIZATION = K8S / "kustomization.yaml"
+# One release's workers, the draining release, the fleet's shared objects (components), and a
+# fleet of releases made with them.
+RELEASE = K8S / "release"
+DRAINING = RELEASE / "draining"
+FLEET_COMPONENT = RELEASE / "fleet"
+RELEASES = DEPLOY / "k8s-releases"
+RELEASE_LABEL = "loomflow-worker/release"
+# The setting a draining release's workers set false, and the function its KEDA trigger calls.
+TAKE_NEW = "take_new"
+DEMAND_FUNCTION = "loomflow_worker_version_demand"
 
 ENV_PREFIX = "LOOMFLOW_WORKER_"
 # Variables the deploy files may set besides the package's own settings.
@@ -684,7 +699,39 @@ def test_compose_states_the_connections_per_worker(monkeypatch: pytest.MonkeyPat
     example = re.search(r"two workers need (\d+) [x\u00d7] (\d+) = (\d+)", operations_text())
     assert example, "OPERATIONS.md: the compose example"
     count, each, total = (int(n) for n in example.groups())
-    assert (count, each, total) == (len(workers()), stated, len(workers()) * stated)
+    started = default_workers()  # `docker compose up` starts these
+    assert (count, each, total) == (len(started), stated, len(started) * stated)
+
+
+def default_workers() -> dict[str, Doc]:
+    """The workers `docker compose up` starts: those in no profile."""
+    return {name: worker for name, worker in workers().items() if not worker.get("profiles")}
+
+
+def test_compose_previous_release_drains(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old release of a deploy that changed an agent: in a profile of its own, on an image
+    tagged before the rebuild, taking only the requests pinned to its versions; the others take
+    new ones. Its host names have a prefix no other worker's has: what it owes is the demand of
+    that prefix, which its comment gives."""
+    envs = compose_envs()
+    draining = {name: worker for name, worker in workers().items()
+                if not settings_from(envs[name], monkeypatch).take_new}
+    assert draining, "no worker of the previous release"
+    assert set(draining) == set(workers()) - set(default_workers())
+    assert default_workers(), "no worker takes new requests"
+    built = {str(s["image"]) for s in compose()["services"].values() if "build" in s}
+    text = COMPOSE.read_text()
+    prefixes = set(re.findall(rf"{DEMAND_FUNCTION}\('([^']*)'\)", text))
+    assert len(prefixes) == 1, f"state the demand query of the previous release once: {prefixes}"
+    (prefix,) = prefixes
+    for name, worker in draining.items():
+        assert envs[name][ENV_PREFIX + TAKE_NEW.upper()] == "false", name
+        assert "build" not in worker, f"{name}: built from this tree, it would run the new code"
+        assert str(worker["image"]) not in built, f"{name}: the image the rebuild replaces"
+        assert worker.get("pull_policy") == "never", f"{name}: a local tag, not a registry's"
+        assert str(worker["hostname"]).startswith(prefix), name
+    for name, worker in default_workers().items():
+        assert not str(worker.get("hostname", name)).startswith(prefix), name
 
 
 # ---- Kubernetes ---------------------------------------------------------------------------
@@ -1036,3 +1083,302 @@ def test_keda_watches_the_queue_on_the_brokers_redis(monkeypatch: pytest.MonkeyP
     assert metadata["address"] == f"{broker.hostname}:{broker.port or 6379}"
     assert metadata.get("databaseIndex", "0") == (broker.path.strip("/") or "0")
     assert (metadata.get("enableTLS", "false") == "true") == (broker.scheme == "rediss")
+
+
+# ---- releases: a deploy that changes an agent -----------------------------------------------
+
+
+def kustomization_at(directory: Path) -> Doc:
+    (doc,) = load_all(directory / "kustomization.yaml")
+    return doc
+
+
+def component(directory: Path) -> Doc:
+    doc = kustomization_at(directory)
+    assert (doc["apiVersion"], doc["kind"]) == ("kustomize.config.k8s.io/v1alpha1", "Component")
+    return doc
+
+
+def deleted_kinds(doc: Doc) -> tuple[str, ...]:
+    """The kinds a kustomization's ``$patch: delete`` patches match, among deploy/k8s's."""
+    (patch,) = doc["patches"]
+    assert yaml.safe_load(patch["patch"])["$patch"] == "delete"
+    pattern = patch["target"]["kind"]
+    return tuple(sorted({d["kind"] for _, d in manifests() if re.fullmatch(pattern, d["kind"])}))
+
+
+def patch_docs(doc: Doc, directory: Path) -> dict[str, Doc]:
+    """A component's patch files, by the kind each targets."""
+    found = {}
+    for patch in doc["patches"]:
+        (body,) = load_all(directory / patch["path"])
+        assert body["kind"] == patch["target"]["kind"], patch
+        found[body["kind"]] = body
+    return found
+
+
+def replaced(value: str, source: str, options: Doc) -> str:
+    """A kustomize replacement with a delimiter: the part at ``index`` of ``value`` becomes
+    ``source``."""
+    parts = value.split(options["delimiter"])
+    parts[options["index"]] = source
+    return str(options["delimiter"]).join(parts)
+
+
+def demand_prefix(query: str) -> str:
+    """The host prefix a KEDA query passes to the demand function: its argument, quoted
+    strings joined with ``||``."""
+    call = re.fullmatch(rf"SELECT {DEMAND_FUNCTION}\((.*)\)", " ".join(query.split()))
+    assert call, f"not a call of {DEMAND_FUNCTION}: {query!r}"
+    parts = [part.strip() for part in call.group(1).split("||")]
+    assert all(re.fullmatch(r"'[^']*'", part) for part in parts), query
+    return "".join(part[1:-1] for part in parts)
+
+
+def draining_trigger() -> Doc:
+    (trigger,) = patch_docs(component(DRAINING), DRAINING)["ScaledObject"]["spec"]["triggers"]
+    return dict(trigger)
+
+
+def draining_query(deployment: str) -> str:
+    """The draining component's query once its replacement wrote ``deployment`` in it."""
+    (replacement,) = component(DRAINING)["replacements"]
+    (target,) = replacement["targets"]
+    return replaced(draining_trigger()["metadata"]["query"], deployment, target["options"])
+
+
+def release_name(deployment: str) -> str:
+    assert deployment.startswith("loomflow-worker-"), deployment
+    return deployment.removeprefix("loomflow-worker-")
+
+
+def test_a_release_keeps_the_workers_and_shares_the_rest() -> None:
+    release = component(RELEASE)
+    kinds = {doc["kind"] for _, doc in manifests()}
+    # A kind added to deploy/k8s is either shared (deleted here) or a release's own.
+    assert set(deleted_kinds(release)) == kinds - {"Deployment", "ScaledObject"}
+    (config,) = release["configurations"]
+    ((reference,),) = [doc["nameReference"] for doc in load_all(RELEASE / config)]
+    assert reference["kind"] == "Deployment"
+    assert reference["fieldSpecs"] == [{"kind": "ScaledObject", "path": "spec/scaleTargetRef/name"}]
+    assert keda("ScaledObject")["spec"]["scaleTargetRef"]["name"] == \
+        one("Deployment")["metadata"]["name"]
+
+
+def test_the_fleet_leaves_out_deploy_k8s_workers_only() -> None:
+    fleet = component(FLEET_COMPONENT)
+    assert deleted_kinds(fleet) == ("Deployment", "ScaledObject")
+    (patch,) = fleet["patches"]
+    target = patch["target"]
+    for doc in (one("Deployment"), keda("ScaledObject")):
+        assert re.fullmatch(target["name"], doc["metadata"]["name"]), doc["kind"]
+        assert RELEASE_LABEL not in doc["metadata"].get("labels", {})
+    # kustomize matches a renamed resource by its name before the rename too: the label spares
+    # the releases'.
+    assert target["labelSelector"] == f"!{RELEASE_LABEL}"
+
+
+def test_take_new_is_the_setting_a_draining_release_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    field = Settings.model_fields[TAKE_NEW]
+    assert field.annotation is bool and field.default is True
+    deployment = patch_docs(component(DRAINING), DRAINING)["Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["name"] == worker_container()["name"], "patches no container of the worker"
+    env = {item["name"]: item["value"] for item in container["env"]}
+    assert env == {ENV_PREFIX + TAKE_NEW.upper(): "false"}
+    check_env_names(env, "release/draining")
+    assert settings_from(worker_env(), monkeypatch).take_new is True
+    assert settings_from({**worker_env(), **env}, monkeypatch).take_new is False
+
+
+def test_a_draining_release_scales_on_what_it_owes_down_to_zero() -> None:
+    draining = component(DRAINING)
+    scaled = patch_docs(draining, DRAINING)["ScaledObject"]
+    spec = scaled["spec"]
+    assert set(spec) <= SCALED_OBJECT_SPEC, set(spec) - SCALED_OBJECT_SPEC
+    # 0: the demand counts its running requests too, unlike the queue's list.
+    assert spec["minReplicaCount"] == 0
+    assert spec["cooldownPeriod"] > 0
+    trigger = draining_trigger()
+    assert set(trigger) <= TRIGGER_FIELDS, set(trigger) - TRIGGER_FIELDS
+    # Only the demand: its workers take nothing from the queue's list.
+    assert trigger["type"] == "postgresql"
+    metadata = trigger["metadata"]
+    assert all(isinstance(v, str) for v in metadata.values()), metadata
+    assert int(metadata["targetQueryValue"]) == check_worker_args(worker_args(), "Deployment")
+    assert int(metadata.get("activationTargetQueryValue", "0")) == 0
+    # deploy/k8s's TriggerAuthentication, shared: a connection string, no other.
+    auth = by_name("TriggerAuthentication")[trigger["authenticationRef"]["name"]]
+    assert [ref["parameter"] for ref in auth["spec"]["secretTargetRef"]] == ["connection"]
+
+    (replacement,) = draining["replacements"]
+    assert replacement["source"] == {"kind": "Deployment", "fieldPath": "metadata.name"}
+    (target,) = replacement["targets"]
+    assert target["select"] == {"kind": "ScaledObject"}
+    assert target["fieldPaths"] == [f"spec.triggers.[name={trigger['name']}].metadata.query"]
+    # Written in: the Deployment's name and a dash, so that r4 does not count r41's pods.
+    assert demand_prefix(draining_query("loomflow-worker-r41")) == "loomflow-worker-r41-"
+    # Not written in (the component used where the name is not final yet): every release's
+    # pods, so the release never scales to zero.
+    assert demand_prefix(metadata["query"]) == one("Deployment")["metadata"]["name"] + "-"
+
+
+def test_the_demand_function_is_the_migrations() -> None:
+    from loomflow_worker.runtime.sql import migrations
+
+    defined = [m for m in migrations()
+               if re.search(rf"FUNCTION {DEMAND_FUNCTION}\(host_prefix TEXT\) RETURNS bigint",
+                            m.sql)]
+    assert len(defined) == 1, f"{DEMAND_FUNCTION}(host_prefix) is defined by no migration"
+
+
+def fleet() -> Doc:
+    doc = kustomization_at(RELEASES)
+    assert (doc["apiVersion"], doc["kind"]) == ("kustomize.config.k8s.io/v1beta1", "Kustomization")
+    return doc
+
+
+def fleet_releases() -> dict[str, bool]:
+    """Each release the fleet lists, and whether it drains."""
+    releases: dict[str, bool] = {}
+    for entry in fleet()["resources"]:
+        if entry == "../k8s":
+            continue
+        doc = kustomization_at(RELEASES / entry)
+        if doc.get("components") == ["../../k8s/release/draining"]:
+            (base,) = doc["resources"]
+            assert base.startswith("../"), entry
+            releases[base.removeprefix("../")] = True
+        else:
+            releases[entry] = False
+    return releases
+
+
+def test_the_fleet_shares_deploy_k8s_and_lists_each_release_once() -> None:
+    doc = fleet()
+    assert doc["resources"][0] == "../k8s"
+    assert doc["components"] == ["../k8s/release/fleet"]
+    listed = [e for e in doc["resources"] if e != "../k8s"]
+    releases = fleet_releases()
+    assert len(releases) == len(listed), f"a release listed twice: {listed}"
+    assert not all(releases.values()), "every release drains: none takes new requests"
+    on_disk = {p.name for p in RELEASES.iterdir() if p.is_dir()}
+    assert on_disk == set(releases) | {e for e in listed if e not in releases}
+
+
+def test_each_release_is_named_labelled_and_imaged_after_itself() -> None:
+    (image,) = kustomization()["images"]
+    for name in fleet_releases():
+        doc = kustomization_at(RELEASES / name)
+        where = f"k8s-releases/{name}"
+        # No dash: the draining prefix of r4, loomflow-worker-r4-, would match r4-1's pods.
+        assert re.fullmatch(r"[a-z0-9]+", name), f"{where}: lowercase letters and digits only"
+        assert doc["resources"] == ["../../k8s"], where
+        assert doc["components"] == ["../../k8s/release"], where
+        assert doc["nameSuffix"] == f"-{name}", where
+        (labels,) = doc["labels"]
+        assert labels["pairs"] == {RELEASE_LABEL: name}, where
+        # Each release's Deployment selects its own pods only.
+        assert labels["includeSelectors"] is True, where
+        (own,) = doc["images"]
+        # deploy/k8s named the image already: a release sets the tag of that name.
+        assert own["name"] == image["newName"] and own["newTag"], where
+
+
+def test_the_migration_job_runs_the_newest_release() -> None:
+    (patch,) = fleet()["patches"]
+    assert patch["target"] == {"kind": "Job", "name": one("Job")["metadata"]["name"]}
+    (op,) = yaml.safe_load(patch["patch"])
+    assert op["path"] == "/spec/template/spec/containers/0/image"
+    assert len(containers(one("Job"))) == 1
+    (image,) = kustomization()["images"]
+    taking_new = [name for name, drains in fleet_releases().items() if not drains]
+    tag = kustomization_at(RELEASES / taking_new[-1])["images"][0]["newTag"]
+    assert op["value"] == f"{image['newName']}:{tag}"
+
+
+@pytest.mark.slow
+def test_kustomize_builds_the_fleet_of_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs only where kubectl is installed (its built-in kustomize)."""
+    kubectl = KUBECTL.require()
+    built = subprocess.run(
+        [kubectl, "kustomize", str(RELEASES)], check=True, capture_output=True, text=True,
+        timeout=120,
+    ).stdout
+    docs = [doc for doc in yaml.safe_load_all(built) if doc]
+    ids = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(set(ids)) == len(ids), ids
+    releases = fleet_releases()
+    shared = sorted((d["kind"], d["metadata"]["name"]) for _, d in manifests()
+                    if d["kind"] not in ("Deployment", "ScaledObject"))
+    own = sorted((kind, f"loomflow-worker-{name}") for name in releases
+                 for kind in ("Deployment", "ScaledObject"))
+    assert sorted(ids) == sorted(shared + own), "the shared objects once, two per release"
+    found = {kind: {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+             for kind in {d["kind"] for d in docs}}
+    default_scaled = keda("ScaledObject")["spec"]
+
+    for name, deployment in found["Deployment"].items():
+        release = release_name(name)
+        drains = releases[release]
+        metadata, spec = deployment["metadata"], deployment["spec"]
+        assert metadata["labels"][RELEASE_LABEL] == release
+        assert spec["selector"]["matchLabels"][RELEASE_LABEL] == release
+        assert spec["template"]["metadata"]["labels"][RELEASE_LABEL] == release
+        (container,) = containers(deployment)
+        tag = kustomization_at(RELEASES / release)["images"][0]["newTag"]
+        assert container["image"].rsplit(":", 1)[1] == tag, name
+        # Its config is the fleet's shared objects, not copies of them.
+        env: dict[str, str] = {}
+        for source in container["envFrom"]:
+            ref = source.get("configMapRef") or source["secretRef"]
+            kind = "ConfigMap" if "configMapRef" in source else "Secret"
+            assert ref["name"] in found[kind], f"{name}: {kind} {ref['name']}"
+            env.update(found[kind][ref["name"]].get("data")
+                       or secret_data(found[kind][ref["name"]]))
+        env.update({item["name"]: item["value"] for item in container.get("env", [])})
+        check_env_names(env, name)
+        assert settings_from(env, monkeypatch).take_new is not drains, name
+
+        scaled = found["ScaledObject"][name]
+        assert scaled["spec"]["scaleTargetRef"]["name"] == name
+        assert scaled["metadata"]["labels"][RELEASE_LABEL] == release
+        for trigger in scaled["spec"]["triggers"]:
+            assert trigger["authenticationRef"]["name"] in found["TriggerAuthentication"]
+        if drains:
+            assert scaled["spec"]["minReplicaCount"] == 0, name
+            (trigger,) = scaled["spec"]["triggers"]
+            query = trigger["metadata"]["query"]
+            assert query == draining_query(name), "kustomize replaced otherwise"
+            assert demand_prefix(query) == f"{name}-", f"{name}: counts another's pods"
+        else:
+            assert scaled["spec"]["triggers"] == default_scaled["triggers"], name
+            assert scaled["spec"]["minReplicaCount"] == default_scaled["minReplicaCount"], name
+    # No release's pods are under another's prefix.
+    names = list(found["Deployment"])
+    for name in names:
+        assert not any(other != name and f"{other}-".startswith(f"{name}-") for other in names)
+    for doc in docs:
+        if doc["apiVersion"] != KEDA_API:
+            kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+
+
+# ---- the deploy texts -----------------------------------------------------------------------
+
+
+def test_every_command_named_in_deploy_is_a_subcommand() -> None:
+    script, group = console_script()
+    for path in DEPLOY.rglob("*"):
+        if not path.is_file() or path.suffix == ".pyc":
+            continue
+        for name in re.findall(rf"`{script} ([a-z][a-z-]*)", path.read_text()):
+            assert name in group.commands, f"{path.relative_to(ROOT)}: {script} {name}"
+
+
+def test_the_version_queue_named_in_deploy_is_the_workers() -> None:
+    from loomflow_worker.execution.versions import queue_suffix
+
+    example = Settings.model_fields["queue"].default + queue_suffix("deploy", "3f2a9c1b0d4e")
+    assert queue_suffix("<agent>", "<version>") == "@<agent>@<version>"
+    for text in (operations_text(), (DRAINING / "deployment.yaml").read_text()):
+        assert example in text and "<queue>@<agent>@<version>" in text

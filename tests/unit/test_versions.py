@@ -115,3 +115,23 @@ def test_two_processes_with_other_environments_agree() -> None:
         capture_output=True, text=True, env=env, cwd="/", timeout=60, check=True,
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == agent_version(build())
+
+
+@pytest.mark.parametrize(("options", "error"), [
+    ({"on_version_gone": "sometimes"},
+     "on_version_gone must be one of 'wait', 'upgrade', 'cancel', not 'sometimes'"),
+    ({"on_version_gone": "upgrade", "grace": 0}, "grace must be positive seconds, not 0"),
+    ({"grace": "ten"}, "grace must be positive seconds, not 'ten'"),
+])
+def test_an_unknown_policy_for_a_gone_version_is_refused(
+    options: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(InvalidInput) as info:
+        register_agent("policy-test", **options)
+    assert str(info.value) == error
+
+
+def test_a_version_queue_is_named_after_its_queue_agent_and_version() -> None:
+    from loomflow_worker.execution.versions import queue_suffix
+
+    assert "loomflow" + queue_suffix("deploy", "3f2a9c1b0d4e") == "loomflow@deploy@3f2a9c1b0d4e"

@@ -425,9 +425,12 @@ SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
 -- its previous attempt, if it
 -- never ended, ends "died", and is charged as start_request charges it. What
 -- the message the worker took carried (`options`) is kept as park_request
--- keeps it, and its columns come back for the worker to publish it there.
+-- keeps it, and its columns come back for the worker to publish it there;
+-- `first` is false when it waited already: its message is in its version's
+-- queue (a copy arrived elsewhere), and nothing is published or changed for
+-- it (the sweeper publishes it again should that message be lost).
 WITH r AS (
-    SELECT request_id, status, attempts FROM runs
+    SELECT request_id, status, attempts, version_wait_since IS NULL AS first FROM runs
      WHERE request_id = %(request_id)s FOR UPDATE
 ), prev AS (
     SELECT p.outcome, p.shared
@@ -445,15 +448,19 @@ UPDATE runs u
            AND coalesce(p.outcome IS NULL AND NOT p.shared, true))::int,
        suspicion = u.suspicion + coalesce(p.shared, false)::int,
        lost_streak = u.lost_streak + coalesce(p.outcome = 'lost', false)::int,
-       version_wait_since = coalesce(u.version_wait_since, now()),
-       dispatched_at = clock_timestamp(), received_at = now(), holder_pid = NULL,
-       options = coalesce(%(options)s::jsonb, u.options),
-       routing = loomflow_worker_version_routing(u.routing, %(default_queue)s, %(suffix)s,
-                                                 u.agent_version)
+       version_wait_since = coalesce(u.version_wait_since, now()), holder_pid = NULL,
+       dispatched_at = CASE WHEN r.first THEN clock_timestamp() ELSE u.dispatched_at END,
+       received_at = CASE WHEN r.first THEN now() ELSE u.received_at END,
+       options = CASE WHEN r.first THEN coalesce(%(options)s::jsonb, u.options)
+                      ELSE u.options END,
+       routing = CASE WHEN r.first
+                      THEN loomflow_worker_version_routing(u.routing, %(default_queue)s,
+                                                           %(suffix)s, u.agent_version)
+                      ELSE u.routing END
   FROM r LEFT JOIN prev p ON true
  WHERE u.request_id = r.request_id AND loomflow_worker_unfinished(r.status)
 RETURNING u.request_id, u.kind, u.session_id, u.user_id, u.agent, u.prompt, u.metadata,
-          u.not_before, u.options, u.routing, u.agent_version;
+          u.not_before, u.options, u.routing, u.agent_version, r.first;
 
 -- name: upgrade_requests
 -- Move queued requests pinned to another version of their agent to version
@@ -500,6 +507,18 @@ SELECT request_id FROM runs
  WHERE agent = %(agent)s AND agent_version = %(version)s AND status = 'queued'
    AND version_wait_since IS NOT NULL
  ORDER BY version_wait_since LIMIT %(limit)s;
+
+-- name: fleet_agent
+-- An agent as the fleet's workers last recorded it, for a process that
+-- enqueues without its code (a sort of
+-- its few rows; the worker_agents_version index).
+SELECT fairness_key, limits, time_limit, model_key FROM worker_agents
+ WHERE agent = %(agent)s ORDER BY built_at DESC LIMIT 1;
+
+-- name: fleet_agent_names
+-- Every agent the fleet's workers recorded, to name them when an enqueue
+-- names another (worker_agents_version index).
+SELECT DISTINCT agent FROM worker_agents ORDER BY agent;
 
 -- name: heartbeat
 -- Every running request of one lock connection, stamped in one statement;
