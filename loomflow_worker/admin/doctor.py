@@ -71,7 +71,37 @@ def doctor(settings: Settings, *, grace_period: float, timeout: float = 3.0) -> 
     yield _check_broker(settings, timeout)
     yield from _check_redis(settings, timeout)
     yield _check_agents(settings)
+    yield _check_versions(settings)
     yield from check_settings(settings, grace_period)
+
+
+def _check_versions(settings: Settings) -> Check:
+    """The fleet's agents, each version with the live workers serving it; a
+    version whose requests wait with no live worker of it fails."""
+    from ..execution import ledger_reads
+    from ..execution.versions import VersionInfo
+
+    try:
+        with connect(settings, application_name="loomflow-worker doctor") as conn, \
+                translated("query"):
+            found = [VersionInfo(**row) for row in ledger_reads.agent_versions(conn)]
+    except LoomflowWorkerError as exc:
+        return Check("versions", False, f"not read: {first_line(exc)}",
+                     "fix the database and its schema first")
+    if not found:
+        return Check("versions", True, "no worker has recorded its agents yet")
+    said = "; ".join(
+        f"{v.agent} {v.version} on "
+        + (", ".join(v.workers) if v.workers else "no live worker")
+        + (f" ({v.waiting} waiting)" if v.waiting else "")
+        for v in found)
+    stranded = [v for v in found if v.waiting and not v.live]
+    if stranded:
+        first = stranded[0]
+        return Check("versions", False, said,
+                     f"start a worker of {first.agent} {first.version}, or move its requests: "
+                     f"loomflow-worker upgrade --agent {first.agent} --from {first.version}")
+    return Check("versions", True, said)
 
 
 def _check_database(settings: Settings) -> list[Check]:

@@ -23,6 +23,7 @@ from psycopg_pool import AsyncConnectionPool
 from .. import admin
 from ..durations import shown
 from ..execution import ledger_views
+from ..execution.versions import VersionInfo
 from ..runtime.errors import InvalidInput
 from ..runtime.sql import query
 from ..runtime.validate import check_id
@@ -412,6 +413,7 @@ class FleetView:
     limits: list[LimitUse] = field(default_factory=list)
     keys: list[KeyBacklog] = field(default_factory=list)
     budgets: list[Budget] = field(default_factory=list)
+    versions: list[VersionInfo] = field(default_factory=list)
     now: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
@@ -436,4 +438,5 @@ async def fleet(pool: Pool) -> FleetView:
             limits=await ledger_views.concurrency_limits(conn, LimitUse),
             keys=await ledger_views.key_backlog(conn, KeyBacklog, limit=MAX_KEYS),
             budgets=await _rows(conn, "model_budgets", {}, Budget),
+            versions=await ledger_views.agent_versions(conn, VersionInfo),
         )

@@ -78,6 +78,11 @@ async def request_upgrades(conn: AsyncConn, row: type[Row], request_id: str) -> 
     return await _rows(conn, row, "get_run_upgrades", {"request_id": request_id})
 
 
+async def agent_versions(conn: AsyncConn, row: type[Row]) -> list[Row]:
+    """Each version of each agent: its live workers and the requests pinned to it."""
+    return await _rows(conn, row, "agent_versions", {})
+
+
 async def queue_depth(conn: AsyncConn, row: type[Row]) -> Row:
     """The queue of record: queued requests ready to run, those backing off,
     running ones, and the oldest queued one's enqueue time."""

@@ -656,7 +656,8 @@ def test_doctor_passes_on_a_healthy_fleet_and_says_what_to_fix(
     assert done.returncode == 0, done.stdout + done.stderr
     checks = _checks(done.stdout)
     assert list(checks) == ["database", "schema", "broker", "result backend", "agents",
-                            "visibility timeout", "lease", "soft shutdown"]
+                            "versions", "visibility timeout", "lease", "soft shutdown"]
+    assert checks["versions"] == "OK versions: no worker has recorded its agents yet"
     assert all(c.startswith("OK ") for c in checks.values()), done.stdout
     registered = checks["agents"].split("registered: ", 1)[1].split(", ")
     assert {"default", "flaky", "quick"} <= set(registered)

@@ -97,6 +97,13 @@ def test_upgrade_moves_a_waiting_request_and_versions_shows_the_fleet(fleet: Fle
             "alive; start one, or move them: loomflow-worker upgrade --agent deploy --from v1"
             ) in listed.stderr
 
+    doctor = cli(fleet, "doctor")
+    versions = next(line for line in doctor.stdout.splitlines() if " versions: " in line)
+    assert versions == (
+        "FAIL versions: deploy v2 on new:2; deploy v1 on no live worker (1 waiting); start a "
+        "worker of deploy v1, or move its requests: loomflow-worker upgrade --agent deploy "
+        "--from v1"), doctor.stdout
+
     moved = cli(fleet, "upgrade", "--agent", "deploy", "--from", "v1")
     assert moved.returncode == 0, moved.stderr
     assert moved.stdout == "waits: moved from version v1 to v2\n"  # the running one stays
@@ -108,3 +115,25 @@ def test_upgrade_moves_a_waiting_request_and_versions_shows_the_fleet(fleet: Fle
     shown = cli(fleet, "show", "waits")
     assert "version   v2\n" in shown.stdout
     assert "from version v1 to v2, by upgrade" in shown.stdout
+
+
+def test_the_console_shows_versions_and_moves(fleet: Fleet) -> None:
+    from starlette.testclient import TestClient
+
+    from loomflow_worker.console.app import create_app
+    from loomflow_worker.tasks import settings
+
+    _fleet_as_left(fleet.dsn)
+    with TestClient(create_app(settings()), client=("127.0.0.1", 40000),
+                    base_url="http://localhost:8040") as browser:
+        page = browser.get("/fleet").text
+        assert '<tr data-agent="deploy" data-version="v1" class="dead">' in page
+        assert '<tr data-agent="deploy" data-version="v2">' in page
+        waiting = browser.get("/runs/waits").text
+        assert "waits for a worker of agent deploy version v1 since" in waiting
+        assert "none alive since" in waiting
+        assert cli(fleet, "upgrade", "waits").returncode == 0
+        moved = browser.get("/runs/waits").text
+        assert '<dd id="version">v2</dd>' in moved
+        assert "from version v1 to v2, by upgrade" in moved
+
