@@ -125,7 +125,8 @@ class Fleet:
     workers: dict[str, Worker] = field(default_factory=dict)
 
     def start(
-        self, name: str, app: str, concurrency: int, env: dict[str, str], pool: str = "prefork"
+        self, name: str, app: str, concurrency: int, env: dict[str, str], pool: str = "prefork",
+        cwd: Path = ROOT,
     ) -> None:
         log = self.logs / f"{name}.log"
         out = (self.logs / f"{name}.out").open("wb")
@@ -134,7 +135,7 @@ class Fleet:
                 [sys.executable, "-m", "celery", "-A", app, "worker",
                  "-c", str(concurrency), "-n", f"{name}.{self.tag}@%h", "-P", pool,
                  "--without-gossip", "--without-mingle", "-l", "INFO", "-f", str(log)],
-                cwd=ROOT, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT,
+                cwd=cwd, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         finally:

@@ -39,6 +39,12 @@ worker < 6 ms of CPU per run, RSS <= 600 MB, 0 fenced, 0 retries; with ``--cpu-h
 every run finishes, 0 fenced, 0 retries, >= 30 runs/s. The last line checks the targets of
 the way the side was loaded.
 
+``--against REF`` adds a side right after ``ours threads``: the same worker on the code of git
+commit REF (a worktree of it, its schema migrated by its own code into a database of its
+own), and prints ours' runs/s and worker CPU per run against it: what a change costs, measured
+side by side (e.g. ``--backlog --concurrency 1000 --runs 3000 --only-threads --against
+e3dc7a1``: agent versions against the commit before them).
+
 ``--yardstick`` adds a side that drains as many no-op tasks with a result (``noop`` in
 ``bench/plain_celery_app.py``) on a plain Celery worker with the same pool and concurrency,
 and prints ours' worker CPU per run against plain Celery's per task, measured on the same
@@ -344,6 +350,7 @@ def run_side(
     tag: str,
     redis_url: str,
     pressure: Pressure = Pressure(),
+    cwd: Path = ROOT,
 ) -> SideResult:
     sent: list[tuple[AsyncResult, str]] = []
 
@@ -356,7 +363,7 @@ def run_side(
 
     enqueued = enqueue() if pressure.backlog else 0.0
     with cpu_hogs(pressure.hogs):
-        fleet.start(name, app, concurrency, env, pool=pool)
+        fleet.start(name, app, concurrency, env, pool=pool, cwd=cwd)
         fleet.wait_ready([name])
         worker = fleet.workers[name]
         redis_before = redis_cpu(redis_url)
@@ -423,6 +430,13 @@ def report(results: Sequence[SideResult]) -> list[str]:
         )
     for other in results[1:]:
         if other is yardstick:
+            continue
+        if other.label.startswith("ours at "):
+            ours_ms = ours.ms_per_run(ours.peaks.worker_cpu_s())
+            its_ms = other.ms_per_run(other.peaks.worker_cpu_s())
+            lines.append(
+                f"ours threads vs {other.label}: {ours.runs_per_s / other.runs_per_s:.3f}x its "
+                f"runs/s, {ours_ms / max(its_ms, 1e-9):.3f}x its worker CPU per run")
             continue
         lines.append(
             f"ours threads vs {other.label}: {other.wall_s / ours.wall_s:.1f}x faster, "
@@ -496,6 +510,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="also drain as many no-op tasks with a result on a plain Celery "
                              "threads-pool worker (-c the same): plain Celery's own CPU per "
                              "task on this machine, to read ours' against")
+    parser.add_argument("--against", default=None, metavar="REF",
+                        help="also run ours threads on the code of git commit REF (a worktree "
+                             "of it, its own database), right after ours: what a change costs")
     parser.add_argument("--quick", action="store_true", help="200 runs")
     args = parser.parse_args(argv)
     if args.quick:
@@ -513,6 +530,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     redis_url = os.environ.get(REDIS_ENV, DEFAULT_REDIS)
     tag = uuid.uuid4().hex[:8]
     dbnames = {"ours": f"lfw_bench_{tag}", "plain": f"lfw_bench_{tag}_plain"}
+    if args.against:
+        dbnames["ref"] = f"lfw_bench_{tag}_ref"
     dsns = {v: database_uri(admin_dsn, n) for v, n in dbnames.items()}
     prefix = f"lfwbench:{tag}:"
     latency_env = {"BENCH_MODEL_LATENCY": str(args.latency)}
@@ -534,10 +553,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     logs = Path(tempfile.mkdtemp(prefix=f"lfw_bench_concurrency_{tag}_"))
     fleet = Fleet(logs, tag, base_env)
+    worktree = logs / "against" if args.against else None
     try:
         for name in dbnames.values():
             create_database(admin_dsn, name)
         anyio.run(migrate, dsns["ours"], dsns["plain"])
+        if worktree is not None:
+            ref_env, ref_settings = against(args.against, worktree, dsns["ref"], redis_url,
+                                            prefix, f"lfwb-{tag}-ref", base_env)
         print(f"{args.runs} runs on {args.runs} sessions, 3 model calls (each waiting "
               f"{args.latency:g}s) and 2 tool calls per run; "
               f"{'a backlog enqueued before each worker starts; ' if args.backlog else ''}"
@@ -547,7 +570,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         tasks.configure(ours_settings)
         plain.configure(plain_config)
 
+        configured = [ours_settings]
+
         def ours_submit(prompt: str, session: str) -> AsyncResult:
+            if configured[0] is not ours_settings:
+                tasks.configure(ours_settings)
+                configured[0] = ours_settings
+            return tasks.run_agent.delay(prompt, session)
+
+        def ref_submit(prompt: str, session: str) -> AsyncResult:
+            # Enqueued by this code into the database REF's code migrated.
+            if configured[0] is not ref_settings:
+                tasks.configure(ref_settings)
+                configured[0] = ref_settings
             return tasks.run_agent.delay(prompt, session)
 
         def plain_submit(prompt: str, session: str) -> AsyncResult:
@@ -558,6 +593,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         sides = [("ours threads", "ours-t", "loomflow_worker.tasks", "threads",
                   args.concurrency, {**ours_env, **latency_env}, ours_submit, "ours")]
+        if worktree is not None:
+            sides.append((f"ours at {args.against[:10]}", "ours-r", "loomflow_worker.tasks",
+                          "threads", args.concurrency, {**ref_env, **latency_env}, ref_submit,
+                          "ref"))
         if args.yardstick:
             sides.append(("plain no-op", "plain-n", "bench.plain_celery_app", "threads",
                           args.concurrency, plain_config.env(), noop_submit, "plain"))
@@ -573,13 +612,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i, (label, name, app, pool, conc, env, submit, db) in enumerate(sides):
             result = run_side(label, fleet, name, app, pool, conc, env, submit, admin_dsn,
                               dbnames[db], args.runs, args.latency, f"{tag}{i}", redis_url,
-                              Pressure(args.backlog, args.cpu_hogs))
+                              Pressure(args.backlog, args.cpu_hogs),
+                              cwd=worktree if db == "ref" and worktree is not None else ROOT)
             print(f"  {label}: {result.wall_s:.1f}s", flush=True)
             results.append(result)
         print("\n".join(report(results)))
     finally:
         teardown(fleet, redis_url, prefix, admin_dsn, dbnames.values())
+        if worktree is not None:
+            subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT,
+                           capture_output=True, check=False)
     return 0
+
+
+def against(
+    ref: str, worktree: Path, dsn: str, redis_url: str, prefix: str, queue: str,
+    base_env: dict[str, str],
+) -> tuple[dict[str, str], Any]:
+    """A worktree of commit ``ref`` at ``worktree``, its schema migrated into
+    ``dsn`` by its own code; its workers' environment and settings."""
+    subprocess.run(["git", "worktree", "add", "--detach", str(worktree), ref], cwd=ROOT,
+                   check=True, capture_output=True, text=True)
+    env, settings = ours_config(dsn, redis_url, prefix, queue)
+    env["PYTHONPATH"] = str(worktree)
+    subprocess.run([sys.executable, "-m", "loomflow_worker.cli", "migrate"], cwd=worktree,
+                   env={**base_env, **env}, check=True, capture_output=True, text=True)
+    return env, settings
 
 
 if __name__ == "__main__":

@@ -97,6 +97,15 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
         # process, and each publishes from one thread).
         bound_producers_now(current_app())
     _refuse_session_pooler(settings())
+    if PROCESS.runs_here:
+        # The threads pool runs in this process: connect (and migrate), build
+        # the agents and choose the version queues before the consumer starts.
+        try:
+            PROCESS.loop.run(PROCESS.worker_context().runtime())
+        except Exception:
+            log.exception("the worker could not connect to Postgres yet; will retry")
+        else:
+            _serve_versions(BEFORE_START)
     _tune_collector()
 
 
@@ -227,7 +236,10 @@ def _start_sweeper(sender: Any = None, **_: Any) -> None:
         except Exception:
             log.exception("the worker could not connect to Postgres yet; will retry per task")
         else:
-            _serve_versions(sender)
+            if PROCESS.version_queues is None:
+                _serve_versions(sender)
+            else:
+                _say_version_queues(PROCESS.version_queues)
     if settings().sweeper:
         sweeper = Sweeper(settings(), dispatch_many, queue_lengths,
                           ResultRepair(results_missing, store_result,
@@ -238,31 +250,47 @@ def _start_sweeper(sender: Any = None, **_: Any) -> None:
         sweeper.start()
 
 
-def _serve_versions(consumer: Any) -> None:
+def _serve_versions(consumer: Any) -> bool:
     """Build the process's agents and take messages from their versions'
-    queues too (:func:`.queues.version_queues`): through ``consumer``, the
-    worker's own, when it runs in this process (the threads pool); else
-    (a pool child) by asking its worker, over Celery's remote control."""
+    queues too (:func:`.queues.version_queues`); with TAKE_NEW false, from
+    those only. ``consumer``: ``"before start"`` when the worker's consumer has
+    not started (the threads pool, at ``worker_init``: the queues it will take
+    from are chosen now, so it never takes a message it should not), else the
+    worker's consumer when it runs in this process, else ``None`` (a pool
+    child: its worker is asked over Celery's remote control). Whether the
+    versions are served (their queues in ``PROCESS.version_queues``)."""
     app = current_app()
+    queues = app.amqp.queues
     try:
         versions = PROCESS.loop.run(PROCESS.worker_context().serve_agents())
-        bases = list(app.amqp.queues.consume_from or {})
+        bases = list(queues.consume_from or {})
         names = version_queues(versions)
         for name in names:
-            if consumer is not None:
+            if consumer == BEFORE_START:
+                queues.select_add(name)
+            elif consumer is not None:
                 consumer.add_task_queue(name)
             else:
                 app.control.add_consumer(name, destination=[PROCESS.node], reply=False)
         if not settings().take_new:
             for name in bases:
-                if consumer is not None:
+                if consumer == BEFORE_START:
+                    queues.deselect(name)
+                elif consumer is not None:
                     consumer.cancel_task_queue(name)
                 else:
                     app.control.cancel_consumer(name, destination=[PROCESS.node], reply=False)
     except Exception:
         log.exception("could not take messages from the queues of this worker's agent "
                       "versions; requests pinned to them wait for another worker")
-        return
+        return False
+    PROCESS.version_queues = names
+    if consumer != BEFORE_START:  # else said once the worker's log is set up (ready)
+        _say_version_queues(names)
+    return True
+
+
+def _say_version_queues(names: list[str]) -> None:
     if settings().take_new:
         log.info("taking messages from the queues of this worker's agent versions too: %s",
                  ", ".join(names), extra={"action": "version_queues"})
@@ -270,6 +298,10 @@ def _serve_versions(consumer: Any) -> None:
         log.info("taking no new requests (TAKE_NEW is false): only those pinned to this "
                  "worker's agent versions, from %s", ", ".join(names) or "no queue",
                  extra={"action": "version_queues"})
+
+
+#: ``_serve_versions``' consumer before the worker's consumer starts.
+BEFORE_START = "before start"
 
 
 def _admit(consumer: Any) -> None:

@@ -75,6 +75,9 @@ class ProcessState:
     #: again from the fleet's registry (monotonic), and the registry's names.
     fleet_checked: dict[str, float] = field(default_factory=dict)
     fleet_names: list[str] = field(default_factory=list)
+    #: The queues of its agents' versions this worker takes messages from
+    #: (``None``: not yet).
+    version_queues: list[str] | None = None
 
     def current_settings(self) -> Settings:
         """The settings the app runs with (raises if the environment's are invalid)."""

@@ -4,7 +4,7 @@ another version starts it or executes a step of it.
 
 The scenario of a rolling deploy's last old worker lost: a request charging
 six orders runs on a worker of version 1; a worker of version 2 joins; the
-version-1 worker is SIGKILLed in the middle of the fourth charge. Until a
+version-1 worker is SIGKILLed in the middle of a charge. Until a
 worker of version 1 comes back, the request waits (queued, in its version's
 queue) and version 2 charges nothing of it, while a new request runs on
 version 2 at once; then it finishes on version 1, each order charged once
@@ -26,7 +26,8 @@ from psycopg.rows import dict_row
 from loomflow_worker.tasks import run_agent
 from tests.integration import version_agents  # noqa: F401  (registers "deploy" here too)
 from tests.integration.celery_harness import Fleet
-from tests.integration.helpers import calls, cli, wait_until
+from tests.integration.helpers import calls, cli, scrape, wait_until
+from tests.integration.services import free_port
 
 pytestmark = [pytest.mark.slow]
 
@@ -36,7 +37,9 @@ FAST_ENV = {
     "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
     "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
     "LOOMFLOW_WORKER_LEASE": "3",
-    "TEST_TOOL_SLEEP": "0.4",
+    # Long enough that the request is still charging when version 2 is ready,
+    # however slow the machine: version 1 is killed inside a charge.
+    "TEST_TOOL_SLEEP": "1.0",
 }
 
 
@@ -77,10 +80,17 @@ def _entered(path: Path, tag: str) -> bool:
                                  for line in path.read_text().splitlines())
 
 
+def _waiting_gauge(port: int, version: str) -> float:
+    """loomflow_worker_version_waiting of agent deploy and ``version``, summed
+    over the worker's processes (each sample carries its pid)."""
+    return sum(value for key, value in scrape(port).items()
+               if key.startswith("loomflow_worker_version_waiting{")
+               and 'agent="deploy"' in key and f'version="{version}"' in key)
+
+
 def _in_flight(path: Path, orders: list[str]) -> int:
     """How many of ``orders`` version 1 entered before it was killed (the last
-    of them was in flight: the kill lands in the fourth charge, or a later one
-    on a slow machine)."""
+    of them was in flight)."""
     entered = {line.split(" ", 1)[0] for line in path.read_text().splitlines()}
     return max(i + 1 for i, tag in enumerate(orders) if tag in entered)
 
@@ -110,13 +120,16 @@ def test_a_request_finishes_on_the_version_it_started_on(
     prompt = calls(*orders)
     fleet.start("v1", concurrency=4, pool=pool, TEST_AGENT_VERSION="1", **env)
     pinned = run_agent.apply_async((prompt, "session-a"), {"agent": "deploy"})
-    fleet.start("v2", concurrency=4, pool=pool, TEST_AGENT_VERSION="2", **env)
+    port = free_port()
+    fleet.start("v2", concurrency=4, pool=pool, TEST_AGENT_VERSION="2", **env,
+                LOOMFLOW_WORKER_METRICS_PORT=str(port))
     v1, v2 = _version_of(fleet.dsn, "v1"), _version_of(fleet.dsn, "v2")
     assert v1 != v2
 
-    wait_until(lambda: _entered(entries, "A-o4"), "version 1 charging order 4", timeout=60)
+    wait_until(lambda: _entered(entries, "A-o2"), "version 1 charging order 2", timeout=60)
     fleet.kill("v1")
     cut = _in_flight(entries, orders)
+    assert cut < len(orders), "version 1 was killed too late: it charged every order"
     # The request waits for version 1, in its version's queue; version 2 runs
     # nothing of it, and a new request runs on version 2 at once.
     wait_until(lambda: _ledger_row(fleet.dsn, pinned.id)["version_wait_since"] is not None,
@@ -143,6 +156,7 @@ def test_a_request_finishes_on_the_version_it_started_on(
     assert "none alive since" in shown, shown
     listed = cli(fleet, "versions")
     assert f"agent 'deploy' version {v1}: 1 requests wait" in listed.stderr, listed.stderr
+    wait_until(lambda: _waiting_gauge(port, v1) == 1, "the waiting gauge of version 1")
 
     # A worker of version 1 comes back: the request finishes there. Started as
     # the old release of a drain is (TAKE_NEW=false), it takes no new request.
@@ -172,8 +186,9 @@ def _kill_v1_mid_run(
     fleet: Fleet, tmp_path: Path, **env: str
 ) -> tuple[Any, list[str], Path, int]:
     """A request charging six orders started on version 1, version 2 alive, and
-    version 1 SIGKILLed in the middle of the fourth charge; the request, its
-    orders, the model calls' file and how many orders version 1 entered."""
+    version 1 SIGKILLed in the middle of a charge (the second, or a later one on
+    a slow machine); the request, its orders, the model calls' file and how many
+    orders version 1 entered."""
     entries, model_calls = tmp_path / "entries", tmp_path / "model-calls"
     env = {**FAST_ENV, "TEST_ENTRIES_FILE": str(entries), "TEST_MODEL_CALLS": str(model_calls),
            **env}
@@ -181,9 +196,11 @@ def _kill_v1_mid_run(
     fleet.start("v1", concurrency=4, pool="threads", TEST_AGENT_VERSION="1", **env)
     request = run_agent.apply_async((calls(*orders), "session-a"), {"agent": "deploy"})
     fleet.start("v2", concurrency=4, pool="threads", TEST_AGENT_VERSION="2", **env)
-    wait_until(lambda: _entered(entries, "A-o4"), "version 1 charging order 4", timeout=60)
+    wait_until(lambda: _entered(entries, "A-o2"), "version 1 charging order 2", timeout=60)
     fleet.kill("v1")
-    return request, orders, model_calls, _in_flight(entries, orders)
+    cut = _in_flight(entries, orders)
+    assert cut < len(orders), "version 1 was killed too late: it charged every order"
+    return request, orders, model_calls, cut
 
 
 @pytest.mark.parametrize("how", ["command", "policy"])
@@ -244,3 +261,38 @@ def test_a_change_under_an_unchanged_declared_version_diverges_before_a_second_c
     charges = _charges(fleet.dsn, "A-")
     assert set(charges) <= set(orders), charges
     assert all(n == 1 for n in charges.values()), charges
+
+
+def test_an_unchanged_agent_resumes_on_any_worker_of_its_version(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    # A deploy that leaves the agent as it was (an image rebuild): the killed
+    # worker's request resumes on the other worker at once, sent nowhere.
+    entries = tmp_path / "entries"
+    env = {**FAST_ENV, "TEST_ENTRIES_FILE": str(entries), "TEST_AGENT_VERSION": "1"}
+    orders = [f"A-o{n}" for n in range(1, 5)]
+    fleet.start("old", concurrency=4, pool="threads", **env)
+    request = run_agent.apply_async((calls(*orders), "session-a"), {"agent": "deploy"})
+    fleet.start("new", concurrency=4, pool="threads", **env)
+    assert _version_of(fleet.dsn, "old") == _version_of(fleet.dsn, "new")
+    wait_until(lambda: _entered(entries, "A-o2"), "the old worker charging order 2", timeout=60)
+    fleet.kill("old")
+    assert request.get(timeout=60)["output"] == "done: " + ", ".join(
+        f"recorded {tag}" for tag in orders)
+    assert "is pinned to version" not in fleet.log_text()
+    row = _ledger_row(fleet.dsn, request.id)
+    assert row["version_wait_since"] is None and "version" not in row["routing"]
+
+
+def test_a_request_whose_version_is_gone_is_cancelled_by_its_agents_policy(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    # on_version_gone="cancel": once no worker of its version has been seen for
+    # its grace, the request ends cancelled; version 2 charges nothing of it.
+    request, *_ = _kill_v1_mid_run(
+        fleet, tmp_path, TEST_ON_VERSION_GONE="cancel", TEST_GRACE="2")
+    with pytest.raises(Exception, match="cancel"):
+        request.get(timeout=90)
+    assert _ledger_row(fleet.dsn, request.id)["status"] == "cancelled"
+    assert not any(tag.endswith("-cents") for tag in _charges(fleet.dsn, "A-"))
+    fleet.wait_logged("1 requests of agent 'deploy' waiting for version")

@@ -26,8 +26,8 @@ def _fleet_as_left(dsn: str) -> None:
         conn.execute(query("effects_table"))
         conn.execute(
             "INSERT INTO workers (worker, hostname, pid, slots, heartbeat_interval, seen_at)"
-            " VALUES ('old:1', 'old', 1, 10, 2, now() - interval '10 minutes'),"
-            "        ('new:2', 'new', 2, 10, 2, now())")
+            " VALUES ('old:1', 'old', 1, 10, 60, now() - interval '10 minutes'),"
+            "        ('new:2', 'new', 2, 10, 60, now())")
         conn.execute(
             "INSERT INTO worker_agents (worker, agent, version, built_at) VALUES"
             " ('old:1', 'deploy', 'v1', now() - interval '1 hour'),"

@@ -98,7 +98,8 @@ ON CONFLICT (fairness_key) DO UPDATE SET call_weight = EXCLUDED.call_weight, upd
 -- older than a given one (scope and by). A queued request that never started
 -- is cancelled on the spot (it has no epoch and journaled nothing); any other
 -- unfinished one is flagged and stops at its next step boundary, or when it
--- is next picked up.
+-- is next picked up: by any worker, whatever version it is pinned to (one
+-- waiting for a version goes back to its own queue's routing).
 UPDATE runs
    SET cancel_requested = true,
        status = CASE WHEN status = 'queued' AND epoch IS NULL THEN 'cancelled' ELSE status END,
@@ -106,7 +107,9 @@ UPDATE runs
        error_type = CASE WHEN status = 'queued' AND epoch IS NULL THEN 'Cancelled'
                          ELSE error_type END,
        finished_at = CASE WHEN status = 'queued' AND epoch IS NULL THEN now()
-                          ELSE finished_at END
+                          ELSE finished_at END,
+       version_wait_since = NULL,
+       routing = CASE WHEN routing ? 'version' THEN routing -> 'base' ELSE routing END
  WHERE (%(request_id)s::text IS NOT NULL AND request_id = %(request_id)s::text)
     OR (%(by)s::text IS NOT NULL AND scope = %(scope)s::text
         AND loomflow_worker_unfinished(status) AND request_id <> %(by)s::text
@@ -130,7 +133,9 @@ UPDATE runs
        status = CASE WHEN epoch IS NULL THEN 'cancelled' ELSE status END,
        error = CASE WHEN epoch IS NULL THEN %(reason)s ELSE error END,
        error_type = CASE WHEN epoch IS NULL THEN 'Cancelled' ELSE error_type END,
-       finished_at = CASE WHEN epoch IS NULL THEN now() ELSE finished_at END
+       finished_at = CASE WHEN epoch IS NULL THEN now() ELSE finished_at END,
+       version_wait_since = NULL,
+       routing = CASE WHEN routing ? 'version' THEN routing -> 'base' ELSE routing END
  WHERE status = 'queued'
    AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
    AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)

@@ -9,10 +9,10 @@
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS agent_version TEXT;
 ALTER TABLE runs ADD COLUMN IF NOT EXISTS version_wait_since TIMESTAMPTZ;
 ALTER TABLE run_attempts ADD COLUMN IF NOT EXISTS agent_version TEXT;
--- Unfinished requests by the version they are pinned to (versions, the
--- waiting gauge, loomflow_worker_version_demand).
-CREATE INDEX IF NOT EXISTS runs_pinned_open ON runs (agent, agent_version)
-    WHERE status IN ('queued', 'running') AND agent_version IS NOT NULL;
+-- No index of its own: what reads requests by version (versions, the waiting
+-- gauge, loomflow_worker_version_demand) reads only unfinished ones, a few
+-- thousand at most, found through runs_status; an index here would cost every
+-- start and finish an entry.
 
 -- The fleet's agents: each worker process's row per agent it serves, with the
 -- version it built and what enqueuing needs of it (fairness key, shared
