@@ -203,11 +203,12 @@ def build_slow_model(runtime: Any) -> Agent:
     )
 
 
-@register_agent("claude")
+@register_agent("claude", version=os.environ.get("TEST_CLAUDE_VERSION"))
 def build_claude(runtime: Any) -> Agent:
     """loomflow's real AnthropicModel, pointed by ANTHROPIC_BASE_URL at the
     tests' local Messages API; TEST_CLAUDE_INSTRUCTIONS stands in for a deploy
-    that changed the agent's instructions."""
+    that changed the agent's instructions, TEST_CLAUDE_VERSION for a version
+    declared by hand."""
     from loomflow.model.anthropic import AnthropicModel
 
     model = AnthropicModel(

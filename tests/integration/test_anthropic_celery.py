@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -37,11 +39,14 @@ def api() -> Iterator[MessagesAPI]:
         yield server
 
 
-def _start_worker(fleet: Fleet, name: str, api: MessagesAPI, instructions: str) -> None:
+def _start_worker(
+    fleet: Fleet, name: str, api: MessagesAPI, instructions: str, **env: str
+) -> None:
     """A one-slot worker whose "claude" agent talks to ``api`` under ``instructions``."""
     fleet.start(
         name,
         concurrency=1,
+        **env,
         ANTHROPIC_BASE_URL=api.url,
         ANTHROPIC_API_KEY=API_KEY,
         TEST_CLAUDE_INSTRUCTIONS=instructions,
@@ -85,7 +90,9 @@ def test_a_pool_child_killed_mid_tool_sends_no_completed_model_call_again(
     assert api.turns() == [0, 1]  # both calls finished before b started
     os.kill(pid, signal.SIGKILL)
 
-    value = result.get(timeout=30)
+    # The pool starts a new child (it builds the agent again) before the
+    # redelivered request can run: allow a loaded machine its time.
+    value = result.get(timeout=90)
     assert value["output"] == ANSWER
     assert value["request_id"] == result.id
     # Turns 0 and 1 replay from the journal on attempt 2; only turn 2 is sent then.
@@ -101,21 +108,56 @@ def test_a_pool_child_killed_mid_tool_sends_no_completed_model_call_again(
     _assert_ran_once_after_crash(fleet, result.id)
 
 
-def test_a_worker_restarted_with_new_instructions_restamps_the_replayed_tool_result(
+def test_a_deploy_with_new_instructions_keeps_the_request_until_it_is_upgraded(
     fleet: Fleet, api: MessagesAPI
 ) -> None:
     _start_worker(fleet, "w1", api, "v1")
     result = run_agent.delay(PROMPT, "s", user_id="u", agent="claude")
     pid = _pid_running(fleet.dsn, "b")
     assert fleet.worker_of(pid) == "w1"
-    # The whole worker dies mid-b; a deploy brings it back with new instructions.
+    # The whole worker dies mid-b; a deploy brings it back with new instructions
+    # (another version of the agent): the request waits for its own version and
+    # nothing of it is sent to the model meanwhile.
     fleet.kill("w1")
     _start_worker(fleet, "w2", api, "v2")
+    _wait_for_version(fleet.dsn, result.id)
+    assert api.turns() == [0, 1]
+
+    moved = subprocess.run(
+        [sys.executable, "-m", "loomflow_worker.cli", "upgrade", result.id],
+        env=fleet.env, capture_output=True, text=True, timeout=60)
+    assert moved.returncode == 0, moved.stderr
+    value = result.get(timeout=60)
+    assert value["output"] == ANSWER
+    # Upgraded, the request replays turns 0 and 1 from its journal by position:
+    # only turn 2 is sent, under the new instructions, answering the ids the
+    # server minted before the crash.
+    assert api.turns() == [0, 1, 2]
+    assert api.statuses() == [200] * 3  # never a 400
+    assert [r.system for r in api.received] == ["v1", "v1", "v2"]
+    assert {r.streamed for r in api.received} == {True}
+    first, second, last = api.received
+    assert last.tool_result_ids() == [*first.minted, *second.minted]
+    _assert_ran_once_after_crash(fleet, result.id)
+
+
+def test_new_instructions_under_a_declared_version_restamp_the_replayed_tool_result(
+    fleet: Fleet, api: MessagesAPI
+) -> None:
+    # The team declares the version by hand and leaves it unchanged across a
+    # deploy that changed the instructions: the request resumes on the new code.
+    _start_worker(fleet, "w1", api, "v1", TEST_CLAUDE_VERSION="1")
+    result = run_agent.delay(PROMPT, "s", user_id="u", agent="claude")
+    pid = _pid_running(fleet.dsn, "b")
+    assert fleet.worker_of(pid) == "w1"
+    fleet.kill("w1")
+    _start_worker(fleet, "w2", api, "v2", TEST_CLAUDE_VERSION="1")
 
     value = result.get(timeout=30)
     assert value["output"] == ANSWER
     # The changed system prompt makes turns 0 and 1 new requests: the model is
-    # asked again and mints new ids, while tool a's result replays.
+    # asked again and mints new ids, while tool a's result replays (its call
+    # matches the journal, so nothing diverges).
     assert api.turns() == [0, 1, 0, 1, 2]
     assert api.statuses() == [200] * 5  # never a 400
     assert [r.system for r in api.received] == ["v1", "v1", "v2", "v2", "v2"]
@@ -126,3 +168,15 @@ def test_a_worker_restarted_with_new_instructions_restamps_the_replayed_tool_res
     assert new_b.tool_result_ids() == list(new_a.minted)
     assert last.tool_result_ids() == [*new_a.minted, *new_b.minted]
     _assert_ran_once_after_crash(fleet, result.id)
+
+
+def _wait_for_version(dsn: str, request_id: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute("SELECT version_wait_since FROM runs WHERE request_id = %s",
+                               (request_id,)).fetchone()
+            if row is not None and row[0] is not None:
+                return
+            time.sleep(0.1)
+    raise AssertionError(f"{request_id} never waited for its version")
