@@ -145,13 +145,17 @@ class WorkerContext:
 
     def __init__(
         self, settings: Settings, slots: int = 1, node: str | None = None, *,
-        quarantine: int = 0,
+        quarantine: int = 0, serving: bool = True,
     ) -> None:
         """``slots``: how many runs this process carries at once; ``node``:
         the Celery node it serves (the host name when none); ``quarantine``:
         it runs suspected requests, each of which it hands back once it
-        completes a step, a few together (1) or one alone (2)."""
+        completes a step, a few together (1) or one alone (2); ``serving``
+        false: it only builds the agents (a prefork worker's parent, before
+        it forks its children), with no heartbeat, no row in ``workers`` or
+        ``worker_agents``, no loop watch and no events."""
         self.settings = settings
+        self.serving = serving
         self.slots = slots
         self.alone = quarantine > 0
         # How apart from other runs a request runs here (see ledger.precheck):
@@ -221,6 +225,8 @@ class WorkerContext:
                 self._runtime = runtime
                 self.budgets = Budgets(runtime.pool)
                 self.limits = Limits(runtime.pool)
+                if not self.serving:
+                    return runtime
                 # loomflow runs a synchronous tool in a worker thread, so it never
                 # blocks the other runs; anyio's default of 40 such threads at once
                 # would make the runs of a busy process queue for them.
@@ -239,6 +245,7 @@ class WorkerContext:
                 self.watch = LoopWatch(
                     stall=self.settings.loop_stall_warning,
                     step_codes=PostgresRuntime.step_codes(),
+                    build_codes=(WorkerContext.agent.__code__,),
                     on_stall=self._stalled,
                     on_lag=meter.loop_lag.observe if meter is not None else None,
                 )
@@ -268,7 +275,8 @@ class WorkerContext:
             log.info("agent %r version %s (%s)", name, version,
                      "declared" if declared else "a digest of its definition",
                      extra={"action": "agent_version", "agent": name, "version": version})
-            await self._record_built(name, version, declared is not None)
+            if self.serving:
+                await self._record_built(name, version, declared is not None)
             assert self.budgets is not None
             pace(agent, agent_model_key(name), self.budgets)
             if type(getattr(agent, "_memory", None)) is InMemoryMemory:
@@ -349,6 +357,18 @@ class WorkerContext:
             meter = metrics.get()
             if meter is not None:
                 meter.loop_stalls.inc()
+            return
+        if stall.culprit is not None and stall.culprit.agent is not None:
+            # Not a run's code: an agent's factory (and the modules it imports
+            # the first time), once per process.
+            log.log(
+                logging.WARNING if self._halts else logging.INFO,
+                "building agent %r took the event loop for %.1fs (its factory, at %s); "
+                "%d runs of this process waited as long", stall.culprit.agent, stall.held,
+                stall.culprit.where, len(self._halts),
+                extra={"action": "agent_build_stall", "agent": stall.culprit.agent,
+                       "held": round(stall.held, 3)},
+            )
             return
         culprit = stall.culprit.describe() if stall.culprit is not None else "unknown code"
         others = max(0, len(self._halts) - 1)
@@ -432,7 +452,7 @@ class WorkerContext:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self._runtime is not None:
+        if self._runtime is not None and self.serving:
             with anyio.CancelScope(shield=True):
                 await self._stamp(self._runtime, stopped=True)
         for agent in self._agents.values():

@@ -50,6 +50,8 @@ class Culprit:
     scope: str | None
     step: str | None
     where: str
+    #: The agent being built (its factory runs on the loop), if that was it.
+    agent: str | None = None
 
     def describe(self) -> str:
         parts = []
@@ -79,6 +81,8 @@ class LoopWatch:
 
     ``step_codes``: the code objects of the functions that run a journaled
     step (their frames hold the step's ``name`` and the run's ``lease``);
+    ``build_codes``: those of the function that builds an agent (its frame
+    holds the agent's ``name``);
     ``on_stall(stall)`` is called from the watch's thread after each stall,
     ``observers`` on every one of its ticks (admission control)."""
 
@@ -87,12 +91,14 @@ class LoopWatch:
         *,
         stall: float = 1.0,
         step_codes: tuple[CodeType, ...] = (),
+        build_codes: tuple[CodeType, ...] = (),
         on_stall: Callable[[Stall], None] | None = None,
         on_lag: Callable[[float], None] | None = None,
     ) -> None:
         self.stall = stall
         self.observers: list[Callable[[LoopWatch], None]] = []
         self._step_codes = step_codes
+        self._build_codes = build_codes
         self._on_stall = on_stall
         self._on_lag = on_lag
         self._lags: deque[tuple[float, float]] = deque(maxlen=KEPT)
@@ -218,6 +224,10 @@ class LoopWatch:
                     step=str(local.get("name")) if local.get("name") is not None else None,
                     where=where or "?",
                 )
+            if code in self._build_codes:
+                name = frame.f_locals.get("name")
+                return Culprit(None, None, None, where or "?",
+                               agent=str(name) if name is not None else "?")
             frame = frame.f_back
         return Culprit(None, None, None, where) if where is not None else None
 

@@ -63,7 +63,8 @@ class Admission:
                 self._pause(lag, depth)
             else:
                 self._withhold()
-        elif lag < self.lag_limit / 2 and depth < self.queue_limit / 2 and self.withheld:
+        elif (lag < self.lag_limit / 2 and depth < self.queue_limit / 2
+              and (self.withheld or not self.admitting)):
             self._give_back(lag, depth)
 
     def _pause(self, lag: float, depth: int) -> None:
@@ -87,13 +88,15 @@ class Admission:
                 self.withheld += value - 1
 
     def _give_back(self, lag: float, depth: int) -> None:
+        # A pause that found nothing to withhold (a prefetch of 1, or none:
+        # unlimited) ends here too, with nothing to give back.
         with self._qos._mutex:
             if not self._qos.value:
                 self.withheld = 0
-                return
-            given = min(self.withheld, self._step)
-            self._qos.value += given
-            self.withheld -= given
+            else:
+                given = min(self.withheld, self._step)
+                self._qos.value += given
+                self.withheld -= given
         if not self.admitting:
             self.admitting = True
             log.info(

@@ -28,6 +28,8 @@ from celery.signals import (
 
 from .. import metrics
 from ..execution import ledger
+from ..execution.execute import WorkerContext
+from ..execution.registry import import_agent_modules
 from ..execution.request import check_request
 from ..runtime.errors import InvalidInput, LoomflowWorkerError, SessionPooler
 from ..runtime.sessions import probe
@@ -71,6 +73,7 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
         # defaults would point it at another broker): it does not start.
         log.critical("%s; the worker does not start", exc)
         raise SystemExit(2) from None
+    name: str | None = None
     if sender is not None:
         # The node name its runs and its processes' rows in `workers` carry.
         PROCESS.node = getattr(sender, "hostname", None)
@@ -106,7 +109,33 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
             log.exception("the worker could not connect to Postgres yet; will retry")
         else:
             _serve_versions(BEFORE_START)
+    elif name == "prefork":
+        _build_before_fork()
     _tune_collector()
+
+
+def _build_before_fork() -> None:
+    """A prefork worker's parent builds its agents once, before it forks its
+    children, and drops them: each child starts with the agents' modules
+    imported (building them again takes it milliseconds, where importing a
+    model SDK takes seconds on a busy machine), and the queues of its agents'
+    versions are chosen before the consumer starts. Nothing stays open."""
+    import_agent_modules(settings().agents)
+    ctx = WorkerContext(settings(), node=PROCESS.node, serving=False)
+
+    async def build() -> dict[str, str]:
+        try:
+            return await ctx.serve_agents()
+        finally:
+            await ctx.aclose()
+
+    try:
+        versions = asyncio.run(build())
+    except Exception:
+        log.exception("the worker could not build its agents before starting its pool "
+                      "children; each child builds them")
+        return
+    _take_version_queues(versions, BEFORE_START)
 
 
 #: The cyclic garbage collector's thresholds in a worker process: a young
@@ -240,6 +269,8 @@ def _start_sweeper(sender: Any = None, **_: Any) -> None:
                 _serve_versions(sender)
             else:
                 _say_version_queues(PROCESS.version_queues)
+    elif PROCESS.version_queues is not None:  # chosen before the fork (prefork)
+        _say_version_queues(PROCESS.version_queues)
     if settings().sweeper:
         sweeper = Sweeper(settings(), dispatch_many, queue_lengths,
                           ResultRepair(results_missing, store_result,
@@ -259,12 +290,27 @@ def _serve_versions(consumer: Any) -> bool:
     worker's consumer when it runs in this process, else ``None`` (a pool
     child: its worker is asked over Celery's remote control). Whether the
     versions are served (their queues in ``PROCESS.version_queues``)."""
+    try:
+        versions = PROCESS.loop.run(PROCESS.worker_context().serve_agents())
+    except Exception:
+        log.exception("could not build this worker's agents; requests pinned to their "
+                      "versions wait for another worker")
+        return False
+    return _take_version_queues(versions, consumer)
+
+
+def _take_version_queues(versions: dict[str, str], consumer: Any) -> bool:
+    """Take messages from the queues of ``versions`` too (with TAKE_NEW
+    false, from those only); ``consumer`` as :func:`_serve_versions` takes it.
+    A pool child whose parent took them already (the same code gives the same
+    versions) changes nothing."""
+    names = version_queues(versions)
+    if PROCESS.version_queues is not None and set(names) <= set(PROCESS.version_queues):
+        return True
     app = current_app()
     queues = app.amqp.queues
     try:
-        versions = PROCESS.loop.run(PROCESS.worker_context().serve_agents())
         bases = list(queues.consume_from or {})
-        names = version_queues(versions)
         for name in names:
             if consumer == BEFORE_START:
                 queues.select_add(name)

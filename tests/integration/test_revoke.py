@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
 from celery.exceptions import TaskRevokedError
 from celery.result import AsyncResult
@@ -19,7 +20,7 @@ from .celery_harness import (
     wait_sweeps_for,
     wait_swept,
 )
-from .helpers import calls, tool_counts, wait_for_execution
+from .helpers import calls, tool_counts, wait_for_execution, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +29,23 @@ def _attempts(fleet: Fleet, request_id: str) -> int:
     return int(ledger(fleet.dsn, request_id)["attempts"])  # type: ignore[call-overload]
 
 
+def _received(fleet: Fleet, request_id: str) -> bool:
+    """Whether a worker took the request's message (and parked it)."""
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT received_at IS NOT NULL FROM runs WHERE request_id = %s",
+                           (request_id,)).fetchone()
+    return row is not None and bool(row[0])
+
+
 def test_revoking_a_waiting_request_cancels_it_and_its_session_moves_on(fleet: Fleet) -> None:
     fleet.start("w1", concurrency=4, pool="threads", TEST_TOOL_SLEEP="1.5")
     first = run_agent.delay(calls("a1", "a2"), "s")
     wait_status(fleet.dsn, first.id, ("running",), timeout=30)
     waiting = run_agent.delay(calls("b1"), "s")
+    # Parked behind the first (its message received and acked): a revoke sent
+    # before the worker received it would be Celery's own discard.
+    wait_until(lambda: _received(fleet, waiting.id),
+               "the second request never parked behind the first")
     app.control.revoke(waiting.id)
     after = run_agent.delay(calls("c1"), "s")
     assert wait_status(fleet.dsn, waiting.id, ("cancelled",), timeout=15) == "cancelled"

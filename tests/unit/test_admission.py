@@ -71,3 +71,16 @@ def test_a_consumer_with_prefetch_off_is_left_alone() -> None:
     admission = _admission(qos, depth)
     admission.observe(watch)  # type: ignore[arg-type]
     assert qos.value == 0 and admission.withheld == 0
+
+
+def test_a_pause_with_nothing_to_withhold_still_ends_when_the_loop_recovers() -> None:
+    # A prefetch of 1 (or none: unlimited) leaves nothing to take back; the
+    # pause must end all the same (the gauge and the log say it takes requests).
+    for value in (1, 0):
+        qos, depth, watch = QoS(value), [0], Watch(late=2.0)
+        admission = _admission(qos, depth)
+        admission.observe(watch)  # type: ignore[arg-type]
+        assert not admission.admitting and admission.withheld == 0
+        watch.late = 0.1
+        admission.observe(watch)  # type: ignore[arg-type]
+        assert admission.admitting and (qos.value, admission.withheld) == (value, 0)
