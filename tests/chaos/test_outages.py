@@ -42,7 +42,15 @@ from tests.integration.celery_harness import Fleet, wait_status
 from tests.integration.helpers import calls
 from tests.integration.services import PrivateRabbitMQ, PrivateRedis
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # This process's own result handles: once a test stopped its private Redis
+    # for good, Celery's result consumer, unsubscribing as a handle is
+    # collected, finds no server and says so from AsyncResult.__del__.
+    pytest.mark.filterwarnings(
+        r"ignore:Exception ignored in. <function AsyncResult.__del__"
+        r":pytest.PytestUnraisableExceptionWarning"),
+]
 
 ENV = {
     "TEST_TOOL_SLEEP": "0.3",
