@@ -17,6 +17,7 @@ admission only ever takes slots away and gives back those it took.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,9 @@ from .. import metrics
 from ..runtime.loopwatch import LoopWatch
 
 log = logging.getLogger("loomflow_worker.tasks")
+
+#: How far back each look at the loop's lateness reaches (seconds).
+LAG_WINDOW = 1.0
 
 
 class Admission:
@@ -38,6 +42,7 @@ class Admission:
         queue_limit: int,
         queue_depth: Callable[[], int],
         in_flight: Callable[[], int],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._qos = qos
         self._ceiling = ceiling
@@ -46,6 +51,10 @@ class Admission:
         self._queue_depth = queue_depth
         self._in_flight = in_flight
         self.admitting = True
+        # How late the loop ran before admission started (the worker building
+        # its agents at start, with no run to hold up) is no reason to pause.
+        self._clock = clock
+        self._since = clock()
         # Prefetch slots taken from the consumer, to give back.
         self.withheld = 0
         self.pauses = 0
@@ -54,7 +63,8 @@ class Admission:
 
     def observe(self, watch: LoopWatch) -> None:
         """One look at the load (from the loop watch's thread)."""
-        lag, depth = watch.lag(), self._queue_depth()
+        within = min(LAG_WINDOW, self._clock() - self._since)
+        lag, depth = watch.lag(within), self._queue_depth()
         meter = metrics.get()
         if meter is not None:
             meter.lock_queue.set(depth)

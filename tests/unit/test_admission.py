@@ -84,3 +84,30 @@ def test_a_pause_with_nothing_to_withhold_still_ends_when_the_loop_recovers() ->
         watch.late = 0.1
         admission.observe(watch)  # type: ignore[arg-type]
         assert admission.admitting and (qos.value, admission.withheld) == (value, 0)
+
+
+@dataclass
+class AgedWatch:
+    """A loop that was late ``age`` seconds ago, and on time since."""
+
+    late: float
+    age: float
+
+    def lag(self, within: float = 1.0) -> float:
+        return self.late if within >= self.age else 0.0
+
+
+def test_lateness_from_before_admission_started_is_no_reason_to_pause() -> None:
+    # The worker built its agents on the loop at start (1.3 s), then admission
+    # started 0.1 s later: that lateness held no run, and pauses nothing.
+    now = [100.0]
+    qos = QoS(100)
+    admission = Admission(qos, ceiling=100, lag_limit=0.5, queue_limit=200,
+                          queue_depth=lambda: 0, in_flight=lambda: 0, clock=lambda: now[0])
+    now[0] += 0.1
+    admission.observe(AgedWatch(late=1.3, age=0.15))  # type: ignore[arg-type]
+    assert admission.admitting and qos.value == 100
+    # Lateness once it runs pauses it, as ever.
+    now[0] += 2.0
+    admission.observe(AgedWatch(late=1.3, age=0.15))  # type: ignore[arg-type]
+    assert not admission.admitting and qos.value == 1
