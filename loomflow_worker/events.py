@@ -20,7 +20,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,14 +154,16 @@ def _cut(text: str, width: int) -> str:
 class EventPublisher:
     """Appends a worker's run events to Redis, batched, never failing a run.
 
-    Events are buffered and sent ``interval`` seconds after the first of a
-    batch, all in one call (and at :meth:`flush`, which the worker calls when
-    a request ends), so a run costs a few round trips to Redis, not one per
-    event. An event that closes a step is sent sooner, ``step_end_delay``
-    seconds after it (time for the events right behind it to join the
-    batch): a worker that dies later than that has lost none of the step's
-    events; one that dies sooner loses them, and the next attempt sends them
-    again, marked replayed."""
+    Events are buffered and sent together, one call to Redis for a batch
+    (and at :meth:`flush`), so a busy process costs a few round trips a
+    second, not one per event. How long a batch gathers grows with the load:
+    ``per_run`` seconds for each run the process carries (``load()``), at
+    least ``per_run`` and at most ``interval`` (an event that closes a step:
+    at most ``step_end_delay``). A process carrying one run sends its events
+    about a millisecond after them; one carrying a hundred or more gathers
+    them for ``interval``. A worker that dies later than that has lost none
+    of a step's events; one that dies sooner loses them, and the next
+    attempt sends them again, marked replayed."""
 
     def __init__(
         self,
@@ -172,6 +174,8 @@ class EventPublisher:
         retention: float,
         interval: float = 0.1,
         step_end_delay: float = 0.05,
+        per_run: float = 0.001,
+        load: Callable[[], int] = lambda: 1,
     ) -> None:
         self._client: aredis.Redis = aredis.Redis.from_url(url, socket_timeout=5)
         self._append = self._client.register_script(_APPEND)
@@ -180,6 +184,8 @@ class EventPublisher:
         self._retention = max(1, int(retention))
         self._interval = interval
         self._step_end_delay = step_end_delay
+        self._per_run = per_run
+        self._load = load
         # Events to send, by request: the arguments of _APPEND, five per event.
         self._buffer: dict[str, list[str]] = {}
         self._sending = asyncio.Lock()
@@ -205,7 +211,14 @@ class EventPublisher:
         else:
             events += entry
         # A step is done: send soon, so a crash after it loses nothing of it.
-        self._schedule(self._step_end_delay if kind in _STEP_ENDS else self._interval)
+        self._schedule(self.delay(kind in _STEP_ENDS))
+
+    def delay(self, step_end: bool = False) -> float:
+        """How long an event published now waits for others to join its
+        batch: ``per_run`` per run in flight, within ``interval`` (a step's
+        end: ``step_end_delay``)."""
+        ceiling = self._step_end_delay if step_end else self._interval
+        return min(ceiling, self._per_run * max(1, self._load()))
 
     def end(self, request_id: str, attempt: int, status: str, error: str | None) -> None:
         data = json.dumps({"status": status, "error": error}, separators=(",", ":"))
@@ -233,8 +246,10 @@ class EventPublisher:
 
     async def sent(self, within: float) -> None:
         """Return once every event published so far is sent (or dropped),
-        sending them within ``within`` seconds: the requests that end
-        meanwhile go in the same call to Redis, rather than one call each."""
+        sending them within ``within`` seconds (sooner when the process is
+        not busy, see :meth:`delay`): the requests that end meanwhile go in
+        the same call to Redis, rather than one call each."""
+        within = min(within, self.delay(step_end=True))
         if self._buffer:
             if self._buffered_done is None:
                 self._buffered_done = asyncio.get_running_loop().create_future()

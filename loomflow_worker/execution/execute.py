@@ -218,7 +218,7 @@ class WorkerContext:
                 try:
                     await runtime.init_schema()
                     await set_model_limits(runtime.pool, self.settings)
-                    await set_limits(runtime.pool, self.settings)
+                    await set_limits(runtime.pool, self.settings, self.worker)
                 except BaseException:
                     await runtime.aclose()
                     raise
@@ -258,6 +258,8 @@ class WorkerContext:
                         prefix=self.settings.redis_key_prefix,
                         maxlen=self.settings.events_maxlen,
                         retention=self.settings.events_retention,
+                        # Batches gather longer as the process carries more runs.
+                        load=lambda: len(self._halts),
                     )
             return self._runtime
 

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import threading
+import time
 import uuid
 
 import pytest
@@ -81,8 +82,9 @@ def test_events_of_a_resumed_attempt_say_what_replayed(fleet: Fleet) -> None:
 
 def test_requests_that_end_together_send_their_events_in_one_call() -> None:
     """Each request's end waits until its events are in its stream (its result
-    is stored after that), and those ending within the wait share one call
-    to Redis: a process ending a hundred requests a second makes far fewer."""
+    is stored after that), and on a busy process those ending within the
+    wait share one call to Redis: a process ending a hundred requests a
+    second makes far fewer."""
     prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
     url = REDIS_URL
     client = redis.Redis.from_url(url)
@@ -91,7 +93,7 @@ def test_requests_that_end_together_send_their_events_in_one_call() -> None:
 
     async def end_all() -> None:
         publisher = EventPublisher(url, prefix=prefix, maxlen=1000, retention=600,
-                                   interval=60, step_end_delay=60)
+                                   interval=60, step_end_delay=60, load=lambda: 1000)
         send = publisher._send
 
         async def counted(batch: dict[str, list[str]]) -> None:
@@ -200,6 +202,50 @@ def test_one_flush_appends_each_requests_events_to_its_own_stream_in_order() -> 
             assert steps == [s for s in range(4) if i < s + 2], (request_id, steps)
             assert all(e.data["i"] == i and e.kind == "model_chunk" for e in events)
             assert 0 < client.ttl(stream_key(prefix, request_id)) <= 600
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+def test_batches_gather_longer_only_as_the_process_carries_more_runs() -> None:
+    runs = [1]
+    publisher = EventPublisher(REDIS_URL, prefix="lfwtest:unused:", maxlen=10, retention=60,
+                               interval=0.1, step_end_delay=0.05, load=lambda: runs[0])
+
+    async def delays() -> list[tuple[float, float]]:
+        found = []
+        for runs[0] in (0, 1, 20, 100, 1000):
+            found.append((publisher.delay(), publisher.delay(step_end=True)))
+        await publisher.aclose()
+        return found
+
+    assert asyncio.run(delays()) == [
+        (0.001, 0.001), (0.001, 0.001), (0.02, 0.02), (0.1, 0.05), (0.1, 0.05)]
+
+
+def test_an_idle_process_sends_an_event_at_once_not_after_its_interval() -> None:
+    """One run in flight: its event is in the stream long before the (here
+    minute-long) interval a busy process gathers a batch for."""
+    prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
+    client = redis.Redis.from_url(REDIS_URL)
+
+    async def publish() -> float:
+        publisher = EventPublisher(REDIS_URL, prefix=prefix, maxlen=1000, retention=600,
+                                   interval=60, step_end_delay=60, load=lambda: 1)
+        try:
+            started = time.monotonic()
+            publisher.publish("r0", 1, "tool_call", "{}", replayed=False)
+            while not client.exists(stream_key(prefix, "r0")):
+                assert time.monotonic() - started < 10, "the event waited for the interval"
+                await asyncio.sleep(0.001)
+            return time.monotonic() - started
+        finally:
+            await publisher.aclose()
+
+    try:
+        asyncio.run(publish())
     finally:
         keys = list(client.scan_iter(match=f"{prefix}*"))
         if keys:

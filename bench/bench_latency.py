@@ -1,0 +1,175 @@
+"""Measure one short request's latency on an idle worker, against a plain Celery task.
+
+Two threads-pool workers on the same Redis (broker and result backend), started side by
+side and left idle: ours, running the bench agent (``bench/agents_bench.py``: a run of 2
+model calls and 1 tool call, no model latency), and plain Celery's no-op task with a result
+(``noop`` in ``bench/plain_celery_app.py``). One request at a time, interleaved (ours, then
+plain, ``--requests`` times), each timed from ``.delay()`` to ``.get()`` returning.
+
+For each of ours, a follower (``iter_events``, in a thread, attached before the enqueue)
+notes when each live event reached it: reported are the time from the enqueue to the first
+event and, for every event, how long after the worker stamped it the follower had it (the
+event's delay; the two clocks are one machine's).
+
+Run it with::
+
+    python bench/bench_latency.py [--requests 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from importlib.metadata import version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import anyio  # noqa: E402
+
+from bench import plain_celery_app as plain  # noqa: E402
+from bench.agents_bench import calls, expected_output  # noqa: E402
+from bench.bench_celery import (  # noqa: E402
+    ADMIN_DSN_ENV,
+    DEFAULT_ADMIN_DSN,
+    DEFAULT_REDIS,
+    REDIS_ENV,
+    Fleet,
+    _exit_on_sigterm,
+    git_state,
+    migrate,
+    ours_config,
+    teardown,
+)
+from bench.bench_runtime import create_database, database_uri  # noqa: E402
+from loomflow_worker import tasks  # noqa: E402
+from loomflow_worker.events import iter_events  # noqa: E402
+
+#: Requests of each side sent before measuring (connections, caches, the first build).
+WARMUP = 10
+
+
+def quantiles(values: Sequence[float]) -> tuple[float, float, float]:
+    """p50, p90 and p99 of ``values`` (seconds)."""
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+    return statistics.median(ordered), at(0.9), at(0.99)
+
+
+class Follower:
+    """Reads one request's live events in a thread; when each arrived."""
+
+    def __init__(self, request_id: str, settings: object) -> None:
+        self.arrivals: list[tuple[float, float]] = []  # (arrived, stamped), epoch seconds
+        self._thread = threading.Thread(target=self._read, args=(request_id, settings),
+                                        daemon=True)
+        self._thread.start()
+
+    def _read(self, request_id: str, settings: object) -> None:
+        for event in iter_events(request_id, settings=settings,  # type: ignore[arg-type]
+                                 follow=True, idle_timeout=10):
+            self.arrivals.append((time.time(), event.at))
+
+    def join(self) -> None:
+        self._thread.join(timeout=15)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--requests", type=int, default=200, help="requests a side (200)")
+    args = parser.parse_args(argv)
+    if args.requests < 1:
+        parser.error("--requests must be at least 1")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    admin_dsn = os.environ.get(ADMIN_DSN_ENV, DEFAULT_ADMIN_DSN)
+    redis_url = os.environ.get(REDIS_ENV, DEFAULT_REDIS)
+    tag = uuid.uuid4().hex[:8]
+    dbnames = [f"lfw_bench_{tag}_ours", f"lfw_bench_{tag}_plain"]
+    dsns = [database_uri(admin_dsn, n) for n in dbnames]
+    prefix = f"lfwbench:{tag}:"
+    base_env = {
+        **{k: v for k, v in os.environ.items()
+           if not k.startswith(("LOOMFLOW_WORKER_", "BENCH_PLAIN_", "BENCH_MODEL_"))},
+        "PYTHONPATH": str(ROOT),
+    }
+    ours_env, ours_settings = ours_config(dsns[0], redis_url, prefix, f"lfwl-{tag}-ours")
+    plain_config = plain.PlainConfig(
+        database_url=dsns[1], broker_url=redis_url, result_backend=redis_url,
+        redis_key_prefix=prefix, queue=f"lfwl-{tag}-plain")
+    fleet = Fleet(Path(tempfile.mkdtemp(prefix=f"lfw_bench_latency_{tag}_")), tag, base_env)
+    print(f"python {platform.python_version()}, celery {version('celery')}, "
+          f"{os.cpu_count()} CPUs; {git_state()}; load average {os.getloadavg()[0]:.2f}; "
+          f"{args.requests} requests a side, one at a time, interleaved", flush=True)
+    ours: list[float] = []
+    plains: list[float] = []
+    first_event: list[float] = []
+    delays: list[float] = []
+    try:
+        for name in dbnames:
+            create_database(admin_dsn, name)
+        anyio.run(migrate, dsns[0], dsns[1])
+        tasks.configure(ours_settings)
+        plain.configure(plain_config)
+        fleet.start("ours", "loomflow_worker.tasks", 100, ours_env, pool="threads")
+        fleet.start("plain", "bench.plain_celery_app", 100, plain_config.env(), pool="threads")
+        fleet.wait_ready(["ours", "plain"])
+        prompt = calls("a")
+        for i in range(WARMUP + args.requests):
+            request_id = str(uuid.uuid4())
+            follower = Follower(request_id, ours_settings)
+            time.sleep(0.005)  # the follower's first read is on its way
+            sent_at, started = time.time(), time.perf_counter()
+            result = tasks.run_agent.apply_async((prompt, f"s{i}"), task_id=request_id)
+            value = result.get(timeout=60)
+            took = time.perf_counter() - started
+            assert value["output"] == expected_output("a"), value
+            follower.join()
+            started = time.perf_counter()
+            assert plain.noop.delay(prompt, f"s{i}").get(timeout=60)["output"] == \
+                expected_output("a")
+            plain_took = time.perf_counter() - started
+            if i < WARMUP:
+                continue
+            ours.append(took)
+            plains.append(plain_took)
+            if follower.arrivals:
+                first_event.append(follower.arrivals[0][0] - sent_at)
+            delays += [arrived - stamped for arrived, stamped in follower.arrivals]
+    finally:
+        teardown(fleet, redis_url, prefix, admin_dsn, dbnames)
+    ms = 1000.0
+    o50, o90, o99 = quantiles(ours)
+    p50, p90, p99 = quantiles(plains)
+    print(f"\n{'':<30}{'p50':>9}{'p90':>9}{'p99':>9}")
+    print(f"{'plain Celery no-op, .delay→.get':<30}{p50 * ms:>7.1f}ms{p90 * ms:>7.1f}ms"
+          f"{p99 * ms:>7.1f}ms")
+    print(f"{'ours, 2 model calls + 1 tool':<30}{o50 * ms:>7.1f}ms{o90 * ms:>7.1f}ms"
+          f"{o99 * ms:>7.1f}ms")
+    print(f"{'ratio ours / plain':<30}{o50 / p50:>8.2f}x{o90 / p90:>8.2f}x{o99 / p99:>8.2f}x")
+    if first_event:
+        f50, f90, f99 = quantiles(first_event)
+        print(f"{'first event after .delay()':<30}{f50 * ms:>7.1f}ms{f90 * ms:>7.1f}ms"
+              f"{f99 * ms:>7.1f}ms")
+    if delays:
+        d50, d90, d99 = quantiles(delays)
+        print(f"{'an event after its stamp':<30}{d50 * ms:>7.1f}ms{d90 * ms:>7.1f}ms"
+              f"{d99 * ms:>7.1f}ms  ({len(delays)} events)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
