@@ -763,8 +763,12 @@ def limits(ctx: click.Context, as_json: bool) -> None:
     """List the fleet's concurrency limits (runs in flight, and requests
     waiting on each) and model-call budgets (requests and tokens per minute
     by model key, and any pause a provider asked for); `limits concurrency`
-    and `limits set` change them at run time. Workers write
-    LOOMFLOW_WORKER_LIMITS and LOOMFLOW_WORKER_MODEL_LIMITS at their start."""
+    and `limits set` change them at run time. Every process with
+    LOOMFLOW_WORKER_LIMITS or FAIRNESS_WEIGHTS declares them (a worker at its
+    start, any process at its first enqueue): the newest settings win, and a
+    limit or weight set with this command holds over settings until the
+    command changes it (SOURCE says which). Workers write
+    LOOMFLOW_WORKER_MODEL_LIMITS at their start."""
     if ctx.invoked_subcommand is not None:
         return
     _list_limits(as_json)
@@ -789,16 +793,19 @@ def _list_limits(as_json: bool) -> None:
             _echo_json({"kind": "fairness", **asdict(weight)})
         return
     if sizes:
-        for line in _table(["LIMIT", "RUNS", "WAITING", "CHANGED"],
+        for line in _table(["LIMIT", "RUNS", "WAITING", "CHANGED", "SOURCE"],
                            [[size.name, str(size.max_runs), str(size.waiting),
-                             _when(size.updated_at)] for size in sizes]):
+                             _when(size.updated_at), _source(size.source, size.set_by)]
+                            for size in sizes]):
             click.echo(line)
         click.echo("")
     if weights:
-        for line in _table(["FAIRNESS KEY", "WEIGHT", "STATED", "WAITING"],
+        for line in _table(["FAIRNESS KEY", "WEIGHT", "STATED", "WAITING", "SOURCE"],
                            [[w.fairness_key, "-" if w.weight is None else f"{w.weight:g}",
                              "-" if w.call_weight is None else f"{w.call_weight:g}",
-                             str(w.waiting)] for w in weights]):
+                             str(w.waiting),
+                             "-" if w.weight is None else _source(w.source, w.set_by)]
+                            for w in weights]):
             click.echo(line)
         click.echo("")
     if not rows:
@@ -812,6 +819,12 @@ def _list_limits(as_json: bool) -> None:
          for row in rows],
     ):
         click.echo(line)
+
+
+def _source(source: str | None, set_by: str | None) -> str:
+    """Where a limit or weight came from, as `limits` shows it."""
+    said = "command" if source == "command" else "settings"
+    return f"{said} ({set_by})" if set_by else said
 
 
 @limits.command(name="set")
@@ -860,7 +873,8 @@ def limits_concurrency(name: str, max_runs: int | None, unlimited: bool) -> None
     """Set the concurrency limit NAME to at most RUNS requests in flight for
     the whole fleet: per_key (each fairness key apart), agent:AGENT, or a name
     agents share (register_agent(limits=[...])). Every worker applies it
-    within seconds, until a worker starts with other LOOMFLOW_WORKER_LIMITS."""
+    within seconds; it holds over LOOMFLOW_WORKER_LIMITS until this command
+    changes it (--none removes it, and settings apply again)."""
     from .settings import check_limit_name
 
     if unlimited == (max_runs is not None):
@@ -885,8 +899,9 @@ def limits_concurrency(name: str, max_runs: int | None, unlimited: bool) -> None
 def limits_weight(key: str, weight: float | None, unweighted: bool) -> None:
     """Set the weight of the fairness KEY: with the fair_queue limit set,
     requests waiting their turn start in proportion to the weights of the keys
-    with work waiting (1 by default). Applies to the next requests published,
-    until a worker starts with other LOOMFLOW_WORKER_FAIRNESS_WEIGHTS."""
+    with work waiting (1 by default). Applies to the next requests published;
+    it holds over LOOMFLOW_WORKER_FAIRNESS_WEIGHTS until this command changes
+    it."""
     from .settings import check_key, check_weight
 
     if unweighted == (weight is not None):

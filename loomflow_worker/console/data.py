@@ -387,6 +387,8 @@ class LimitUse:
     name: str
     max_runs: int
     updated_at: datetime
+    source: str
+    set_by: str | None
     waiting: int
 
 

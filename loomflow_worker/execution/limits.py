@@ -28,6 +28,9 @@ handoff was lost.
 
 from __future__ import annotations
 
+import getpass
+import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -42,6 +45,8 @@ from ..runtime.sql import query
 from ..settings import Settings
 from .cached import AsyncCachedRead
 from .registry import agent_limits
+
+log = logging.getLogger("loomflow_worker.limits")
 
 if TYPE_CHECKING:
     from .request import RunRequest
@@ -99,7 +104,7 @@ class Limits:
         async with self.pool.connection() as conn:
             cur = await conn.execute(query("concurrency_limits"))
             rows = await cur.fetchall()
-        return {name: max_runs for name, max_runs, _, _ in rows}
+        return {row[0]: row[1] for row in rows}
 
 
 async def take(take_slot: Callable[[list[int]], Awaitable[bool]], bounds: list[Bound]
@@ -112,19 +117,85 @@ async def take(take_slot: Callable[[list[int]], Awaitable[bool]], bounds: list[B
     return None
 
 
-async def set_limits(pool: AsyncConnectionPool[Any], settings: Settings) -> None:
-    """Write the concurrency limits and fairness weights ``settings`` give
-    (``LIMITS``, ``FAIRNESS_WEIGHTS``), as a worker starts: a deploy's sizes
-    and weights replace those set at run time."""
-    if not settings.limits and not settings.fairness_weights:
+# Which source wins, for a concurrency limit or a fairness weight: one set with
+# `loomflow-worker limits` (source "command") holds until the command changes
+# it; settings (LIMITS, FAIRNESS_WEIGHTS) are written by every process that has
+# them, a worker at its start and any process at its first enqueue, so they
+# hold from the first request, and the newest settings win over older ones,
+# never over the command. A process whose settings change or lose to what the
+# fleet enforces says so in a WARNING; `loomflow-worker limits` shows each
+# one's source and who set it.
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What one declaration of a process's settings met in the fleet."""
+
+    what: str
+    mine: float
+    was: float | None
+    source: str | None
+    set_by: str | None
+    wrote: bool
+
+
+def _declarations(settings: Settings, by: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """Each limit and weight ``settings`` declare: what it is, its query and
+    parameters."""
+    found: list[tuple[str, str, dict[str, Any]]] = [
+        (f"limit {name!r}", "declare_concurrency_limit",
+         {"name": name, "max_runs": max_runs, "by": by})
+        for name, max_runs in sorted(settings.limits.items())]
+    found += [(f"the weight of fairness key {key!r}", "declare_fairness_weight",
+               {"fairness_key": key, "weight": weight, "by": by})
+              for key, weight in sorted(settings.fairness_weights.items())]
+    return found
+
+
+def _declared(what: str, params: dict[str, Any], row: Any) -> Declared:
+    mine = params["max_runs"] if "max_runs" in params else params["weight"]
+    was, source, set_by, wrote = row if row is not None else (None, None, None, False)
+    return Declared(what, float(mine), None if was is None else float(was), source, set_by,
+                    bool(wrote))
+
+
+def _say(found: list[Declared], by: str) -> None:
+    for d in found:
+        if d.was is None or d.was == d.mine:
+            continue
+        if d.wrote:
+            log.warning(
+                "%s is now %g, as this process's settings say (%s); it was %g, as the "
+                "settings of %s said: the newest settings win", d.what, d.mine, by, d.was,
+                d.set_by or "an earlier process", extra={"action": "limit_changed"})
+        else:
+            log.warning(
+                "%s stays %g, set with `loomflow-worker limits` (%s), which holds over "
+                "settings; this process's settings say %g: change it with the command, or "
+                "remove it there (--none) for settings to apply", d.what, d.was,
+                d.set_by or "by the command", d.mine, extra={"action": "limit_kept"})
+
+
+async def set_limits(pool: AsyncConnectionPool[Any], settings: Settings, by: str) -> None:
+    """Declare the concurrency limits and fairness weights ``settings`` give
+    (``LIMITS``, ``FAIRNESS_WEIGHTS``), as a worker starts (``by``: the
+    process), under the rule above."""
+    declarations = _declarations(settings, by)
+    if not declarations:
         return
+    found = []
     async with pool.connection() as conn:
-        for name, max_runs in sorted(settings.limits.items()):
-            await conn.execute(query("set_concurrency_limit"),
-                               {"name": name, "max_runs": max_runs})
-        for key, weight in sorted(settings.fairness_weights.items()):
-            await conn.execute(query("set_fairness_weight"),
-                               {"fairness_key": key, "weight": weight})
+        for what, name, params in declarations:
+            cur = await conn.execute(query(name), params)
+            found.append(_declared(what, params, await cur.fetchone()))
+    _say(found, by)
+
+
+def declare(conn: psycopg.Connection[Any], settings: Settings, by: str) -> None:
+    """:func:`set_limits` on a sync connection: a process's first enqueue."""
+    found = [_declared(what, params, conn.execute(query(name), params).fetchone())
+             for what, name, params in _declarations(settings, by)]
+    _say(found, by)
 
 
 @dataclass(frozen=True)
@@ -134,6 +205,9 @@ class LimitRow:
     name: str
     max_runs: int
     updated_at: Any
+    #: "command" (`loomflow-worker limits`) or "settings", and who set it.
+    source: str
+    set_by: str | None
     waiting: int
 
 
@@ -149,7 +223,8 @@ def write(conn: psycopg.Connection[Any], name: str, max_runs: int | None) -> Non
             raise InvalidInput(f"no concurrency limit is named {name!r}; `loomflow-worker "
                                "limits` lists them")
     else:
-        conn.execute(query("set_concurrency_limit"), {"name": name, "max_runs": max_runs})
+        conn.execute(query("set_concurrency_limit"),
+                     {"name": name, "max_runs": max_runs, "by": command_by()})
 
 
 @dataclass(frozen=True)
@@ -162,6 +237,9 @@ class WeightRow:
     weight: float | None
     call_weight: float | None
     waiting: int
+    #: Where ``weight`` came from, as for a limit (``None``: no weight set).
+    source: str | None
+    set_by: str | None
 
 
 def read_weights(conn: psycopg.Connection[Any]) -> list[WeightRow]:
@@ -171,4 +249,14 @@ def read_weights(conn: psycopg.Connection[Any]) -> list[WeightRow]:
 def write_weight(conn: psycopg.Connection[Any], key: str, weight: float | None) -> None:
     """Set (``None``: remove) the weight of the fairness key ``key``; the next
     requests published by fair shares use it."""
-    conn.execute(query("set_fairness_weight"), {"fairness_key": key, "weight": weight})
+    conn.execute(query("set_fairness_weight"),
+                 {"fairness_key": key, "weight": weight, "by": command_by()})
+
+
+def command_by() -> str:
+    """Who sets a limit with the command: the user and host it runs as."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "?"
+    return f"{user}@{socket.gethostname()}"

@@ -9,6 +9,9 @@ context (each checks the process id, or is made at ``worker_process_init``)."""
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
 import threading
 import time
 from contextlib import AbstractContextManager
@@ -20,7 +23,7 @@ from celery import Celery
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from ..execution import ledger
+from ..execution import ledger, limits
 from ..execution.execute import WorkerContext
 from ..execution.ledger import EnqueuePool
 from ..execution.registry import agent_registered, import_agent_modules, learn_fleet_agent
@@ -30,6 +33,8 @@ from .admission import Admission
 from .groups import AloneRuns
 from .loop import ChildLoop
 from .sweeper import Sweeper
+
+log = logging.getLogger("loomflow_worker.tasks")
 
 #: How often a process that enqueues for an agent it does not build reads the
 #: agent again from the fleet's registry (seconds).
@@ -78,6 +83,9 @@ class ProcessState:
     #: The queues of its agents' versions this worker takes messages from
     #: (``None``: not yet).
     version_queues: list[str] | None = None
+    #: The settings whose limits and weights this process declared to the
+    #: fleet (at its first enqueue with them).
+    limits_declared: Settings | None = None
 
     def current_settings(self) -> Settings:
         """The settings the app runs with (raises if the environment's are invalid)."""
@@ -126,6 +134,27 @@ class ProcessState:
             learn_fleet_agent(agent, found)
             self.fleet_checked[agent] = now + LEARN_EVERY
         return self.fleet_names
+
+    def declare_limits(self) -> None:
+        """Before this process's first enqueue with its settings: declare the
+        concurrency limits and fairness weights they give to the fleet
+        (:mod:`~loomflow_worker.execution.limits` says which source wins), so
+        they hold from the first request, before any worker started."""
+        current = self.current_settings()
+        if self.limits_declared is current:
+            return
+        if current.limits or current.fairness_weights:
+            try:
+                with self.ledger_connection() as conn:
+                    limits.declare(conn, current, f"{socket.gethostname()}:{os.getpid()}")
+            except psycopg.Error as exc:
+                # The enqueue goes on (and says what is wrong with the database
+                # if it is); the next one declares them again.
+                log.warning("could not declare this process's LIMITS and FAIRNESS_WEIGHTS "
+                            "to the fleet: %s", exc, extra={"action": "limits_declare"})
+                return
+            ledger.HOLD_LIMITS.forget()
+        self.limits_declared = current
 
     def worker_context(self) -> WorkerContext:
         """The process's context for running requests, made on first use."""

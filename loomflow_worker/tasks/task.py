@@ -191,6 +191,7 @@ class AgentTask(Task):  # type: ignore[misc]
         task_id = task_id or str(uuid.uuid4())
         start = start_at(options.get("countdown"), options.get("eta"), self.app.conf.timezone)
         routing = self._routing(request.task_args(), options)
+        PROCESS.declare_limits()
         enqueued = PROCESS.enqueue.insert(
             *PROCESS.database(), task_id, request, on_busy, start,
             ignore_result=bool(options.get("ignore_result", self.ignore_result)),

@@ -53,10 +53,32 @@ ON CONFLICT (key) DO UPDATE
    SET paused_until = greatest(model_budgets.paused_until, EXCLUDED.paused_until);
 
 -- name: set_concurrency_limit
--- A concurrency limit's size, as a worker's settings give it at its start or
--- `loomflow-worker limits concurrency` sets it.
-INSERT INTO concurrency_limits (name, max_runs) VALUES (%(name)s, %(max_runs)s)
-ON CONFLICT (name) DO UPDATE SET max_runs = EXCLUDED.max_runs, updated_at = now();
+-- A concurrency limit's size as `loomflow-worker limits concurrency` sets it:
+-- it holds over any process's settings until the command changes it.
+INSERT INTO concurrency_limits (name, max_runs, source, set_by)
+VALUES (%(name)s, %(max_runs)s, 'command', %(by)s)
+ON CONFLICT (name) DO UPDATE
+   SET max_runs = EXCLUDED.max_runs, source = 'command', set_by = EXCLUDED.set_by,
+       updated_at = now();
+
+-- name: declare_concurrency_limit
+-- A concurrency limit's size as a process's settings declare it: written
+-- unless the command set the limit (then kept), changed when other settings
+-- set it to another size. Returns the limit as it was (no row: it was not
+-- set) and whether this wrote it.
+WITH was AS (
+    SELECT max_runs, source, set_by FROM concurrency_limits WHERE name = %(name)s
+), wrote AS (
+    INSERT INTO concurrency_limits (name, max_runs, source, set_by)
+    VALUES (%(name)s, %(max_runs)s, 'settings', %(by)s)
+    ON CONFLICT (name) DO UPDATE
+       SET max_runs = EXCLUDED.max_runs, set_by = EXCLUDED.set_by, updated_at = now()
+     WHERE concurrency_limits.source = 'settings'
+       AND concurrency_limits.max_runs <> EXCLUDED.max_runs
+    RETURNING 1
+)
+SELECT w.max_runs, w.source, w.set_by, EXISTS (SELECT FROM wrote)
+  FROM (SELECT 1) one LEFT JOIN was w ON true;
 
 -- name: drop_concurrency_limit
 -- A concurrency limit removed: its runs take no slot from now on. No row back:
@@ -66,7 +88,7 @@ DELETE FROM concurrency_limits WHERE name = %(name)s RETURNING name;
 -- name: concurrency_limits
 -- Every concurrency limit, with how many requests wait parked on each of its
 -- instances (per_key has one per fairness key).
-SELECT c.name, c.max_runs, c.updated_at,
+SELECT c.name, c.max_runs, c.updated_at, c.source, c.set_by,
        (SELECT count(*) FROM runs r
          WHERE r.waiting_slots IS NOT NULL AND r.status = 'queued'
            AND (r.waiting_for = 'limit ' || c.name
@@ -82,15 +104,39 @@ SELECT max(max_runs) FILTER (WHERE name = 'per_key'),
   FROM concurrency_limits WHERE name IN ('per_key', 'fair_queue');
 
 -- name: set_fairness_weight
--- A fairness key's weight as settings (FAIRNESS_WEIGHTS) or `loomflow-worker limits
--- weight` set it (NULL: removed; the weight its requests state, else 1, applies).
-INSERT INTO fairness_keys (fairness_key, weight) VALUES (%(fairness_key)s, %(weight)s)
-ON CONFLICT (fairness_key) DO UPDATE SET weight = EXCLUDED.weight, updated_at = now();
+-- A fairness key's weight as `loomflow-worker limits weight` sets it (NULL:
+-- removed; the weight its requests state, else 1, applies): it holds over any
+-- process's settings until the command changes it.
+INSERT INTO fairness_keys (fairness_key, weight, weight_source, weight_set_by)
+VALUES (%(fairness_key)s, %(weight)s, 'command', %(by)s)
+ON CONFLICT (fairness_key) DO UPDATE
+   SET weight = EXCLUDED.weight, weight_source = 'command',
+       weight_set_by = EXCLUDED.weight_set_by, updated_at = now();
+
+-- name: declare_fairness_weight
+-- A fairness key's weight as a process's settings (FAIRNESS_WEIGHTS) declare
+-- it, under the rule of declare_concurrency_limit.
+WITH was AS (
+    SELECT weight, weight_source, weight_set_by FROM fairness_keys
+     WHERE fairness_key = %(fairness_key)s
+), wrote AS (
+    INSERT INTO fairness_keys (fairness_key, weight, weight_source, weight_set_by)
+    VALUES (%(fairness_key)s, %(weight)s, 'settings', %(by)s)
+    ON CONFLICT (fairness_key) DO UPDATE
+       SET weight = EXCLUDED.weight, weight_source = 'settings',
+           weight_set_by = EXCLUDED.weight_set_by, updated_at = now()
+     WHERE fairness_keys.weight_source IS DISTINCT FROM 'command'
+       AND fairness_keys.weight IS DISTINCT FROM EXCLUDED.weight
+    RETURNING 1
+)
+SELECT w.weight, w.weight_source, w.weight_set_by, EXISTS (SELECT FROM wrote)
+  FROM (SELECT 1) one LEFT JOIN was w ON true;
 
 -- name: fairness_key_weights
 -- Every fairness key with a weight set or stated, or with requests held for their fair
 -- turn, and how many are held.
-SELECT k.fairness_key, f.weight, f.call_weight, coalesce(h.waiting, 0)
+SELECT k.fairness_key, f.weight, f.call_weight, coalesce(h.waiting, 0),
+       f.weight_source, f.weight_set_by
   FROM (SELECT fairness_key FROM fairness_keys
          WHERE weight IS NOT NULL OR call_weight IS NOT NULL
         UNION
