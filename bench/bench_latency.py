@@ -6,6 +6,12 @@ model calls and 1 tool call, no model latency), and plain Celery's no-op task wi
 (``noop`` in ``bench/plain_celery_app.py``). One request at a time, interleaved (ours, then
 plain, ``--requests`` times), each timed from ``.delay()`` to ``.get()`` returning.
 
+Where ours' time goes, from the ledger's timestamps (one machine's clock): before the
+ledger insert (the checks of ``.delay()``), from the insert to the attempt's start (the
+commit, the message through Redis, the worker taking it and starting it under the session's
+lock), the run itself (its steps, each committed before the next), and from the run's end
+to ``.get()`` returning (the ledger's finish, the events, the result through Redis).
+
 For each of ours, a follower (``iter_events``, in a thread, attached before the enqueue)
 notes when each live event reached it: reported are the time from the enqueue to the first
 event and, for every event, how long after the worker stamped it the follower had it (the
@@ -37,6 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import anyio  # noqa: E402
+import psycopg  # noqa: E402
 
 from bench import plain_celery_app as plain  # noqa: E402
 from bench.agents_bench import calls, expected_output  # noqa: E402
@@ -88,6 +95,24 @@ class Follower:
         self._thread.join(timeout=15)
 
 
+def _phases(dsn: str, ends: dict[str, tuple[float, float]]
+            ) -> list[tuple[float, float, float, float]]:
+    """Each of ``ends``' requests' parts, from the ledger: sent to inserted,
+    inserted to started, started to finished, finished to returned."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT r.request_id, extract(epoch FROM r.enqueued_at)::float8,"
+            " extract(epoch FROM a.started_at)::float8, extract(epoch FROM r.finished_at)::float8"
+            " FROM runs r JOIN run_attempts a ON a.request_id = r.request_id AND a.attempt = 1"
+            " WHERE r.request_id = ANY(%s)", (list(ends),)).fetchall()
+    found = []
+    for request_id, inserted, started, finished in rows:
+        sent, returned = ends[request_id]
+        found.append((inserted - sent, started - inserted, finished - started,
+                      returned - finished))
+    return found
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=200, help="requests a side (200)")
@@ -118,6 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     plains: list[float] = []
     first_event: list[float] = []
     delays: list[float] = []
+    # Ours: when each request was sent and when .get() returned (epoch seconds).
+    ends: dict[str, tuple[float, float]] = {}
+    phases: list[tuple[float, float, float, float]] = []
     try:
         for name in dbnames:
             create_database(admin_dsn, name)
@@ -146,9 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             ours.append(took)
             plains.append(plain_took)
+            ends[request_id] = (sent_at, sent_at + took)
             if follower.arrivals:
                 first_event.append(follower.arrivals[0][0] - sent_at)
             delays += [arrived - stamped for arrived, stamped in follower.arrivals]
+        phases = _phases(dsns[0], ends)
     finally:
         teardown(fleet, redis_url, prefix, admin_dsn, dbnames)
     ms = 1000.0
@@ -160,6 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'ours, 2 model calls + 1 tool':<30}{o50 * ms:>7.1f}ms{o90 * ms:>7.1f}ms"
           f"{o99 * ms:>7.1f}ms")
     print(f"{'ratio ours / plain':<30}{o50 / p50:>8.2f}x{o90 / p90:>8.2f}x{o99 / p99:>8.2f}x")
+    if phases:
+        print("where ours' time goes (p50 of each part):")
+        for i, part in enumerate(("before the ledger insert", "insert to the run's start",
+                                  "the run (3 steps)", "the run's end to .get()")):
+            print(f"  {part:<28}{statistics.median(p[i] for p in phases) * ms:>7.1f}ms")
     if first_event:
         f50, f90, f99 = quantiles(first_event)
         print(f"{'first event after .delay()':<30}{f50 * ms:>7.1f}ms{f90 * ms:>7.1f}ms"
