@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -155,12 +157,26 @@ def import_agent_modules(modules: Iterable[str]) -> None:
         if module in _imported:
             continue
         try:
-            importlib.import_module(module)
+            _import(module)
         except ImportError as exc:
             raise InvalidInput(
                 f"can't import agents module {module!r} (LOOMFLOW_WORKER_AGENTS): {exc}"
             ) from exc
         _imported.add(module)
+
+
+def _import(module: str) -> None:
+    """Import ``module``; not found, from the folder this process runs in, as
+    ``celery worker`` finds it (Celery puts that folder on ``sys.path``): a
+    command run from the folder the worker starts in imports what it imports."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        here = os.getcwd()
+        if exc.name != module.partition(".")[0] or here in sys.path or "" in sys.path:
+            raise
+        sys.path.insert(0, here)
+        importlib.import_module(module)
 
 
 def agent_factory(name: str) -> AgentFactory:
