@@ -134,7 +134,6 @@ class Declared:
     what: str
     mine: float
     was: float | None
-    source: str | None
     set_by: str | None
     wrote: bool
 
@@ -154,8 +153,8 @@ def _declarations(settings: Settings, by: str) -> list[tuple[str, str, dict[str,
 
 def _declared(what: str, params: dict[str, Any], row: Any) -> Declared:
     mine = params["max_runs"] if "max_runs" in params else params["weight"]
-    was, source, set_by, wrote = row if row is not None else (None, None, None, False)
-    return Declared(what, float(mine), None if was is None else float(was), source, set_by,
+    was, set_by, wrote = row if row is not None else (None, None, False)
+    return Declared(what, float(mine), None if was is None else float(was), set_by,
                     bool(wrote))
 
 

@@ -146,7 +146,8 @@ class ProcessState:
         if current.limits or current.fairness_weights:
             try:
                 with self.ledger_connection() as conn:
-                    limits.declare(conn, current, f"{socket.gethostname()}:{os.getpid()}")
+                    limits.declare(conn, current, ledger.worker_name(
+                        self.node or socket.gethostname(), os.getpid()))
             except psycopg.Error as exc:
                 # The enqueue goes on (and says what is wrong with the database
                 # if it is); the next one declares them again.

@@ -12,13 +12,22 @@ from loomflow_worker.execution.registry import import_agent_modules
 from loomflow_worker.runtime.errors import InvalidInput
 
 
+def _module_here(folder: Path, monkeypatch: pytest.MonkeyPatch, text: str,
+                 path: list[str]) -> str:
+    """A module of ``text`` in ``folder``, made the current folder, with
+    ``sys.path`` set to ``path`` for the test; the module's name."""
+    name = f"lfw_agents_{uuid.uuid4().hex[:8]}"
+    (folder / f"{name}.py").write_text(text)
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "path", path)
+    return name
+
+
 def test_an_agents_module_in_the_current_folder_is_imported_as_celery_worker_would(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    name = f"lfw_agents_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text("LOADED = True\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    name = _module_here(tmp_path, monkeypatch, "LOADED = True\n",
+                        [p for p in sys.path if p not in ("", str(tmp_path))])
     try:
         import_agent_modules([name])
         assert sys.modules[name].LOADED is True
@@ -40,10 +49,8 @@ def test_a_module_that_fails_inside_is_not_retried_elsewhere(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The module is found, and what it imports is missing: that error is the answer.
-    name = f"lfw_agents_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text("import lfw_missing_dependency\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    name = _module_here(tmp_path, monkeypatch, "import lfw_missing_dependency\n",
+                        [str(tmp_path), *sys.path])
     with pytest.raises(InvalidInput, match="lfw_missing_dependency"):
         import_agent_modules([name])
     assert sys.path.count(str(tmp_path)) == 1

@@ -65,9 +65,9 @@ ON CONFLICT (name) DO UPDATE
 -- A concurrency limit's size as a process's settings declare it: written
 -- unless the command set the limit (then kept), changed when other settings
 -- set it to another size. Returns the limit as it was (no row: it was not
--- set) and whether this wrote it.
+-- set), who set it, and whether this wrote it.
 WITH was AS (
-    SELECT max_runs, source, set_by FROM concurrency_limits WHERE name = %(name)s
+    SELECT max_runs, set_by FROM concurrency_limits WHERE name = %(name)s
 ), wrote AS (
     INSERT INTO concurrency_limits (name, max_runs, source, set_by)
     VALUES (%(name)s, %(max_runs)s, 'settings', %(by)s)
@@ -77,7 +77,7 @@ WITH was AS (
        AND concurrency_limits.max_runs <> EXCLUDED.max_runs
     RETURNING 1
 )
-SELECT w.max_runs, w.source, w.set_by, EXISTS (SELECT FROM wrote)
+SELECT w.max_runs, w.set_by, EXISTS (SELECT FROM wrote)
   FROM (SELECT 1) one LEFT JOIN was w ON true;
 
 -- name: drop_concurrency_limit
@@ -117,7 +117,7 @@ ON CONFLICT (fairness_key) DO UPDATE
 -- A fairness key's weight as a process's settings (FAIRNESS_WEIGHTS) declare
 -- it, under the rule of declare_concurrency_limit.
 WITH was AS (
-    SELECT weight, weight_source, weight_set_by FROM fairness_keys
+    SELECT weight, weight_set_by FROM fairness_keys
      WHERE fairness_key = %(fairness_key)s
 ), wrote AS (
     INSERT INTO fairness_keys (fairness_key, weight, weight_source, weight_set_by)
@@ -129,7 +129,7 @@ WITH was AS (
        AND fairness_keys.weight IS DISTINCT FROM EXCLUDED.weight
     RETURNING 1
 )
-SELECT w.weight, w.weight_source, w.weight_set_by, EXISTS (SELECT FROM wrote)
+SELECT w.weight, w.weight_set_by, EXISTS (SELECT FROM wrote)
   FROM (SELECT 1) one LEFT JOIN was w ON true;
 
 -- name: fairness_key_weights
