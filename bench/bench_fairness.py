@@ -2,13 +2,16 @@
 
 One threads-pool worker process (``-c --concurrency``) and a bench agent whose model waits
 ``--latency`` s a call (two calls a run). Tenant ``alice`` (her user id is her fairness key)
-sends ``--backlog`` requests at once; then ``bob`` sends ``--second`` requests. Run twice,
-side by side:
+sends ``--backlog`` requests at once; then ``bob`` sends ``--second`` requests. Run four
+times, side by side:
 
-- ``no limit``: the broker's FIFO order: bob's requests wait behind all of alice's;
+- ``defaults``: no setting at all: fair shares are on by default, and what waits in the
+  broker follows the fleet's free slots;
+- ``off``: ``LOOMFLOW_WORKER_LIMITS={"fair_queue": 0}``: the broker's FIFO order: bob's
+  requests wait behind all of alice's;
 - ``per_key N``: ``LOOMFLOW_WORKER_LIMITS={"per_key": N}`` (``--per-key``, default half the
   concurrency): alice's backlog beyond N waits in the ledger, not the broker;
-- ``fair shares``: ``LOOMFLOW_WORKER_LIMITS={"fair_queue": N}`` (``--fair-queue``, default
+- ``fair_queue N``: ``LOOMFLOW_WORKER_LIMITS={"fair_queue": N}`` (``--fair-queue``, default
   a fifth of the concurrency) and bob's weight ``--bob-weight`` (1): requests beyond N wait in the
   ledger and start in proportion to their keys' weights, with no cap on either tenant.
 
@@ -139,10 +142,10 @@ def run_side(label: str, args: argparse.Namespace, base_env: dict[str, str], adm
 
 
 def report(sides: Sequence[Side]) -> list[str]:
-    out = [f"\n{'':<14}{'bob start p50':>14}{'max':>8}{'alice done':>12}"
+    out = [f"\n{'':<16}{'bob start p50':>14}{'max':>8}{'alice done':>12}"
            f"{'bob share':>11}{'seconds':>9}"]
     for s in sides:
-        out.append(f"{s.label:<14}{statistics.median(s.bob_start):>13.2f}s"
+        out.append(f"{s.label:<16}{statistics.median(s.bob_start):>13.2f}s"
                    f"{max(s.bob_start):>7.2f}s{s.alice_done:>11.1f}s{s.bob_share:>10.0%}"
                    f"{s.seconds:>9.1f}")
     out.append("(bob share: of the runs started while bob's requests waited, his)")
@@ -186,10 +189,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"settings: --backlog {args.backlog} --second {args.second} --concurrency "
           f"{args.concurrency} --per-key {per_key} --fair-queue {fair_queue} --bob-weight "
           f"{args.bob_weight:g} --latency {args.latency:g}", flush=True)
-    sides = [run_side("no limit", args, base_env, admin_dsn, redis_url),
+    sides = [run_side("defaults", args, base_env, admin_dsn, redis_url),
+             run_side("off", args, base_env, admin_dsn, redis_url, {"fair_queue": 0}),
              run_side(f"per_key {per_key}", args, base_env, admin_dsn, redis_url,
                       {"per_key": per_key}),
-             run_side("fair shares", args, base_env, admin_dsn, redis_url,
+             run_side(f"fair_queue {fair_queue}", args, base_env, admin_dsn, redis_url,
                       {"fair_queue": fair_queue}, {"bob": args.bob_weight})]
     print("\n".join(report(sides)))
     return 0
