@@ -786,13 +786,13 @@ def _list_limits(as_json: bool) -> None:
         weights = concurrency.read_weights(conn)
         depth = concurrency.fair_depth(conn)
     if as_json:
-        _echo_json({"kind": "fair_shares", "on": depth is not None, "broker_bound": depth})
         for row in rows:
             _echo_json({"kind": "model", **asdict(row)})
         for size in sizes:
             _echo_json({"kind": "concurrency", **asdict(size)})
         for weight in weights:
             _echo_json({"kind": "fairness", **asdict(weight)})
+        _echo_json({"kind": "fair_shares", "on": depth is not None, "broker_bound": depth})
         return
     if sizes:
         for line in _table(["LIMIT", "RUNS", "WAITING", "CHANGED", "SOURCE"],
@@ -801,12 +801,6 @@ def _list_limits(as_json: bool) -> None:
                             for size in sizes]):
             click.echo(line)
         click.echo("")
-    fixed = any(size.name == "fair_queue" for size in sizes)
-    click.echo("fair shares: off (fair_queue 0)" if depth is None else
-               f"fair shares: on; at most {depth} requests wait in the broker, the rest "
-               "their fair turn in the ledger"
-               + ("" if fixed else " (the fleet's free slots: set fair_queue to fix it)"))
-    click.echo("")
     if weights:
         for line in _table(["FAIRNESS KEY", "WEIGHT", "STATED", "WAITING", "SOURCE"],
                            [[w.fairness_key, "-" if w.weight is None else f"{w.weight:g}",
@@ -816,17 +810,20 @@ def _list_limits(as_json: bool) -> None:
                             for w in weights]):
             click.echo(line)
         click.echo("")
-    if not rows:
-        click.echo("no model limits: set LOOMFLOW_WORKER_MODEL_LIMITS or `limits set KEY`")
-        return
-    for line in _table(
+    model_table = _table(
         ["MODEL KEY", "RPM", "TPM", "BURST", "PAUSED", "CHANGED"],
         [[row.key, "-" if row.rpm is None else str(row.rpm),
           "-" if row.tpm is None else str(row.tpm), f"{row.burst:g}s",
           f"{row.paused_for:.1f}s" if row.paused_for > 0 else "-", _when(row.updated_at)]
-         for row in rows],
-    ):
+         for row in rows])
+    for line in model_table if rows else [
+            "no model limits: set LOOMFLOW_WORKER_MODEL_LIMITS or `limits set KEY`"]:
         click.echo(line)
+    fixed = any(size.name == "fair_queue" for size in sizes)
+    click.echo("\nfair shares: off (fair_queue 0)" if depth is None else
+               f"\nfair shares: on; at most {depth} requests wait in the broker, the rest "
+               "their fair turn in the ledger"
+               + ("" if fixed else " (the fleet's free slots: set fair_queue to fix it)"))
 
 
 def _source(source: str | None, set_by: str | None) -> str:

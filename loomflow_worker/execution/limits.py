@@ -83,9 +83,6 @@ class Limits:
         self.pool = pool
         # Each limit's slots by its name: read every REFRESH seconds.
         self._sizes: AsyncCachedRead[dict[str, int]] = AsyncCachedRead({}, REFRESH, clock)
-        # Whether any request waits its fair turn: read every REFRESH seconds,
-        # so that a run's end looks for one only while some wait.
-        self._waiting: AsyncCachedRead[bool] = AsyncCachedRead(False, REFRESH, clock)
 
     async def bounds(self, req: RunRequest, key: str | None = None) -> list[Bound]:
         """The limit instances ``req`` runs under now (none: no limit applies);
@@ -103,19 +100,11 @@ class Limits:
         return found
 
     async def fair(self) -> bool:
-        """Whether requests wait for their fair turn (unless ``fair_queue`` is
-        0) and some did a moment ago: a run's end then publishes the next.
-        One held since is published by the next run's end after the next
-        read, or by the sweeper."""
-        if (await self._sizes.get(self._read)).get(FAIR_QUEUE) == 0:
-            return False
-        return await self._waiting.get(self._read_waiting)
-
-    async def _read_waiting(self) -> bool:
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(query("fair_waiting"))
-            row = await cur.fetchone()
-        return bool(row and row[0])
+        """Whether requests may wait for their fair turn (unless ``fair_queue``
+        is 0): a run's end then publishes the next, if any waits. Looked for
+        at every end, not from a cached answer: with no sweeper, a request
+        held while a stale answer said none was would wait for ever."""
+        return (await self._sizes.get(self._read)).get(FAIR_QUEUE) != 0
 
     async def _read(self) -> dict[str, int]:
         async with self.pool.connection() as conn:

@@ -678,16 +678,20 @@ WITH held AS (
      ORDER BY seq LIMIT 1
 ), handed AS (
     -- Handed the scope; published again after this commit when a worker
-    -- already took its message and parked it (see park_request).
+    -- already took its message and parked it (see park_request). One waiting
+    -- its fair turn has no message yet: loomflow_worker_fair_next publishes
+    -- it in its turn, once.
     UPDATE runs SET dispatched_at = now(), handed_at = now()
      WHERE request_id = (SELECT request_id FROM chosen)
-    RETURNING request_id, received_at IS NOT NULL AS received
+    RETURNING request_id,
+              received_at IS NOT NULL AND waiting_for IS DISTINCT FROM 'limit fair_queue'
+              AS received
 )
 SELECT c.*, h.received FROM chosen c JOIN handed h USING (request_id);
 
 -- name: hand_off
--- Hand the scope to its oldest unfinished request (as finish_request does)
--- unless it was handed already.
+-- Hand the scope to its oldest unfinished request (as finish_request does,
+-- one waiting its fair turn left to its turn) unless it was handed already.
 UPDATE runs SET dispatched_at = now(), handed_at = now()
  WHERE request_id = (SELECT request_id FROM runs
                       WHERE scope = %(scope)s AND loomflow_worker_unfinished(status)
@@ -695,7 +699,8 @@ UPDATE runs SET dispatched_at = now(), handed_at = now()
    AND handed_at IS NULL
 RETURNING request_id, kind, session_id, user_id, agent, prompt, metadata, not_before,
           CASE WHEN status = 'queued' THEN options END AS options, routing,
-          received_at IS NOT NULL AS received;
+          received_at IS NOT NULL AND waiting_for IS DISTINCT FROM 'limit fair_queue'
+          AS received;
 
 -- name: mark_result_unstored
 -- Its worker could not store the finished request's result in the result

@@ -103,10 +103,6 @@ SELECT c.name, c.max_runs, c.updated_at, c.source, c.set_by,
 SELECT (SELECT max_runs FROM concurrency_limits WHERE name = 'per_key'),
        loomflow_worker_fair_depth();
 
--- name: fair_waiting
--- Whether any request waits its fair turn in the ledger.
-SELECT EXISTS (SELECT 1 FROM runs WHERE waiting_for = 'limit fair_queue' AND status = 'queued');
-
 -- name: fair_depth
 -- How many requests may wait in the broker now before the rest wait their fair turn
 -- (NULL: fair shares off).

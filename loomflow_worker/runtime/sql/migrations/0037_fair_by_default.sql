@@ -7,7 +7,9 @@
 -- what the fleet can start at once. The bound follows the fleet as workers
 -- come and go; nothing is sized by hand. `fair_queue N` fixes it at N as
 -- before; `fair_queue 0` turns fair shares off (every request goes to the
--- broker as it comes).
+-- broker as it comes). A request published in its fair turn is, like a new
+-- one, a message on its way (received_at cleared): a handoff of its session
+-- does not publish it a second time.
 ALTER TABLE concurrency_limits DROP CONSTRAINT IF EXISTS concurrency_limits_max_runs_check;
 ALTER TABLE concurrency_limits ADD CONSTRAINT concurrency_limits_max_runs_check
     CHECK (max_runs > 0 OR (name = 'fair_queue' AND max_runs = 0));
@@ -101,7 +103,10 @@ BEGIN
         SELECT t.* FROM tagged t ORDER BY t.tag, t.enqueued_at LIMIT room
     ), marked AS (
         UPDATE runs u
-           SET waiting_for = NULL, waiting_slots = NULL, dispatched_at = now()
+           -- Its message now on its way, as a new request's: no handoff
+           -- publishes it again until a worker takes it and parks it.
+           SET waiting_for = NULL, waiting_slots = NULL, dispatched_at = now(),
+               received_at = NULL
           FROM chosen c
          WHERE u.request_id = c.request_id AND u.status = 'queued'
            AND u.waiting_for = 'limit fair_queue'
