@@ -1,0 +1,85 @@
+"""The Python examples of the README and the documentation, as the tests run them.
+
+A fenced block's info string says what it is:
+
+- ```` ```python title="name.py" ````: a file the reader saves under that name (an agents
+  module, a script run by name). The example's folder gets it.
+- ```` ```python ````: a script, run in that folder after the files are written, in the
+  order the page shows them; its ``assert`` lines are what the page promises.
+- ```` ```python fragment ````: part of a larger program, shown for its shape; it is
+  compiled, not run. Keep these few.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<info>[^`\n]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
+                    re.M | re.S)
+_TITLE = re.compile(r'title="(?P<title>[^"]+)"')
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced Python block of a page."""
+
+    page: Path
+    line: int
+    kind: str  # "file", "script" or "fragment"
+    title: str | None
+    code: str
+
+    def __str__(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def pages() -> list[Path]:
+    """The README and every page of the documentation."""
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def blocks(page: Path) -> list[Block]:
+    """The Python blocks of ``page``, in order."""
+    text = page.read_text()
+    found = []
+    for match in _FENCE.finditer(text):
+        words = match["info"].split()
+        if not words or words[0] not in ("python", "py"):
+            continue
+        indent = len(match["indent"])
+        code = "\n".join(line[indent:] for line in match["body"].splitlines()) + "\n"
+        title = _TITLE.search(match["info"])
+        kind = ("fragment" if "fragment" in words[1:]
+                else "file" if title else "script")
+        found.append(Block(page, text.count("\n", 0, match.start()) + 1, kind,
+                           title["title"] if title else None, code))
+    return found
+
+
+def all_blocks() -> list[Block]:
+    return [block for page in pages() for block in blocks(page)]
+
+
+def needs_worker(page_blocks: list[Block]) -> bool:
+    """Whether a page's scripts send requests, so that a worker must run them."""
+    return any("loomflow_worker.tasks" in block.code or "send_task" in block.code
+               for block in page_blocks if block.kind != "fragment")
+
+
+def agent_modules(page_blocks: list[Block]) -> list[str]:
+    """The page's files that register agents, as module names."""
+    return [block.title.removesuffix(".py") for block in page_blocks
+            if block.kind == "file" and block.title and "register_agent" in block.code]
+
+
+def write_files(page_blocks: list[Block], folder: Path) -> None:
+    for block in page_blocks:
+        if block.kind == "file" and block.title:
+            path = folder / block.title
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(block.code)
