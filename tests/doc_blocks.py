@@ -6,7 +6,7 @@ A fenced block's info string says what it is:
   module, a script run by name). The example's folder gets it.
 - ```` ```python ````: a script, run in that folder after the files are written, in the
   order the page shows them; its ``assert`` lines are what the page promises.
-- ```` ```python fragment ````: part of a larger program, shown for its shape; it is
+- ```` ```{.python .fragment} ````: part of a larger program, shown for its shape; it is
   compiled, not run. Keep these few.
 """
 
@@ -48,7 +48,7 @@ def blocks(page: Path) -> list[Block]:
     text = page.read_text()
     found = []
     for match in _FENCE.finditer(text):
-        words = match["info"].split()
+        words = [word.lstrip(".") for word in match["info"].strip().strip("{}").split()]
         if not words or words[0] not in ("python", "py"):
             continue
         indent = len(match["indent"])
