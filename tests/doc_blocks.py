@@ -12,11 +12,20 @@ A fenced block's info string says what it is:
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The command the pages run, from the interpreter's own environment.
+COMMAND = Path(sys.executable).parent / "loomflow-worker"
 DOCS = ROOT / "docs"
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<info>[^`\n]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$",
@@ -66,9 +75,11 @@ def all_blocks() -> list[Block]:
 
 
 def needs_worker(page_blocks: list[Block]) -> bool:
-    """Whether a page's scripts send requests, so that a worker must run them."""
-    return any("loomflow_worker.tasks" in block.code or "send_task" in block.code
-               for block in page_blocks if block.kind != "fragment")
+    """Whether a page registers agents or its scripts send requests: a worker must then
+    import its agents and run its requests."""
+    return bool(agent_modules(page_blocks)) or any(
+        "loomflow_worker.tasks" in block.code for block in page_blocks
+        if block.kind == "script")
 
 
 def agent_modules(page_blocks: list[Block]) -> list[str]:
@@ -83,3 +94,30 @@ def write_files(page_blocks: list[Block], folder: Path) -> None:
             path = folder / block.title
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(block.code)
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout:g}s for {what}"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def worker(folder: Path, env: dict[str, str], log: Path,
+           agents: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+    """``LOOMFLOW_WORKER_AGENTS=<agents> loomflow-worker worker``, run in ``folder`` as a
+    reader runs it; SIGKILLed on the way out."""
+    proc = subprocess.Popen(
+        [str(COMMAND), "worker", "--concurrency", "4"], cwd=folder,
+        env={**env, "LOOMFLOW_WORKER_AGENTS": ",".join(agents)},
+        stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: "ready." in log.read_text(errors="replace") or proc.poll() is not None,
+                 f"the worker to start:\n{log.read_text(errors='replace')[-3000:]}")
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)

@@ -17,6 +17,7 @@ from typing import Any
 import annotated_types
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
+from pydantic_settings import BaseSettings
 
 from loomflow_worker.settings import Settings
 
@@ -33,9 +34,19 @@ def _comment_above(lines: list[str], index: int) -> str:
     return " ".join(found)
 
 
-def meanings() -> dict[str, str]:
-    """Each field's words in ``Settings``' source, by field name."""
-    lines = textwrap.dedent(inspect.getsource(Settings)).splitlines()
+def meanings(settings: type[BaseSettings] = Settings) -> dict[str, str]:
+    """Each field's words in the source of ``settings`` and of the classes it
+    derives from, by field name."""
+    found: dict[str, str] = {}
+    for cls in reversed(settings.__mro__):
+        if issubclass(cls, BaseSettings) and cls.__module__.split(".")[0] != "pydantic_settings":
+            found.update(_meanings_of(cls))
+    return found
+
+
+def _meanings_of(cls: type) -> dict[str, str]:
+    """Each field's words in the source of ``cls`` itself."""
+    lines = textwrap.dedent(inspect.getsource(cls)).splitlines()
     body = ast.parse("\n".join(lines)).body[0]
     assert isinstance(body, ast.ClassDef)
     found: dict[str, str] = {}
@@ -97,15 +108,15 @@ def _type(field: FieldInfo) -> str:
     return shown.replace("typing.", "").replace("pydantic.types.", "")
 
 
-def table() -> str:
+def table(settings: type[BaseSettings] = Settings) -> str:
     """The reference, as a Markdown table, one row a field."""
-    words = meanings()
+    words = meanings(settings)
     rows = ["| variable | type | default | meaning |", "|---|---|---|---|"]
-    for name, field in Settings.model_fields.items():
+    for name, field in settings.model_fields.items():
         meaning = words.get(name, "")
         if not meaning:
-            raise ValueError(f"Settings.{name} has no docstring or comment to show in the "
-                             "settings reference: add one in loomflow_worker/settings.py")
+            raise ValueError(f"{settings.__name__}.{name} has no docstring or comment to show "
+                             "in the settings reference: add one in loomflow_worker/settings.py")
         bounds = _bounds(field)
         kind = f"{_type(field)} ({bounds})" if bounds else _type(field)
         rows.append(f"| `{variable(name, field)}` | {kind.replace('|', 'or')} "

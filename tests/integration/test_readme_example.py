@@ -11,19 +11,17 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.doc_blocks import ROOT, Block, blocks, write_files
+from tests.doc_blocks import COMMAND, ROOT, Block, blocks, wait_for, worker, write_files
 
 from .celery_harness import Fleet
 
 pytestmark = pytest.mark.slow
 
-COMMAND = Path(sys.executable).parent / "loomflow-worker"
 PAGES = [ROOT / "README.md", ROOT / "docs" / "getting-started.md"]
 
 
@@ -32,29 +30,8 @@ def _env(fleet: Fleet) -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1"}
 
 
-@contextlib.contextmanager
-def _worker(folder: Path, env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``LOOMFLOW_WORKER_AGENTS=myagents loomflow-worker worker``, run in ``folder``."""
-    proc = subprocess.Popen(
-        [str(COMMAND), "worker", "--concurrency", "4"], cwd=folder,
-        env={**env, "LOOMFLOW_WORKER_AGENTS": "myagents"},
-        stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_for(lambda: "ready." in log.read_text(errors="replace") or proc.poll() is not None,
-                  f"the worker to start:\n{log.read_text(errors='replace')[-3000:]}")
-        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-
-
-def _wait_for(condition: object, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"waited {timeout:g}s for {what}"
-        time.sleep(0.05)
+def _worker(folder: Path, env: dict[str, str], log: Path) -> Any:
+    return worker(folder, env, log, ["myagents"])
 
 
 def _charged(log: Path) -> list[str]:
@@ -86,7 +63,7 @@ def test_the_offline_example_runs_crashes_and_resumes_as_the_page_says(
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         with _worker(folder, env, log) as proc:
-            _wait_for(lambda: _charged(log) == ["1", "2", "3", "1"], "order 1 charged again")
+            wait_for(lambda: _charged(log) == ["1", "2", "3", "1"], "order 1 charged again")
             os.killpg(proc.pid, signal.SIGKILL)  # pkill -9 -f 'loomflow-worker worker'
         with _worker(folder, env, log):
             out, err = second.communicate(timeout=120)
