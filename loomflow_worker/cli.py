@@ -784,7 +784,9 @@ def _list_limits(as_json: bool) -> None:
         rows = pacing.read_limits(conn)
         sizes = concurrency.read(conn)
         weights = concurrency.read_weights(conn)
+        depth = concurrency.fair_depth(conn)
     if as_json:
+        _echo_json({"kind": "fair_shares", "on": depth is not None, "broker_bound": depth})
         for row in rows:
             _echo_json({"kind": "model", **asdict(row)})
         for size in sizes:
@@ -799,6 +801,12 @@ def _list_limits(as_json: bool) -> None:
                             for size in sizes]):
             click.echo(line)
         click.echo("")
+    fixed = any(size.name == "fair_queue" for size in sizes)
+    click.echo("fair shares: off (fair_queue 0)" if depth is None else
+               f"fair shares: on; at most {depth} requests wait in the broker, the rest "
+               "their fair turn in the ledger"
+               + ("" if fixed else " (the fleet's free slots: set fair_queue to fix it)"))
+    click.echo("")
     if weights:
         for line in _table(["FAIRNESS KEY", "WEIGHT", "STATED", "WAITING", "SOURCE"],
                            [[w.fairness_key, "-" if w.weight is None else f"{w.weight:g}",
@@ -866,7 +874,7 @@ def limits_set(key: str, rpm: int | None, tpm: int | None, burst: float, unlimit
 
 @limits.command(name="concurrency")
 @click.argument("name")
-@click.argument("max_runs", metavar="[RUNS]", type=click.IntRange(min=1), required=False)
+@click.argument("max_runs", metavar="[RUNS]", type=click.IntRange(min=0), required=False)
 @click.option("--none", "unlimited", is_flag=True, help="Remove the limit.")
 @handled
 def limits_concurrency(name: str, max_runs: int | None, unlimited: bool) -> None:
@@ -874,11 +882,18 @@ def limits_concurrency(name: str, max_runs: int | None, unlimited: bool) -> None
     the whole fleet: per_key (each fairness key apart), agent:AGENT, or a name
     agents share (register_agent(limits=[...])). Every worker applies it
     within seconds; it holds over LOOMFLOW_WORKER_LIMITS until this command
-    changes it (--none removes it, and settings apply again)."""
+    changes it (--none removes it, and settings apply again).
+
+    fair_queue bounds the requests waiting in the broker (by default the
+    fleet's free slots); beyond it they wait their fair turn. fair_queue 0
+    turns fair shares off."""
     from .settings import check_limit_name
 
     if unlimited == (max_runs is not None):
         raise click.UsageError("give RUNS (at least 1), or --none")
+    if max_runs == 0 and name != "fair_queue":
+        raise click.BadParameter("at least 1 (only fair_queue takes 0: fair shares off)",
+                                 param_hint="RUNS")
     try:
         check_limit_name(name)
     except ValueError as exc:
@@ -888,7 +903,9 @@ def limits_concurrency(name: str, max_runs: int | None, unlimited: bool) -> None
 
     with admin.connect(_settings()) as conn:
         concurrency.write(conn, name, max_runs)
-    click.echo(f"limit {name!r}: " + (f"at most {max_runs} runs" if max_runs else "none"))
+    click.echo(f"limit {name!r}: " + (
+        "fair shares off" if max_runs == 0
+        else f"at most {max_runs} runs" if max_runs else "none"))
 
 
 @limits.command(name="weight")

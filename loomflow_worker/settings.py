@@ -229,11 +229,14 @@ class Settings(BaseSettings):
     # Concurrency limits for the whole fleet, as JSON: at most N requests in
     # flight per fairness key ("per_key"), per agent ("agent:NAME"), or per
     # name agents share (register_agent(limits=[...])): e.g. {"per_key": 20,
-    # "anthropic": 200}. Written at each worker's start; `loomflow-worker
-    # limits concurrency` changes them at run time.
+    # "anthropic": 200}. Written at each worker's start and at a process's
+    # first enqueue; `loomflow-worker limits concurrency` changes them at run
+    # time. Fair shares are on by default: what waits in the broker follows
+    # the fleet's free slots, and the rest wait their fair turn in the ledger;
+    # "fair_queue": N fixes that bound at N, "fair_queue": 0 turns them off.
     limits: dict[str, StrictInt] = Field(default_factory=dict)
-    # The weights of fairness keys, as JSON (e.g. {"acme": 3}): with the
-    # fair_queue limit set, requests waiting their turn are published in
+    # The weights of fairness keys, as JSON (e.g. {"acme": 3}): requests
+    # waiting their fair turn are published in
     # proportion to the weights of the keys they belong to (1 by default).
     # Written at each worker's start; `loomflow-worker limits weight` changes
     # them at run time.
@@ -271,8 +274,11 @@ class Settings(BaseSettings):
     def _check_limits(cls, value: dict[str, int]) -> dict[str, int]:
         for name, max_runs in value.items():
             check_limit_name(name)
+            if name == "fair_queue" and max_runs == 0:
+                continue  # fair shares off
             if max_runs < 1:
-                raise ValueError(f"limit {name!r}: at most how many runs, a positive integer")
+                raise ValueError(f"limit {name!r}: at most how many runs, a positive integer"
+                                 + (" (0 turns fair shares off)" if name == "fair_queue" else ""))
         return value
 
     @field_validator("fairness_weights", mode="before")

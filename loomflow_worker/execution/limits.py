@@ -9,12 +9,15 @@ worker's start, ``loomflow-worker limits concurrency`` at run time):
 - ``agent:NAME``: the runs of one agent;
 - any other name: the runs of every agent registered with it
   (``register_agent(..., limits=["anthropic"])``);
-- ``fair_queue``: not runs but requests waiting in the broker. With it set, an
-  enqueue beyond it records the request held back, and held requests are
-  published as room frees in proportion to their fairness keys' weights
+- ``fair_queue``: not runs but requests waiting in the broker. Beyond it an
+  enqueue records the request held back, and held requests are published
+  as room frees in proportion to their fairness keys' weights
   (``loomflow-worker limits weight``, ``FAIRNESS_WEIGHTS``, or a request's
   ``fairness_weight``): a tenant with a few requests starts within a turn
-  while another's thousands drain (see ``loomflow_worker_fair_next``).
+  while another's thousands drain (see ``loomflow_worker_fair_next``). With
+  no such limit set the bound is the fleet's free slots, never under a floor
+  (``loomflow_worker_fair_depth``): fair shares hold by default; ``0`` turns
+  them off.
 
 An instance of a limit (``per_key:alice``, ``agent:research``, ``anthropic``)
 has N slots, advisory locks in Postgres: a run takes one of each of its
@@ -97,8 +100,8 @@ class Limits:
         return found
 
     async def fair(self) -> bool:
-        """Whether requests wait for their fair turn (``fair_queue`` is set)."""
-        return FAIR_QUEUE in await self._sizes.get(self._read)
+        """Whether requests wait for their fair turn (unless ``fair_queue`` is 0)."""
+        return (await self._sizes.get(self._read)).get(FAIR_QUEUE) != 0
 
     async def _read(self) -> dict[str, int]:
         async with self.pool.connection() as conn:
@@ -212,6 +215,12 @@ class LimitRow:
 
 def read(conn: psycopg.Connection[Any]) -> list[LimitRow]:
     return [LimitRow(*row) for row in conn.execute(query("concurrency_limits")).fetchall()]
+
+
+def fair_depth(conn: psycopg.Connection[Any]) -> int | None:
+    """How many requests may wait in the broker now (``None``: fair shares off)."""
+    row = conn.execute(query("fair_depth")).fetchone()
+    return None if row is None else row[0]
 
 
 def write(conn: psycopg.Connection[Any], name: str, max_runs: int | None) -> None:

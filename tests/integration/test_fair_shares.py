@@ -1,11 +1,15 @@
-"""Weighted fair shares on a real Celery worker: with the fair_queue limit set,
-requests wait their turn in the ledger and start in proportion to their
-fairness keys' weights, not in the order they were sent; one key alone keeps
-its order, and removing the limit publishes every held request."""
+"""Weighted fair shares on a real Celery worker: beyond what the broker may
+hold (by default the fleet's free slots, else the fair_queue limit), requests
+wait their turn in the ledger and start in proportion to their fairness keys'
+weights, not in the order they were sent; one key alone keeps its order, and
+removing the limit publishes every held request. With no setting at all, a
+tenant's first request starts within seconds while another's 10,000 wait."""
 
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 import pytest
@@ -118,3 +122,71 @@ def test_bad_weights_are_refused_with_nothing_written(fleet: Fleet) -> None:
         assert conn.execute("SELECT count(*) FROM fairness_keys").fetchone() == (0,)
     bad = cli(fleet, "worker", LOOMFLOW_WORKER_FAIRNESS_WEIGHTS=json.dumps({"bob": -1}))
     assert bad.returncode != 0 and "fairness_weights" in bad.stderr, bad.stderr
+
+
+def _delay_many(prefix: str, user: str, count: int) -> list[str]:
+    """``count`` requests of ``user``, each on its own session, sent from four threads."""
+    def send(i: int) -> str:
+        return run_agent.delay(calls(f"{prefix}{i}"), f"{prefix}{i}", user_id=user).id
+
+    with ThreadPoolExecutor(4) as pool:
+        return list(pool.map(send, range(count)))
+
+
+def _waited(dsn: str, request_id: str) -> float | None:
+    """Seconds from the request's enqueue to its start (``None``: not started)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT extract(epoch FROM started_at - enqueued_at) FROM runs"
+                           " WHERE request_id = %s", (request_id,)).fetchone()
+    return None if row is None or row[0] is None else float(row[0])
+
+
+@pytest.mark.serial  # a bound of seconds on a machine enqueueing 10,000 requests
+def test_by_default_a_tenants_first_request_starts_within_seconds_while_10000_wait(
+    fleet: Fleet,
+) -> None:
+    # No limit, no weight, no setting: one worker of 20 slots, each run half
+    # a second of tool. Alice's 10,000 requests arrive first; the broker takes
+    # only what the fleet can start, the rest wait their fair turn in the
+    # ledger, and Bob's one request starts within seconds, not after hers.
+    fleet.start("w1", concurrency=20, pool="threads", TEST_TOOL_SLEEP="0.5", **FAST)
+    alice = _delay_many("alice", "alice", 10_000)
+    held = _held(fleet.dsn)
+    assert held > 9_000, held
+    bob = run_agent.delay(calls("bob0"), "bob0", user_id="bob").id
+    sent = time.monotonic()
+    run_agent.AsyncResult(bob).get(timeout=60)
+    waited = _waited(fleet.dsn, bob)
+    assert waited is not None and waited < 5, (waited, time.monotonic() - sent)
+    # Alice's backlog is still there: Bob did not start because hers ran out.
+    assert _held(fleet.dsn) > 8_000
+    listed = cli(fleet, "limits").stdout
+    assert "fair shares: on" in listed and "free slots" in listed, listed
+    fleet.stop_all()
+    # Her requests stay queued in the ledger, not lost.
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM runs WHERE request_id = ANY(%s)"
+                           " AND status IN ('queued', 'running', 'succeeded')",
+                           (alice,)).fetchone()
+    assert row == (10_000,), row
+
+
+def test_with_no_worker_alive_the_broker_takes_the_floor_and_fair_queue_0_turns_it_off(
+    fleet: Fleet,
+) -> None:
+    # Before any worker has started, the fleet has no free slot: the broker
+    # takes the floor (32) and the rest wait their fair turn, published as
+    # the first worker runs.
+    first = [run_agent.delay(calls(f"e{i}"), f"e{i}", user_id="early").id for i in range(40)]
+    assert _held(fleet.dsn) == 8
+    _set(fleet, "concurrency", "fair_queue", "0")
+    listed = cli(fleet, "limits").stdout
+    assert "fair shares: off" in listed, listed
+    later = [run_agent.delay(calls(f"l{i}"), f"l{i}", user_id="late").id for i in range(40)]
+    assert _held(fleet.dsn) <= 8  # held before it was turned off, published by the sweeper
+    fleet.start("w1", concurrency=4, pool="threads", **FAST)
+    for request_id in first + later:
+        run_agent.AsyncResult(request_id).get(timeout=120)
+    assert _held(fleet.dsn) == 0
+    bad = cli(fleet, "limits", "concurrency", "per_key", "0")
+    assert bad.returncode == 2 and "only fair_queue takes 0" in bad.stderr, bad.stderr

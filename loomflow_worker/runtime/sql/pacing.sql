@@ -96,12 +96,17 @@ SELECT c.name, c.max_runs, c.updated_at, c.source, c.set_by,
   FROM concurrency_limits c ORDER BY c.name;
 
 -- name: hold_limits
--- The sizes of the limits an enqueue holds requests back on, when set: per_key (a
--- fairness key with that many out) and fair_queue (that many waiting in the broker; see
--- insert_run).
-SELECT max(max_runs) FILTER (WHERE name = 'per_key'),
-       max(max_runs) FILTER (WHERE name = 'fair_queue')
-  FROM concurrency_limits WHERE name IN ('per_key', 'fair_queue');
+-- The sizes of the limits an enqueue holds requests back on: per_key when set (a
+-- fairness key with that many out), and how many may wait in the broker before the
+-- rest wait their fair turn (loomflow_worker_fair_depth: the fleet's free slots
+-- unless fair_queue sets it; NULL: fair shares off; see insert_run).
+SELECT (SELECT max_runs FROM concurrency_limits WHERE name = 'per_key'),
+       loomflow_worker_fair_depth();
+
+-- name: fair_depth
+-- How many requests may wait in the broker now before the rest wait their fair turn
+-- (NULL: fair shares off).
+SELECT loomflow_worker_fair_depth();
 
 -- name: set_fairness_weight
 -- A fairness key's weight as `loomflow-worker limits weight` sets it (NULL:
