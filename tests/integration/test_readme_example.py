@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from tests.doc_blocks import COMMAND, ROOT, Block, blocks, wait_for, worker, write_files
@@ -32,6 +33,14 @@ def _env(fleet: Fleet) -> dict[str, str]:
 
 def _worker(folder: Path, env: dict[str, str], log: Path) -> Any:
     return worker(folder, env, log, ["myagents"])
+
+
+def _first_calls_journaled(dsn: str) -> int:
+    """The journaled first tool calls of the session's runs."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM journal_steps"
+                           " WHERE step_name LIKE '%idem:tool\\_call\\_1\\_0%'").fetchone()
+    return int(row[0]) if row else 0
 
 
 def _charged(log: Path) -> list[str]:
@@ -64,6 +73,8 @@ def test_the_offline_example_runs_crashes_and_resumes_as_the_page_says(
     try:
         with _worker(folder, env, log) as proc:
             wait_for(lambda: _charged(log) == ["1", "2", "3", "1"], "order 1 charged again")
+            # ... and journaled: a reader's kill comes seconds later.
+            wait_for(lambda: _first_calls_journaled(fleet.dsn) == 2, "order 1's call journaled")
             os.killpg(proc.pid, signal.SIGKILL)  # pkill -9 -f 'loomflow-worker worker'
         with _worker(folder, env, log):
             out, err = second.communicate(timeout=120)
