@@ -98,11 +98,19 @@ class Settings(BaseSettings):
     )
 
     database_url: SecretStr = SecretStr("postgresql://postgres@127.0.0.1:5432/postgres")
+    """The Postgres that holds the journal and the ledger (a direct connection or a
+    session-mode pool)."""
     broker_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
+    """The Celery broker: Redis or RabbitMQ."""
     result_backend: SecretStr = SecretStr("redis://127.0.0.1:6379/1")
+    """The Celery result backend."""
     agents: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Comma-separated modules that register agents, imported by every worker at start."""
     queue: str = "loomflow"
+    """The queue requests go to; a request pinned to a version of its agent waits in
+    ``<queue>@<agent>@<version>`` for a worker of it."""
     redis_key_prefix: str = ""
+    """A prefix for every broker and result key in Redis."""
     # Whether the worker takes new requests from its queues. False: it takes
     # only the requests pinned to its agents' versions (their versions'
     # queues), as the old release of a rolling deploy that changed an agent
@@ -159,7 +167,9 @@ class Settings(BaseSettings):
     # name, which deployments set.
     lease_timeout: float = Field(default=30.0, gt=0, validation_alias="LOOMFLOW_WORKER_LEASE")
     sweep_interval: float = Field(default=1.0, gt=0)
+    """How often (seconds) the fleet's sweeper looks for orphaned requests."""
     sweeper: bool = True
+    """Whether this worker runs a sweeper (off: it also stamps no held messages)."""
     # A run longer than this (seconds) ends `failed` with a timeout; an agent
     # can set its own with register_agent(name, time_limit=...).
     run_time_limit: float = Field(default=3600.0, gt=0)
@@ -191,9 +201,14 @@ class Settings(BaseSettings):
     concurrency: int = Field(default=100, ge=1, le=10_000)
     lock_connections: int = Field(default=2, ge=1, le=64)
     pool_min_size: int = Field(default=1, ge=0)
+    """The per-process pool for work outside a run: its fewest connections."""
     pool_max_size: int = Field(default=2, ge=1)
+    """The per-process pool for work outside a run: its most connections."""
     connect_timeout: int = Field(default=10, ge=1)
+    """Seconds a new Postgres connection may take."""
     lock_io_timeout: float = Field(default=30.0, gt=0)
+    """A lock connection silent this long (while the loop could read its answer) fences
+    its runs."""
 
     # Admission: a worker process stops taking requests from the broker while
     # its event loop runs later than admission_lag seconds, or while more
