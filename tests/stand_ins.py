@@ -38,6 +38,7 @@ ADMIN_DSN_VARIABLE = "LOOMFLOW_WORKER_TEST_ADMIN_DSN"
 REDIS_VARIABLE = "LOOMFLOW_WORKER_TEST_REDIS"
 DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+FOLDER_PREFIX = "loomflow-worker-tests-"
 # How long a server may take to answer once started.
 START_WITHIN = 60.0
 
@@ -114,18 +115,20 @@ class PrivatePostgres:
             user = unprivileged_user()
             for path in (self.folder, data):
                 os.chown(path, user.pw_uid, user.pw_gid)
+        as_user = {"user": user.pw_uid} if user else {}
         with log.open("ab") as out:
-            subprocess.run(
+            initdb = subprocess.run(
                 [binaries / "initdb", "-D", data, "-U", "postgres", "--auth=trust",
                  "--encoding=UTF8", "--no-sync"],
-                stdout=out, stderr=subprocess.STDOUT, check=True, timeout=START_WITHIN,
-                user=user.pw_uid if user else None,
+                stdout=out, stderr=subprocess.STDOUT, timeout=START_WITHIN, check=False,
+                **as_user,
             )
+            if initdb.returncode != 0:
+                raise RuntimeError(f"the private Postgres's initdb failed:\n{log.read_text()}")
             self.proc = subprocess.Popen(
                 [binaries / "postgres", "-D", data, "-h", "127.0.0.1", "-p", str(self.port),
                  "-k", self.folder, "-c", "fsync=off", "-c", "full_page_writes=off"],
-                stdout=out, stderr=subprocess.STDOUT, user=user.pw_uid if user else None,
-                start_new_session=True,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **as_user,
             )
         self._wait(log)
 
@@ -173,7 +176,10 @@ def start_missing(env: MutableMapping[str, str] = os.environ) -> StandIns:
     if not (need_postgres or need_redis):
         return StandIns()
     stack = contextlib.ExitStack()
-    folder = Path(tempfile.mkdtemp(prefix="loomflow-worker-tests-"))
+    # Under root, Postgres runs as another user, who must reach its folder: /tmp
+    # is open to all, a TMPDIR may not be (pytest's are not).
+    folder = Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX,
+                                   dir="/tmp" if os.geteuid() == 0 else None))
     stack.callback(shutil.rmtree, folder, ignore_errors=True)
     said = []
     with contextlib.ExitStack() as undo:
