@@ -292,10 +292,10 @@ def wait_sweeps_for(fleet: Fleet, seconds: float = 0.0, timeout: float = 60) -> 
 
 
 @pytest.fixture
-def broker() -> str:
+def broker(request: pytest.FixtureRequest) -> str:
     """The broker a fleet uses; parametrize with ``@pytest.mark.parametrize("broker",
     ["redis", "rabbitmq"], indirect=True)``."""
-    return "redis"
+    return str(getattr(request, "param", "redis"))
 
 
 @pytest.fixture
