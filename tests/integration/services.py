@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from tests.needs import PGBOUNCER, POSTGRES_PORT, RABBITMQ_SERVER, REDIS_SERVER
-from tests.stand_ins import free_port, unprivileged_user
+from tests.stand_ins import free_port, stop_process, unprivileged_user
 
 __all__ = ["PrivatePgBouncer", "PrivateRabbitMQ", "PrivateRedis", "free_port"]
 
@@ -35,12 +35,7 @@ class _Service:
     def stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, timeout=10)
 
 
 class PrivateRedis(_Service):
