@@ -12,7 +12,8 @@ combined with each phase's own. Both phases run, and a last line adds up
 their counts (``tests: N passed, N failed``). The exit status is the first
 failing phase's (pytest's 5, no test collected, only when neither phase ran a
 test). ``LOOMFLOW_WORKER_TEST_PROCESSES`` sets how many processes run phase 1
-(default 4; a ``-n`` given here wins)."""
+(default 4; a ``-n`` given here wins). Where no Postgres or Redis answers,
+both phases share private ones started here (``tests/stand_ins.py``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import Sequence
+
+from tests import stand_ins
 
 PROCESSES = os.environ.get("LOOMFLOW_WORKER_TEST_PROCESSES", "4")
 NO_TESTS = 5  # pytest's exit status when it collected no test
@@ -86,13 +89,19 @@ def run_phase(args: Sequence[str]) -> tuple[int, Counter[str]]:
 def main(argv: Sequence[str]) -> int:
     codes: list[int] = []
     total: Counter[str] = Counter()
-    for serial in (False, True):
-        args = phase_args(argv, serial)
-        print(f"--- {'serial' if serial else 'parallel'} phase: pytest {shlex.join(args)}",
-              flush=True)
-        code, found = run_phase(args)
-        codes.append(code)
-        total.update(found)
+    started = stand_ins.start_missing()  # once, for both phases
+    try:
+        if started.notice is not None:
+            print(started.notice, flush=True)
+        for serial in (False, True):
+            args = phase_args(argv, serial)
+            print(f"--- {'serial' if serial else 'parallel'} phase: pytest {shlex.join(args)}",
+                  flush=True)
+            code, found = run_phase(args)
+            codes.append(code)
+            total.update(found)
+    finally:
+        started.stop()
     bad = [code for code in codes if code not in (0, NO_TESTS)]
     # A phase that failed without a test failing (a usage or internal error) counts once.
     failed = max(total["failed"] + total["error"] + total["errors"], len(bad))

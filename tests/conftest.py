@@ -1,9 +1,18 @@
 """Fixtures: a fresh database per test, cloned from a migrated template;
-under ``CI=true`` a skipped test fails (see ``tests/needs.py``); and a test
-that starts a process (a worker, a subprocess, a private server) fails unless
-it is marked ``slow``, so that ``-m "not slow"`` runs in one process."""
+where no Postgres or Redis answers, private ones for the run (see
+``tests/stand_ins.py``); under ``CI=true`` a skipped test fails (see
+``tests/needs.py``); and a test that starts a process (a worker, a subprocess,
+a private server) fails unless it is marked ``slow``, so that ``-m "not slow"``
+runs in one process."""
 
 from __future__ import annotations
+
+from tests import stand_ins
+
+# Before anything reads the addresses (tests.needs, the Celery harness), as
+# pytest loads this file ahead of every test module: a pytest-xdist worker, or
+# a phase of ``python -m tests``, finds those its parent started answering.
+_STAND_INS = stand_ins.start_missing()
 
 import concurrent.futures
 import os
@@ -100,6 +109,16 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[
         None, pluggy.Result[pytest.CollectReport], None]:
     outcome = yield
     _skip_fails(outcome.get_result())
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if _STAND_INS.notice is not None and reporter is not None:
+        reporter.write_line(_STAND_INS.notice)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _STAND_INS.stop()
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import psycopg
 import pytest
@@ -21,10 +20,9 @@ import redis
 
 from loomflow_worker import tasks
 from loomflow_worker.settings import Settings
+from tests.needs import AMQP_URL, RABBITMQ, REDIS_URL
+from tests.needs import REDIS_PORT as REDIS_PORT  # the tests' import of it from here
 
-REDIS_URL = os.environ.get("LOOMFLOW_WORKER_TEST_REDIS", "redis://127.0.0.1:6379/0")
-REDIS_PORT = urlsplit(REDIS_URL).port or 6379
-AMQP_URL = os.environ.get("LOOMFLOW_WORKER_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672//")
 BROKERS = {"redis": REDIS_URL, "rabbitmq": AMQP_URL}
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = "tests.integration.agents_fixture"
@@ -294,15 +292,17 @@ def wait_sweeps_for(fleet: Fleet, seconds: float = 0.0, timeout: float = 60) -> 
 
 
 @pytest.fixture
-def broker() -> str:
+def broker(request: pytest.FixtureRequest) -> str:
     """The broker a fleet uses; parametrize with ``@pytest.mark.parametrize("broker",
     ["redis", "rabbitmq"], indirect=True)``."""
-    return "redis"
+    return str(getattr(request, "param", "redis"))
 
 
 @pytest.fixture
 def fleet(dsn: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Fleet]:
     broker_name = getattr(request, "param", None) or request.getfixturevalue("broker")
+    if broker_name == "rabbitmq":
+        RABBITMQ.require()
     broker_url = BROKERS[broker_name]
     prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
     queue = f"lfw-{uuid.uuid4().hex[:8]}"

@@ -6,21 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pwd
-import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-from tests.needs import PGBOUNCER
+from tests.needs import PGBOUNCER, POSTGRES_PORT, RABBITMQ_SERVER, REDIS_SERVER
+from tests.stand_ins import free_port, stop_process, unprivileged_user
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["PrivatePgBouncer", "PrivateRabbitMQ", "PrivateRedis", "free_port"]
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 10) -> None:
@@ -40,12 +35,7 @@ class _Service:
     def stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, timeout=10)
 
 
 class PrivateRedis(_Service):
@@ -69,7 +59,7 @@ class PrivateRedis(_Service):
     def start(self) -> None:
         log = self.workdir / f"redis-{self.port}.log"
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [REDIS_SERVER.require(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              *(("--appendonly", "yes", "--appendfsync", "always") if self.persist
                else ("--appendonly", "no")),
              "--dir", str(self.workdir), "--logfile", str(log)],
@@ -87,11 +77,7 @@ class PrivateRedis(_Service):
 # Debian's /usr/sbin/rabbitmq-server runs the node as the rabbitmq user when
 # started by root, which could not write a test's directories: start the
 # script it wraps.
-RABBITMQ_SERVER = next(
-    (path for path in ("/usr/lib/rabbitmq/bin/rabbitmq-server", shutil.which("rabbitmq-server"))
-     if path and os.access(path, os.X_OK)),
-    "/usr/lib/rabbitmq/bin/rabbitmq-server",
-)
+DEBIAN_RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 
 
 class PrivateRabbitMQ(_Service):
@@ -136,8 +122,10 @@ class PrivateRabbitMQ(_Service):
 
     def start(self) -> None:
         log = self.workdir / f"rabbitmq-{self.port}.out"
+        found = RABBITMQ_SERVER.require()
+        server = DEBIAN_RABBITMQ_SERVER if os.access(DEBIAN_RABBITMQ_SERVER, os.X_OK) else found
         self.proc = subprocess.Popen(
-            [RABBITMQ_SERVER], cwd=self.workdir, env=self._env(),
+            [server], cwd=self.workdir, env=self._env(),
             stdout=log.open("ab"), stderr=subprocess.STDOUT,
             # The script starts the Erlang VM as its child (stopping it on
             # SIGTERM): a group of their own lets stop() kill both at worst.
@@ -168,7 +156,7 @@ class PrivateRabbitMQ(_Service):
 class PrivatePgBouncer(_Service):
     """A ``pgbouncer`` in front of the test Postgres, in ``pool_mode``."""
 
-    def __init__(self, workdir: Path, pool_mode: str, upstream_port: int = 5432) -> None:
+    def __init__(self, workdir: Path, pool_mode: str, upstream_port: int = POSTGRES_PORT) -> None:
         self.workdir = workdir
         self.pool_mode = pool_mode
         self.upstream_port = upstream_port
@@ -196,14 +184,6 @@ class PrivatePgBouncer(_Service):
         if os.geteuid() == 0:
             # pgbouncer refuses to run as root: it reads its files, then
             # drops to this user (it logs to stderr, which goes to ``log``).
-            command = [pgbouncer, "-u", _unprivileged_user().pw_name, str(ini)]
+            command = [pgbouncer, "-u", unprivileged_user().pw_name, str(ini)]
         self.proc = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT)
         _wait_port(self.port, self.proc, log)
-
-
-
-def _unprivileged_user() -> pwd.struct_passwd:
-    for name in ("postgres", "nobody"):
-        with contextlib.suppress(KeyError):
-            return pwd.getpwnam(name)
-    raise RuntimeError("no unprivileged user (postgres or nobody) to run pgbouncer as")

@@ -17,6 +17,7 @@ import pytest
 from loomflow_worker import sockets
 from loomflow_worker.settings import Settings
 from loomflow_worker.tasks import run_agent
+from tests.needs import POSTGRES_PORT, REDIS_PORT
 
 from .celery_harness import Fleet
 from .helpers import scrape
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow
 CONCURRENCY = 200
 SESSIONS = 150
 REQUESTS = 2 * SESSIONS  # the second of each session is handed it: a publish
-PEERS = {6379: "redis", 5432: "postgres"}
+PEERS = {REDIS_PORT: "redis", POSTGRES_PORT: "postgres"}
 
 #: Celery's own (the task consumer's channel, the control channel, the worker
 #: heartbeat: 6), the run events (1), the result backend (2) and the

@@ -20,7 +20,7 @@ from loomflow_worker import admin
 from loomflow_worker.console import BackgroundConsole
 from loomflow_worker.settings import Settings
 from loomflow_worker.tasks import run_agent, settings
-from tests.needs import CHROMIUM
+from tests.needs import ADMIN_DSN, CHROMIUM
 
 from .celery_harness import ROOT, Fleet
 from .helpers import calls, wait_for_execution
@@ -38,7 +38,6 @@ RECOVERY = {
     "TEST_TOOL_SLEEP": "0.4",
 }
 TOKEN = "browser-test-token-" + uuid.uuid4().hex
-ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from tests.needs import ADMIN_DSN
+from tests.needs import ADMIN_DSN, REDIS_URL
+from tests.stand_ins import where
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +107,8 @@ class _ConsoleDemo:
     temporary folders under ``tmp``, read until it serves the console."""
 
     def __init__(self, dsn: str, tmp: Path) -> None:
-        env = {**_clean_env(), "LOOMFLOW_WORKER_DATABASE_URL": dsn, "TMPDIR": str(tmp)}
+        env = {**_clean_env(), "LOOMFLOW_WORKER_DATABASE_URL": dsn,
+               "LOOMFLOW_WORKER_BROKER_URL": REDIS_URL, "TMPDIR": str(tmp)}
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -165,7 +167,7 @@ def test_the_demo_on_the_machines_services_ends_serving_the_console(
     finally:
         demo.close()
     assert demo.proc.returncode == 0, out + rest
-    assert "private" not in out  # Postgres configured, Redis answering locally
+    assert "private" not in out  # Postgres and Redis configured
     _check_story(out)
     assert "- stopping worker-" in rest and "killed if still there after 10 s" in rest, rest
     assert f"- dropping the demo's database {database}" in rest, rest
@@ -206,7 +208,7 @@ def test_a_user_who_may_not_create_databases_is_told_what_to_do(dsn: str) -> Non
         with psycopg.connect(ADMIN_DSN, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "the demo creates a database of its own on 127.0.0.1:5432/" in done.stderr
+    assert f"the demo creates a database of its own on {where(ADMIN_DSN)}/" in done.stderr
     assert "permission denied to create database" in done.stderr
     assert "give the user CREATEDB" in done.stderr and "--embedded" in done.stderr
     assert "Traceback" not in done.stderr

@@ -18,6 +18,7 @@ from loomflow_worker import register_agent
 from loomflow_worker.execution.execute import WorkerContext
 from loomflow_worker.settings import Settings
 from loomflow_worker.testing import DeterministicModel
+from tests.needs import REDIS_URL
 
 pytestmark = pytest.mark.anyio
 
@@ -30,7 +31,7 @@ def _per_process(runtime: Any) -> Agent:
 @register_agent("test-memory-shared")
 def _shared(runtime: Any) -> Agent:
     memory = RedisMemory(
-        aredis.Redis.from_url("redis://127.0.0.1:6379/0"), embedder=HashEmbedder()
+        aredis.Redis.from_url(REDIS_URL), embedder=HashEmbedder()
     )
     return Agent("a", model=DeterministicModel(), runtime=runtime, memory=memory,
                  auto_extract=False)
