@@ -476,6 +476,8 @@ def show(request_id: str, as_json: bool) -> None:
                f"{_when(detail.started_at)}, finished {_when(detail.finished_at)} (UTC)")
     click.echo(f"counts    {detail.attempts_count} attempts, {detail.failures} failures, "
                f"{detail.crashes} crashes")
+    for note in detail.counts_explained():
+        click.echo(f"          {note}")
     click.echo("prompt    " + admin.shorten(detail.prompt, 200))
     if detail.metadata:
         click.echo("metadata  " + admin.shorten(json.dumps(detail.metadata), 200))
@@ -487,16 +489,21 @@ def show(request_id: str, as_json: bool) -> None:
     click.echo("")
     click.echo("attempts")
     if detail.attempts:
-        rows = []
+        rows, meanings = [], []
         for i, a in enumerate(detail.attempts):
             ongoing = i == len(detail.attempts) - 1 and detail.status == "running"
             outcome = a.said(last=ongoing, running=ongoing)
             rows.append((str(a.attempt), a.worker, str(a.pid), a.agent_version or "-",
                          _when(a.started_at, precise=True), _when(a.ended_at, precise=True),
                          outcome))
+            meaning = a.explained(last=ongoing, running=ongoing)
+            if meaning is not None:
+                meanings.append(f"attempt {a.attempt}: {meaning}")
         for line in _table(("#", "WORKER", "PID", "VERSION", "STARTED", "ENDED", "OUTCOME"),
                            rows):
             click.echo("  " + line)
+        for meaning in meanings:
+            click.echo("  " + meaning)
     else:
         click.echo("  none yet")
     click.echo("")

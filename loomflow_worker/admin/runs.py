@@ -133,6 +133,14 @@ class AttemptInfo:
     next_started_at: datetime | None = None
     # The version of its agent it ran (None: a release that recorded none).
     agent_version: str | None = None
+    # How apart from other runs it ran: 0 in a shared process, 1 in quarantine
+    # among a few suspected requests, 2 alone.
+    isolation: int = 0
+    # Its worker died under it together with other runs of its process (or in
+    # quarantine among other suspects): not a crash of this request. How many
+    # other requests' runs died in that process.
+    shared: bool = False
+    died_with: int = 0
 
     @property
     def died(self) -> bool:
@@ -148,6 +156,55 @@ class AttemptInfo:
         if self.outcome:
             return self.outcome
         return "running" if last and running else "worker died"
+
+    def explained(self, *, last: bool, running: bool) -> str | None:
+        """Why it ended so, and what that counts as for the request (a crash,
+        a failure, nothing): the words :meth:`said` uses, explained; ``None``
+        when the outcome says it all (succeeded, running)."""
+        said = self.said(last=last, running=running)
+        if said == "worker died":
+            return self._death_explained()
+        where = {1: " (it ran in quarantine, among a few suspected requests)",
+                 2: " (it ran alone, in a process of its own)"}.get(self.isolation, "")
+        why = OUTCOMES_EXPLAINED.get(said)
+        return None if why is None else why + where
+
+    def _death_explained(self) -> str:
+        if not self.shared:
+            alone = {1: "in quarantine", 2: "alone"}.get(self.isolation, "")
+            return (f"its worker process died while it ran{' ' + alone if alone else ''} with "
+                    "no other request's run dying there: a crash of this request, counted "
+                    "toward its limit (LOOMFLOW_WORKER_MAX_CRASHES), after which it ends dead")
+        if self.died_with:
+            others = (f"{self.died_with} other request's run" if self.died_with == 1
+                      else f"{self.died_with} other requests' runs")
+            cause = f"its worker process died with {others} in it"
+        else:
+            cause = ("its worker process, a quarantine of a few suspected requests, died "
+                     "after running others")
+        return (f"{cause}: a death shared with other runs is not a crash of this request "
+                "(any of them may have killed the process), so its crash count did not rise; "
+                "it makes the request a suspect instead, and after two such deaths in a row "
+                "without completing a step it runs in quarantine, then alone, where a death "
+                "counts as its crash")
+
+
+#: What an attempt's outcome means for its request (see AttemptInfo.explained).
+OUTCOMES_EXPLAINED = {
+    "interrupted": "its worker shut down (a deploy or a stop) and requeued it: not a crash "
+                   "and not a failure; the next attempt replays what it journaled",
+    "lost": "its worker lost its lock connection to Postgres (or stopped heartbeating past "
+            "the lease) and stopped it, so that no other attempt ran beside it: not a crash; "
+            "two such attempts in a row and it runs alone (LOOMFLOW_WORKER_MAX_LOST ends it)",
+    "paused": "it gave its slot back to wait for its model key (a budget or a provider's "
+              "pause) and was queued again: not a failure",
+    "retry": "its run raised an error: a failure of this request, run again after a backoff "
+             "(LOOMFLOW_WORKER_MAX_RETRIES ends it failed)",
+    "handed_back": "a suspect, it ran apart until it completed a step, which cleared it: "
+                   "it was handed back to run among other requests again",
+    "dead": "the request had crashed too often (or lost its lock too often): this attempt "
+            "ended it dead without running it",
+}
 
 
 @dataclass
@@ -251,6 +308,9 @@ class RequestDetail:
     version_wait_since: datetime | None = None
     version_live: bool | None = None
     version_seen_at: datetime | None = None
+    # Deaths it shared with other runs of its process since it last completed
+    # a step: at two, it runs apart (see AttemptInfo.explained).
+    suspicion: int = 0
     attempts: list[AttemptInfo] = field(default_factory=list)
     # Its moves to another version of its agent, oldest first.
     upgrades: list[UpgradeInfo] = field(default_factory=list)
@@ -280,6 +340,27 @@ class RequestDetail:
         return (f"{self.agent_version}; waits for a worker of agent {self.agent} version "
                 f"{self.agent_version} {since} (UTC); {alive} "
                 f"(start one, or move it: loomflow-worker upgrade {self.request_id})")
+
+    def counts_explained(self) -> list[str]:
+        """What its crash count counts, when an attempt's worker died: each
+        death charged to it (a crash) or shared with other runs (none), and
+        how suspected that leaves it."""
+        notes = []
+        for i, attempt in enumerate(self.attempts):
+            last = i == len(self.attempts) - 1
+            if attempt.said(last=last, running=self.status == "running") != "worker died":
+                continue
+            if attempt.shared:
+                notes.append(f"attempt {attempt.attempt}'s worker died with other runs of its "
+                             "process: not counted as a crash of this request")
+            else:
+                notes.append(f"attempt {attempt.attempt}'s worker died while no other run "
+                             "died with it: counted as a crash")
+        if self.suspicion and not self.finished:
+            notes.append(f"suspected: {self.suspicion} shared death"
+                         f"{'s' if self.suspicion != 1 else ''} since it last completed a "
+                         "step (at 2 it runs apart from other requests)")
+        return notes
 
     @property
     def prompt_cut(self) -> bool:

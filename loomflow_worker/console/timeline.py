@@ -52,6 +52,8 @@ class Lane:
     marks: list[Mark] = field(default_factory=list)
     # The version of its agent the attempt ran (None: not recorded).
     version: str | None = None
+    # What its outcome means for the request (admin.AttemptInfo.explained).
+    why: str | None = None
 
     @property
     def executed(self) -> int:
@@ -146,6 +148,7 @@ def layout(
             worker=attempt.worker,
             version=attempt.agent_version,
             outcome=attempt.said(last=i == len(attempts) - 1, running=running),
+            why=attempt.explained(last=i == len(attempts) - 1, running=running),
             y=AXIS_HEIGHT + i * LANE_HEIGHT,
             x_start=x(start),
             x_end=max(x(end), x(start) + 1.0),

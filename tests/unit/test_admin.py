@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from loomflow.core.types import ModelChunk, ToolCall, ToolResult
@@ -169,3 +170,26 @@ def test_pruner_refuses_a_naive_cutoff_or_an_empty_batch() -> None:
         Pruner(datetime.now(), batch_size=10)
     with pytest.raises(InvalidInput):
         Pruner(datetime.now(UTC), batch_size=0)
+
+
+def test_an_attempts_outcome_says_what_it_counts_as_for_its_request() -> None:
+    started = datetime.fromtimestamp(100.0, tz=UTC)
+    later = datetime.fromtimestamp(200.0, tz=UTC)
+
+    def died(**kwargs: Any) -> str | None:
+        attempt = admin.AttemptInfo(1, "w", 1, 0, started, later, "died", later, **kwargs)
+        assert attempt.said(last=False, running=False) == "worker died"
+        return attempt.explained(last=False, running=False)
+
+    assert "a crash of this request" in (died(isolation=2) or "")
+    assert "ran alone" in (died(isolation=2) or "")
+    shared = died(shared=True, died_with=3) or ""
+    assert "died with 3 other requests' runs in it" in shared
+    assert "not a crash of this request" in shared
+    assert "a quarantine of a few suspected requests" in (died(shared=True, isolation=1) or "")
+    interrupted = admin.AttemptInfo(1, "w", 1, 0, started, later, "interrupted")
+    assert "not a crash" in (interrupted.explained(last=True, running=False) or "")
+    done = admin.AttemptInfo(1, "w", 1, 0, started, later, "succeeded")
+    assert done.explained(last=True, running=False) is None
+    running = admin.AttemptInfo(1, "w", 1, 0, started, None, None)
+    assert running.explained(last=True, running=True) is None

@@ -32,7 +32,9 @@ SELECT status, result, error, error_type FROM runs WHERE request_id = %(request_
 -- its prompt cut to `prompt_chars` characters (NULL: whole), with the
 -- database's clock. The version of its agent it is pinned to, since when it
 -- waits for a worker of that version (queued), whether a live worker serves
--- that version, and when one was last seen (NULL: none known).
+-- that version, and when one was last seen (NULL: none known); how many
+-- deaths it shared with other runs of its process since it last completed a
+-- step (suspicion).
 SELECT request_id, seq, scope, session_id, user_id, agent, kind,
        CASE WHEN %(prompt_chars)s::integer IS NULL THEN prompt
             ELSE left(prompt, %(prompt_chars)s) END AS prompt,
@@ -41,7 +43,8 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind,
        started_at, heartbeat_at, finished_at, not_before, now() AS now,
        CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for,
        agent_version, CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since,
-       v.live AS version_live, v.seen_at AS version_seen_at
+       v.live AS version_live, v.seen_at AS version_seen_at,
+       suspicion
   FROM runs r
   LEFT JOIN LATERAL (
       SELECT bool_or(w.stopped_at IS NULL
@@ -60,11 +63,24 @@ SELECT at, from_version, to_version, by FROM run_upgrades
 
 -- name: get_run_attempts
 -- A request's attempts, each with the start of the one after it (where the
--- console's lane of an attempt whose worker died ends).
-SELECT attempt, worker, pid, epoch, started_at, ended_at, outcome, agent_version,
-       lead(started_at) OVER (ORDER BY attempt) AS next_started_at
-  FROM run_attempts WHERE request_id = %(request_id)s
- ORDER BY attempt;
+-- console's lane of an attempt whose worker died ends), how apart from other
+-- runs it ran, and, for one whose worker died, whether that death was shared
+-- with other runs of its process (then not a crash of this request, as
+-- start_request charges it) and how many other requests' runs died with it.
+SELECT a.attempt, a.worker, a.pid, a.epoch, a.started_at, a.ended_at, a.outcome,
+       a.agent_version, a.isolation,
+       lead(a.started_at) OVER (ORDER BY a.attempt) AS next_started_at,
+       coalesce(d.shared, false) AS shared, coalesce(d.died_with, 0) AS died_with
+  FROM run_attempts a
+  LEFT JOIN LATERAL (
+      SELECT (loomflow_worker_last_attempt(a.request_id, a.attempt)).shared,
+             (SELECT count(DISTINCT b.request_id) FROM run_attempts b
+               WHERE b.worker = a.worker AND b.boot IS NOT DISTINCT FROM a.boot
+                 AND (b.outcome IS NULL OR b.outcome = 'died')
+                 AND b.request_id <> a.request_id)::integer AS died_with
+  ) d ON a.outcome = 'died' OR a.outcome IS NULL AND a.ended_at IS NULL
+ WHERE a.request_id = %(request_id)s
+ ORDER BY a.attempt;
 
 -- name: get_run_journal
 -- The entries of one run, oldest first, at most `limit` (NULL: all): its
