@@ -517,10 +517,11 @@ def show(request_id: str, as_json: bool) -> None:
         took = "" if step.took is None else "+" + admin.format_duration(step.took)
         key = admin.shorten(step.key.removeprefix(f"{detail.epoch}/"), 44)
         steps.append((_when(step.written_at, precise=True), took,
-                      "stream" if step.stream else "step", key, step.history(),
-                      admin.shorten(step.summary, 60)))
+                      "stream" if step.stream else "step", admin.shorten(step.label, 40), key,
+                      step.history(), admin.shorten(step.summary, 60)))
     if steps:
-        for line in _table(("WRITTEN", "AFTER", "KIND", "KEY", "HISTORY", "VALUE"), steps):
+        for line in _table(("WRITTEN", "AFTER", "KIND", "STEP", "KEY", "HISTORY", "VALUE"),
+                           steps):
             click.echo("  " + line)
 
 

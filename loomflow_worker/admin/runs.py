@@ -223,6 +223,9 @@ class StepInfo:
     took: float | None
     summary: str
     executed_in: int | None = None
+    # The step as a person reads it: "model call 2", "tool charge(order=3)"
+    # (:func:`step_label`; empty: its name).
+    label: str = ""
     replayed_in: list[int] = field(default_factory=list)
     rerun_in: list[int] = field(default_factory=list)
 
@@ -505,22 +508,30 @@ def attribute_steps(
     ordered = sorted(entries, key=lambda e: (e[2], e[1]))
     steps: list[StepInfo] = []
     last_write: dict[int | None, float] = {}
-    for stream, key, created, value in ordered:
+    calls = _ToolCalls()
+    values: list[Any] = []
+    for stream, key, created, blob in ordered:
         owner = executed_by(created)
         previous = last_write.get(owner)
         if previous is None and owner is not None:
             previous = dict(starts)[owner]
         last_write[owner] = created
+        ok, value = _decoded(blob, key)
+        values.append(value)
+        calls.note(step_name(key), value)
         steps.append(
             StepInfo(
                 key=key,
                 stream=stream,
                 written_at=datetime.fromtimestamp(created, tz=UTC),
                 took=None if previous is None else max(0.0, created - previous),
-                summary=summarize_value(value, key),
+                summary=(shorten(_describe(value), SUMMARY_WIDTH) if ok
+                         else _undecoded(blob)),
                 executed_in=owner,
             )
         )
+    for step, value in zip(steps, values, strict=True):
+        step.label = step_label(step.name, value, calls)
     ran_again: dict[tuple[bool, str], set[int]] = {}
     for step in steps:
         if step.executed_in is not None and _POSITIONAL.search(step.name):
@@ -537,16 +548,93 @@ def attribute_steps(
     return steps
 
 
-def summarize_value(blob: bytes, key: str, width: int = 100) -> str:
+#: How long a journal value's one-line account is.
+SUMMARY_WIDTH = 100
+
+
+def summarize_value(blob: bytes, key: str, width: int = SUMMARY_WIDTH) -> str:
     """A one-line account of a journal value: a tool's output, a model call's text
     and tool calls. Only loomflow's JSON encoding is read, never a pickle."""
+    ok, value = _decoded(blob, key)
+    return shorten(_describe(value), width) if ok else _undecoded(blob)
+
+
+def _decoded(blob: bytes, key: str) -> tuple[bool, Any]:
     # The codec loads loomflow: listing requests never needs it.
     from ..runtime.codec import CodecStats, decode
 
-    ok, value = decode(blob, "json", CodecStats(), key=key)
-    if not ok:
-        return f"({len(blob)} bytes, not JSON-encoded)"
-    return shorten(_describe(value), width)
+    return decode(blob, "json", CodecStats(), key=key)
+
+
+def _undecoded(blob: bytes) -> str:
+    return f"({len(blob)} bytes, not JSON-encoded)"
+
+
+_MODEL_CALL = re.compile(r"model_call_(\d+)")
+_TOOL_CALL = re.compile(r"(?:idem:)?tool_call_(\d+)_(\d+)")
+_EPISODE = re.compile(r"persist_episode_(\d+)")
+#: How long a tool call's arguments are shown in its label.
+ARGS_WIDTH = 60
+
+
+class _ToolCalls:
+    """The tool calls a run's model calls asked for, by call id and by their
+    place (the turn of the model call, the call's slot in its reply): how a
+    tool step, whose key holds only a digest of the call, is named by the
+    call it ran."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, Any] = {}
+        self.by_place: dict[tuple[int, int], Any] = {}
+
+    def note(self, name: str, value: Any) -> None:
+        found = _MODEL_CALL.fullmatch(name)
+        if found is None:
+            return
+        for slot, call in enumerate(_calls_of(value)):
+            self.by_id.setdefault(str(call.id), call)
+            self.by_place[(int(found[1]), slot)] = call
+
+    def of(self, turn: int, slot: int, value: Any) -> Any:
+        """The call a tool step ran (its value a ``ToolResult``), or ``None``."""
+        call_id = getattr(value, "call_id", None)
+        if call_id is not None and call_id in self.by_id:
+            return self.by_id[call_id]
+        return self.by_place.get((turn, slot))
+
+
+def _calls_of(value: Any) -> list[Any]:
+    """The tool calls in a model call's journaled reply: streamed chunks, or
+    the ``(text, tool_calls, usage, finish_reason)`` of a call not streamed."""
+    from loomflow.core.types import ModelChunk, ToolCall
+
+    if isinstance(value, list) and all(isinstance(v, ModelChunk) for v in value):
+        return [c.tool_call for c in value if c.kind == "tool_call" and c.tool_call is not None]
+    if isinstance(value, list | tuple) and len(value) == 4 and isinstance(value[1], list):
+        return [c for c in value[1] if isinstance(c, ToolCall)]
+    return []
+
+
+def step_label(name: str, value: Any, calls: _ToolCalls) -> str:
+    """A journal step as a person reads it: ``model call 2``, ``tool
+    charge(order=3)`` (the call found in the run's model calls; ``tool call
+    2.0``, its turn and slot, when none is), ``episode saved (turn 3)``; any
+    other step by its name."""
+    found = _MODEL_CALL.fullmatch(name)
+    if found is not None:
+        return f"model call {found[1]}"
+    found = _TOOL_CALL.fullmatch(name)
+    if found is not None:
+        turn, slot = int(found[1]), int(found[2])
+        call = calls.of(turn, slot, value)
+        if call is None:
+            return f"tool call {turn}.{slot}"
+        args = ", ".join(f"{k}={json.dumps(v, default=str)}" for k, v in call.args.items())
+        return f"tool {call.tool}({shorten(args, ARGS_WIDTH)})"
+    found = _EPISODE.fullmatch(name)
+    if found is not None:
+        return f"episode saved (turn {found[1]})"
+    return name
 
 
 def _describe(value: Any) -> str:

@@ -162,14 +162,14 @@ def layout(
         for n, step in enumerate(again):
             lane.marks.append(Mark(
                 lane.x_start + 2 + n * spacing, "replayed", step.name,
-                f"{step.name}: replayed from the journal at the start of attempt "
+                f"{step.label or step.name}: replayed from the journal at the start of attempt "
                 f"{attempt.attempt} (executed in attempt {step.executed_in}); {step.summary}",
             ))
         for step in executed.get(attempt.attempt, []):
             at = (step.written_at - origin).total_seconds()
             lane.marks.append(Mark(
                 x(at) - MARK_WIDTH / 2, "executed", step.name,
-                f"{step.name}: executed in attempt {attempt.attempt}, journaled at "
+                f"{step.label or step.name}: executed in attempt {attempt.attempt}, journaled at "
                 f"{_clock(step.written_at)} ({_span(at - start)} into the attempt); "
                 f"{step.summary}",
             ))

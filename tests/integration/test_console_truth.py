@@ -88,6 +88,15 @@ def test_a_death_shared_with_other_runs_says_it_is_not_a_crash_of_the_request(
     assert "attempt 1: its worker process died with 1 other request's run in it" in shown.stdout
     assert "not counted as a crash of this request" in shown.stdout
 
+    # The journal names each step as a person reads it, its key on hover.
+    steps = dict(re.findall(r'<td class="step"><code title="([^"]+)">([^<]+)</code>', page))
+    labels = {html.unescape(label): html.unescape(key) for key, label in steps.items()}
+    assert {"model call 1", 'tool record(tag="a0")', 'tool record(tag="a1")',
+            'tool record(tag="a2")'} <= set(labels), labels
+    assert labels['tool record(tag="a1")'].startswith("idem:tool_call_")
+    assert labels["model call 1"].startswith("model_call_1@")
+    assert re.search(r'tool record\(tag="a1"\)\s+idem:tool_call_', shown.stdout), shown.stdout
+
 
 @pytest.mark.slow
 def test_a_death_alone_says_it_is_a_crash_of_the_request(
