@@ -359,7 +359,7 @@ def test_a_request_id_with_a_slash_is_linked_and_shown(fleet: Fleet, client: Tes
     for request_id in ids:
         run_agent.apply_async((calls("q1"), "slash-s"), task_id=request_id)
     listed = client.get("/requests?session=slash-s").text
-    links = re.findall(r'<td class="id"><a href="/runs/([^"]+)">', listed)
+    links = re.findall(r'<td class="id"><a href="/runs/([^"]+)"', listed)
     assert {unquote(html.unescape(link)) for link in links} == ids
     for link in links:
         page = client.get("/runs/" + html.unescape(link))
