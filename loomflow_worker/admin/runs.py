@@ -573,6 +573,8 @@ def _undecoded(blob: bytes) -> str:
 _MODEL_CALL = re.compile(r"model_call_(\d+)")
 _TOOL_CALL = re.compile(r"(?:idem:)?tool_call_(\d+)_(\d+)")
 _EPISODE = re.compile(r"persist_episode_(\d+)")
+# The request's own step around a registered Workflow (execution.runnables).
+_WORKFLOW = re.compile(r"workflow_(.+)")
 #: How long a tool call's arguments are shown in its label.
 ARGS_WIDTH = 60
 
@@ -634,6 +636,9 @@ def step_label(name: str, value: Any, calls: _ToolCalls) -> str:
     found = _EPISODE.fullmatch(name)
     if found is not None:
         return f"episode saved (turn {found[1]})"
+    found = _WORKFLOW.fullmatch(name)
+    if found is not None:
+        return f"workflow {found[1]} started (its nodes journal in child runs)"
     return name
 
 
