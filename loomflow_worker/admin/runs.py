@@ -400,6 +400,9 @@ def get_request(conn: Conn, request_id: str) -> RequestDetail:
     with translated("query"):
         row = ledger_reads.request_row(conn, request_params(request_id))
         if row is None:
+            direct = get_direct_run(conn, request_id)
+            if direct is not None:
+                return direct
             raise RequestNotFound(request_id)
         detail = RequestDetail(**row)
         detail.attempts = [
@@ -413,6 +416,62 @@ def get_request(conn: Conn, request_id: str) -> RequestDetail:
                 query("get_run_journal"), journal_params(detail)
             ).fetchall()
             add_journal(detail, rows)
+    return detail
+
+
+@dataclass(frozen=True)
+class DirectRun:
+    """A run made through PostgresRuntime outside Celery (a web process's own
+    ``agent.run``), as ``requests --direct`` lists it. ``outcome`` ``None``:
+    still running, or its process died before it ended."""
+
+    run_id: str
+    session_id: str
+    user_id: str | None
+    epoch: int
+    process: str
+    started_at: datetime
+    finished_at: datetime | None
+    outcome: str | None
+    error: str | None
+
+
+def list_direct_runs(
+    conn: Conn, *, session_id: str | None = None, user_id: str | None = None, limit: int = 50
+) -> list[DirectRun]:
+    """Runs made outside Celery, newest first."""
+    if not 1 <= limit <= MAX_LIST:
+        raise InvalidInput(f"limit must be from 1 to {MAX_LIST}, not {limit}")
+    with translated("query"):
+        rows = conn.cursor(row_factory=dict_row).execute(query("list_direct_runs"), {
+            "session_id": session_id, "user_id": user_id, "limit": limit}).fetchall()
+    return [DirectRun(**row) for row in rows]
+
+
+def direct_detail(row: Mapping[str, Any]) -> RequestDetail:
+    """A ``get_direct_run`` row as a request of kind ``direct``, with its one
+    attempt (its process's), its journal still to add."""
+    fields = dict(row)
+    pid, outcome = fields.pop("pid"), fields.pop("outcome")
+    detail = RequestDetail(**fields)
+    detail.attempts = [AttemptInfo(
+        attempt=1, worker=str(detail.worker), pid=int(pid), epoch=int(fields["epoch"]),
+        started_at=fields["started_at"], ended_at=fields["finished_at"],
+        outcome={"raised": "failed"}.get(outcome, outcome))]
+    return detail
+
+
+def get_direct_run(conn: Conn, run_id: str) -> RequestDetail | None:
+    """A run made outside Celery read as a request (``show``), or ``None``."""
+    with translated("query"):
+        row = conn.cursor(row_factory=dict_row).execute(
+            query("get_direct_run"), {"request_id": run_id}).fetchone()
+        if row is None:
+            return None
+        detail = direct_detail(row)
+        rows = conn.cursor(row_factory=dict_row).execute(
+            query("get_run_journal"), journal_params(detail)).fetchall()
+    add_journal(detail, rows)
     return detail
 
 

@@ -47,6 +47,9 @@ def _killed_and_resumed(fleet: Fleet, agent: str, prompt: str, in_flight: str) -
     done: dict[str, object] = result.get(timeout=60)
     row = ledger(fleet.dsn, result.id)
     assert (row["status"], row["attempts"]) == ("succeeded", 2), row
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        # A worker's runs are requests: none is recorded as a run outside Celery.
+        assert conn.execute("SELECT count(*) FROM direct_runs").fetchone() == (0,)
     return done
 
 

@@ -136,3 +136,30 @@ SELECT coalesce(s.agent, p.agent) AS agent, coalesce(s.version, p.version) AS ve
        now() AS now
   FROM served s FULL JOIN pinned p ON p.agent = s.agent AND p.version = s.version
  ORDER BY 1, s.built_at DESC NULLS LAST, 2;
+
+-- name: list_direct_runs
+-- Runs made through PostgresRuntime outside Celery (direct_runs: a web
+-- process's own agent.run), newest first, of a session and user when given.
+SELECT run_id, session_id, user_id, epoch, process, started_at, finished_at, outcome, error
+  FROM direct_runs
+ WHERE (%(session_id)s::text IS NULL OR session_id = %(session_id)s)
+   AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s)
+ ORDER BY started_at DESC
+ LIMIT %(limit)s;
+
+-- name: get_direct_run
+-- One run made outside Celery, read as `show` and the console's run page read
+-- a request (admin.RequestDetail), of kind "direct": its journal is its
+-- scope's at its epoch. Not ended: "running" (or its process died).
+SELECT run_id AS request_id, 0::bigint AS seq, scope, session_id, user_id,
+       '(outside Celery)' AS agent, 'direct' AS kind, '' AS prompt, 0 AS prompt_length,
+       '{}'::jsonb AS metadata,
+       CASE outcome WHEN 'succeeded' THEN 'succeeded' WHEN 'raised' THEN 'failed'
+                    ELSE 'running' END AS status,
+       epoch, 1 AS attempts_count, (outcome = 'raised')::int AS failures, 0 AS crashes,
+       process AS worker, false AS cancel_requested, NULL::jsonb AS result, error,
+       NULL::text AS error_type, started_at AS enqueued_at, started_at,
+       started_at AS heartbeat_at, finished_at, NULL::timestamptz AS not_before, now() AS now,
+       pid, outcome
+  FROM direct_runs
+ WHERE run_id = %(request_id)s;
