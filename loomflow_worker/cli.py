@@ -394,6 +394,9 @@ def enqueue(
 @click.option("--limit", type=click.IntRange(min=1, max=MAX_LIST), default=50,
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, one object a line.")
+@click.option("--direct", is_flag=True,
+              help="List the runs made through PostgresRuntime outside Celery (a web "
+                   "process's own agent.run) instead: `show RUN` shows one with its journal.")
 @handled
 def list_requests(
     session_id: str | None,
@@ -403,11 +406,17 @@ def list_requests(
     newer_than: timedelta | None,
     limit: int,
     as_json: bool,
+    direct: bool,
 ) -> None:
-    """List requests, newest first (times in UTC)."""
+    """List requests, newest first (times in UTC). Runs made through
+    PostgresRuntime outside Celery are not requests: --direct lists them."""
     from . import admin
 
     with admin.connect(_settings()) as conn:
+        if direct:
+            _list_direct_runs(admin.list_direct_runs(
+                conn, session_id=session_id, user_id=user_id, limit=limit), as_json)
+            return
         found = admin.list_requests(
             conn, session_id=session_id, user_id=user_id, statuses=statuses,
             older_than=older_than, newer_than=newer_than, limit=limit,
@@ -417,7 +426,8 @@ def list_requests(
             _echo_json(asdict(row))
         return
     if not found:
-        click.echo("no requests match", err=True)
+        click.echo("no requests match (runs made through PostgresRuntime outside Celery "
+                   "are not requests: --direct lists them)", err=True)
         return
     headers = ("REQUEST", "SESSION", "USER", "AGENT", "VERSION", "STATUS", "ATTEMPTS",
                "ENQUEUED", "ETA", "FINISHED", "WORKER", "WAITS")
@@ -428,6 +438,22 @@ def list_requests(
         for r in found
     ]
     for line in _table(headers, rows):
+        click.echo(line)
+
+
+def _list_direct_runs(found: list[Any], as_json: bool) -> None:
+    if as_json:
+        for run in found:
+            _echo_json(asdict(run))
+        return
+    if not found:
+        click.echo("no run made through PostgresRuntime outside Celery matches", err=True)
+        return
+    rows = [(r.run_id, r.session_id, r.user_id or "-", str(r.epoch), _when(r.started_at),
+             _when(r.finished_at), r.outcome or "running (or its process died)", r.process)
+            for r in found]
+    for line in _table(("RUN", "SESSION", "USER", "EPOCH", "STARTED", "FINISHED", "OUTCOME",
+                        "PROCESS"), rows):
         click.echo(line)
 
 
@@ -476,6 +502,8 @@ def show(request_id: str, as_json: bool) -> None:
                f"{_when(detail.started_at)}, finished {_when(detail.finished_at)} (UTC)")
     click.echo(f"counts    {detail.attempts_count} attempts, {detail.failures} failures, "
                f"{detail.crashes} crashes")
+    for note in detail.counts_explained():
+        click.echo(f"          {note}")
     click.echo("prompt    " + admin.shorten(detail.prompt, 200))
     if detail.metadata:
         click.echo("metadata  " + admin.shorten(json.dumps(detail.metadata), 200))
@@ -487,16 +515,21 @@ def show(request_id: str, as_json: bool) -> None:
     click.echo("")
     click.echo("attempts")
     if detail.attempts:
-        rows = []
+        rows, meanings = [], []
         for i, a in enumerate(detail.attempts):
             ongoing = i == len(detail.attempts) - 1 and detail.status == "running"
             outcome = a.said(last=ongoing, running=ongoing)
             rows.append((str(a.attempt), a.worker, str(a.pid), a.agent_version or "-",
                          _when(a.started_at, precise=True), _when(a.ended_at, precise=True),
                          outcome))
+            meaning = a.explained(last=ongoing, running=ongoing)
+            if meaning is not None:
+                meanings.append(f"attempt {a.attempt}: {meaning}")
         for line in _table(("#", "WORKER", "PID", "VERSION", "STARTED", "ENDED", "OUTCOME"),
                            rows):
             click.echo("  " + line)
+        for meaning in meanings:
+            click.echo("  " + meaning)
     else:
         click.echo("  none yet")
     click.echo("")
@@ -510,10 +543,11 @@ def show(request_id: str, as_json: bool) -> None:
         took = "" if step.took is None else "+" + admin.format_duration(step.took)
         key = admin.shorten(step.key.removeprefix(f"{detail.epoch}/"), 44)
         steps.append((_when(step.written_at, precise=True), took,
-                      "stream" if step.stream else "step", key, step.history(),
-                      admin.shorten(step.summary, 60)))
+                      "stream" if step.stream else "step", admin.shorten(step.label, 40), key,
+                      step.history(), admin.shorten(step.summary, 60)))
     if steps:
-        for line in _table(("WRITTEN", "AFTER", "KIND", "KEY", "HISTORY", "VALUE"), steps):
+        for line in _table(("WRITTEN", "AFTER", "KIND", "STEP", "KEY", "HISTORY", "VALUE"),
+                           steps):
             click.echo("  " + line)
 
 

@@ -133,6 +133,14 @@ class AttemptInfo:
     next_started_at: datetime | None = None
     # The version of its agent it ran (None: a release that recorded none).
     agent_version: str | None = None
+    # How apart from other runs it ran: 0 in a shared process, 1 in quarantine
+    # among a few suspected requests, 2 alone.
+    isolation: int = 0
+    # Its worker died under it together with other runs of its process (or in
+    # quarantine among other suspects): not a crash of this request. How many
+    # other requests' runs died in that process.
+    shared: bool = False
+    died_with: int = 0
 
     @property
     def died(self) -> bool:
@@ -148,6 +156,55 @@ class AttemptInfo:
         if self.outcome:
             return self.outcome
         return "running" if last and running else "worker died"
+
+    def explained(self, *, last: bool, running: bool) -> str | None:
+        """Why it ended so, and what that counts as for the request (a crash,
+        a failure, nothing): the words :meth:`said` uses, explained; ``None``
+        when the outcome says it all (succeeded, running)."""
+        said = self.said(last=last, running=running)
+        if said == "worker died":
+            return self._death_explained()
+        where = {1: " (it ran in quarantine, among a few suspected requests)",
+                 2: " (it ran alone, in a process of its own)"}.get(self.isolation, "")
+        why = OUTCOMES_EXPLAINED.get(said)
+        return None if why is None else why + where
+
+    def _death_explained(self) -> str:
+        if not self.shared:
+            alone = {1: "in quarantine", 2: "alone"}.get(self.isolation, "")
+            return (f"its worker process died while it ran{' ' + alone if alone else ''} with "
+                    "no other request's run dying there: a crash of this request, counted "
+                    "toward its limit (LOOMFLOW_WORKER_MAX_CRASHES), after which it ends dead")
+        if self.died_with:
+            others = (f"{self.died_with} other request's run" if self.died_with == 1
+                      else f"{self.died_with} other requests' runs")
+            cause = f"its worker process died with {others} in it"
+        else:
+            cause = ("its worker process, a quarantine of a few suspected requests, died "
+                     "after running others")
+        return (f"{cause}: a death shared with other runs is not a crash of this request "
+                "(any of them may have killed the process), so its crash count did not rise; "
+                "it makes the request a suspect instead, and after two such deaths in a row "
+                "without completing a step it runs in quarantine, then alone, where a death "
+                "counts as its crash")
+
+
+#: What an attempt's outcome means for its request (see AttemptInfo.explained).
+OUTCOMES_EXPLAINED = {
+    "interrupted": "its worker shut down (a deploy or a stop) and requeued it: not a crash "
+                   "and not a failure; the next attempt replays what it journaled",
+    "lost": "its worker lost its lock connection to Postgres (or stopped heartbeating past "
+            "the lease) and stopped it, so that no other attempt ran beside it: not a crash; "
+            "two such attempts in a row and it runs alone (LOOMFLOW_WORKER_MAX_LOST ends it)",
+    "paused": "it gave its slot back to wait for its model key (a budget or a provider's "
+              "pause) and was queued again: not a failure",
+    "retry": "its run raised an error: a failure of this request, run again after a backoff "
+             "(LOOMFLOW_WORKER_MAX_RETRIES ends it failed)",
+    "handed_back": "a suspect, it ran apart until it completed a step, which cleared it: "
+                   "it was handed back to run among other requests again",
+    "dead": "the request had crashed too often (or lost its lock too often): this attempt "
+            "ended it dead without running it",
+}
 
 
 @dataclass
@@ -166,6 +223,9 @@ class StepInfo:
     took: float | None
     summary: str
     executed_in: int | None = None
+    # The step as a person reads it: "model call 2", "tool charge(order=3)"
+    # (:func:`step_label`; empty: its name).
+    label: str = ""
     replayed_in: list[int] = field(default_factory=list)
     rerun_in: list[int] = field(default_factory=list)
 
@@ -251,6 +311,9 @@ class RequestDetail:
     version_wait_since: datetime | None = None
     version_live: bool | None = None
     version_seen_at: datetime | None = None
+    # Deaths it shared with other runs of its process since it last completed
+    # a step: at two, it runs apart (see AttemptInfo.explained).
+    suspicion: int = 0
     attempts: list[AttemptInfo] = field(default_factory=list)
     # Its moves to another version of its agent, oldest first.
     upgrades: list[UpgradeInfo] = field(default_factory=list)
@@ -280,6 +343,27 @@ class RequestDetail:
         return (f"{self.agent_version}; waits for a worker of agent {self.agent} version "
                 f"{self.agent_version} {since} (UTC); {alive} "
                 f"(start one, or move it: loomflow-worker upgrade {self.request_id})")
+
+    def counts_explained(self) -> list[str]:
+        """What its crash count counts, when an attempt's worker died: each
+        death charged to it (a crash) or shared with other runs (none), and
+        how suspected that leaves it."""
+        notes = []
+        for i, attempt in enumerate(self.attempts):
+            last = i == len(self.attempts) - 1
+            if attempt.said(last=last, running=self.status == "running") != "worker died":
+                continue
+            if attempt.shared:
+                notes.append(f"attempt {attempt.attempt}'s worker died with other runs of its "
+                             "process: not counted as a crash of this request")
+            else:
+                notes.append(f"attempt {attempt.attempt}'s worker died while no other run "
+                             "died with it: counted as a crash")
+        if self.suspicion and not self.finished:
+            notes.append(f"suspected: {self.suspicion} shared death"
+                         f"{'s' if self.suspicion != 1 else ''} since it last completed a "
+                         "step (at 2 it runs apart from other requests)")
+        return notes
 
     @property
     def prompt_cut(self) -> bool:
@@ -316,6 +400,9 @@ def get_request(conn: Conn, request_id: str) -> RequestDetail:
     with translated("query"):
         row = ledger_reads.request_row(conn, request_params(request_id))
         if row is None:
+            direct = get_direct_run(conn, request_id)
+            if direct is not None:
+                return direct
             raise RequestNotFound(request_id)
         detail = RequestDetail(**row)
         detail.attempts = [
@@ -329,6 +416,62 @@ def get_request(conn: Conn, request_id: str) -> RequestDetail:
                 query("get_run_journal"), journal_params(detail)
             ).fetchall()
             add_journal(detail, rows)
+    return detail
+
+
+@dataclass(frozen=True)
+class DirectRun:
+    """A run made through PostgresRuntime outside Celery (a web process's own
+    ``agent.run``), as ``requests --direct`` lists it. ``outcome`` ``None``:
+    still running, or its process died before it ended."""
+
+    run_id: str
+    session_id: str
+    user_id: str | None
+    epoch: int
+    process: str
+    started_at: datetime
+    finished_at: datetime | None
+    outcome: str | None
+    error: str | None
+
+
+def list_direct_runs(
+    conn: Conn, *, session_id: str | None = None, user_id: str | None = None, limit: int = 50
+) -> list[DirectRun]:
+    """Runs made outside Celery, newest first."""
+    if not 1 <= limit <= MAX_LIST:
+        raise InvalidInput(f"limit must be from 1 to {MAX_LIST}, not {limit}")
+    with translated("query"):
+        rows = conn.cursor(row_factory=dict_row).execute(query("list_direct_runs"), {
+            "session_id": session_id, "user_id": user_id, "limit": limit}).fetchall()
+    return [DirectRun(**row) for row in rows]
+
+
+def direct_detail(row: Mapping[str, Any]) -> RequestDetail:
+    """A ``get_direct_run`` row as a request of kind ``direct``, with its one
+    attempt (its process's), its journal still to add."""
+    fields = dict(row)
+    pid, outcome = fields.pop("pid"), fields.pop("outcome")
+    detail = RequestDetail(**fields)
+    detail.attempts = [AttemptInfo(
+        attempt=1, worker=str(detail.worker), pid=int(pid), epoch=int(fields["epoch"]),
+        started_at=fields["started_at"], ended_at=fields["finished_at"],
+        outcome={"raised": "failed"}.get(outcome, outcome))]
+    return detail
+
+
+def get_direct_run(conn: Conn, run_id: str) -> RequestDetail | None:
+    """A run made outside Celery read as a request (``show``), or ``None``."""
+    with translated("query"):
+        row = conn.cursor(row_factory=dict_row).execute(
+            query("get_direct_run"), {"request_id": run_id}).fetchone()
+        if row is None:
+            return None
+        detail = direct_detail(row)
+        rows = conn.cursor(row_factory=dict_row).execute(
+            query("get_run_journal"), journal_params(detail)).fetchall()
+    add_journal(detail, rows)
     return detail
 
 
@@ -424,22 +567,30 @@ def attribute_steps(
     ordered = sorted(entries, key=lambda e: (e[2], e[1]))
     steps: list[StepInfo] = []
     last_write: dict[int | None, float] = {}
-    for stream, key, created, value in ordered:
+    calls = _ToolCalls()
+    values: list[Any] = []
+    for stream, key, created, blob in ordered:
         owner = executed_by(created)
         previous = last_write.get(owner)
         if previous is None and owner is not None:
             previous = dict(starts)[owner]
         last_write[owner] = created
+        ok, value = _decoded(blob, key)
+        values.append(value)
+        calls.note(step_name(key), value)
         steps.append(
             StepInfo(
                 key=key,
                 stream=stream,
                 written_at=datetime.fromtimestamp(created, tz=UTC),
                 took=None if previous is None else max(0.0, created - previous),
-                summary=summarize_value(value, key),
+                summary=(shorten(_describe(value), SUMMARY_WIDTH) if ok
+                         else _undecoded(blob)),
                 executed_in=owner,
             )
         )
+    for step, value in zip(steps, values, strict=True):
+        step.label = step_label(step.name, value, calls)
     ran_again: dict[tuple[bool, str], set[int]] = {}
     for step in steps:
         if step.executed_in is not None and _POSITIONAL.search(step.name):
@@ -456,16 +607,98 @@ def attribute_steps(
     return steps
 
 
-def summarize_value(blob: bytes, key: str, width: int = 100) -> str:
+#: How long a journal value's one-line account is.
+SUMMARY_WIDTH = 100
+
+
+def summarize_value(blob: bytes, key: str, width: int = SUMMARY_WIDTH) -> str:
     """A one-line account of a journal value: a tool's output, a model call's text
     and tool calls. Only loomflow's JSON encoding is read, never a pickle."""
+    ok, value = _decoded(blob, key)
+    return shorten(_describe(value), width) if ok else _undecoded(blob)
+
+
+def _decoded(blob: bytes, key: str) -> tuple[bool, Any]:
     # The codec loads loomflow: listing requests never needs it.
     from ..runtime.codec import CodecStats, decode
 
-    ok, value = decode(blob, "json", CodecStats(), key=key)
-    if not ok:
-        return f"({len(blob)} bytes, not JSON-encoded)"
-    return shorten(_describe(value), width)
+    return decode(blob, "json", CodecStats(), key=key)
+
+
+def _undecoded(blob: bytes) -> str:
+    return f"({len(blob)} bytes, not JSON-encoded)"
+
+
+_MODEL_CALL = re.compile(r"model_call_(\d+)")
+_TOOL_CALL = re.compile(r"(?:idem:)?tool_call_(\d+)_(\d+)")
+_EPISODE = re.compile(r"persist_episode_(\d+)")
+# The request's own step around a registered Workflow (execution.runnables).
+_WORKFLOW = re.compile(r"workflow_(.+)")
+#: How long a tool call's arguments are shown in its label.
+ARGS_WIDTH = 60
+
+
+class _ToolCalls:
+    """The tool calls a run's model calls asked for, by call id and by their
+    place (the turn of the model call, the call's slot in its reply): how a
+    tool step, whose key holds only a digest of the call, is named by the
+    call it ran."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, Any] = {}
+        self.by_place: dict[tuple[int, int], Any] = {}
+
+    def note(self, name: str, value: Any) -> None:
+        found = _MODEL_CALL.fullmatch(name)
+        if found is None:
+            return
+        for slot, call in enumerate(_calls_of(value)):
+            self.by_id.setdefault(str(call.id), call)
+            self.by_place[(int(found[1]), slot)] = call
+
+    def of(self, turn: int, slot: int, value: Any) -> Any:
+        """The call a tool step ran (its value a ``ToolResult``), or ``None``."""
+        call_id = getattr(value, "call_id", None)
+        if call_id is not None and call_id in self.by_id:
+            return self.by_id[call_id]
+        return self.by_place.get((turn, slot))
+
+
+def _calls_of(value: Any) -> list[Any]:
+    """The tool calls in a model call's journaled reply: streamed chunks, or
+    the ``(text, tool_calls, usage, finish_reason)`` of a call not streamed."""
+    from loomflow.core.types import ModelChunk, ToolCall
+
+    if isinstance(value, list) and all(isinstance(v, ModelChunk) for v in value):
+        return [c.tool_call for c in value if c.kind == "tool_call" and c.tool_call is not None]
+    if isinstance(value, list | tuple) and len(value) == 4 and isinstance(value[1], list):
+        return [c for c in value[1] if isinstance(c, ToolCall)]
+    return []
+
+
+def step_label(name: str, value: Any, calls: _ToolCalls) -> str:
+    """A journal step as a person reads it: ``model call 2``, ``tool
+    charge(order=3)`` (the call found in the run's model calls; ``tool call
+    2.0``, its turn and slot, when none is), ``episode saved (turn 3)``; any
+    other step by its name."""
+    found = _MODEL_CALL.fullmatch(name)
+    if found is not None:
+        return f"model call {found[1]}"
+    found = _TOOL_CALL.fullmatch(name)
+    if found is not None:
+        turn, slot = int(found[1]), int(found[2])
+        call = calls.of(turn, slot, value)
+        if call is None:
+            return f"tool call {turn}.{slot}"
+        args = ", ".join(f"{k}={json.dumps(v, default=str)}" for k, v in call.args.items())
+        return f"tool {call.tool}({shorten(args, ARGS_WIDTH)})"
+    found = _EPISODE.fullmatch(name)
+    if found is not None:
+        return f"episode saved (turn {found[1]})"
+    found = _WORKFLOW.fullmatch(name)
+    if found is not None:
+        return f"workflow {found[1]} started (its nodes journal in child runs)"
+    return name
 
 
 def _describe(value: Any) -> str:

@@ -225,8 +225,9 @@ def create_app(
         rows = rows[: data.PAGE_SIZE]
         older = (urlencode(filters.query_string(before=rows[-1].seq)) if more and rows
                  else None)
+        direct = await data.direct_runs(db.pool, filters) if filters.before is None else []
         return pages.render("requests.html", rows=rows, filters=filters, older=older,
-                            first=filters.before is None,
+                            first=filters.before is None, direct=direct,
                             newest=urlencode(filters.query_string(before=None)))
 
     async def session_page(request: Request) -> Response:

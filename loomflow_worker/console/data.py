@@ -207,6 +207,20 @@ async def list_requests(
         )
 
 
+#: How many runs made outside Celery the requests page lists.
+DIRECT_RUNS = 20
+
+
+async def direct_runs(pool: Pool, filters: Filters, *, limit: int = DIRECT_RUNS
+                      ) -> list[admin.DirectRun]:
+    """The latest runs made through PostgresRuntime outside Celery (of the
+    filters' session and user), newest first: not requests, listed apart."""
+    async with pool.connection() as conn:
+        return await _rows(conn, "list_direct_runs", {
+            "session_id": filters.session_id, "user_id": filters.user_id, "limit": limit,
+        }, admin.DirectRun)
+
+
 # ---- a session --------------------------------------------------------------------------------
 
 
@@ -278,7 +292,13 @@ async def get_request(
     show`` reads (``admin.get_request``), on the console's pool, the journal cut
     at ``MAX_JOURNAL`` entries."""
     async with pool.connection() as conn:
-        run = await _request_row(conn, request_id, full_prompt=full_prompt)
+        try:
+            run = await _request_row(conn, request_id, full_prompt=full_prompt)
+        except admin.RequestNotFound:
+            direct = await _direct_run(conn, request_id)
+            if direct is None:
+                raise
+            return direct
         run.attempts = await ledger_views.request_attempts(conn, admin.AttemptInfo, request_id)
         run.upgrades = await ledger_views.request_upgrades(conn, admin.UpgradeInfo, request_id)
         if run.epoch is None:
@@ -288,6 +308,20 @@ async def get_request(
                 query("get_run_journal"), admin.journal_params(run, limit=MAX_JOURNAL)
             )
             admin.add_journal(run, await cur.fetchall(), limit=MAX_JOURNAL)
+    return run
+
+
+async def _direct_run(conn: Conn, run_id: str) -> admin.RequestDetail | None:
+    """A run made outside Celery read as a request of kind ``direct``, with
+    its journal (as ``show`` reads it), or ``None``."""
+    async with conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(query("get_direct_run"), {"request_id": run_id})
+        row = await cur.fetchone()
+        if row is None:
+            return None
+        run = admin.direct_detail(row)
+        await cur.execute(query("get_run_journal"), admin.journal_params(run, limit=MAX_JOURNAL))
+        admin.add_journal(run, await cur.fetchall(), limit=MAX_JOURNAL)
     return run
 
 

@@ -52,6 +52,8 @@ class Lane:
     marks: list[Mark] = field(default_factory=list)
     # The version of its agent the attempt ran (None: not recorded).
     version: str | None = None
+    # What its outcome means for the request (admin.AttemptInfo.explained).
+    why: str | None = None
 
     @property
     def executed(self) -> int:
@@ -146,6 +148,7 @@ def layout(
             worker=attempt.worker,
             version=attempt.agent_version,
             outcome=attempt.said(last=i == len(attempts) - 1, running=running),
+            why=attempt.explained(last=i == len(attempts) - 1, running=running),
             y=AXIS_HEIGHT + i * LANE_HEIGHT,
             x_start=x(start),
             x_end=max(x(end), x(start) + 1.0),
@@ -159,14 +162,14 @@ def layout(
         for n, step in enumerate(again):
             lane.marks.append(Mark(
                 lane.x_start + 2 + n * spacing, "replayed", step.name,
-                f"{step.name}: replayed from the journal at the start of attempt "
+                f"{step.label or step.name}: replayed from the journal at the start of attempt "
                 f"{attempt.attempt} (executed in attempt {step.executed_in}); {step.summary}",
             ))
         for step in executed.get(attempt.attempt, []):
             at = (step.written_at - origin).total_seconds()
             lane.marks.append(Mark(
                 x(at) - MARK_WIDTH / 2, "executed", step.name,
-                f"{step.name}: executed in attempt {attempt.attempt}, journaled at "
+                f"{step.label or step.name}: executed in attempt {attempt.attempt}, journaled at "
                 f"{_clock(step.written_at)} ({_span(at - start)} into the attempt); "
                 f"{step.summary}",
             ))

@@ -63,6 +63,7 @@ from .registry import (
     registered_agents,
 )
 from .request import Kind, RunRequest, check_request, refuse_message
+from .runnables import agents_within, run_request
 from .statuses import TERMINAL
 from .versions import agent_version, queue_suffix
 
@@ -280,8 +281,10 @@ class WorkerContext:
             if self.serving:
                 await self._record_built(name, version, declared is not None)
             assert self.budgets is not None
-            pace(agent, agent_model_key(name), self.budgets)
-            if type(getattr(agent, "_memory", None)) is InMemoryMemory:
+            for each in agents_within(agent):
+                pace(each, agent_model_key(name), self.budgets)
+            if any(type(getattr(each, "_memory", None)) is InMemoryMemory
+                   for each in agents_within(agent)):
                 log.warning(
                     "agent %r keeps its memory in this process (loomflow's default): each "
                     "worker recalls a different history, and a request resumed on another "
@@ -1047,9 +1050,9 @@ async def _run(
                 emit = _emitter(ctx, request_id, started.attempt, lease)
                 if req.kind == "resume":
                     with resuming_last_run():
-                        result = await _call_agent(agent, request_id, req, emit)
+                        result = await run_request(agent, runtime, request_id, req, emit)
                 else:
-                    result = await _call_agent(agent, request_id, req, emit)
+                    result = await run_request(agent, runtime, request_id, req, emit)
             if fence.cancelled_caught:
                 raise lease.fenced or LockLost(req.scope, "the heartbeat failed")
         finally:
@@ -1109,19 +1112,8 @@ async def _run(
         if lease.fenced is not None:
             raise lease.fenced
         return time_limit_ending(time_limit, per_call=per_call)
-    payload = {**result.model_dump(mode="json"), "request_id": request_id}
+    payload = {**result, "request_id": request_id}
     return Ending("succeeded", result=payload)
-
-
-async def _call_agent(agent: Any, request_id: str, req: RunRequest, emit: Any) -> Any:
-    return await agent.run(
-        req.prompt,
-        session_id=req.session_id,
-        user_id=req.user_id,
-        metadata={**req.metadata, "request_id": request_id},
-        # Always pass emit: model calls then always journal to the same table.
-        emit=emit,
-    )
 
 
 def _fenced(fence: anyio.CancelScope) -> None:

@@ -73,6 +73,16 @@ def describe_agent(agent: Any, seen: frozenset[int] = frozenset()) -> dict[str, 
     if id(agent) in seen:
         return {"agent": _qualname(agent), "cycle": True}
     seen = seen | {id(agent)}
+    nodes = getattr(agent, "_raw_nodes", None)
+    if isinstance(nodes, dict):  # a loomflow Workflow: its nodes and how they connect
+        return {
+            "workflow": getattr(agent, "name", None),
+            "nodes": {name: describe_agent(node, seen) if _is_agent(node) or isinstance(
+                getattr(node, "_raw_nodes", None), dict) else _describe(node)
+                for name, node in nodes.items()},
+            "edges": _describe(getattr(agent, "_edges", None)),
+            "start": getattr(agent, "_start", None),
+        }
     tools = getattr(getattr(agent, "_tool_host", None), "_tools", {}) or {}
     return {
         "agent": _qualname(agent),

@@ -25,6 +25,9 @@ import functools
 import hashlib
 import json
 import logging
+import os
+import socket
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
@@ -51,6 +54,7 @@ from psycopg_pool import AsyncConnectionPool
 from .codec import Serializer
 from .errors import Diverged, InvalidInput
 from .signals import DEFAULT_SIGNALS_PER_SCOPE, SignalListener, check_keep
+from .sql import query
 from .store import (
     LAST_RUN_KEY,
     Conn,
@@ -100,6 +104,7 @@ class RuntimeOptions(TypedDict, total=False):
     signal_poll_interval: float
     signals_per_scope: int
     on_signals_dropped: Callable[[int], None] | None
+    record_direct_runs: bool
 
 
 @dataclass(frozen=True)
@@ -237,7 +242,10 @@ class PostgresRuntime(JournaledRuntime):
 
     ``Agent(..., runtime=await PostgresRuntime.connect(dsn))``. A scope keeps
     its newest ``signals_per_scope`` undelivered signals (0: no bound); a send
-    drops the oldest past that, logs it and calls ``on_signals_dropped(n)``."""
+    drops the oldest past that, logs it and calls ``on_signals_dropped(n)``.
+    ``record_direct_runs``: each run it opens outside a worker (no request) is
+    recorded in ``direct_runs``, where ``requests --direct`` and the console
+    find it with its journal (two statements a run)."""
 
     name = "postgres"
 
@@ -253,6 +261,7 @@ class PostgresRuntime(JournaledRuntime):
         signal_poll_interval: float = 2.0,
         signals_per_scope: int = DEFAULT_SIGNALS_PER_SCOPE,
         on_signals_dropped: Callable[[int], None] | None = None,
+        record_direct_runs: bool = True,
         _owns_pool: bool = False,
         _connect_timeout: int = LockSettings.connect_timeout,
     ) -> None:
@@ -273,6 +282,9 @@ class PostgresRuntime(JournaledRuntime):
         )
         super().__init__(store=store)
         self._pg = store
+        self._records_direct = record_direct_runs
+        # A run made outside Celery could not be recorded (said once).
+        self._direct_unrecorded = False
         self._signals = SignalListener(
             pool, store.conninfo, store.conn_kwargs, poll_interval=signal_poll_interval,
             keep=signals_per_scope, on_dropped=on_signals_dropped,
@@ -394,14 +406,24 @@ class PostgresRuntime(JournaledRuntime):
             )
             if opts.on_open is not None:
                 await opts.on_open(lease, epoch)
+            direct = None
+            if given is None and self._records_direct:
+                direct = await self._direct_run_opened(scope, session_id, epoch)
             run_token = _open_run_var.set(run)
             lease_token = _lease_var.set(lease)
             try:
                 async with self._enter(session_id) as sess:
                     yield sess
+            except BaseException as exc:
+                if direct is not None:
+                    with anyio.CancelScope(shield=True):
+                        await self._direct_run_ended(direct, exc)
+                raise
             finally:
                 _lease_var.reset(lease_token)
                 _open_run_var.reset(run_token)
+            if direct is not None:
+                await self._direct_run_ended(direct, None)
             if given is None:
                 with anyio.CancelScope(shield=True):
                     if opts.on_finish is None:
@@ -411,6 +433,38 @@ class PostgresRuntime(JournaledRuntime):
         finally:
             if given is None:
                 await self._pg.release(lease)
+
+    async def _direct_run_opened(self, scope: str, session_id: str, epoch: int) -> str | None:
+        """Record a run opened outside a worker (no request: a web process's
+        own ``agent.run``) in ``direct_runs``; its id, or ``None`` when it
+        could not be recorded (logged once per process: the run goes on)."""
+        context = get_run_context()
+        run_id = context.run_id or f"direct_{uuid.uuid4().hex}"
+        params = {"run_id": run_id, "scope": scope, "session_id": session_id,
+                  "user_id": context.user_id, "epoch": epoch,
+                  "process": f"{socket.gethostname()}:{os.getpid()}", "pid": os.getpid()}
+        return run_id if await self._record_direct("direct_run_opened", params) else None
+
+    async def _direct_run_ended(self, run_id: str, exc: BaseException | None) -> None:
+        while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+            exc = exc.exceptions[0]  # what a task group raised: its first cause
+        error = None if exc is None else (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0]
+        await self._record_direct("direct_run_ended", {
+            "run_id": run_id, "outcome": "succeeded" if exc is None else "raised",
+            "error": None if error is None else error[:500]})
+
+    async def _record_direct(self, name: str, params: dict[str, Any]) -> bool:
+        try:
+            async with self._pg.pool.connection() as conn:
+                await conn.execute(query(name), params)
+        except Exception as exc:
+            if not self._direct_unrecorded:
+                log.warning("could not record a run made outside Celery in direct_runs "
+                            "(is the schema migrated? `loomflow-worker migrate`): %s", exc,
+                            extra={"action": "direct_run_record"})
+            self._direct_unrecorded = True
+            return False
+        return True
 
     @asynccontextmanager
     async def _enter(self, session_id: str) -> AsyncIterator[Any]:

@@ -7,7 +7,12 @@ for the runs in flight, then requeues those still running. The app asks it
 to wait even when no task runs (``worker_enable_soft_shutdown_on_idle``), so
 that messages held for an eta or a rate limit are requeued cleanly; but a
 worker with no run in flight and no message held has nothing to wait for,
-and stops at once."""
+and stops at once.
+
+Celery sends ``worker_shutdown`` on a warm shutdown only; this worker sends
+it on a cold (or soft) one too, so whatever closes on that signal (the
+sweeper, the connections of a threads pool's process, which also records the
+process ``stopped`` in the workers table) closes however the worker stops."""
 
 from __future__ import annotations
 
@@ -41,3 +46,11 @@ class Worker(CeleryWorker):  # type: ignore[misc]
                      extra={"action": "shutdown_idle"})
             return
         super().wait_for_soft_shutdown()
+
+    def terminate(self, in_sighandler: bool = False) -> None:
+        """A cold shutdown (SIGQUIT, or SIGTERM as ``loomflow-worker worker``
+        remaps it, after the soft shutdown): Celery's, then ``worker_shutdown``
+        as a warm shutdown sends it."""
+        super().terminate(in_sighandler=in_sighandler)
+        if not in_sighandler or self.pool.signal_safe:
+            self._send_worker_shutdown()

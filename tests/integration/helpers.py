@@ -4,6 +4,7 @@ these from here, never from one another (tests/unit/test_suite_rules.py)."""
 from __future__ import annotations
 
 import contextlib
+import html
 import os
 import re
 import subprocess
@@ -255,3 +256,28 @@ async def warm_runtime(dsn: str) -> AsyncIterator[tuple[PostgresRuntime, Agent, 
         yield runtime, agent, effects
     finally:
         await runtime.aclose()
+
+
+def fleet_page(client: Any) -> dict[str, tuple[str, int]]:
+    """What the console's fleet page shows of each worker process (node:pid):
+    its state and its runs in flight. ``client``: a Starlette ``TestClient``
+    of the console."""
+    page = client.get("/fleet")
+    assert page.status_code == 200
+    return {html.unescape(found[1]): (found[2], int(found[3])) for found in re.finditer(
+        r'<tr data-worker="([^"]+)" data-state="(\w+)".*?<td class="num runs">(\d+)</td>',
+        page.text, re.S)}
+
+
+def wait_fleet_page(client: Any, worker: str, expected: tuple[str, int],
+                    timeout: float = 15) -> None:
+    """Wait until the fleet page shows ``worker`` (node:pid) as ``expected``
+    (its state and runs in flight)."""
+    deadline = time.monotonic() + timeout
+    shown = None
+    while time.monotonic() < deadline:
+        shown = fleet_page(client).get(worker)
+        if shown == expected:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the fleet page shows {worker} as {shown}, not {expected}")

@@ -31,7 +31,7 @@ from loomflow_worker.settings import Settings
 from loomflow_worker.tasks import run_agent, settings, sweeper
 
 from .celery_harness import Fleet, ledger
-from .helpers import calls, cli, wait_for_execution
+from .helpers import calls, cli, wait_fleet_page, wait_for_execution
 
 TOKEN = "console-token-" + "x" * 20
 END = "zebra-at-the-end"
@@ -359,7 +359,7 @@ def test_a_request_id_with_a_slash_is_linked_and_shown(fleet: Fleet, client: Tes
     for request_id in ids:
         run_agent.apply_async((calls("q1"), "slash-s"), task_id=request_id)
     listed = client.get("/requests?session=slash-s").text
-    links = re.findall(r'<td class="id"><a href="/runs/([^"]+)">', listed)
+    links = re.findall(r'<td class="id"><a href="/runs/([^"]+)"', listed)
     assert {unquote(html.unescape(link)) for link in links} == ids
     for link in links:
         page = client.get("/runs/" + html.unescape(link))
@@ -476,28 +476,6 @@ FAST = {
 }
 
 
-def _worker_on_page(client: TestClient, worker: str) -> tuple[str, int] | None:
-    """The state and runs in flight the fleet page shows for ``worker`` (node:pid)."""
-    page = client.get("/fleet")
-    assert page.status_code == 200
-    found = re.search(
-        rf'<tr data-worker="{re.escape(html.escape(worker))}" data-state="(\w+)".*?'
-        r'<td class="num runs">(\d+)</td>', page.text)
-    return None if found is None else (found[1], int(found[2]))
-
-
-def _until_shown(client: TestClient, worker: str, expected: tuple[str, int],
-                 timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    shown = None
-    while time.monotonic() < deadline:
-        shown = _worker_on_page(client, worker)
-        if shown == expected:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the fleet page shows {worker} as {shown}, not {expected}")
-
-
 @pytest.mark.slow
 def test_the_fleet_page_shows_workers_by_heartbeat_and_the_sweepers_actions(
     fleet: Fleet, client: TestClient
@@ -513,18 +491,18 @@ def test_the_fleet_page_shows_workers_by_heartbeat_and_the_sweepers_actions(
     assert row is not None and row[0].endswith(f":{pid}")
     first = str(row[0])
     # Seen by its heartbeat, with the run it carries.
-    _until_shown(client, first, ("live", 1))
+    wait_fleet_page(client, first, ("live", 1))
 
     fleet.kill(victim)
     assert killed.get(timeout=60)["output"].startswith("done: recorded f0")
     # No beat since the SIGKILL: stale after two of its intervals.
-    _until_shown(client, first, ("stale", 1))
+    wait_fleet_page(client, first, ("stale", 1))
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         row = conn.execute("SELECT worker FROM run_attempts WHERE request_id = %s "
                            "AND attempt = 2", (killed.id,)).fetchone()
     assert row is not None
     second = str(row[0])
-    _until_shown(client, second, ("live", 0))
+    wait_fleet_page(client, second, ("live", 0))
     # The sweeper dispatched the killed run again, and the page says so.
     page = client.get("/fleet").text
     actions = re.findall(r'<tr data-action="(\w+)">(.*?)</tr>', page, re.S)
@@ -533,7 +511,7 @@ def test_the_fleet_page_shows_workers_by_heartbeat_and_the_sweepers_actions(
 
     (survivor,) = fleet.workers  # the one not killed, which ran it again
     fleet.terminate(survivor)
-    _until_shown(client, second, ("stopped", 0), timeout=5)
+    wait_fleet_page(client, second, ("stopped", 0), timeout=5)
 
 
 @pytest.mark.slow

@@ -259,3 +259,34 @@ def test_a_rebound_name_reads_nothing(fleet: Fleet, chromium: Browser) -> None:
             assert "the secret plan" in page.content()
     finally:
         rebound.close()
+
+
+def test_long_ids_never_wrap(fleet: Fleet, browser: Browser) -> None:
+    """Session, user and request ids stay on one line in every list and
+    heading, cut with an ellipsis when too long, whole in their title."""
+    session = "trip-lisbon-porto-" + "-".join(f"leg{i}" for i in range(14))
+    user = "user-" + uuid.uuid4().hex + "-" + uuid.uuid4().hex
+    queued = run_agent.delay(calls("w1"), session, user_id=user)
+    with BackgroundConsole(_console_settings()) as console:
+        page = browser.new_page(viewport={"width": 1100, "height": 800})
+        for path in ("/requests", f"/sessions/{session}", f"/runs/{queued.id}"):
+            page.goto(console.url + path)
+            idents = page.locator(".ident")
+            expect(idents).not_to_have_count(0)
+            shown = idents.evaluate_all(
+                "els => els.map(e => ({title: e.title, text: e.textContent,"
+                " lines: Math.round(e.getBoundingClientRect().height"
+                "   / parseFloat(getComputedStyle(e).lineHeight)),"
+                " cut: e.scrollWidth > e.clientWidth}))")
+            for ident in shown:
+                assert ident["lines"] == 1, (path, ident)
+                assert ident["title"] == ident["text"], (path, ident)
+            titles = {ident["title"] for ident in shown}
+            assert session in titles and user in titles, (path, titles)
+            # The long session id is cut, not wrapped, in the requests list.
+            if path == "/requests":
+                assert any(i["cut"] for i in shown if i["title"] == session), shown
+                _shot(page, "requests-long-ids")
+        page.goto(console.url + "/requests")
+        expect(page.locator(f"tr[data-request='{queued.id}'] td.id a")).to_have_attribute(
+            "title", queued.id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from loomflow.core.types import ModelChunk, ToolCall, ToolResult
@@ -169,3 +170,54 @@ def test_pruner_refuses_a_naive_cutoff_or_an_empty_batch() -> None:
         Pruner(datetime.now(), batch_size=10)
     with pytest.raises(InvalidInput):
         Pruner(datetime.now(UTC), batch_size=0)
+
+
+def test_an_attempts_outcome_says_what_it_counts_as_for_its_request() -> None:
+    started = datetime.fromtimestamp(100.0, tz=UTC)
+    later = datetime.fromtimestamp(200.0, tz=UTC)
+
+    def died(**kwargs: Any) -> str | None:
+        attempt = admin.AttemptInfo(1, "w", 1, 0, started, later, "died", later, **kwargs)
+        assert attempt.said(last=False, running=False) == "worker died"
+        return attempt.explained(last=False, running=False)
+
+    assert "a crash of this request" in (died(isolation=2) or "")
+    assert "ran alone" in (died(isolation=2) or "")
+    shared = died(shared=True, died_with=3) or ""
+    assert "died with 3 other requests' runs in it" in shared
+    assert "not a crash of this request" in shared
+    assert "a quarantine of a few suspected requests" in (died(shared=True, isolation=1) or "")
+    interrupted = admin.AttemptInfo(1, "w", 1, 0, started, later, "interrupted")
+    assert "not a crash" in (interrupted.explained(last=True, running=False) or "")
+    done = admin.AttemptInfo(1, "w", 1, 0, started, later, "succeeded")
+    assert done.explained(last=True, running=False) is None
+    running = admin.AttemptInfo(1, "w", 1, 0, started, None, None)
+    assert running.explained(last=True, running=True) is None
+
+
+def test_journal_steps_are_named_as_a_person_reads_them() -> None:
+    """A tool step by the call it ran, found in its model call's reply by call id
+    (or, when the reply was asked again with new ids, by turn and slot)."""
+    chunks = _codec.dumps([
+        ModelChunk(kind="tool_call", tool_call=ToolCall(id="c1", tool="lookup", args={"q": "x"})),
+        ModelChunk(kind="tool_call",
+                   tool_call=ToolCall(id="c2", tool="charge", args={"order": 3, "note": "n"})),
+        ModelChunk(kind="finish", finish_reason="tool_use"),
+    ])
+
+    def result(call_id: str) -> bytes:
+        return _codec.dumps(ToolResult(call_id=call_id, ok=True, output="done"))
+
+    entries = [
+        (True, "2/model_call_1@" + "1" * 16, 100.1, chunks),
+        (False, "2/idem:tool_call_1_1:" + "a" * 64, 100.2, result("c2")),
+        (False, "2/idem:tool_call_1_0:" + "b" * 64, 100.3, result("old-id")),
+        (False, "2/idem:tool_call_4_0:" + "c" * 64, 100.4, result("unknown")),
+        (False, "2/persist_episode_2@" + "d" * 16, 100.5, _codec.dumps("e")),
+        (False, "2/fetch@" + "e" * 16, 100.6, _codec.dumps("f")),
+    ]
+    steps = admin.attribute_steps(entries, [_attempt(1, 100.0, None, None)])
+    assert [s.label for s in steps] == [
+        "model call 1", 'tool charge(order=3, note="n")', 'tool lookup(q="x")',
+        "tool call 4.0", "episode saved (turn 2)", "fetch"]
+    assert steps[1].key == "2/idem:tool_call_1_1:" + "a" * 64

@@ -78,3 +78,20 @@ def test_an_agents_definition_is_where_its_version_reads_it() -> None:
     for name in ("_architecture", "_default_output_schema", "_strict_effort", "_max_turns"):
         assert hasattr(agent, name), f"Agent.{name} is gone"
     assert agent._default_effort == "low"
+
+
+def test_a_workflow_keeps_its_nodes_and_takes_no_emit() -> None:
+    """The worker finds a Workflow's agent nodes in ``_raw_nodes`` (to pace
+    them and version the workflow) and runs it without ``emit``, inside the
+    request's own run, under which its container nests."""
+    from loomflow import Agent, Workflow
+
+    from loomflow_worker.testing import DeterministicModel
+
+    node = Agent("a node", model=DeterministicModel(), auto_extract=False)
+    flow = Workflow("w").add_node("n", node)
+    assert flow._raw_nodes == {"n": node}
+    assert "emit" not in inspect.signature(Workflow.run).parameters
+    assert {"user_id", "session_id", "metadata"} <= set(
+        inspect.signature(Workflow.run).parameters)
+    assert "parent = _open_run_var.get()" in inspect.getsource(journaled.journal_container)

@@ -81,6 +81,27 @@ def test_a_sub_agents_change_changes_its_parents_version() -> None:
     assert described["tools"][0]["agents"][0]["instructions"] == "bill in euros"
 
 
+def test_a_workflows_version_follows_its_nodes_and_edges() -> None:
+    from loomflow import Workflow
+
+    def flow(node_instructions: str, *, checked: bool = True) -> Workflow:
+        made = Workflow("orders")
+        made.add_node("charge", build(node_instructions))
+        made.add_node("check", build("check the charges"))
+        made.set_start("charge")
+        if checked:
+            made.add_edge("charge", "check")
+        return made
+
+    assert agent_version(flow("charge the orders")) == agent_version(flow("charge the orders"))
+    assert agent_version(flow("charge in cents")) != agent_version(flow("charge the orders"))
+    assert agent_version(flow("charge the orders", checked=False)) != agent_version(
+        flow("charge the orders"))
+    described = describe_agent(flow("charge the orders"))
+    assert described["workflow"] == "orders"
+    assert described["nodes"]["charge"]["instructions"] == "charge the orders"
+
+
 def test_a_declared_version_is_the_version() -> None:
     assert agent_version(build(), "2026-12-06.1") == "2026-12-06.1"
     assert agent_version(build("other"), "v3") == "v3"

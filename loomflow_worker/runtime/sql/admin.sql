@@ -32,7 +32,9 @@ SELECT status, result, error, error_type FROM runs WHERE request_id = %(request_
 -- its prompt cut to `prompt_chars` characters (NULL: whole), with the
 -- database's clock. The version of its agent it is pinned to, since when it
 -- waits for a worker of that version (queued), whether a live worker serves
--- that version, and when one was last seen (NULL: none known).
+-- that version, and when one was last seen (NULL: none known); how many
+-- deaths it shared with other runs of its process since it last completed a
+-- step (suspicion).
 SELECT request_id, seq, scope, session_id, user_id, agent, kind,
        CASE WHEN %(prompt_chars)s::integer IS NULL THEN prompt
             ELSE left(prompt, %(prompt_chars)s) END AS prompt,
@@ -41,7 +43,8 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind,
        started_at, heartbeat_at, finished_at, not_before, now() AS now,
        CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for,
        agent_version, CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since,
-       v.live AS version_live, v.seen_at AS version_seen_at
+       v.live AS version_live, v.seen_at AS version_seen_at,
+       suspicion
   FROM runs r
   LEFT JOIN LATERAL (
       SELECT bool_or(w.stopped_at IS NULL
@@ -60,11 +63,24 @@ SELECT at, from_version, to_version, by FROM run_upgrades
 
 -- name: get_run_attempts
 -- A request's attempts, each with the start of the one after it (where the
--- console's lane of an attempt whose worker died ends).
-SELECT attempt, worker, pid, epoch, started_at, ended_at, outcome, agent_version,
-       lead(started_at) OVER (ORDER BY attempt) AS next_started_at
-  FROM run_attempts WHERE request_id = %(request_id)s
- ORDER BY attempt;
+-- console's lane of an attempt whose worker died ends), how apart from other
+-- runs it ran, and, for one whose worker died, whether that death was shared
+-- with other runs of its process (then not a crash of this request, as
+-- start_request charges it) and how many other requests' runs died with it.
+SELECT a.attempt, a.worker, a.pid, a.epoch, a.started_at, a.ended_at, a.outcome,
+       a.agent_version, a.isolation,
+       lead(a.started_at) OVER (ORDER BY a.attempt) AS next_started_at,
+       coalesce(d.shared, false) AS shared, coalesce(d.died_with, 0) AS died_with
+  FROM run_attempts a
+  LEFT JOIN LATERAL (
+      SELECT (loomflow_worker_last_attempt(a.request_id, a.attempt)).shared,
+             (SELECT count(DISTINCT b.request_id) FROM run_attempts b
+               WHERE b.worker = a.worker AND b.boot IS NOT DISTINCT FROM a.boot
+                 AND (b.outcome IS NULL OR b.outcome = 'died')
+                 AND b.request_id <> a.request_id)::integer AS died_with
+  ) d ON a.outcome = 'died' OR a.outcome IS NULL AND a.ended_at IS NULL
+ WHERE a.request_id = %(request_id)s
+ ORDER BY a.attempt;
 
 -- name: get_run_journal
 -- The entries of one run, oldest first, at most `limit` (NULL: all): its
@@ -120,3 +136,30 @@ SELECT coalesce(s.agent, p.agent) AS agent, coalesce(s.version, p.version) AS ve
        now() AS now
   FROM served s FULL JOIN pinned p ON p.agent = s.agent AND p.version = s.version
  ORDER BY 1, s.built_at DESC NULLS LAST, 2;
+
+-- name: list_direct_runs
+-- Runs made through PostgresRuntime outside Celery (direct_runs: a web
+-- process's own agent.run), newest first, of a session and user when given.
+SELECT run_id, session_id, user_id, epoch, process, started_at, finished_at, outcome, error
+  FROM direct_runs
+ WHERE (%(session_id)s::text IS NULL OR session_id = %(session_id)s)
+   AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s)
+ ORDER BY started_at DESC
+ LIMIT %(limit)s;
+
+-- name: get_direct_run
+-- One run made outside Celery, read as `show` and the console's run page read
+-- a request (admin.RequestDetail), of kind "direct": its journal is its
+-- scope's at its epoch. Not ended: "running" (or its process died).
+SELECT run_id AS request_id, 0::bigint AS seq, scope, session_id, user_id,
+       '(outside Celery)' AS agent, 'direct' AS kind, '' AS prompt, 0 AS prompt_length,
+       '{}'::jsonb AS metadata,
+       CASE outcome WHEN 'succeeded' THEN 'succeeded' WHEN 'raised' THEN 'failed'
+                    ELSE 'running' END AS status,
+       epoch, 1 AS attempts_count, (outcome = 'raised')::int AS failures, 0 AS crashes,
+       process AS worker, false AS cancel_requested, NULL::jsonb AS result, error,
+       NULL::text AS error_type, started_at AS enqueued_at, started_at,
+       started_at AS heartbeat_at, finished_at, NULL::timestamptz AS not_before, now() AS now,
+       pid, outcome
+  FROM direct_runs
+ WHERE run_id = %(request_id)s;

@@ -250,3 +250,15 @@ SELECT k FROM unnest(%(keys)s::bigint[]) AS k WHERE pg_try_advisory_lock(k) LIMI
 -- name: unlock_slots
 -- A run's concurrency limit slots released with its scope, on the same connection.
 SELECT pg_advisory_unlock(k) FROM unnest(%(keys)s::bigint[]) AS k;
+
+-- name: direct_run_opened
+-- An outermost run opened without a worker's lease (a web process's own
+-- agent.run): recorded for `requests --direct` and the console.
+INSERT INTO direct_runs (run_id, scope, session_id, user_id, epoch, process, pid)
+VALUES (%(run_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(epoch)s, %(process)s, %(pid)s)
+ON CONFLICT (run_id) DO NOTHING;
+
+-- name: direct_run_ended
+-- That run ended: cleanly, or raising (its error's first line).
+UPDATE direct_runs SET finished_at = clock_timestamp(), outcome = %(outcome)s, error = %(error)s
+ WHERE run_id = %(run_id)s;
