@@ -15,7 +15,7 @@ Without the OpenTelemetry API installed nothing here does anything: the API
 is imported once, lazily, and each hook answers at once. A worker with the
 SDK and the OTLP/HTTP exporter installed and ``OTEL_EXPORTER_OTLP_ENDPOINT``
 (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) set exports without code
-(:func:`export_wanted`, :mod:`.tracing_export`). A leaf module: it imports nothing of the
+(:func:`export_from_environment`). A leaf module: it imports nothing of the
 package."""
 
 from __future__ import annotations
@@ -321,6 +321,22 @@ def export_wanted() -> bool:
                     ENDPOINT_VARIABLES[1], extra={"action": "tracing"})
         return False
     return isinstance(api.get_tracer_provider(), api.ProxyTracerProvider)
+
+
+def export_from_environment() -> None:
+    """Export this process's traces over OTLP/HTTP as the standard OTEL_*
+    environment says, when :func:`export_wanted`; a log line says so, or why
+    not (the SDK or its exporter is not installed)."""
+    if not export_wanted():
+        return
+    try:
+        from .tracing_export import install
+    except ImportError as exc:
+        log.warning("%s is set but the OpenTelemetry SDK or its OTLP/HTTP exporter is not "
+                    "installed (%s; install loomflow-worker[otel]); no traces are exported",
+                    ENDPOINT_VARIABLES[1], exc, extra={"action": "tracing"})
+        return
+    install()
 
 
 def flush(timeout_millis: int = 5000) -> None:

@@ -1,5 +1,5 @@
 """A worker's export of its traces, with the OpenTelemetry SDK (imported only
-when a worker exports: :func:`loomflow_worker.tracing.export_wanted`).
+when a worker exports: :func:`loomflow_worker.tracing.export_from_environment`).
 
 A replayed model call did not call the model: loomflow's ``chat`` span around
 it still states the usage the journal recorded, which tools that add up
@@ -9,13 +9,19 @@ second time. :class:`UsageOnce` moves a replayed span's usage under
 
 from __future__ import annotations
 
+import logging
+
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from .tracing import REPLAYED
+log = logging.getLogger("loomflow_worker.tracing")
+
+#: The attribute that marks a replayed span (``loomflow_worker.tracing.REPLAYED``,
+#: which imports this module when it exports: named again here, not imported).
+REPLAYED = "loomflow_worker.replayed"
 
 #: The prefix of the usage attributes of the GenAI semantic conventions.
 USAGE = "gen_ai.usage."
@@ -73,3 +79,4 @@ def environment_provider() -> TracerProvider:
 def install() -> None:
     """Make :func:`environment_provider` this process's tracer provider."""
     trace.set_tracer_provider(environment_provider())
+    log.info("exporting traces over OTLP/HTTP", extra={"action": "tracing"})

@@ -66,7 +66,7 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
     sense for child processes); prefork and solo run one per process; gevent
     and eventlet would block their hub with the loop's thread, so the worker
     refuses them."""
-    _export_traces()
+    tracing.export_from_environment()
     try:
         settings()
     except InvalidInput as exc:
@@ -169,25 +169,9 @@ def _refuse_session_pooler(current: Settings) -> None:
         log.warning("%s; the worker starts and connects when a run comes", exc)
 
 
-def _export_traces() -> None:
-    """Export this process's traces as the standard OTEL_* environment says,
-    when it asks for it and no tracer provider is set (see :mod:`..tracing`)."""
-    if not tracing.export_wanted():
-        return
-    try:
-        from ..tracing_export import install
-    except ImportError as exc:
-        log.warning("OTEL_EXPORTER_OTLP_ENDPOINT is set but the OpenTelemetry SDK or its "
-                    "OTLP/HTTP exporter is not installed (%s; install loomflow-worker[otel]); "
-                    "no traces are exported", exc, extra={"action": "tracing"})
-        return
-    install()
-    log.info("exporting traces over OTLP/HTTP", extra={"action": "tracing"})
-
-
 @worker_process_init.connect
 def _open_child(**_: Any) -> None:
-    _export_traces()
+    tracing.export_from_environment()
     if settings().metrics_port:
         metrics.setup()
     try:

@@ -150,3 +150,12 @@ def test_a_replayed_spans_usage_is_exported_apart_and_an_executed_ones_as_it_is(
     assert replayed.context == span.get_span_context() and replayed.end_time is not None
     assert dict(executed.attributes or {}) == usage
     provider.shutdown()
+
+
+def test_a_worker_exports_only_when_an_endpoint_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in tracing.ENDPOINT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert tracing.export_wanted() is False
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:4318/v1/traces")
+    # No tracer provider set in this process: the worker would set one up.
+    assert tracing.export_wanted() is True
