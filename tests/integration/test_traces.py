@@ -15,18 +15,13 @@ from opentelemetry.trace import Span, Tracer
 
 from loomflow_worker.tasks import run_agent
 from loomflow_worker.tracing import REPLAYED
+from tests.chaos.test_recovery import RECOVERY
 from tests.integration.celery_harness import Fleet
 from tests.integration.helpers import calls, tool_counts, wait_for_execution
 from tests.integration.otlp_receiver import ReceivedSpan, Receiver, serve
 
 pytestmark = pytest.mark.slow
 
-RECOVERY = {
-    "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
-    "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
-    "LOOMFLOW_WORKER_LEASE": "3",
-    "LOOMFLOW_WORKER_MAX_CRASHES": "20",
-}
 ATTEMPT = "loomflow_worker.attempt"
 OUTCOME = "loomflow_worker.outcome"
 REQUEST = "loomflow_worker.request_id"
