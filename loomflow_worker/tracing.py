@@ -188,23 +188,28 @@ def parent_of(headers: Mapping[str, Any] | None, request_id: str) -> Any:
 
 @contextlib.contextmanager
 def attempt_span(headers: Mapping[str, Any] | None, request_id: str, agent: str | None,
-                 session_id: str | None, worker: str | None) -> Iterator[AttemptTrace | None]:
+                 session_id: str | None, worker: str | None,
+                 quarantine: int = 0) -> Iterator[AttemptTrace | None]:
     """The span of one attempt (a consumer span under the request's enqueue),
     current for the attempt's steps and loomflow's spans; ``None`` without
-    the API."""
+    the API. ``quarantine``: it runs in a process of quarantine (1 among a
+    few suspects, 2 alone)."""
     tracer = _tracer()
     if tracer is None:
         yield None
         return
     from opentelemetry.trace import SpanKind
 
-    attributes = {"gen_ai.operation.name": "invoke_agent", "messaging.system": "celery",
-                  "messaging.operation.type": "process", "messaging.message.id": request_id,
-                  "loomflow_worker.request_id": request_id}
+    attributes: dict[str, str | int] = {
+        "gen_ai.operation.name": "invoke_agent", "messaging.system": "celery",
+        "messaging.operation.type": "process", "messaging.message.id": request_id,
+        "loomflow_worker.request_id": request_id}
     for name, value in (("gen_ai.agent.name", agent), ("gen_ai.conversation.id", session_id),
                         ("loomflow_worker.worker", worker)):
         if value is not None:
             attributes[name] = value
+    if quarantine:
+        attributes["loomflow_worker.quarantine"] = quarantine
     with tracer.start_as_current_span(
         f"attempt {agent or 'agent'}", context=parent_of(headers, request_id),
         kind=SpanKind.CONSUMER, attributes=attributes,

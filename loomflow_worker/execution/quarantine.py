@@ -85,7 +85,7 @@ async def attempt(ctx: WorkerContext, job: dict[str, Any]) -> dict[str, Any]:
     try:
         with tracing.attempt_span(headers if isinstance(headers, dict) else None,
                                   job["request_id"], args.get("agent"), args.get("session_id"),
-                                  job["node"]):
+                                  job["node"], ctx.isolation):
             outcome = await execute(
                 ctx, job["request_id"], args, job["kind"], job["node"],
                 time_limit=job.get("time_limit"), options=lambda: options,

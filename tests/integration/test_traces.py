@@ -16,7 +16,8 @@ from opentelemetry.trace import Span, Tracer
 from loomflow_worker.tasks import run_agent
 from loomflow_worker.tracing import REPLAYED
 from tests.chaos.test_recovery import RECOVERY
-from tests.integration.celery_harness import Fleet
+from tests.chaos.test_sharing import SHARING, _quarantine
+from tests.integration.celery_harness import Fleet, wait_status
 from tests.integration.helpers import calls, tool_counts, wait_for_execution
 from tests.integration.otlp_receiver import ReceivedSpan, Receiver, serve
 
@@ -168,3 +169,27 @@ def test_a_malformed_traceparent_is_ignored_and_the_run_succeeds(
     spans = receiver.wait_for("its attempt", lambda spans: _ended(spans, result.id))
     [attempt] = _attempts(spans, result.id)
     assert attempt.parent_id == ""  # a new trace
+
+
+def test_a_request_run_in_quarantine_keeps_its_trace(
+    fleet: Fleet, receiver: Receiver, caller: Tracer
+) -> None:
+    env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
+           "TEST_TOOL_SLEEP": "2", **_exporting(receiver)}
+    # Both die twice with their shared process: their third attempts run in
+    # a process of quarantine, then (a step done) back in the shared one.
+    with caller.start_as_current_span("POST /chat") as web:
+        suspect, neighbour = _quarantine(fleet, env)
+    trace_id, web_span = _ids(web)
+    for request_id in (suspect, neighbour):
+        assert wait_status(fleet.dsn, request_id, ("succeeded", "failed", "dead"),
+                           timeout=120) == "succeeded", fleet.log_text()
+    spans = receiver.wait_for("attempts in and after quarantine", lambda spans: all(
+        _ended(spans, r) for r in (suspect, neighbour)) and all(any(
+            a.attributes.get("loomflow_worker.quarantine") for a in _attempts(spans, r))
+            for r in (suspect, neighbour)))
+    for request_id in (suspect, neighbour):
+        attempts = _attempts(spans, request_id)
+        assert {(a.trace_id, a.parent_id) for a in attempts} == {(trace_id, web_span)}
+        quarantined = [a for a in attempts if a.attributes.get("loomflow_worker.quarantine")]
+        assert quarantined and all(a.attributes[ATTEMPT] == 3 for a in quarantined)
