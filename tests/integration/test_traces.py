@@ -4,6 +4,8 @@ up from the standard environment, no code) to a receiver in this process."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -193,3 +195,41 @@ def test_a_request_run_in_quarantine_keeps_its_trace(
         assert {(a.trace_id, a.parent_id) for a in attempts} == {(trace_id, web_span)}
         quarantined = [a for a in attempts if a.attributes.get("loomflow_worker.quarantine")]
         assert quarantined and all(a.attributes[ATTEMPT] == 3 for a in quarantined)
+
+
+WEB_PROCESS = """
+import sys
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=sys.argv[1])))
+trace.set_tracer_provider(provider)
+from loomflow_worker.tasks import run_agent
+
+with trace.get_tracer("web").start_as_current_span("POST /chat") as span:
+    result = run_agent.delay(sys.argv[2], "s-web")
+print(result.id, format(span.get_span_context().span_id, "016x"))
+provider.shutdown()
+"""
+
+
+def test_the_enqueue_is_a_span_of_the_callers_process_inside_its_current_span(
+    fleet: Fleet, receiver: Receiver
+) -> None:
+    fleet.start("w1", concurrency=1, **_exporting(receiver))
+    done = subprocess.run(
+        [sys.executable, "-c", WEB_PROCESS, f"{receiver.endpoint}/v1/traces", calls("e1")],
+        env={**fleet.env, "OTEL_SERVICE_NAME": "web"}, capture_output=True, text=True,
+        timeout=120, check=True)
+    request_id, web_span = done.stdout.split()
+    assert wait_status(fleet.dsn, request_id, ("succeeded", "failed"), timeout=60) == "succeeded"
+    spans = receiver.wait_for("its attempt", lambda spans: _ended(spans, request_id))
+    [enqueue] = [s for s in spans if s.name.startswith("enqueue ")
+                 and s.attributes.get(REQUEST) == request_id]
+    [attempt] = _attempts(spans, request_id)
+    assert (enqueue.parent_id, enqueue.service) == (web_span, "web")
+    assert enqueue.attributes["gen_ai.conversation.id"] == "s-web"
+    assert (attempt.trace_id, attempt.parent_id) == (enqueue.trace_id, enqueue.span_id)
