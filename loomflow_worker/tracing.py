@@ -295,16 +295,25 @@ def replayed_step(name: str) -> None:
 
 
 @contextlib.contextmanager
-def executed_step(name: str) -> Iterator[None]:
-    """A span around a journaled step that runs (not replayed)."""
+def executed_step(name: str, current: bool = True) -> Iterator[None]:
+    """A span around a journaled step that runs (not replayed); current for
+    what the step calls, unless ``current`` is false (a streamed step, whose
+    chunks are yielded to its caller between its parts)."""
     traced = _attempt.get()
     if traced is None:
         yield
         return
     traced.executed += 1
-    with _tracer().start_as_current_span(
-        f"step {name}", attributes=traced.step_attributes(name, False)):
+    attributes = traced.step_attributes(name, False)
+    if current:
+        with _tracer().start_as_current_span(f"step {name}", attributes=attributes):
+            yield
+        return
+    span = _tracer().start_span(f"step {name}", attributes=attributes)
+    try:
         yield
+    finally:
+        span.end()
 
 
 #: The environment that asks a worker to export its traces over OTLP.

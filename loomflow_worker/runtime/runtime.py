@@ -589,7 +589,7 @@ class PostgresRuntime(JournaledRuntime):
             await lease.send_unsent()
             if not lease.live():
                 await lease.confirm()
-        with tracing.executed_step(name):
+        with tracing.executed_step(name, current=False):
             async for chunk in fn(*args, **kwargs):
                 recorded.append(chunk)
                 yield chunk

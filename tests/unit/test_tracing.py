@@ -120,7 +120,9 @@ def test_an_attempt_counts_its_replayed_and_executed_steps() -> None:
         tracing.replayed_step("model_call_1")
         with tracing.executed_step("model_call_2"):
             pass
-        assert (traced.attempt, traced.replayed, traced.executed) == (2, 1, 1)
+        with tracing.executed_step("stream_3", current=False):
+            pass
+        assert (traced.attempt, traced.replayed, traced.executed) == (2, 1, 2)
         assert traced.step_attributes("model_call_1", True) == {
             "loomflow_worker.step": "model_call_1", tracing.REPLAYED: True,
             "loomflow_worker.attempt": 2}
