@@ -161,3 +161,20 @@ def test_a_worker_exports_only_when_an_endpoint_is_set(monkeypatch: pytest.Monke
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:4318/v1/traces")
     # No tracer provider set in this process: the worker would set one up.
     assert tracing.export_wanted() is True
+
+
+def test_without_the_api_nothing_is_traced_and_nothing_fails(
+    monkeypatch: pytest.MonkeyPatch, in_a_span: SpanContext,
+) -> None:
+    monkeypatch.setattr(tracing, "_api", None)  # as when opentelemetry-api is not installed
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    assert tracing.export_wanted() is False
+    with tracing.enqueue_span("run_agent", "r1", "default", "s1") as carried:
+        assert carried == {}
+    with tracing.attempt_span({"traceparent": PARENT}, "r1", None, None, None) as traced:
+        assert traced is None
+        tracing.attempt_started(1, 0, None)
+        tracing.replayed_step("model_call_1")
+        with tracing.executed_step("model_call_2"):
+            pass
+    tracing.note({"trace": {"traceparent": PARENT}}, "redispatch", "r1")
