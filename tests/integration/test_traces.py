@@ -17,8 +17,7 @@ from opentelemetry.trace import Span, Tracer
 
 from loomflow_worker.tasks import run_agent
 from loomflow_worker.tracing import REPLAYED
-from tests.chaos.test_recovery import RECOVERY
-from tests.chaos.test_sharing import SHARING, _quarantine
+from tests.chaos.checks import RECOVERY, SHARING, quarantined
 from tests.integration.celery_harness import Fleet, wait_status
 from tests.integration.helpers import calls, tool_counts, wait_for_execution
 from tests.integration.otlp_receiver import ReceivedSpan, Receiver, serve
@@ -181,7 +180,7 @@ def test_a_request_run_in_quarantine_keeps_its_trace(
     # Both die twice with their shared process: their third attempts run in
     # a process of quarantine, then (a step done) back in the shared one.
     with caller.start_as_current_span("POST /chat") as web:
-        suspect, neighbour = _quarantine(fleet, env)
+        suspect, neighbour = quarantined(fleet, env)
     trace_id, web_span = _ids(web)
     for request_id in (suspect, neighbour):
         assert wait_status(fleet.dsn, request_id, ("succeeded", "failed", "dead"),
@@ -193,8 +192,8 @@ def test_a_request_run_in_quarantine_keeps_its_trace(
     for request_id in (suspect, neighbour):
         attempts = _attempts(spans, request_id)
         assert {(a.trace_id, a.parent_id) for a in attempts} == {(trace_id, web_span)}
-        quarantined = [a for a in attempts if a.attributes.get("loomflow_worker.quarantine")]
-        assert quarantined and all(a.attributes[ATTEMPT] == 3 for a in quarantined)
+        in_quarantine = [a for a in attempts if a.attributes.get("loomflow_worker.quarantine")]
+        assert in_quarantine and all(a.attributes[ATTEMPT] == 3 for a in in_quarantine)
 
 
 WEB_PROCESS = """
