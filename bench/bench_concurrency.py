@@ -45,6 +45,12 @@ own), and prints ours' runs/s and worker CPU per run against it: what a change c
 side by side (e.g. ``--backlog --concurrency 1000 --runs 3000 --only-threads --against
 e3dc7a1``: agent versions against the commit before them).
 
+``--tracing RATIO`` has our workers export OpenTelemetry traces over OTLP/HTTP, set up the
+standard way (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_TRACES_SAMPLER=parentbased_traceidratio``
+at RATIO), to a receiver in this process that reads and drops them: what tracing costs, read
+against the same code without it (``--backlog --concurrency 1000 --runs 3000 --only-threads
+--against REF``, once without ``--tracing`` and once with ``--tracing 0.1``).
+
 ``--yardstick`` adds a side that drains as many no-op tasks with a result (``noop`` in
 ``bench/plain_celery_app.py``) on a plain Celery worker with the same pool and concurrency,
 and prints ours' worker CPU per run against plain Celery's per task, measured on the same
@@ -488,6 +494,38 @@ def targets(ours: SideResult) -> list[tuple[str, bool]]:
     ]
 
 
+class OtlpSink:
+    """An OTLP/HTTP receiver on a free local port that counts what it is sent
+    and drops it (decoding would charge this process, on the worker's CPUs)."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        sink = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                size = int(self.headers.get("Content-Length", "0"))
+                self.rfile.read(size)
+                sink.exports, sink.received = sink.exports + 1, sink.received + size
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.exports = self.received = 0
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--runs", type=int, default=1000)
@@ -513,10 +551,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--against", default=None, metavar="REF",
                         help="also run ours threads on the code of git commit REF (a worktree "
                              "of it, its own database), right after ours: what a change costs")
+    parser.add_argument("--tracing", type=float, default=None, metavar="RATIO",
+                        help="our workers export traces, sampled at RATIO (0 to 1), to an "
+                             "OTLP/HTTP receiver in this process")
     parser.add_argument("--quick", action="store_true", help="200 runs")
     args = parser.parse_args(argv)
     if args.quick:
         args.runs = 200
+    if args.tracing is not None and not 0 <= args.tracing <= 1:
+        parser.error("--tracing must be a ratio from 0 to 1")
     if args.runs < 1 or args.concurrency < 1 or args.latency <= 0 or args.cpu_hogs < 0:
         parser.error("--runs and --concurrency must be at least 1, --latency above 0, "
                      "--cpu-hogs 0 or more")
@@ -546,6 +589,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for item in args.worker_env:
         name, _, value = item.partition("=")
         ours_env[name] = value
+    sink = OtlpSink() if args.tracing is not None else None
+    if sink is not None:
+        ours_env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+                         "OTEL_SERVICE_NAME": "loomflow-worker-bench",
+                         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                         "OTEL_TRACES_SAMPLER_ARG": str(args.tracing)})
     plain_config = plain.PlainConfig(
         database_url=dsns["plain"], broker_url=redis_url, result_backend=redis_url,
         redis_key_prefix=prefix, queue=f"lfwb-{tag}-plain", acks_late=True,
@@ -617,7 +666,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {label}: {result.wall_s:.1f}s", flush=True)
             results.append(result)
         print("\n".join(report(results)))
+        if sink is not None:
+            print(f"traces: {sink.exports} exports, {sink.received / 1e6:.1f} MB received")
     finally:
+        if sink is not None:
+            sink.close()
         teardown(fleet, redis_url, prefix, admin_dsn, dbnames.values())
         if worktree is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT,

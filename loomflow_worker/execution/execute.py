@@ -25,7 +25,7 @@ from loomflow.core.types import Event
 from loomflow.memory.inmemory import InMemoryMemory
 from loomflow.runtime.journaled import resuming_last_run
 
-from .. import metrics, sockets
+from .. import metrics, sockets, tracing
 from ..events import EventPublisher, events_url
 from ..runtime import (
     Diverged,
@@ -996,6 +996,7 @@ async def _run(
     log_fields = _log_fields(request_id, req)
     log.info("request %s attempt %d at epoch %d", request_id, started.attempt, started.epoch,
              extra={"action": "start", "attempt": started.attempt, **log_fields})
+    tracing.attempt_started(started.attempt, started.epoch, started.since_heartbeat)
     meter = metrics.get()
     if meter is not None:
         how = "recovery" if started.since_heartbeat is not None else (

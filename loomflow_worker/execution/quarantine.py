@@ -39,6 +39,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import PoolTimeout
 
+from .. import tracing
 from ..runtime.errors import DatabaseUnavailable, LockLost
 from ..runtime.loopwatch import claim_thread_for_asyncio
 from ..settings import Settings
@@ -79,11 +80,17 @@ def decode_outcome(data: dict[str, Any]) -> Outcome:
 async def attempt(ctx: WorkerContext, job: dict[str, Any]) -> dict[str, Any]:
     """Run the attempt described by ``job``; what became of it, as JSON."""
     options = job.get("options")
+    headers = (options or {}).get("headers")
+    args = job["args"]
     try:
-        outcome = await execute(
-            ctx, job["request_id"], job["args"], job["kind"], job["node"],
-            time_limit=job.get("time_limit"), options=lambda: options,
-        )
+        with tracing.attempt_span(headers if isinstance(headers, dict) else None,
+                                  job["request_id"], args.get("agent"), args.get("session_id"),
+                                  job["node"], ctx.isolation):
+            outcome = await execute(
+                ctx, job["request_id"], args, job["kind"], job["node"],
+                time_limit=job.get("time_limit"), options=lambda: options,
+            )
+            tracing.attempt_ended(outcome.kind, outcome.error)
         return encode_outcome(outcome)
     except AttemptLost as exc:
         await _mark_lost(ctx, exc)
@@ -281,7 +288,11 @@ def child(first: dict[str, Any], jobs: Connection, out: Connection) -> None:
         ctx = WorkerContext(settings, slots=int(first["capacity"]), node=first["node"],
                             quarantine=isolation)
         claim_thread_for_asyncio()
-        asyncio.run(_Members(ctx, jobs, handler).serve(first, int(first["worker_pid"])))
+        tracing.export_from_environment()
+        try:
+            asyncio.run(_Members(ctx, jobs, handler).serve(first, int(first["worker_pid"])))
+        finally:
+            tracing.flush()
     except asyncio.CancelledError:
         # Stopped (SIGTERM, or its worker is gone): recorded "interrupted".
         raise SystemExit(STOPPED) from None

@@ -51,6 +51,7 @@ from loomflow.runtime.journaled import (
 )
 from psycopg_pool import AsyncConnectionPool
 
+from .. import tracing
 from .codec import Serializer
 from .errors import Diverged, InvalidInput
 from .signals import DEFAULT_SIGNALS_PER_SCOPE, SignalListener, check_keep
@@ -557,6 +558,7 @@ class PostgresRuntime(JournaledRuntime):
             _check_converges(lease, scope, key, args)
         if found:
             self.stats.steps_replayed += 1
+            tracing.replayed_step(name)
             call_id = kwargs.get("call_id")
             if isinstance(value, ToolResult) and isinstance(call_id, str) and (
                 value.call_id != call_id
@@ -569,7 +571,8 @@ class PostgresRuntime(JournaledRuntime):
             if not lease.live():
                 await lease.confirm()
         # Nothing awaits between the lease's check and the step's callable.
-        result = await fn(*args, **kwargs)
+        with tracing.executed_step(name):
+            result = await fn(*args, **kwargs)
         await self._write_step(scope, key, result, later=True)
         self.stats.steps_executed += 1
         if lease is not None and lease.on_executed is not None:
@@ -631,6 +634,7 @@ class PostgresRuntime(JournaledRuntime):
         self._mark_replayed(found)
         if found:
             self.stats.steps_replayed += 1
+            tracing.replayed_step(name)
             for chunk in cached:
                 yield chunk
             return
@@ -639,9 +643,10 @@ class PostgresRuntime(JournaledRuntime):
             await lease.send_unsent()
             if not lease.live():
                 await lease.confirm()
-        async for chunk in fn(*args, **kwargs):
-            recorded.append(chunk)
-            yield chunk
+        with tracing.executed_step(name, current=False):
+            async for chunk in fn(*args, **kwargs):
+                recorded.append(chunk)
+                yield chunk
         if lease is not None:
             await lease.write_stream(scope, key, recorded, later=True)
         else:

@@ -26,7 +26,7 @@ from celery.signals import (
     worker_shutting_down,
 )
 
-from .. import metrics
+from .. import metrics, tracing
 from ..execution import ledger
 from ..execution.execute import WorkerContext
 from ..execution.registry import import_agent_modules
@@ -66,6 +66,7 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
     sense for child processes); prefork and solo run one per process; gevent
     and eventlet would block their hub with the loop's thread, so the worker
     refuses them."""
+    tracing.export_from_environment()
     try:
         settings()
     except InvalidInput as exc:
@@ -170,6 +171,7 @@ def _refuse_session_pooler(current: Settings) -> None:
 
 @worker_process_init.connect
 def _open_child(**_: Any) -> None:
+    tracing.export_from_environment()
     if settings().metrics_port:
         metrics.setup()
     try:
@@ -191,6 +193,7 @@ def _close_child(**_: Any) -> None:
             # Postgres frees whatever its connections held.
             log.exception("closing the pool child's connections failed")
     PROCESS.loop.stop()
+    tracing.flush()
     if metrics.enabled():
         metrics.process_exited(os.getpid())
 

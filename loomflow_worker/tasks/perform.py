@@ -8,11 +8,13 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 import psycopg
 from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 
+from .. import tracing
 from ..execution import ledger
 from ..execution.errors import AttemptLost, DiedAlone, RunCancelled, RunDead, RunFailed
 from ..execution.execute import Outcome, execute
@@ -164,14 +166,31 @@ def _backoff(task: AgentTask) -> float:
 
 def _attempt(task: AgentTask, request_id: str, args: dict[str, Any]) -> Outcome:
     """One attempt of the request on this process's loop."""
+    attempt = execute(PROCESS.worker_context(), request_id, args, task.kind,
+                      task.request.hostname, time_limit=_call_time_limit(task),
+                      options=functools.partial(_message_options, task, task.request),
+                      arrival=arrival(task.request, task.app))
     outcome: Outcome = PROCESS.loop.run(
-        execute(PROCESS.worker_context(), request_id, args, task.kind, task.request.hostname,
-                time_limit=_call_time_limit(task),
-                options=functools.partial(_message_options, task, task.request),
-                arrival=arrival(task.request, task.app)),
+        traced(attempt, task.request.headers, request_id, args, task.request.hostname),
         key=request_id, interrupt=functools.partial(_soft_time_limit, request_id),
     )
     return outcome
+
+
+async def traced(
+    attempt: Coroutine[Any, Any, Outcome], headers: dict[str, Any] | None, request_id: str,
+    args: dict[str, Any], worker: str | None,
+) -> Outcome:
+    """``attempt`` inside its span, which continues the trace its message's
+    headers carry (on the loop: the span is current for the run's steps)."""
+    agent, session_id = args.get("agent"), args.get("session_id")
+    with tracing.attempt_span(headers, request_id, agent if isinstance(agent, str) else None,
+                              session_id if isinstance(session_id, str) else None, worker):
+        outcome = await attempt
+        tracing.attempt_ended(outcome.kind, outcome.error)
+        for pending in outcome.dispatch:
+            tracing.event("handoff", to=pending.request_id)
+        return outcome
 
 
 def _call_time_limit(task: AgentTask) -> float | None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 
-from .. import metrics
+from .. import metrics, tracing
 from ..execution import recovery as ledger_recovery
 from ..execution.pending import Pending
 from ..execution.statuses import Status
@@ -190,6 +190,7 @@ class Recovery:
                 extra={"action": "sweeper_redispatch", "request": pending.request_id},
             )
             self.note(Action("redispatch", pending.request_id, why))
+            tracing.note(pending.routing, "redispatch", pending.request_id, reason=why)
 
     def fence(self, conn: Conn) -> int:
         """End the lock connections of running requests whose heartbeat is

@@ -12,12 +12,13 @@ from celery import Task
 from celery.exceptions import TimeLimitExceeded
 from celery.result import AsyncResult
 
+from .. import tracing
 from ..execution import ledger
 from ..execution.errors import RunCancelled, RunDead, RunFailed
-from ..execution.ledger import ON_BUSY, OnBusy
+from ..execution.ledger import ON_BUSY, OnBusy, StartAt
 from ..execution.pending import Pending
 from ..execution.registry import import_agent_modules
-from ..execution.request import Kind, check_request
+from ..execution.request import Kind, RunRequest, check_request
 from ..runtime.errors import InvalidInput
 from ..runtime.validate import check_id
 from ..settings import check_key, check_weight
@@ -192,6 +193,24 @@ class AgentTask(Task):  # type: ignore[misc]
         start = start_at(options.get("countdown"), options.get("eta"), self.app.conf.timezone)
         routing = self._routing(request.task_args(), options)
         PROCESS.declare_limits()
+        with tracing.enqueue_span(self.name, task_id, request.agent,
+                                  request.session_id) as trace:
+            if trace:
+                # Every message of the request carries its trace: this one in
+                # its headers, those published again from the ledger from its row.
+                routing = {**routing, tracing.ROUTING_KEY: trace}
+                options = tracing.with_headers(options, trace)
+            return self._record_and_publish(request, task_id, on_busy, start, routing, options,
+                                            fairness_key, fairness_weight)
+
+    def _record_and_publish(
+        self, request: RunRequest, task_id: str, on_busy: OnBusy, start: StartAt | None,
+        routing: dict[str, Any], options: dict[str, Any], fairness_key: str | None,
+        fairness_weight: float | None,
+    ) -> AsyncResult:
+        """Record the checked request in the ledger, then publish it (unless
+        the ledger had it already, or holds it back on its fairness key)."""
+        current = PROCESS.current_settings()
         enqueued = PROCESS.enqueue.insert(
             *PROCESS.database(), task_id, request, on_busy, start,
             ignore_result=bool(options.get("ignore_result", self.ignore_result)),
@@ -284,6 +303,7 @@ class AgentTask(Task):  # type: ignore[misc]
             for key in ("queue", "exchange", "routing_key"):
                 carried.pop(key, None)
         options = {**routing, **carried, "retry_policy": DISPATCH_RETRY}
+        options = tracing.with_headers(options, tracing.of_routing(pending.routing))
         if pending.not_before is not None:
             options["eta"] = pending.not_before
         super().apply_async(task_args, task_kwargs, task_id=pending.request_id,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import tracing
 from ..execution import ledger, ledger_reads
 from ..execution.errors import RequestNotFound
 from ..execution.statuses import TERMINAL
@@ -101,6 +102,8 @@ def _target(conn: ledger_reads.Conn, agent: str, to: str | None, pinned: str) ->
 def _published(agent: str, to: str, moved: list[ledger.Moved]) -> Upgraded:
     for one in moved:
         dispatch_recorded(one.pending, f"moved to version {to}")
+        tracing.note(one.pending.routing, "upgrade", one.pending.request_id,
+                     from_version=one.from_version, to_version=to)
     return Upgraded(agent, to, [(one.pending.request_id, one.from_version) for one in moved])
 
 

@@ -21,10 +21,26 @@ from psycopg.conninfo import conninfo_to_dict
 
 from loomflow_worker.tasks import run_agent
 from tests.integration.celery_harness import Fleet
-from tests.integration.helpers import calls
+from tests.integration.helpers import calls, tool_executions
 from tests.needs import ADMIN_DSN
 
 TERMINAL = ("succeeded", "failed", "cancelled", "dead")
+
+#: Fast recovery: the sweeper and heartbeats every half second, a short lease.
+RECOVERY = {
+    "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_LEASE": "3",
+    "LOOMFLOW_WORKER_MAX_CRASHES": "20",
+}
+
+#: Runs sharing a worker process, with tool calls of a second.
+SHARING = {
+    "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
+    "LOOMFLOW_WORKER_LEASE": "10",
+    "TEST_TOOL_SLEEP": "1.0",
+}
 
 
 @dataclass(frozen=True)
@@ -432,3 +448,35 @@ def kill_postgres_backends(dsn: str) -> tuple[datetime, Counter[str]]:
         ).fetchall()
     at = min((row[2] for row in rows), default=datetime.now(UTC))
     return at, Counter(str(name) or "(unnamed)" for name, ok, _ in rows if ok)
+
+
+def wait_in_tool(dsn: str, tags: tuple[str, ...], times: int, timeout: float = 90) -> None:
+    """Wait until the tool call of each of ``tags`` runs for the ``times``-th
+    time (its model call before it is journaled)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        runs: dict[str, list[object]] = {}
+        for tag, _, _, finished in tool_executions(dsn):
+            runs.setdefault(tag, []).append(finished)
+        if all(len(runs.get(tag, [])) == times and runs[tag][-1] is None for tag in tags):
+            return
+        assert time.monotonic() < deadline, runs
+        time.sleep(0.05)
+
+
+def quarantined(fleet: Fleet, env: dict[str, str],
+                tags: tuple[str, str] = ("alone-1", "neighbour-1")) -> tuple[str, str]:
+    """Two requests (sessions t and n, a tool call tagged by ``tags`` each)
+    that died twice with their shared process without completing a step, now
+    running in quarantine (together, or each alone with QUARANTINE_GROUP=1);
+    their ids."""
+    fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
+    suspect = run_agent.delay(calls(tags[0]), "t", user_id="u")
+    neighbour = run_agent.delay(calls(tags[1]), "n", user_id="u")
+    for attempt in (1, 2):
+        # Killed in its tool: a kill before its first model call was journaled
+        # would let its next attempt complete that call, clearing it.
+        wait_in_tool(fleet.dsn, tags, attempt)
+        fleet.kill("w1")
+        fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
+    return suspect.id, neighbour.id

@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from loomflow_worker.tasks import run_agent
+from tests.chaos.checks import RECOVERY
 from tests.integration.celery_harness import Fleet, ledger
 from tests.integration.helpers import (
     calls,
@@ -22,12 +23,6 @@ from tests.integration.helpers import (
 
 pytestmark = pytest.mark.slow
 
-RECOVERY = {
-    "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
-    "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
-    "LOOMFLOW_WORKER_LEASE": "3",
-    "LOOMFLOW_WORKER_MAX_CRASHES": "20",
-}
 
 
 def _next_start(dsn: str, tag: str, after_pid: int, timeout: float = 30) -> float:

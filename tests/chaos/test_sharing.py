@@ -20,16 +20,19 @@ import pytest
 from loomflow_worker import cancel_run
 from loomflow_worker.tasks import app, run_agent
 from tests.chaos.checks import (
+    SHARING,
     assert_sound,
     install_journal_audit,
     kill_postgres_backends,
     ledger_rows,
+    quarantined,
     send,
     verdict,
+    wait_in_tool,
     wait_terminal,
 )
 from tests.integration.celery_harness import Fleet, ledger, wait_status
-from tests.integration.helpers import calls, tool_executions, wait_for_execution
+from tests.integration.helpers import calls, wait_for_execution
 
 # Alone (python -m tests runs it after the rest): CPU hogs load the whole
 # machine, and its loop stalls are measured against leases of a few seconds.
@@ -37,12 +40,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 #: Heartbeats every half second: a process that fenced on a late heartbeat
 #: answer (two intervals) would fence within a second of the loop stalling.
-SHARING = {
-    "LOOMFLOW_WORKER_SWEEP_INTERVAL": "0.5",
-    "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "0.5",
-    "LOOMFLOW_WORKER_LEASE": "10",
-    "TEST_TOOL_SLEEP": "1.0",
-}
 
 
 def _attempt_outcomes(dsn: str, sent: list[str]) -> dict[str, int]:
@@ -267,38 +264,6 @@ def test_a_tool_that_holds_the_loop_past_the_lease_ends_dead_after_max_lost(
     assert f"by request {stalling.id}" in log, fleet.log_text()
 
 
-def _wait_in_tool(dsn: str, tags: tuple[str, ...], times: int, timeout: float = 90) -> None:
-    """Wait until the tool call of each of ``tags`` runs for the ``times``-th
-    time (its model call before it is journaled)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        runs: dict[str, list[object]] = {}
-        for tag, _, _, finished in tool_executions(dsn):
-            runs.setdefault(tag, []).append(finished)
-        if all(len(runs.get(tag, [])) == times and runs[tag][-1] is None for tag in tags):
-            return
-        assert time.monotonic() < deadline, runs
-        time.sleep(0.05)
-
-
-def _quarantine(fleet: Fleet, env: dict[str, str],
-                tags: tuple[str, str] = ("alone-1", "neighbour-1")) -> tuple[str, str]:
-    """Two requests (sessions t and n, a tool call tagged by ``tags`` each)
-    that died twice with their shared process without completing a step, now
-    running in quarantine (together, or each alone with QUARANTINE_GROUP=1);
-    their ids."""
-    fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
-    suspect = run_agent.delay(calls(tags[0]), "t", user_id="u")
-    neighbour = run_agent.delay(calls(tags[1]), "n", user_id="u")
-    for attempt in (1, 2):
-        # Killed in its tool: a kill before its first model call was journaled
-        # would let its next attempt complete that call, clearing it.
-        _wait_in_tool(fleet.dsn, tags, attempt)
-        fleet.kill("w1")
-        fleet.start("w1", concurrency=10, cli=True, pool="threads", **env)
-    return suspect.id, neighbour.id
-
-
 def test_revoke_and_cancel_stop_requests_running_alone_and_their_sessions_move_on(
     fleet: Fleet,
 ) -> None:
@@ -306,7 +271,7 @@ def test_revoke_and_cancel_stop_requests_running_alone_and_their_sessions_move_o
     # their third attempts run in quarantine, together in one process.
     env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
            "TEST_TOOL_SLEEP": "20"}
-    suspect_id, neighbour_id = both = list(_quarantine(fleet, env))
+    suspect_id, neighbour_id = both = list(quarantined(fleet, env))
     _wait_running(fleet.dsn, both, 2, timeout=90, attempt=3)
     log = fleet.logs / "w1.log"
     for request_id in both:
@@ -359,8 +324,8 @@ def test_the_suspects_of_a_group_that_died_run_alone_next_without_waiting_for_it
     env = {**SHARING, "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "2",
            "LOOMFLOW_WORKER_LEASE": "10", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
            "TEST_TOOL_SLEEP": "20"}
-    both = list(_quarantine(fleet, env))
-    _wait_in_tool(fleet.dsn, ("alone-1", "neighbour-1"), 3)
+    both = list(quarantined(fleet, env))
+    wait_in_tool(fleet.dsn, ("alone-1", "neighbour-1"), 3)
     log = fleet.logs / "w1.log"
     places = {int(pid) for pid in re.findall(
         r"running in quarantine with other suspects, in process (\d+)", log.read_text())}
@@ -383,8 +348,8 @@ def test_a_member_left_alone_in_its_group_is_not_charged_the_groups_death(
     # of its tool, memory it holds): the one still there is charged nothing.
     env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
            "TEST_TOOL_SLEEP": "4", "TEST_LASTING_SECONDS": "10"}
-    left_id, stayed_id = both = list(_quarantine(fleet, env, ("alone-1", "lasting-1")))
-    _wait_in_tool(fleet.dsn, ("lasting-1",), 3)
+    left_id, stayed_id = both = list(quarantined(fleet, env, ("alone-1", "lasting-1")))
+    wait_in_tool(fleet.dsn, ("lasting-1",), 3)
     log = fleet.logs / "w1.log"
     deadline = time.monotonic() + 30
     while True:
@@ -428,7 +393,7 @@ def test_a_request_that_finds_no_room_to_run_alone_goes_back_to_the_queue(
     env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
            "TEST_TOOL_SLEEP": "3", "LOOMFLOW_WORKER_ALONE_AT_ONCE": "1",
            "LOOMFLOW_WORKER_QUARANTINE_GROUP": "1"}
-    both = list(_quarantine(fleet, env))
+    both = list(quarantined(fleet, env))
     deadline = time.monotonic() + 60
     while "goes back to the queue" not in (fleet.logs / "w1.log").read_text():
         assert time.monotonic() < deadline, fleet.log_text()
@@ -463,7 +428,7 @@ def test_a_connection_lost_while_a_request_starts_alone_is_no_crash(
     env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "3", "LOOMFLOW_WORKER_REDISPATCH_AFTER": "3",
            "TEST_TOOL_SLEEP": "5", "LOOMFLOW_WORKER_MAX_CRASHES": "1",
            "TEST_HOLD_START": f"alone:{marker}"}
-    ids = _quarantine(fleet, env)
+    ids = quarantined(fleet, env)
     deadline = time.monotonic() + 60
     while not marker.exists():
         assert time.monotonic() < deadline, fleet.log_text()

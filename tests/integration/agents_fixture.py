@@ -76,6 +76,8 @@ def build(runtime: Any) -> Agent:
         tools=[_effects().tool()],
         runtime=runtime,
         auto_extract=False,
+        # TEST_TELEMETRY=otel: loomflow's own spans, inside each attempt's.
+        telemetry=os.environ.get("TEST_TELEMETRY"),
     )
 
 

@@ -135,6 +135,11 @@ LAYERS = {
                          f"{NAME}.admin", f"{NAME}.cli", f"{NAME}.events", CONSOLE},
     f"{NAME}.events": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.admin", f"{NAME}.cli",
                        CONSOLE},
+    # Traces are a leaf every layer may use; its SDK half only the worker's hooks.
+    **{f"{NAME}.{leaf}": {f"{NAME}.runtime", f"{NAME}.execution", f"{NAME}.tasks",
+                          f"{NAME}.admin", f"{NAME}.cli", f"{NAME}.demo", CONSOLE,
+                          f"{NAME}.settings", f"{NAME}.events", f"{NAME}.metrics"}
+       for leaf in ("tracing", "tracing_export")},
 }
 
 
