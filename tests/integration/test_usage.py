@@ -1,0 +1,118 @@
+"""What a request's model calls used and cost, as the ledger keeps it: each
+attempt's own, and the request's totals split into executed (billed) and
+replayed (answered from the journal, not billed again). In process, on the
+real Postgres, with the offline model (which reports its usage)."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+import pytest
+from loomflow import Agent, tool
+from loomflow.core.types import Message, Role
+from psycopg.rows import dict_row
+
+from loomflow_worker import NoMemory, register_agent
+from loomflow_worker.execution import ledger
+from loomflow_worker.execution.execute import WorkerContext, execute
+from loomflow_worker.execution.request import check_request
+from loomflow_worker.settings import ModelPrice, Settings
+from loomflow_worker.testing import DeterministicModel
+
+pytestmark = pytest.mark.anyio
+
+PROMPT = 'call echo {"tag": "a"}'
+#: The offline model's price, per million tokens, as a deployment would set it.
+PRICE = ModelPrice(input=3.0, output=15.0)
+#: Prompts whose model call after a tool call failed once already.
+_failed: set[str] = set()
+
+
+@tool(name="echo", description="Answers with its tag.")
+async def echo(tag: str) -> str:
+    return f"ok {tag}"
+
+
+async def _fail_once_after_a_tool(messages: list[Message]) -> None:
+    """The model call that follows a tool result fails the first time (the
+    run fails: a retry), and answers on the next attempt."""
+    if messages and messages[-1].role == Role.TOOL and messages[0].content not in _failed:
+        _failed.add(messages[0].content)
+        raise ValueError("the model call failed once")
+
+
+@register_agent("test-usage")
+def _agent(runtime: Any) -> Agent:
+    return Agent("a", model=DeterministicModel(on_call=_fail_once_after_a_tool), runtime=runtime,
+                 memory=NoMemory(), tools=[echo], auto_extract=False)
+
+
+async def _attempt(settings: Settings, request_id: str, prompt: str) -> str:
+    args = {"prompt": prompt, "session_id": f"s-{request_id}", "user_id": "u",
+            "agent": "test-usage", "metadata": None}
+    enqueue = ledger.EnqueuePool()
+    ctx = WorkerContext(settings)
+    try:
+        enqueue.insert(settings.database_url.get_secret_value(), 5, request_id,
+                       check_request(settings, kind="run", **args))
+        return (await execute(ctx, request_id, args, "run")).kind
+    finally:
+        enqueue.close()
+        await ctx.aclose()
+
+
+async def _ledger(dsn: str, request_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    async with await psycopg.AsyncConnection.connect(dsn, row_factory=dict_row) as conn:
+        cur = await conn.execute("SELECT * FROM runs WHERE request_id = %s", (request_id,))
+        run = await cur.fetchone()
+        cur = await conn.execute("SELECT attempt, usage FROM run_attempts WHERE request_id = %s "
+                                 "ORDER BY attempt", (request_id,))
+        attempts = await cur.fetchall()
+    assert run is not None
+    return run, attempts
+
+
+def _cost(side: dict[str, Any]) -> Decimal:
+    return (Decimal(side["input"]) * 3 + Decimal(side["output"]) * 15) / 1_000_000
+
+
+async def test_a_retried_request_counts_each_model_call_once_and_its_replay_apart(
+    dsn: str,
+) -> None:
+    """Attempt 1 calls the model, runs its tool, and its second model call
+    fails (a retry); attempt 2 replays the first call and the tool from the
+    journal and makes the second call. The request was
+    billed for two calls; the replayed one is counted apart, at its price."""
+    settings = Settings(database_url=dsn, events=False,  # type: ignore[arg-type]
+                        prices={"deterministic": PRICE})
+    assert await _attempt(settings, "req-usage-retry", PROMPT) == "retry"
+    assert await _attempt(settings, "req-usage-retry", PROMPT) == "succeeded"
+    run, attempts = await _ledger(dsn, "req-usage-retry")
+    first, second = (a["usage"] for a in attempts)
+    assert first["executed"]["calls"] == 1 and first["replayed"]["calls"] == 0
+    assert second["executed"]["calls"] == 1 and second["replayed"]["calls"] == 1
+    # The call attempt 2 replayed is the one attempt 1 made.
+    assert {k: v for k, v in second["replayed"].items() if k != "cost"} == {
+        k: v for k, v in first["executed"].items() if k != "cost"}
+    billed = [first["executed"], second["executed"]]
+    assert run["model_calls"] == 2 and run["replayed_calls"] == 1
+    assert run["input_tokens"] == sum(side["input"] for side in billed) > 0
+    assert run["output_tokens"] == sum(side["output"] for side in billed) > 0
+    assert run["replayed_tokens"] == first["executed"]["input"] + first["executed"]["output"]
+    assert run["cost"] == sum(_cost(side) for side in billed) > 0
+    assert run["replayed_cost"] == _cost(first["executed"])
+    assert Decimal(second["executed"]["cost"]) == _cost(second["executed"])
+    assert not run["price_unknown"]
+    assert second["keys"]["deterministic"]["model"] == "deterministic"
+
+
+async def test_a_model_with_no_known_price_counts_its_tokens_and_says_so(dsn: str) -> None:
+    settings = Settings(database_url=dsn, events=False)  # type: ignore[arg-type]
+    assert await _attempt(settings, "req-usage-unpriced", "hello") == "succeeded"
+    run, attempts = await _ledger(dsn, "req-usage-unpriced")
+    assert run["model_calls"] == 1 and run["input_tokens"] > 0 and run["output_tokens"] > 0
+    assert run["price_unknown"] and run["cost"] == 0
+    assert attempts[0]["usage"]["executed"]["cost"] is None
+
