@@ -5,16 +5,19 @@ real Postgres, with the offline model (which reports its usage)."""
 
 from __future__ import annotations
 
+import json
 from decimal import Decimal
 from typing import Any
 
 import psycopg
 import pytest
+from click.testing import CliRunner
 from loomflow import Agent, tool
 from loomflow.core.types import Message, Role
 from psycopg.rows import dict_row
 
 from loomflow_worker import NoMemory, register_agent
+from loomflow_worker.cli import main
 from loomflow_worker.execution import ledger
 from loomflow_worker.execution.execute import WorkerContext, execute
 from loomflow_worker.execution.request import check_request
@@ -86,7 +89,7 @@ async def test_a_retried_request_counts_each_model_call_once_and_its_replay_apar
     journal and makes the second call. The request was
     billed for two calls; the replayed one is counted apart, at its price."""
     settings = Settings(database_url=dsn, events=False,  # type: ignore[arg-type]
-                        prices={"deterministic": PRICE})
+                        prices={"deterministic": PRICE}, retry_backoff=0.01)
     assert await _attempt(settings, "req-usage-retry", PROMPT) == "retry"
     assert await _attempt(settings, "req-usage-retry", PROMPT) == "succeeded"
     run, attempts = await _ledger(dsn, "req-usage-retry")
@@ -116,3 +119,77 @@ async def test_a_model_with_no_known_price_counts_its_tokens_and_says_so(dsn: st
     assert run["price_unknown"] and run["cost"] == 0
     assert attempts[0]["usage"]["executed"]["cost"] is None
 
+
+
+def _cli(dsn: str, *args: str, **env: str) -> Any:
+    done = CliRunner().invoke(main, list(args),
+                              env={"LOOMFLOW_WORKER_DATABASE_URL": dsn, **env})
+    return done
+
+
+async def test_show_requests_and_usage_report_tokens_cost_and_replays(dsn: str) -> None:
+    """`show` gives the request's tokens, cost and replay savings, and each
+    attempt's; `requests --sort cost --min-cost` lists the costly ones first;
+    `usage --by key` adds them up per fairness key."""
+    settings = Settings(database_url=dsn, events=False,  # type: ignore[arg-type]
+                        prices={"deterministic": PRICE}, retry_backoff=0.01)
+    assert await _attempt(settings, "req-usage-cli", PROMPT) == "retry"
+    assert await _attempt(settings, "req-usage-cli", PROMPT) == "succeeded"
+    assert await _attempt(settings, "req-usage-small", "hi") == "succeeded"
+    run, _ = await _ledger(dsn, "req-usage-cli")
+    small, _ = await _ledger(dsn, "req-usage-small")
+    env = {"LOOMFLOW_WORKER_PRICES": '{"deterministic": {"input": 3, "output": 15}}'}
+
+    shown = _cli(dsn, "show", "req-usage-cli", **env)
+    assert shown.exit_code == 0, shown.output
+    assert (f"tokens    {run['input_tokens']:,} in, {run['output_tokens']:,} out, 0 cache read, "
+            "0 cache write (2 model calls executed)") in shown.output
+    assert f"cost      ${run['cost']:.4f}" in shown.output
+    assert (f"replayed  1 model calls from the journal, not billed again: "
+            f"{run['replayed_tokens']:,} tokens, ${run['replayed_cost']:.4f} saved"
+            ) in shown.output
+    attempt_lines = [line.split() for line in shown.output.splitlines()
+                     if line.startswith("  1 ") or line.startswith("  2 ")]
+    assert [line[-1] for line in attempt_lines] == ["calls)", "calls)"]
+    assert "(0 calls)" in " ".join(attempt_lines[0]) and "(1 calls)" in " ".join(
+        attempt_lines[1])
+
+    listed = _cli(dsn, "requests", "--sort", "cost", "--json", **env)
+    assert listed.exit_code == 0, listed.output
+    order = [json.loads(line)["request_id"] for line in listed.output.splitlines()]
+    assert order == ["req-usage-cli", "req-usage-small"]
+    costly = _cli(dsn, "requests", "--min-cost", str(run["cost"]), "--json", **env)
+    assert [json.loads(line)["request_id"] for line in costly.output.splitlines()] == [
+        "req-usage-cli"]
+
+    report = _cli(dsn, "usage", "--by", "key", "--json", **env)
+    assert report.exit_code == 0, report.output
+    [row] = [json.loads(line) for line in report.output.splitlines()]
+    assert row["group"] == "u" and row["requests"] == 2
+    assert row["model_calls"] == run["model_calls"] + small["model_calls"] == 3
+    assert Decimal(row["cost"]) == run["cost"] + small["cost"]
+    assert row["replayed_calls"] == 1 and Decimal(row["replayed_cost"]) == run["replayed_cost"]
+    table = _cli(dsn, "usage", "--by", "key", **env)
+    assert table.exit_code == 0, table.output
+    head, first, total, note = table.output.splitlines()
+    assert head.split()[:3] == ["KEY", "REQUESTS", "CALLS"]
+    assert first.split()[:3] == ["u", "2", "3"] and total.split()[:3] == ["total", "2", "3"]
+    assert note.endswith("cost in US dollars")
+
+
+@pytest.mark.parametrize(("prices", "said"), [
+    ('{"claude": {"input": "three", "output": 15}}', "prices.claude.input"),
+    ('{"claude": {"input": 3}}', "prices.claude.output"),
+    ('{"claude": {"input": -1, "output": 15}}', "prices.claude.input"),
+    ('{"claude": {"input": 3, "output": 15, "cache": 1}}', "prices.claude.cache"),
+])
+def test_a_bad_price_override_is_refused_naming_it(dsn: str, prices: str, said: str) -> None:
+    done = _cli(dsn, "usage", LOOMFLOW_WORKER_PRICES=prices)
+    assert done.exit_code == 2
+    assert said in done.output and "LOOMFLOW_WORKER_" in done.output
+
+
+def test_a_bad_since_is_refused_saying_what_it_takes(dsn: str) -> None:
+    done = _cli(dsn, "usage", "--since", "last week")
+    assert done.exit_code == 2
+    assert "neither a duration (e.g. 7d, 12h) nor a date" in done.output

@@ -7,19 +7,24 @@
 SELECT current_setting('server_version');
 
 -- name: admin_list_runs
--- `loomflow-worker requests`: requests newest first (seq) matching every filter given (NULL:
--- none), ages by enqueue time on the database's clock, at most `limit`.
+-- `loomflow-worker requests`: requests newest first (seq), or the costliest first
+-- (by_cost), matching every filter given (NULL: none), ages by enqueue time on the
+-- database's clock, at least min_cost dollars, at most `limit`; with each one's executed
+-- (billed) tokens and cost.
 SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
        holder AS worker, not_before,
        CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for, agent_version,
-       CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since
+       CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since,
+       model_calls, input_tokens + output_tokens + cache_read_tokens + cache_write_tokens
+           AS tokens, cost, price_unknown
   FROM runs
  WHERE (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
    AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
    AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s::text[]))
    AND (%(older)s::float8 IS NULL OR enqueued_at < now() - make_interval(secs => %(older)s))
    AND (%(newer)s::float8 IS NULL OR enqueued_at >= now() - make_interval(secs => %(newer)s))
- ORDER BY seq DESC
+   AND (%(min_cost)s::numeric IS NULL OR cost >= %(min_cost)s::numeric)
+ ORDER BY CASE WHEN %(by_cost)s::boolean THEN cost END DESC NULLS LAST, seq DESC
  LIMIT %(limit)s;
 
 -- name: admin_run_status
@@ -41,7 +46,9 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind,
        started_at, heartbeat_at, finished_at, not_before, now() AS now,
        CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for,
        agent_version, CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since,
-       v.live AS version_live, v.seen_at AS version_seen_at
+       v.live AS version_live, v.seen_at AS version_seen_at,
+       model_calls, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, cost,
+       price_unknown, replayed_calls, replayed_tokens, replayed_cost
   FROM runs r
   LEFT JOIN LATERAL (
       SELECT bool_or(w.stopped_at IS NULL
@@ -60,9 +67,10 @@ SELECT at, from_version, to_version, by FROM run_upgrades
 
 -- name: get_run_attempts
 -- A request's attempts, each with the start of the one after it (where the
--- console's lane of an attempt whose worker died ends).
+-- console's lane of an attempt whose worker died ends), and its model calls' usage (NULL:
+-- it recorded none).
 SELECT attempt, worker, pid, epoch, started_at, ended_at, outcome, agent_version,
-       lead(started_at) OVER (ORDER BY attempt) AS next_started_at
+       lead(started_at) OVER (ORDER BY attempt) AS next_started_at, usage
   FROM run_attempts WHERE request_id = %(request_id)s
  ORDER BY attempt;
 
@@ -120,3 +128,25 @@ SELECT coalesce(s.agent, p.agent) AS agent, coalesce(s.version, p.version) AS ve
        now() AS now
   FROM served s FULL JOIN pinned p ON p.agent = s.agent AND p.version = s.version
  ORDER BY 1, s.built_at DESC NULLS LAST, 2;
+
+-- name: usage_report
+-- `loomflow-worker usage` and the console's usage page: the requests enqueued since `since`
+-- that called a model, grouped by agent, fairness key, user or day (UTC): how many, their
+-- model calls, executed (billed) tokens by kind and cost, whether some price is unknown, and
+-- what replays saved (tokens and cost answered from the journal). An index-only scan of the
+-- window on runs_usage (migration 0038), costliest group first.
+SELECT CASE %(by)s::text WHEN 'agent' THEN agent
+                         WHEN 'key' THEN fairness_key
+                         WHEN 'user' THEN user_id
+                         ELSE to_char(enqueued_at AT TIME ZONE 'UTC', 'YYYY-MM-DD') END AS grp,
+       count(*) AS requests, sum(model_calls) AS model_calls,
+       sum(input_tokens) AS input_tokens, sum(output_tokens) AS output_tokens,
+       sum(cache_read_tokens) AS cache_read_tokens, sum(cache_write_tokens) AS cache_write_tokens,
+       sum(cost) AS cost, bool_or(price_unknown) AS price_unknown,
+       sum(replayed_calls) AS replayed_calls, sum(replayed_tokens) AS replayed_tokens,
+       sum(replayed_cost) AS replayed_cost
+  FROM runs
+ WHERE enqueued_at >= %(since)s AND (model_calls > 0 OR replayed_calls > 0)
+ GROUP BY 1
+ ORDER BY sum(cost) DESC, 1
+ LIMIT %(limit)s;
