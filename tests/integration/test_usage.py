@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 from loomflow import Agent, tool
+from loomflow.core.errors import InvalidRequestError
 from loomflow.core.types import Message, Role
 from psycopg.rows import dict_row
 
@@ -43,7 +44,7 @@ async def _fail_once_after_a_tool(messages: list[Message]) -> None:
     run fails: a retry), and answers on the next attempt."""
     if messages and messages[-1].role == Role.TOOL and messages[0].content not in _failed:
         _failed.add(messages[0].content)
-        raise ValueError("the model call failed once")
+        raise InvalidRequestError("the model call failed once")
 
 
 @register_agent("test-usage")
