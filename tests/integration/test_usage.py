@@ -6,6 +6,7 @@ real Postgres, with the offline model (which reports its usage)."""
 from __future__ import annotations
 
 import json
+import re
 from decimal import Decimal
 from typing import Any
 
@@ -16,9 +17,11 @@ from loomflow import Agent, tool
 from loomflow.core.errors import InvalidRequestError
 from loomflow.core.types import Message, Role
 from psycopg.rows import dict_row
+from starlette.testclient import TestClient
 
 from loomflow_worker import NoMemory, register_agent
 from loomflow_worker.cli import main
+from loomflow_worker.console.app import create_app
 from loomflow_worker.execution import ledger
 from loomflow_worker.execution.execute import WorkerContext, execute
 from loomflow_worker.execution.request import check_request
@@ -194,3 +197,33 @@ def test_a_bad_since_is_refused_saying_what_it_takes(dsn: str) -> None:
     done = _cli(dsn, "usage", "--since", "last week")
     assert done.exit_code == 2
     assert "neither a duration (e.g. 7d, 12h) nor a date" in done.output
+
+
+async def test_the_console_shows_a_runs_usage_and_the_usage_page_adds_it_up(dsn: str) -> None:
+    settings = Settings(database_url=dsn, events=False,  # type: ignore[arg-type]
+                        prices={"deterministic": PRICE}, retry_backoff=0.01)
+    assert await _attempt(settings, "req-usage-page", PROMPT) == "retry"
+    assert await _attempt(settings, "req-usage-page", PROMPT) == "succeeded"
+    run, _ = await _ledger(dsn, "req-usage-page")
+    with TestClient(create_app(settings), client=("127.0.0.1", 40000),
+                    base_url="http://localhost:8040") as browser:
+        page = browser.get("/runs/req-usage-page")
+        assert page.status_code == 200
+        executed = re.search(r'<dd class="executed">([^<]*)</dd>', page.text)
+        assert executed is not None and executed[1] == (
+            f"2 model calls, billed: {run['input_tokens']} in, {run['output_tokens']} out, "
+            f"0 cache read, 0 cache write; ${run['cost']:.4f}")
+        assert "1 model calls from the journal, not billed again" in page.text
+        attempts = re.findall(r'data-attempt="(\d)">executed (\d) calls', page.text)
+        assert attempts == [("1", "1"), ("2", "1")]
+
+        report = browser.get("/usage", params={"by": "key", "since": "1d"})
+        assert report.status_code == 200
+        row = re.search(r'<tr data-group="u">(.*?)</tr>', report.text, re.S)
+        assert row is not None
+        assert re.search(r'class="num requests">1<', row[1])
+        assert re.search(r'class="num calls">2<', row[1])
+        assert f"${run['cost']:.4f}" in row[1] and f"${run['replayed_cost']:.4f}" in row[1]
+        assert browser.get("/usage", params={"by": "tenant"}).status_code == 400
+        empty = browser.get("/usage", params={"since": "2100-01-01"})
+        assert "No model call recorded in this window." in empty.text
