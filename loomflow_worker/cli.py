@@ -395,7 +395,8 @@ def enqueue(
 @click.option("--min-cost", type=click.FloatRange(min=0), default=None,
               help="Only requests whose model calls cost at least this many dollars.")
 @click.option("--sort", type=click.Choice(["newest", "cost"]), default="newest",
-              show_default=True, help="Newest first, or the costliest first.")
+              show_default=True,
+              help="Newest first, or the costliest first (only requests that cost something).")
 @click.option("--limit", type=click.IntRange(min=1, max=MAX_LIST), default=50,
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, one object a line.")

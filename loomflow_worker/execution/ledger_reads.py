@@ -34,16 +34,16 @@ def list_requests(
     by_cost: bool = False,
     limit: int,
 ) -> list[DictRow]:
-    """Up to ``limit`` requests, newest first (``by_cost``: the costliest
-    first), matching every filter given (ages by enqueue time; no
+    """Up to ``limit`` requests, newest first (``by_cost``: those that cost
+    something, the costliest first), matching every filter given (ages by enqueue time; no
     ``statuses``: any status; ``min_cost``: at least that many dollars)."""
-    return _rows(conn, "admin_list_runs", {
+    return _rows(conn, "admin_list_runs_by_cost" if by_cost else "admin_list_runs", {
         "session_id": session_id,
         "user_id": user_id,
         "statuses": list(statuses) or None,
         "older": older_than.total_seconds() if older_than is not None else None,
         "newer": newer_than.total_seconds() if newer_than is not None else None,
-        "min_cost": min_cost, "by_cost": by_cost,
+        "min_cost": min_cost,
         "limit": limit,
     })
 

@@ -30,10 +30,10 @@ from loomflow_worker.testing import DeterministicModel
 
 pytestmark = pytest.mark.anyio
 
-PROMPT = 'call echo {"tag": "a"}'
+PROMPT = 'call echo {{"tag": "{}"}}'
 #: The offline model's price, per million tokens, as a deployment would set it.
 PRICE = ModelPrice(input=3.0, output=15.0)
-#: Prompts whose model call after a tool call failed once already.
+#: Prompts whose model call after a tool call failed once already (each test its own).
 _failed: set[str] = set()
 
 
@@ -45,8 +45,9 @@ async def echo(tag: str) -> str:
 async def _fail_once_after_a_tool(messages: list[Message]) -> None:
     """The model call that follows a tool result fails the first time (the
     run fails: a retry), and answers on the next attempt."""
-    if messages and messages[-1].role == Role.TOOL and messages[0].content not in _failed:
-        _failed.add(messages[0].content)
+    prompt = next(m.content for m in messages if m.role == Role.USER)
+    if messages[-1].role == Role.TOOL and prompt not in _failed:
+        _failed.add(prompt)
         raise InvalidRequestError("the model call failed once")
 
 
@@ -68,6 +69,13 @@ async def _attempt(settings: Settings, request_id: str, prompt: str) -> str:
     finally:
         enqueue.close()
         await ctx.aclose()
+
+
+async def _retried(settings: Settings, request_id: str) -> None:
+    """Attempt 1 of ``request_id`` ends in a retry (its second model call
+    fails), attempt 2 succeeds."""
+    assert await _attempt(settings, request_id, PROMPT.format(request_id)) == "retry"
+    assert await _attempt(settings, request_id, PROMPT.format(request_id)) == "succeeded"
 
 
 async def _ledger(dsn: str, request_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -94,8 +102,7 @@ async def test_a_retried_request_counts_each_model_call_once_and_its_replay_apar
     billed for two calls; the replayed one is counted apart, at its price."""
     settings = Settings(database_url=dsn, events=False,  # type: ignore[arg-type]
                         prices={"deterministic": PRICE}, retry_backoff=0.01)
-    assert await _attempt(settings, "req-usage-retry", PROMPT) == "retry"
-    assert await _attempt(settings, "req-usage-retry", PROMPT) == "succeeded"
+    await _retried(settings, "req-usage-retry")
     run, attempts = await _ledger(dsn, "req-usage-retry")
     first, second = (a["usage"] for a in attempts)
     assert first["executed"]["calls"] == 1 and first["replayed"]["calls"] == 0
@@ -137,8 +144,7 @@ async def test_show_requests_and_usage_report_tokens_cost_and_replays(dsn: str) 
     `usage --by key` adds them up per fairness key."""
     settings = Settings(database_url=dsn, events=False,  # type: ignore[arg-type]
                         prices={"deterministic": PRICE}, retry_backoff=0.01)
-    assert await _attempt(settings, "req-usage-cli", PROMPT) == "retry"
-    assert await _attempt(settings, "req-usage-cli", PROMPT) == "succeeded"
+    await _retried(settings, "req-usage-cli")
     assert await _attempt(settings, "req-usage-small", "hi") == "succeeded"
     run, _ = await _ledger(dsn, "req-usage-cli")
     small, _ = await _ledger(dsn, "req-usage-small")
@@ -202,8 +208,7 @@ def test_a_bad_since_is_refused_saying_what_it_takes(dsn: str) -> None:
 async def test_the_console_shows_a_runs_usage_and_the_usage_page_adds_it_up(dsn: str) -> None:
     settings = Settings(database_url=dsn, events=False,  # type: ignore[arg-type]
                         prices={"deterministic": PRICE}, retry_backoff=0.01)
-    assert await _attempt(settings, "req-usage-page", PROMPT) == "retry"
-    assert await _attempt(settings, "req-usage-page", PROMPT) == "succeeded"
+    await _retried(settings, "req-usage-page")
     run, _ = await _ledger(dsn, "req-usage-page")
     with TestClient(create_app(settings), client=("127.0.0.1", 40000),
                     base_url="http://localhost:8040") as browser:

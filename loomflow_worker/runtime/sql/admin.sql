@@ -7,10 +7,9 @@
 SELECT current_setting('server_version');
 
 -- name: admin_list_runs
--- `loomflow-worker requests`: requests newest first (seq), or the costliest first
--- (by_cost), matching every filter given (NULL: none), ages by enqueue time on the
--- database's clock, at least min_cost dollars, at most `limit`; with each one's executed
--- (billed) tokens and cost.
+-- `loomflow-worker requests`: requests newest first (seq) matching every filter given (NULL:
+-- none), ages by enqueue time on the database's clock, at least min_cost dollars, at most
+-- `limit`; with each one's executed (billed) tokens and cost.
 SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
        holder AS worker, not_before,
        CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for, agent_version,
@@ -24,7 +23,27 @@ SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, fi
    AND (%(older)s::float8 IS NULL OR enqueued_at < now() - make_interval(secs => %(older)s))
    AND (%(newer)s::float8 IS NULL OR enqueued_at >= now() - make_interval(secs => %(newer)s))
    AND (%(min_cost)s::numeric IS NULL OR cost >= %(min_cost)s::numeric)
- ORDER BY CASE WHEN %(by_cost)s::boolean THEN cost END DESC NULLS LAST, seq DESC
+ ORDER BY seq DESC
+ LIMIT %(limit)s;
+
+-- name: admin_list_runs_by_cost
+-- `loomflow-worker requests --sort cost`: as admin_list_runs, the requests that cost
+-- something, the costliest first: a scan of runs_cost (migration 0038) in its order.
+SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
+       holder AS worker, not_before,
+       CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for, agent_version,
+       CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since,
+       model_calls, input_tokens + output_tokens + cache_read_tokens + cache_write_tokens
+           AS tokens, cost, price_unknown
+  FROM runs
+ WHERE cost > 0
+   AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
+   AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
+   AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s::text[]))
+   AND (%(older)s::float8 IS NULL OR enqueued_at < now() - make_interval(secs => %(older)s))
+   AND (%(newer)s::float8 IS NULL OR enqueued_at >= now() - make_interval(secs => %(newer)s))
+   AND (%(min_cost)s::numeric IS NULL OR cost >= %(min_cost)s::numeric)
+ ORDER BY cost DESC, seq DESC
  LIMIT %(limit)s;
 
 -- name: admin_run_status
