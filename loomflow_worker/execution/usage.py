@@ -85,8 +85,7 @@ class AttemptUsage:
         key, model = model_of(owner)
         slot = (key, model, replayed)
         self.calls[slot] = self.calls.get(slot, Tokens()) + tokens
-        _count(self.agent, key, tokens, self.prices.cost(key, model, tokens), replayed,
-               self.fairness_key)
+        _count(self, key, model, tokens, replayed)
 
     def __bool__(self) -> bool:
         return bool(self.calls)
@@ -129,11 +128,12 @@ class AttemptUsage:
         }
 
 
-def _count(agent: str, key: str, tokens: Tokens, cost: Decimal | None, replayed: bool,
-           fairness_key: str | None) -> None:
+def _count(usage: AttemptUsage, key: str, model: str, tokens: Tokens, replayed: bool) -> None:
+    """One model call in the token and cost counters, when metrics are on."""
     meter = metrics.get()
     if meter is None:
         return
+    agent, fairness_key = usage.agent, usage.fairness_key
     if replayed:
         meter.model_tokens_replayed.labels(agent, key).inc(tokens.total)
         return
@@ -143,6 +143,7 @@ def _count(agent: str, key: str, tokens: Tokens, cost: Decimal | None, replayed:
             meter.model_tokens.labels(agent, key, kind).inc(amount)
             if fairness_key is not None:
                 meter.model_tokens_by_key.labels(agent, key, kind, fairness_key).inc(amount)
+    cost = usage.prices.cost(key, model, tokens)
     if cost is not None:
         meter.model_cost.labels(agent, key).inc(float(cost))
         if fairness_key is not None:

@@ -139,3 +139,33 @@ def test_a_report_takes_a_duration_or_a_date_and_a_known_group() -> None:
         parse_since("yesterday")
     with pytest.raises(InvalidInput, match="one of agent, key, user, day"):
         usage_params("tenant", parse_since("1d"))
+
+
+def test_the_counters_take_a_tenant_label_only_when_asked() -> None:
+    from prometheus_client import REGISTRY
+
+    from loomflow_worker import metrics
+
+    metrics.setup()
+    reply = ("x", [], Usage(input_tokens=100, output_tokens=10), "stop")
+    prices = Prices({"m": ModelPrice(input=1, output=1)})
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    plain = {"agent": "a-unit", "model_key": "m", "kind": "input"}
+    by_key = {**plain, "fairness_key": "acme"}
+    before = (sample("loomflow_worker_model_tokens_total", **plain),
+              sample("loomflow_worker_model_tokens_by_fairness_key_total", **by_key))
+    model = _Paced(_Model())
+    model.usage_key = "m"
+    AttemptUsage("a-unit", prices)(model, reply, False)
+    AttemptUsage("a-unit", prices, fairness_key="acme")(model, reply, False)
+    AttemptUsage("a-unit", prices, fairness_key="acme")(model, reply, True)
+    assert sample("loomflow_worker_model_tokens_total", **plain) - before[0] == 200
+    assert sample("loomflow_worker_model_tokens_by_fairness_key_total", **by_key) - before[1] == 100
+    assert sample("loomflow_worker_model_tokens_replayed_total", agent="a-unit",
+                  model_key="m") == 110
+    # m is priced by the override, per million tokens: 100 in and 10 out.
+    assert sample("loomflow_worker_model_cost_dollars_by_fairness_key_total", agent="a-unit",
+                  model_key="m", fairness_key="acme") == pytest.approx(110 / 1_000_000)
