@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import UTC
 from decimal import Decimal
 from typing import Any
 
@@ -179,6 +180,10 @@ async def test_show_requests_and_usage_report_tokens_cost_and_replays(dsn: str) 
     assert row["model_calls"] == run["model_calls"] + small["model_calls"] == 3
     assert Decimal(row["cost"]) == run["cost"] + small["cost"]
     assert row["replayed_calls"] == 1 and Decimal(row["replayed_cost"]) == run["replayed_cost"]
+    by_day = _cli(dsn, "usage", "--by", "day", "--since", "1d", "--json", **env)
+    [day] = [json.loads(line) for line in by_day.output.splitlines()]
+    assert day["group"] == run["enqueued_at"].astimezone(UTC).date().isoformat()
+    assert day["requests"] == 2 and day["model_calls"] == 3
     table = _cli(dsn, "usage", "--by", "key", **env)
     assert table.exit_code == 0, table.output
     head, first, total, note = table.output.splitlines()

@@ -157,7 +157,7 @@ SELECT coalesce(s.agent, p.agent) AS agent, coalesce(s.version, p.version) AS ve
 SELECT CASE %(by)s::text WHEN 'agent' THEN agent
                          WHEN 'key' THEN fairness_key
                          WHEN 'user' THEN user_id
-                         ELSE to_char(enqueued_at AT TIME ZONE 'UTC', 'YYYY-MM-DD') END AS grp,
+                         ELSE ((enqueued_at AT TIME ZONE 'UTC')::date)::text END AS grp,
        count(*) AS requests, sum(model_calls) AS model_calls,
        sum(input_tokens) AS input_tokens, sum(output_tokens) AS output_tokens,
        sum(cache_read_tokens) AS cache_read_tokens, sum(cache_write_tokens) AS cache_write_tokens,
