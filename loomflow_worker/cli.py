@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, ParamSpec
 
 import click
@@ -391,6 +392,11 @@ def enqueue(
               help="Enqueued longer ago than this (e.g. 1d12h).")
 @click.option("--newer-than", type=Duration(), default=None,
               help="Enqueued within this (e.g. 90m).")
+@click.option("--min-cost", type=click.FloatRange(min=0), default=None,
+              help="Only requests whose model calls cost at least this many dollars.")
+@click.option("--sort", type=click.Choice(["newest", "cost"]), default="newest",
+              show_default=True,
+              help="Newest first, or the costliest first (only requests that cost something).")
 @click.option("--limit", type=click.IntRange(min=1, max=MAX_LIST), default=50,
               show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON, one object a line.")
@@ -404,13 +410,17 @@ def list_requests(
     statuses: tuple[str, ...],
     older_than: timedelta | None,
     newer_than: timedelta | None,
+    min_cost: float | None,
+    sort: str,
     limit: int,
     as_json: bool,
     direct: bool,
 ) -> None:
-    """List requests, newest first (times in UTC). Runs made through
-    PostgresRuntime outside Celery are not requests: --direct lists them."""
+    """List requests, newest first or the costliest first (times in UTC).
+    Runs made through PostgresRuntime outside Celery are not requests:
+    --direct lists them."""
     from . import admin
+    from .admin.usage import format_cost, format_tokens
 
     with admin.connect(_settings()) as conn:
         if direct:
@@ -419,7 +429,9 @@ def list_requests(
             return
         found = admin.list_requests(
             conn, session_id=session_id, user_id=user_id, statuses=statuses,
-            older_than=older_than, newer_than=newer_than, limit=limit,
+            older_than=older_than, newer_than=newer_than,
+            min_cost=None if min_cost is None else Decimal(str(min_cost)),
+            by_cost=sort == "cost", limit=limit,
         )
     if as_json:
         for row in found:
@@ -430,11 +442,13 @@ def list_requests(
                    "are not requests: --direct lists them)", err=True)
         return
     headers = ("REQUEST", "SESSION", "USER", "AGENT", "VERSION", "STATUS", "ATTEMPTS",
-               "ENQUEUED", "ETA", "FINISHED", "WORKER", "WAITS")
+               "ENQUEUED", "ETA", "FINISHED", "WORKER", "WAITS", "TOKENS", "COST")
     rows = [
         (r.request_id, r.session_id, r.user_id or "-", r.agent, r.agent_version or "-",
          r.status, str(r.attempts), _when(r.enqueued_at), _when(r.not_before),
-         _when(r.finished_at), r.worker or "-", r.waits() or "-")
+         _when(r.finished_at), r.worker or "-", r.waits() or "-",
+         format_tokens(r.tokens) if r.model_calls else "-",
+         format_cost(r.cost, r.price_unknown) if r.model_calls else "-")
         for r in found
     ]
     for line in _table(headers, rows):
@@ -512,6 +526,8 @@ def show(request_id: str, as_json: bool) -> None:
     elif detail.error:
         label = "error" if detail.status != "queued" else "last error"
         click.echo(f"{label:<9} {detail.error}")
+    for line in _usage_lines(detail):
+        click.echo(line)
     click.echo("")
     click.echo("attempts")
     if detail.attempts:
@@ -521,12 +537,12 @@ def show(request_id: str, as_json: bool) -> None:
             outcome = a.said(last=ongoing, running=ongoing)
             rows.append((str(a.attempt), a.worker, str(a.pid), a.agent_version or "-",
                          _when(a.started_at, precise=True), _when(a.ended_at, precise=True),
-                         outcome))
+                         outcome, *_attempt_usage(a.usage)))
             meaning = a.explained(last=ongoing, running=ongoing)
             if meaning is not None:
                 meanings.append(f"attempt {a.attempt}: {meaning}")
-        for line in _table(("#", "WORKER", "PID", "VERSION", "STARTED", "ENDED", "OUTCOME"),
-                           rows):
+        for line in _table(("#", "WORKER", "PID", "VERSION", "STARTED", "ENDED", "OUTCOME",
+                            "EXECUTED TOKENS", "COST", "REPLAYED TOKENS"), rows):
             click.echo("  " + line)
         for meaning in meanings:
             click.echo("  " + meaning)
@@ -549,6 +565,96 @@ def show(request_id: str, as_json: bool) -> None:
         for line in _table(("WRITTEN", "AFTER", "KIND", "STEP", "KEY", "HISTORY", "VALUE"),
                            steps):
             click.echo("  " + line)
+
+
+def _usage_lines(detail: Any) -> Iterator[str]:
+    """``show``'s model-call lines: the request's executed (billed) tokens and
+    cost, and what replays from the journal saved."""
+    from .admin.usage import format_cost, format_tokens
+
+    if not detail.model_calls and not detail.replayed_calls:
+        yield "tokens    - (no model call recorded)"
+        return
+    yield (f"tokens    {format_tokens(detail.input_tokens)} in, "
+           f"{format_tokens(detail.output_tokens)} out, "
+           f"{format_tokens(detail.cache_read_tokens)} cache read, "
+           f"{format_tokens(detail.cache_write_tokens)} cache write "
+           f"({detail.model_calls} model calls executed)")
+    cost = format_cost(detail.cost, detail.price_unknown)
+    yield "cost      " + cost + (
+        " (a model of no known price: set its price in LOOMFLOW_WORKER_PRICES)"
+        if detail.price_unknown else "")
+    if detail.replayed_calls:
+        yield (f"replayed  {detail.replayed_calls} model calls from the journal, not billed "
+               f"again: {format_tokens(detail.replayed_tokens)} tokens, "
+               f"{format_cost(detail.replayed_cost)} saved")
+
+
+def _attempt_usage(usage: dict[str, Any] | None) -> tuple[str, str, str]:
+    """An attempt's executed tokens, their cost and its replayed tokens, as
+    ``show`` lists them (``not recorded``: it ended without recording them,
+    e.g. its process was killed; the calls it journaled count in the
+    request's total through the next attempt's replay)."""
+    from .admin.usage import format_cost, format_tokens
+
+    if usage is None:
+        return "not recorded", "-", "-"
+    executed, replayed = usage["executed"], usage["replayed"]
+    tokens = executed["input"] + executed["output"] + executed["cache_read"] + \
+        executed["cache_write"]
+    replayed_tokens = replayed["input"] + replayed["output"] + replayed["cache_read"] + \
+        replayed["cache_write"]
+    return (f"{format_tokens(tokens)} ({executed['calls']} calls)",
+            format_cost(executed["cost"]) if executed["calls"] else "-",
+            f"{format_tokens(replayed_tokens)} ({replayed['calls']} calls)")
+
+
+# ---- usage ----------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--by", type=click.Choice(["agent", "key", "user", "day"]), default="agent",
+              show_default=True,
+              help="Group by agent, fairness key (tenant), user, or day (UTC).")
+@click.option("--since", default="30d", show_default=True,
+              help="Requests enqueued since: a duration back (7d, 12h) or a date in UTC "
+                   "(2026-12-01).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON, one object a line.")
+@handled
+def usage(by: str, since: str, as_json: bool) -> None:
+    """Tokens, cost, requests and replay savings per agent, fairness key,
+    user or day, from the ledger: executed model calls (billed) and those
+    replayed from the journal after a crash or a retry (not billed again)."""
+    from . import admin
+    from .admin.usage import format_cost, format_tokens, parse_since, totals, usage_report
+
+    start = parse_since(since)
+    with admin.connect(_settings()) as conn:
+        found = usage_report(conn, by, start)
+    if as_json:
+        for row in found:
+            _echo_json({**asdict(row), "group": row.grp, "tokens": row.tokens})
+        return
+    if not found:
+        click.echo(f"no model calls recorded since {_when(start)} (UTC)", err=True)
+        return
+    headers = (by.upper(), "REQUESTS", "CALLS", "INPUT", "OUTPUT", "CACHE READ",
+               "CACHE WRITE", "COST", "REPLAYED CALLS", "REPLAYED TOKENS", "SAVED")
+
+    def line(name: str, r: Any) -> tuple[str, ...]:
+        return (name, str(r.requests), str(r.model_calls), format_tokens(r.input_tokens),
+                format_tokens(r.output_tokens), format_tokens(r.cache_read_tokens),
+                format_tokens(r.cache_write_tokens), format_cost(r.cost, r.price_unknown),
+                str(r.replayed_calls), format_tokens(r.replayed_tokens),
+                format_cost(r.replayed_cost))
+
+    rows = [line(r.grp if r.grp is not None else "-", r) for r in found]
+    rows.append(line("total", totals(found)))
+    for text in _table(headers, rows):
+        click.echo(text)
+    click.echo(f"since {_when(start)} (UTC); cost in US dollars" + (
+        "; some models have no known price: set theirs in LOOMFLOW_WORKER_PRICES"
+        if any(r.price_unknown for r in found) else ""))
 
 
 # ---- tail -----------------------------------------------------------------------------------

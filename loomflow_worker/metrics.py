@@ -44,6 +44,11 @@ class Metrics:
     version_waiting: Any
     model_waits: Any
     model_wait_seconds: Any
+    model_tokens: Any
+    model_cost: Any
+    model_tokens_replayed: Any
+    model_tokens_by_key: Any
+    model_cost_by_key: Any
 
 
 _metrics: Metrics | None = None
@@ -151,6 +156,36 @@ def setup() -> Metrics:
                 "loomflow_worker_model_wait_seconds",
                 "Seconds model calls waited, by model key and reason",
                 ["model_key", "reason"],
+            ),
+            model_tokens=Counter(
+                "loomflow_worker_model_tokens",
+                "Tokens of the model calls runs executed (billed), by agent, model key and "
+                "kind (input, output, cache_read, cache_write); replayed calls are not counted",
+                ["agent", "model_key", "kind"],
+            ),
+            model_cost=Counter(
+                "loomflow_worker_model_cost_dollars",
+                "What the model calls runs executed cost, in US dollars, by agent and model "
+                "key (calls of a model with no known price count nothing here)",
+                ["agent", "model_key"],
+            ),
+            model_tokens_replayed=Counter(
+                "loomflow_worker_model_tokens_replayed",
+                "Tokens of model calls answered from the journal instead of the provider "
+                "(after a crash or a retry): not billed again",
+                ["agent", "model_key"],
+            ),
+            model_tokens_by_key=Counter(
+                "loomflow_worker_model_tokens_by_fairness_key",
+                "loomflow_worker_model_tokens by fairness key (tenant) as well; only with "
+                "LOOMFLOW_WORKER_USAGE_METRICS_BY_KEY",
+                ["agent", "model_key", "kind", "fairness_key"],
+            ),
+            model_cost_by_key=Counter(
+                "loomflow_worker_model_cost_dollars_by_fairness_key",
+                "loomflow_worker_model_cost_dollars by fairness key (tenant) as well; only with "
+                "LOOMFLOW_WORKER_USAGE_METRICS_BY_KEY",
+                ["agent", "model_key", "fairness_key"],
             ),
         )
     return _metrics

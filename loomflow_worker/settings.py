@@ -55,6 +55,19 @@ class ModelLimit(BaseModel):
         return self
 
 
+class ModelPrice(BaseModel):
+    """A model key's price in US dollars per million tokens, as negotiated:
+    input (not served from the prompt cache), output, and the prompt cache's
+    reads and writes (each the input price when left out)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: float = Field(ge=0, strict=True)
+    output: float = Field(ge=0, strict=True)
+    cache_read: float | None = Field(default=None, ge=0, strict=True)
+    cache_write: float | None = Field(default=None, ge=0, strict=True)
+
+
 def check_key(key: str, what: str = "model key") -> str:
     """A model key, fairness key or limit name: 1 to 64 bytes, printable."""
     if not isinstance(key, str) or not key.strip() or not key.isprintable():
@@ -226,6 +239,15 @@ class Settings(BaseSettings):
     # each worker's start; `loomflow-worker limits` changes them at run time.
     # A 429 or 529 from the provider pauses the key's calls in every case.
     model_limits: dict[str, ModelLimit] = Field(default_factory=dict)
+    # Prices in US dollars per million tokens, by model key (or model name), as
+    # JSON: e.g. {"anthropic": {"input": 3.0, "output": 15.0, "cache_read": 0.3,
+    # "cache_write": 3.75}}. They override the maintained price table
+    # (genai-prices) for negotiated prices; a model in neither has its tokens
+    # counted and its price reported unknown.
+    prices: dict[str, ModelPrice] = Field(default_factory=dict)
+    # Label the token and cost counters with the fairness key (tenant) as well:
+    # one series per tenant, so only for a bounded number of tenants.
+    usage_metrics_by_key: bool = False
     # Concurrency limits for the whole fleet, as JSON: at most N requests in
     # flight per fairness key ("per_key"), per agent ("agent:NAME"), or per
     # name agents share (register_agent(limits=[...])): e.g. {"per_key": 20,
@@ -290,9 +312,9 @@ class Settings(BaseSettings):
                 check_weight(weight)
         return value
 
-    @field_validator("model_limits")
+    @field_validator("model_limits", "prices")
     @classmethod
-    def _check_model_keys(cls, value: dict[str, ModelLimit]) -> dict[str, ModelLimit]:
+    def _check_model_keys(cls, value: dict[str, Any]) -> dict[str, Any]:
         for key in value:
             check_key(key)
         return value

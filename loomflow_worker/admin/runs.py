@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any, Protocol
 
 from psycopg.rows import dict_row
@@ -49,6 +50,12 @@ class RequestSummary:
     # when it waits, queued, for a worker of that version.
     agent_version: str | None = None
     version_wait_since: datetime | None = None
+    # Its model calls' executed (billed) tokens and cost in dollars, and
+    # whether some call's price is unknown.
+    model_calls: int = 0
+    tokens: int = 0
+    cost: Decimal = Decimal(0)
+    price_unknown: bool = False
 
     def waits(self) -> str | None:
         """Why it waits, when not merely for its turn."""
@@ -65,18 +72,25 @@ def list_requests(
     statuses: Sequence[str] = (),
     older_than: timedelta | None = None,
     newer_than: timedelta | None = None,
+    min_cost: Decimal | None = None,
+    by_cost: bool = False,
     limit: int = 50,
 ) -> list[RequestSummary]:
-    """Requests, newest first, matching every filter given (ages by enqueue time)."""
+    """Requests, newest first (``by_cost``: the costliest first), matching
+    every filter given (ages by enqueue time; ``min_cost``: at least that
+    many dollars)."""
     unknown = [s for s in statuses if s not in STATUSES]
     if unknown:
         raise InvalidInput(f"unknown status {unknown[0]!r}; one of {', '.join(STATUSES)}")
+    if min_cost is not None and not min_cost >= 0:
+        raise InvalidInput(f"a minimum cost is a number of dollars from 0 up, not {min_cost}")
     if not 1 <= limit <= MAX_LIST:
         raise InvalidInput(f"limit must be from 1 to {MAX_LIST}, not {limit}")
     with translated("query"):
         rows = ledger_reads.list_requests(
             conn, session_id=session_id, user_id=user_id, statuses=statuses,
-            older_than=older_than, newer_than=newer_than, limit=limit,
+            older_than=older_than, newer_than=newer_than, min_cost=min_cost, by_cost=by_cost,
+            limit=limit,
         )
     return [RequestSummary(**row) for row in rows]
 
@@ -141,6 +155,10 @@ class AttemptInfo:
     # other requests' runs died in that process.
     shared: bool = False
     died_with: int = 0
+    # Its model calls (None: it recorded none, e.g. its process was killed):
+    # "executed" and "replayed", each calls, tokens by kind and cost (dollars,
+    # None: unknown), and the same by model key under "keys".
+    usage: dict[str, Any] | None = None
 
     @property
     def died(self) -> bool:
@@ -314,6 +332,19 @@ class RequestDetail:
     # Deaths it shared with other runs of its process since it last completed
     # a step: at two, it runs apart (see AttemptInfo.explained).
     suspicion: int = 0
+    # Its model calls: executed (billed) tokens by kind and cost in dollars,
+    # whether some call's price is unknown, and what replays from the journal
+    # saved (calls, tokens, cost).
+    model_calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    cost: Decimal = Decimal(0)
+    price_unknown: bool = False
+    replayed_calls: int = 0
+    replayed_tokens: int = 0
+    replayed_cost: Decimal = Decimal(0)
     attempts: list[AttemptInfo] = field(default_factory=list)
     # Its moves to another version of its agent, oldest first.
     upgrades: list[UpgradeInfo] = field(default_factory=list)

@@ -38,6 +38,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from .. import admin
+from ..admin.usage import GROUPS, format_cost, format_tokens, parse_since, usage_said
 from ..events import aiter_events, describe_event, events_url
 from ..runtime.errors import InvalidInput, describe_dsn, driver_error
 from ..runtime.validate import check_id
@@ -122,7 +123,8 @@ class Pages:
         )
         self.env.filters.update(
             id_path=_id_path, when=_when, clock=_clock, ago=_ago, shorten=admin.shorten,
-            as_json=_json, duration=admin.format_duration,
+            as_json=_json, duration=admin.format_duration, cost=format_cost,
+            tokens=format_tokens, usage_said=usage_said,
         )
         self.env.globals.update(
             database=describe_dsn(settings.database_url.get_secret_value()),
@@ -229,6 +231,12 @@ def create_app(
         return pages.render("requests.html", rows=rows, filters=filters, older=older,
                             first=filters.before is None, direct=direct,
                             newest=urlencode(filters.query_string(before=None)))
+
+    async def usage_page(request: Request) -> Response:
+        by = request.query_params.get("by") or "agent"
+        since_text = request.query_params.get("since") or "30d"
+        view = await data.usage(db.pool, by, parse_since(since_text))
+        return pages.render("usage.html", view=view, groups=GROUPS, since_text=since_text)
 
     async def session_page(request: Request) -> Response:
         session_id = request.path_params["session_id"]
@@ -365,6 +373,7 @@ def create_app(
         Route("/runs/{request_id:path}/cancel", cancel_page, methods=["POST"]),
         Route("/runs/{request_id:run_id}", run_page),
         Route("/fleet", fleet_page),
+        Route("/usage", usage_page),
         Route("/login", login_page, methods=["GET", "POST"]),
         Route("/logout", logout_page, methods=["GET", "POST"]),
         Mount("/static", StaticFiles(packages=[("loomflow_worker.console", "static")]),

@@ -21,6 +21,7 @@ from psycopg.rows import class_row, dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from .. import admin
+from ..admin.usage import UsageRow, ordered, totals, usage_params
 from ..durations import shown
 from ..execution import ledger_views
 from ..execution.versions import VersionInfo
@@ -476,3 +477,25 @@ async def fleet(pool: Pool) -> FleetView:
             budgets=await _rows(conn, "model_budgets", {}, Budget),
             versions=await ledger_views.agent_versions(conn, VersionInfo),
         )
+
+
+# ---- the usage page ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UsageView:
+    """The usage page: its groups, their total, and the window it read."""
+
+    by: str
+    since: datetime
+    rows: list[UsageRow]
+    total: UsageRow
+
+
+async def usage(pool: Pool, by: str, since: datetime) -> UsageView:
+    """Tokens, cost, requests and replay savings per group of the requests
+    enqueued since ``since`` (as ``loomflow-worker usage``)."""
+    params = usage_params(by, since)
+    async with pool.connection() as conn:
+        rows = ordered(by, await ledger_views.usage_report(conn, UsageRow, params))
+    return UsageView(by, since, rows, totals(rows))

@@ -27,6 +27,7 @@ from loomflow.runtime.journaled import resuming_last_run
 
 from .. import metrics, sockets, tracing
 from ..events import EventPublisher, events_url
+from ..pricing import Prices
 from ..runtime import (
     Diverged,
     InvalidInput,
@@ -65,6 +66,7 @@ from .registry import (
 from .request import Kind, RunRequest, check_request, refuse_message
 from .runnables import agents_within, run_request
 from .statuses import TERMINAL
+from .usage import AttemptUsage
 from .versions import agent_version, queue_suffix
 
 log = logging.getLogger("loomflow_worker.tasks")
@@ -175,6 +177,8 @@ class WorkerContext:
         # runtime is up.
         self.budgets: Budgets | None = None
         self.limits: Limits | None = None
+        # What model calls cost (settings' prices over genai-prices' table).
+        self.prices = Prices(settings.prices)
         # Whether a run that would wait long for its model key gives its slot
         # back (a Celery worker, which publishes it again; not an in-process
         # caller, nor a request running alone).
@@ -818,13 +822,17 @@ async def _run_holding(
                            options)
         return Outcome("parked", dispatch=[started.older] if started.older_stale else [])
     assert started.epoch is not None
+    usage = AttemptUsage(req.agent, ctx.prices,
+                         req.fairness_key if ctx.settings.usage_metrics_by_key else None)
     try:
         ending: Ending | Retry | Paused | None = ending_before_run(started, ctx.settings, worker)
         if ending is None:
-            ending = await _run(ctx, runtime, lease, request_id, req, started, time_limit)
+            ending = await _run(ctx, runtime, lease, request_id, req, started, time_limit, usage)
         if isinstance(ending, Paused):
+            await _record_usage(lease, request_id, started.attempt, usage)
             return await _pause(lease, request_id, req, started, ending, options)
         if isinstance(ending, Retry):
+            await _record_usage(lease, request_id, started.attempt, usage)
             retry, attempt_no = ending, started.attempt
             await lease.io(
                 lambda conn: ledger.schedule_retry(
@@ -836,12 +844,23 @@ async def _run_holding(
                         extra={"action": "retry", **_log_fields(request_id, req)})
             return Outcome("retry", error=f"{type(retry.error).__name__}: {retry.error}",
                            countdown=retry.countdown)
-        return await _conclude(ctx, lease, request_id, req, started, ending)
+        return await _conclude(ctx, lease, request_id, req, started, ending, usage)
     except LockLost as exc:
         # Fenced while this worker lives: not a crash (see AttemptLost).
         raise AttemptLost(request_id, started.attempt, exc, worker) from exc
     except HandedBack:
+        await _record_usage(lease, request_id, started.attempt, usage)
         return Outcome("handed_back")
+
+
+async def _record_usage(lease: Lease, request_id: str, attempt: int, usage: AttemptUsage
+                        ) -> None:
+    """The attempt's model calls, recorded as it ends without finishing its
+    request (a retry, a pause, a hand-back): one statement, none without calls."""
+    if usage:
+        params = usage.params()
+        with anyio.CancelScope(shield=True):
+            await lease.io(lambda conn: ledger.record_usage(conn, request_id, attempt, params))
 
 
 async def _send_to_version(
@@ -957,15 +976,18 @@ async def _conclude(
     req: RunRequest,
     started: ledger.Started,
     ending: Ending,
+    usage: AttemptUsage | None = None,
 ) -> Outcome:
     """The one way a request ends: finished in the ledger (status, result,
-    epoch advance, the next request chosen, in one statement), its live
-    events closed, logged and counted; the outcome says what to hand over."""
+    epoch advance, the next request chosen, in one statement; the attempt's
+    model-call usage in the same round trip), its live events closed, logged
+    and counted; the outcome says what to hand over."""
     assert started.epoch is not None
     await lease.flush_last_run()
     with anyio.CancelScope(shield=True):
         chosen = await lease.send(ledger.finishing(
             request_id, req.scope, started.attempt, started.epoch or 0,
+            usage=usage.params() if usage else None,
             status=ending.status, result=ending.result, error=ending.error,
             error_type=ending.error_type,
         ))
@@ -988,10 +1010,12 @@ async def _run(
     req: RunRequest,
     started: ledger.Started,
     call_limit: float | None = None,
+    usage: AttemptUsage | None = None,
 ) -> Ending | Retry | Paused:
     """Run the agent; what happened, as an ending, a retry or a pause. A lost
     lock raises :class:`LockLost`; an outside stop (a shutdown) is re-raised
-    once the attempt is recorded as interrupted."""
+    once the attempt is recorded as interrupted. ``usage`` is told of the
+    run's model calls as their steps are journaled or replayed."""
     assert started.epoch is not None
     log_fields = _log_fields(request_id, req)
     log.info("request %s attempt %d at epoch %d", request_id, started.attempt, started.epoch,
@@ -1017,6 +1041,7 @@ async def _run(
     fence = anyio.CancelScope()
     lease.request_id, lease.attempt = request_id, started.attempt
     lease.upgraded = started.upgraded
+    lease.usage = usage
     if started.suspicion or started.lost_streak:
         # Its first completed step clears it of suspicion (and, running alone,
         # sends it back to its shared process, unless a cancel stops it there).
@@ -1059,6 +1084,7 @@ async def _run(
         finally:
             lease.request_id = lease.attempt = None
             lease.upgraded = False
+            lease.usage = None
             ctx._halts.pop(request_id, None)
             if meter is not None:
                 meter.steps.labels("executed").inc(runtime.stats.steps_executed - executed)

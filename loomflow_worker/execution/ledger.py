@@ -83,6 +83,7 @@ async def _fetchone(conn: Conn, name: str, params: Mapping[str, Any]) -> DictRow
 _PRECHECK = fastpath.Query.of("precheck_run")
 _START = fastpath.Query.of("start_request")
 _FINISH = fastpath.Query.of("finish_request")
+_RECORD_USAGE = fastpath.Query.of("record_usage")
 _HAND_OFF = fastpath.Query.of("hand_off")
 
 
@@ -682,11 +683,36 @@ async def finish(
 
 
 def finishing(
-    request_id: str, scope: str, attempt: int, epoch: int, **ending: Any
+    request_id: str, scope: str, attempt: int, epoch: int,
+    usage: Mapping[str, Any] | None = None, **ending: Any
 ) -> Batch[Handoff | None]:
-    """:func:`finish` as a turn for the lock connection."""
-    return _one(_FINISH, _finish_params(request_id, scope, attempt, epoch, **ending)
-                ).then(_handoff)
+    """:func:`finish` as a turn for the lock connection; with the attempt's
+    ``usage`` (``AttemptUsage.params``) recorded ahead of it, in its round trip."""
+    params = _finish_params(request_id, scope, attempt, epoch, **ending)
+    if usage is None:
+        return _one(_FINISH, params).then(_handoff)
+    recorded = usage_params(request_id, attempt, usage)
+
+    def read(conn: Conn, results: list[PGresult | psycopg.Error]) -> DictRow | None:
+        rows = fastpath.dicts(conn, fastpath.succeeded(results)[1])
+        return rows[0] if rows else None
+
+    return Batch(lambda conn: [_RECORD_USAGE.call(conn, recorded), _FINISH.call(conn, params)],
+                 read).then(_handoff)
+
+
+def usage_params(request_id: str, attempt: int, usage: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameters of ``record_usage``: the attempt's usage as ``AttemptUsage.params``."""
+    return {**usage, "usage": Jsonb(usage["usage"]), "request_id": request_id,
+            "attempt": attempt}
+
+
+async def record_usage(
+    conn: Conn, request_id: str, attempt: int, usage: Mapping[str, Any]
+) -> None:
+    """Record an attempt's model-call usage, and add it to its request's totals
+    (see ``record_usage``), as the attempt ends without finishing its request."""
+    await conn.execute(query("record_usage"), usage_params(request_id, attempt, usage))
 
 
 def _finish_params(request_id: str, scope: str, attempt: int, epoch: int, *, status: str,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -29,16 +30,20 @@ def list_requests(
     statuses: Sequence[str] = (),
     older_than: timedelta | None = None,
     newer_than: timedelta | None = None,
+    min_cost: Decimal | None = None,
+    by_cost: bool = False,
     limit: int,
 ) -> list[DictRow]:
-    """Up to ``limit`` requests, newest first, matching every filter given
-    (ages by enqueue time; no ``statuses``: any status)."""
-    return _rows(conn, "admin_list_runs", {
+    """Up to ``limit`` requests, newest first (``by_cost``: those that cost
+    something, the costliest first), matching every filter given (ages by enqueue time; no
+    ``statuses``: any status; ``min_cost``: at least that many dollars)."""
+    return _rows(conn, "admin_list_runs_by_cost" if by_cost else "admin_list_runs", {
         "session_id": session_id,
         "user_id": user_id,
         "statuses": list(statuses) or None,
         "older": older_than.total_seconds() if older_than is not None else None,
         "newer": newer_than.total_seconds() if newer_than is not None else None,
+        "min_cost": min_cost,
         "limit": limit,
     })
 
@@ -73,6 +78,12 @@ def agent_versions(conn: Conn) -> list[DictRow]:
     """Each version of each agent, from the fleet's registry and the requests
     pinned to it (see ``agent_versions``)."""
     return _rows(conn, "agent_versions", {})
+
+
+def usage_report(conn: Conn, params: Mapping[str, Any]) -> list[DictRow]:
+    """Tokens, cost, requests and replay savings per group (``usage_report``;
+    its parameters: ``admin.usage_params``)."""
+    return _rows(conn, "usage_report", params)
 
 
 def _rows(conn: Conn, name: str, params: Mapping[str, Any]) -> list[DictRow]:

@@ -116,6 +116,13 @@ async def swept(conn: AsyncConn, row: type[Row], *, limit: int) -> list[Row]:
     return await _rows(conn, row, "console_swept", {"limit": limit})
 
 
+async def usage_report(conn: AsyncConn, row: type[Row], params: Mapping[str, Any]
+                       ) -> list[Row]:
+    """Tokens, cost, requests and replay savings per group (``usage_report``;
+    its parameters: ``admin.usage_params``)."""
+    return await _rows(conn, row, "usage_report", params)
+
+
 async def _rows(
     conn: AsyncConn, row: type[Row], name: str, params: Mapping[str, Any]
 ) -> list[Row]:

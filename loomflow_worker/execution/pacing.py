@@ -228,6 +228,11 @@ class PacedModel:
     def name(self) -> str:
         return str(getattr(self._inner, "name", "model"))
 
+    @property
+    def usage_key(self) -> str:
+        """The key its calls' tokens and cost are counted under (see execution.usage)."""
+        return self.key
+
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._inner, attr)
 

@@ -559,6 +559,7 @@ class PostgresRuntime(JournaledRuntime):
         if found:
             self.stats.steps_replayed += 1
             tracing.replayed_step(name)
+            _tell_usage(lease, fn, value, replayed=True)
             call_id = kwargs.get("call_id")
             if isinstance(value, ToolResult) and isinstance(call_id, str) and (
                 value.call_id != call_id
@@ -575,6 +576,7 @@ class PostgresRuntime(JournaledRuntime):
             result = await fn(*args, **kwargs)
         await self._write_step(scope, key, result, later=True)
         self.stats.steps_executed += 1
+        _tell_usage(lease, fn, result, replayed=False)
         if lease is not None and lease.on_executed is not None:
             await lease.executed()
         return result
@@ -635,6 +637,7 @@ class PostgresRuntime(JournaledRuntime):
         if found:
             self.stats.steps_replayed += 1
             tracing.replayed_step(name)
+            _tell_usage(lease, fn, cached, replayed=True)
             for chunk in cached:
                 yield chunk
             return
@@ -652,6 +655,7 @@ class PostgresRuntime(JournaledRuntime):
         else:
             await self._pg.put_stream(scope, key, recorded)
         self.stats.steps_executed += 1
+        _tell_usage(lease, fn, recorded, replayed=False)
         if lease is not None and lease.on_executed is not None:
             await lease.executed()
 
@@ -739,3 +743,10 @@ class PostgresRuntime(JournaledRuntime):
         check_signal_name(name)
         blob = await self._signals.try_take(session_id, _waiter(user_id), name)
         return None if blob is None else self._decode_signal(blob, name)
+
+
+def _tell_usage(lease: Lease | None, fn: Any, value: Any, *, replayed: bool) -> None:
+    """Tell the run's usage (``Lease.usage``) of a step's result, with the
+    object whose method ``fn`` is (the model, for a model call)."""
+    if lease is not None and lease.usage is not None:
+        lease.usage(getattr(fn, "__self__", None), value, replayed)

@@ -278,6 +278,10 @@ class Lease:
         self.prefetched: tuple[OpenChoice, list[DictRow]] | None = None
         # Called once, after the run's next executed (not replayed) step.
         self.on_executed: Callable[[], Awaitable[Any]] | None = None
+        # Told of each step's result as it is journaled or replayed, with the
+        # object whose method made it (a model, for a model call) and whether
+        # it came from the journal: the attempt's usage (see execution.usage).
+        self.usage: Callable[[Any, Any, bool], None] | None = None
         # The concurrency limit slots the run holds (advisory lock keys on its
         # lock connection), released with its scope.
         self.slots: list[int] = []

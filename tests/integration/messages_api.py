@@ -45,6 +45,9 @@ class Received:
     status: int
     error: str | None = None
     minted: tuple[str, ...] = ()
+    # The usage it reported (input_tokens, cache_creation_input_tokens,
+    # cache_read_input_tokens, output_tokens), for an answered request.
+    usage: dict[str, int] = field(default_factory=dict)
 
     @property
     def streamed(self) -> bool:
@@ -136,6 +139,20 @@ def _check_tool_pairing(messages: list[dict[str, Any]]) -> None:
                 f"immediately after: {', '.join(missing)}. Each `tool_use` block must have a "
                 "corresponding `tool_result` block in the next message.",
             )
+
+
+def _usage(body: dict[str, Any], turn: int, content: list[dict[str, Any]]) -> dict[str, int]:
+    """What a reply reports it used, about four characters a token, as the
+    real API does with prompt caching: the system prompt and tools (the
+    cached prefix) written to the cache by a run's first call and read from
+    it by the calls after; the messages at the full input rate."""
+    prefix = len(json.dumps([body.get("system"), body.get("tools")])) // 4
+    return {
+        "input_tokens": len(json.dumps(body.get("messages"))) // 4,
+        "cache_creation_input_tokens": prefix if turn == 0 else 0,
+        "cache_read_input_tokens": prefix if turn > 0 else 0,
+        "output_tokens": len(json.dumps(content)) // 4,
+    }
 
 
 def _new_id(prefix: str) -> str:
@@ -300,7 +317,8 @@ class MessagesAPI:
             )
             return
         minted = tuple(b["id"] for b in message["content"] if b["type"] == "tool_use")
-        self._record(Received(handler.path, body, api_key, turn, 200, None, minted))
+        self._record(Received(handler.path, body, api_key, turn, 200, None, minted,
+                              message["usage"]))
         if body.get("stream"):
             self._send_sse(handler, message)
         else:
@@ -344,12 +362,7 @@ class MessagesAPI:
             "content": content,
             "stop_reason": stop_reason,
             "stop_sequence": None,
-            "usage": {
-                "input_tokens": len(json.dumps(body)) // 4,
-                "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": 0,
-                "output_tokens": len(json.dumps(content)) // 4,
-            },
+            "usage": _usage(body, turn, content),
         }
 
     def admitted(self) -> list[float]:

@@ -21,11 +21,12 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
+from loomflow_worker.pricing import Prices, Tokens
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet, ledger
-from .helpers import steps_journaled_twice, tool_counts
-from .messages_api import ANSWER, API_KEY, PROMPT, MessagesAPI, serving
+from .helpers import cli, steps_journaled_twice, tool_counts
+from .messages_api import ANSWER, API_KEY, MODEL, PROMPT, MessagesAPI, serving
 
 pytestmark = pytest.mark.slow
 
@@ -106,6 +107,47 @@ def test_a_pool_child_killed_mid_tool_sends_no_completed_model_call_again(
     first, second, last = api.received
     assert last.tool_result_ids() == [*first.minted, *second.minted]
     _assert_ran_once_after_crash(fleet, result.id)
+    _assert_usage_counted_once(fleet, result.id, api)
+
+
+def _tokens(reported: dict[str, int]) -> Tokens:
+    return Tokens(1, reported["input_tokens"], reported["output_tokens"],
+                  reported["cache_read_input_tokens"], reported["cache_creation_input_tokens"])
+
+
+def _assert_usage_counted_once(fleet: Fleet, request_id: str, api: MessagesAPI) -> None:
+    """The usage the API reported is the request's, each call counted once:
+    attempt 1 (killed) recorded none, attempt 2 replayed the first two calls
+    (not billed again) and executed the third; the request's executed totals
+    are all three calls, priced by genai-prices' table for the model."""
+    calls = [_tokens(r.usage) for r in api.received]
+    assert calls[0].cache_write > 0 and calls[1].cache_read > 0  # the stand-in reports both
+    billed, replayed = calls[0] + calls[1] + calls[2], calls[0] + calls[1]
+    price = Prices({})
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT model_calls, input_tokens, output_tokens, cache_read_tokens, "
+            "cache_write_tokens, cost, price_unknown, replayed_calls, replayed_tokens, "
+            "replayed_cost FROM runs WHERE request_id = %s", (request_id,)).fetchone()
+        attempts = [r[0] for r in conn.execute(
+            "SELECT usage FROM run_attempts WHERE request_id = %s ORDER BY attempt",
+            (request_id,))]
+    assert row == (3, billed.input, billed.output, billed.cache_read, billed.cache_write,
+                   sum(price.cost("claude", MODEL, c) or 0 for c in calls), False,
+                   2, replayed.total,
+                   sum(price.cost("claude", MODEL, c) or 0 for c in calls[:2]))
+    assert row[5] > 0
+    assert attempts[0] is None
+    assert Tokens.of_dict(attempts[1]["executed"]) == calls[2]
+    assert Tokens.of_dict(attempts[1]["replayed"]) == replayed
+    assert attempts[1]["keys"][MODEL]["model"] == MODEL
+    shown = cli(fleet, "show", request_id)
+    assert shown.returncode == 0, shown.stderr
+    assert (f"tokens    {billed.input:,} in, {billed.output:,} out, {billed.cache_read:,} "
+            f"cache read, {billed.cache_write:,} cache write (3 model calls executed)"
+            ) in shown.stdout
+    assert "replayed  2 model calls from the journal, not billed again" in shown.stdout
+    assert "not recorded" in shown.stdout
 
 
 def test_a_deploy_with_new_instructions_keeps_the_request_until_it_is_upgraded(

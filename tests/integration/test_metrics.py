@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import psycopg
 import pytest
 
 from loomflow_worker.tasks import run_agent
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.slow
 def test_the_metrics_endpoint_shows_the_counters_moving(fleet: Fleet) -> None:
     port = free_port()
     fleet.start("w1", concurrency=2, cli=True, TEST_TOOL_SLEEP="0.3",
-                LOOMFLOW_WORKER_METRICS_PORT=str(port))
+                LOOMFLOW_WORKER_METRICS_PORT=str(port),
+                LOOMFLOW_WORKER_PRICES='{"deterministic": {"input": 1, "output": 2}}')
     first = run_agent.delay(calls("m1"), "s1")
     first.get(timeout=60)
     before = scrape(port)
@@ -39,6 +41,18 @@ def test_the_metrics_endpoint_shows_the_counters_moving(fleet: Fleet) -> None:
     assert after[executed] > during.get(executed, 0) > 0
     assert after['loomflow_worker_attempts_total{kind="first"}'] == 3
     assert after.get("loomflow_worker_handoff_seconds_count", 0) >= 1  # m5 waited for m2-m4
+    # The model calls' tokens and cost, as the ledger has them (no replays here).
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT agent, sum(input_tokens), sum(output_tokens), sum(cost) "
+                           "FROM runs GROUP BY agent").fetchone()
+    assert row is not None
+    agent, input_tokens, output_tokens, cost = row
+    tokens = 'loomflow_worker_model_tokens_total{{agent="{}",kind="{}",model_key="deterministic"}}'
+    assert after[tokens.format(agent, "input")] == input_tokens
+    assert after[tokens.format(agent, "output")] == output_tokens
+    assert after[f'loomflow_worker_model_cost_dollars_total{{agent="{agent}",'
+                 'model_key="deterministic"}'] == pytest.approx(float(cost)) and cost > 0
+    assert not any("fairness_key" in name for name in after)  # no tenant labels unless asked
     # The event loop's lag is sampled as the process runs.
     assert after["loomflow_worker_loop_lag_seconds_count"] > during.get(
         "loomflow_worker_loop_lag_seconds_count", 0) > 0

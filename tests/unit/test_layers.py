@@ -131,6 +131,8 @@ LAYERS = {
     f"{NAME}.admin": {f"{NAME}.tasks", f"{NAME}.cli", f"{NAME}.demo", CONSOLE},
     f"{NAME}.durations": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.admin",
                           f"{NAME}.cli", CONSOLE},
+    f"{NAME}.pricing": {f"{NAME}.runtime", f"{NAME}.execution", f"{NAME}.tasks",
+                        f"{NAME}.admin", f"{NAME}.cli", f"{NAME}.metrics", CONSOLE},
     f"{NAME}.settings": {f"{NAME}.runtime", f"{NAME}.execution", f"{NAME}.tasks",
                          f"{NAME}.admin", f"{NAME}.cli", f"{NAME}.events", CONSOLE},
     f"{NAME}.events": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.admin", f"{NAME}.cli",

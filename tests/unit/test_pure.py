@@ -12,10 +12,12 @@ from loomflow_worker.runtime.validate import check_id
 from loomflow_worker.testing import DeterministicModel, UnmatchedToolResult, plan
 
 
-def test_every_query_loads_and_migrations_are_numbered_without_gaps() -> None:
+def test_every_query_loads_and_migrations_are_numbered_in_order() -> None:
     assert {"put_step", "load_namespace", "take_signal_into_journal"} <= set(queries())
     versions = [m.version for m in migrations()]
-    assert versions == list(range(1, versions[-1] + 1))
+    # Each number once, from 1 up; a number may be held for a change made beside
+    # this one (0037), so a gap is allowed.
+    assert versions[0] == 1 and versions == sorted(set(versions))
 
 
 def test_lock_keys_are_stable_signed_bigints() -> None:

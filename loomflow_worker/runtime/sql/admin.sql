@@ -8,18 +8,42 @@ SELECT current_setting('server_version');
 
 -- name: admin_list_runs
 -- `loomflow-worker requests`: requests newest first (seq) matching every filter given (NULL:
--- none), ages by enqueue time on the database's clock, at most `limit`.
+-- none), ages by enqueue time on the database's clock, at least min_cost dollars, at most
+-- `limit`; with each one's executed (billed) tokens and cost.
 SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
        holder AS worker, not_before,
        CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for, agent_version,
-       CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since
+       CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since,
+       model_calls, input_tokens + output_tokens + cache_read_tokens + cache_write_tokens
+           AS tokens, cost, price_unknown
   FROM runs
  WHERE (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
    AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
    AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s::text[]))
    AND (%(older)s::float8 IS NULL OR enqueued_at < now() - make_interval(secs => %(older)s))
    AND (%(newer)s::float8 IS NULL OR enqueued_at >= now() - make_interval(secs => %(newer)s))
+   AND (%(min_cost)s::numeric IS NULL OR cost >= %(min_cost)s::numeric)
  ORDER BY seq DESC
+ LIMIT %(limit)s;
+
+-- name: admin_list_runs_by_cost
+-- `loomflow-worker requests --sort cost`: as admin_list_runs, the requests that cost
+-- something, the costliest first: a scan of runs_cost (migration 0039) in its order.
+SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
+       holder AS worker, not_before,
+       CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for, agent_version,
+       CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since,
+       model_calls, input_tokens + output_tokens + cache_read_tokens + cache_write_tokens
+           AS tokens, cost, price_unknown
+  FROM runs
+ WHERE cost > 0
+   AND (%(session_id)s::text IS NULL OR session_id = %(session_id)s::text)
+   AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s::text)
+   AND (%(statuses)s::text[] IS NULL OR status = ANY(%(statuses)s::text[]))
+   AND (%(older)s::float8 IS NULL OR enqueued_at < now() - make_interval(secs => %(older)s))
+   AND (%(newer)s::float8 IS NULL OR enqueued_at >= now() - make_interval(secs => %(newer)s))
+   AND (%(min_cost)s::numeric IS NULL OR cost >= %(min_cost)s::numeric)
+ ORDER BY cost DESC, seq DESC
  LIMIT %(limit)s;
 
 -- name: admin_run_status
@@ -44,7 +68,9 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind,
        CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for,
        agent_version, CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since,
        v.live AS version_live, v.seen_at AS version_seen_at,
-       suspicion
+       suspicion,
+       model_calls, input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, cost,
+       price_unknown, replayed_calls, replayed_tokens, replayed_cost
   FROM runs r
   LEFT JOIN LATERAL (
       SELECT bool_or(w.stopped_at IS NULL
@@ -66,11 +92,12 @@ SELECT at, from_version, to_version, by FROM run_upgrades
 -- console's lane of an attempt whose worker died ends), how apart from other
 -- runs it ran, and, for one whose worker died, whether that death was shared
 -- with other runs of its process (then not a crash of this request, as
--- start_request charges it) and how many other requests' runs died with it.
+-- start_request charges it) and how many other requests' runs died with it;
+-- and its model calls' usage (NULL: it recorded none).
 SELECT a.attempt, a.worker, a.pid, a.epoch, a.started_at, a.ended_at, a.outcome,
        a.agent_version, a.isolation,
        lead(a.started_at) OVER (ORDER BY a.attempt) AS next_started_at,
-       coalesce(d.shared, false) AS shared, coalesce(d.died_with, 0) AS died_with
+       coalesce(d.shared, false) AS shared, coalesce(d.died_with, 0) AS died_with, a.usage
   FROM run_attempts a
   LEFT JOIN LATERAL (
       SELECT (loomflow_worker_last_attempt(a.request_id, a.attempt)).shared,
@@ -163,3 +190,25 @@ SELECT run_id AS request_id, 0::bigint AS seq, scope, session_id, user_id,
        pid, outcome
   FROM direct_runs
  WHERE run_id = %(request_id)s;
+
+-- name: usage_report
+-- `loomflow-worker usage` and the console's usage page: the requests enqueued since `since`
+-- that called a model, grouped by agent, fairness key, user or day (UTC): how many, their
+-- model calls, executed (billed) tokens by kind and cost, whether some price is unknown, and
+-- what replays saved (tokens and cost answered from the journal). An index-only scan of the
+-- window on runs_usage (migration 0039), costliest group first.
+SELECT CASE %(by)s::text WHEN 'agent' THEN agent
+                         WHEN 'key' THEN fairness_key
+                         WHEN 'user' THEN user_id
+                         ELSE ((enqueued_at AT TIME ZONE 'UTC')::date)::text END AS grp,
+       count(*) AS requests, sum(model_calls) AS model_calls,
+       sum(input_tokens) AS input_tokens, sum(output_tokens) AS output_tokens,
+       sum(cache_read_tokens) AS cache_read_tokens, sum(cache_write_tokens) AS cache_write_tokens,
+       sum(cost) AS cost, bool_or(price_unknown) AS price_unknown,
+       sum(replayed_calls) AS replayed_calls, sum(replayed_tokens) AS replayed_tokens,
+       sum(replayed_cost) AS replayed_cost
+  FROM runs
+ WHERE enqueued_at >= %(since)s AND (model_calls > 0 OR replayed_calls > 0)
+ GROUP BY 1
+ ORDER BY sum(cost) DESC, 1
+ LIMIT %(limit)s;

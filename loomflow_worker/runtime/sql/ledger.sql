@@ -797,3 +797,28 @@ WITH ended AS (
 )
 UPDATE runs SET status = 'queued', dispatched_at = now(), holder_pid = NULL
  WHERE request_id = %(request_id)s AND status = 'running' AND attempts = %(attempt)s;
+
+-- name: record_usage
+-- An attempt's model-call usage, written with its end (ahead of its finish, in the same
+-- round trip, or before its retry or pause): the attempt's own, and the request's totals.
+-- Executed tokens add up; each total also takes at least what the attempt replayed plus
+-- executed, which holds every call journaled so far: the calls of an attempt killed
+-- before it recorded its own count once, through the replay.
+WITH attempt AS (
+    UPDATE run_attempts SET usage = %(usage)s::jsonb
+     WHERE request_id = %(request_id)s AND attempt = %(attempt)s
+)
+UPDATE runs SET
+    model_calls = GREATEST(model_calls + %(calls)s::int, %(r_calls)s::int + %(calls)s::int),
+    input_tokens = GREATEST(input_tokens + %(input)s::bigint, %(r_input)s::bigint + %(input)s::bigint),
+    output_tokens = GREATEST(output_tokens + %(output)s::bigint, %(r_output)s::bigint + %(output)s::bigint),
+    cache_read_tokens = GREATEST(cache_read_tokens + %(cache_read)s::bigint,
+                                 %(r_cache_read)s::bigint + %(cache_read)s::bigint),
+    cache_write_tokens = GREATEST(cache_write_tokens + %(cache_write)s::bigint,
+                                  %(r_cache_write)s::bigint + %(cache_write)s::bigint),
+    cost = GREATEST(cost + %(cost)s::numeric, %(r_cost)s::numeric + %(cost)s::numeric),
+    price_unknown = price_unknown OR %(price_unknown)s::boolean,
+    replayed_calls = replayed_calls + %(r_calls)s::int,
+    replayed_tokens = replayed_tokens + %(r_tokens)s::bigint,
+    replayed_cost = replayed_cost + %(r_cost)s::numeric
+ WHERE request_id = %(request_id)s;
