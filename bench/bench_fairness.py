@@ -165,6 +165,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="bob's fairness weight on the fair shares side (1)")
     parser.add_argument("--latency", type=float, default=0.2,
                         help="seconds each model call waits (0.2)")
+    parser.add_argument("--only", default=None,
+                        help="run only these sides, comma-separated: defaults, off, per_key, "
+                             "fair_queue")
     args = parser.parse_args(argv)
     if min(args.backlog, args.second, args.concurrency) < 1:
         parser.error("--backlog, --second and --concurrency must be at least 1")
@@ -189,12 +192,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"settings: --backlog {args.backlog} --second {args.second} --concurrency "
           f"{args.concurrency} --per-key {per_key} --fair-queue {fair_queue} --bob-weight "
           f"{args.bob_weight:g} --latency {args.latency:g}", flush=True)
-    sides = [run_side("defaults", args, base_env, admin_dsn, redis_url),
-             run_side("off", args, base_env, admin_dsn, redis_url, {"fair_queue": 0}),
-             run_side(f"per_key {per_key}", args, base_env, admin_dsn, redis_url,
-                      {"per_key": per_key}),
-             run_side(f"fair_queue {fair_queue}", args, base_env, admin_dsn, redis_url,
-                      {"fair_queue": fair_queue}, {"bob": args.bob_weight})]
+    wanted = set(args.only.split(",")) if args.only else None
+    plans = [("defaults", "defaults", None, None),
+             ("off", "off", {"fair_queue": 0}, None),
+             ("per_key", f"per_key {per_key}", {"per_key": per_key}, None),
+             ("fair_queue", f"fair_queue {fair_queue}", {"fair_queue": fair_queue},
+              {"bob": args.bob_weight})]
+    sides = [run_side(label, args, base_env, admin_dsn, redis_url, limits, weights)
+             for name, label, limits, weights in plans if wanted is None or name in wanted]
     print("\n".join(report(sides)))
     return 0
 
