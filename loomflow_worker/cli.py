@@ -514,8 +514,7 @@ def show(request_id: str, as_json: bool) -> None:
                   if detail.not_before is not None else "")
     click.echo(f"times     enqueued {_when(detail.enqueued_at)}{not_before}, started "
                f"{_when(detail.started_at)}, finished {_when(detail.finished_at)} (UTC)")
-    click.echo(f"counts    {detail.attempts_count} attempts, {detail.failures} failures, "
-               f"{detail.crashes} crashes")
+    click.echo(f"counts    {detail.counts()}")
     for note in detail.counts_explained():
         click.echo(f"          {note}")
     click.echo("prompt    " + admin.shorten(detail.prompt, 200))

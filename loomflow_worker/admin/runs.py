@@ -375,6 +375,12 @@ class RequestDetail:
                 f"{self.agent_version} {since} (UTC); {alive} "
                 f"(start one, or move it: loomflow-worker upgrade {self.request_id})")
 
+    def counts(self) -> str:
+        """Its attempts, failures and crashes, as `show` and the run page say them."""
+        return ", ".join(f"{n} {word if n == 1 else plural}" for n, word, plural in (
+            (self.attempts_count, "attempt", "attempts"), (self.failures, "failure", "failures"),
+            (self.crashes, "crash", "crashes")))
+
     def counts_explained(self) -> list[str]:
         """What its crash count counts, when an attempt's worker died: each
         death charged to it (a crash) or shared with other runs (none), and

@@ -114,7 +114,7 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
     assert "status    succeeded" in text
     assert "output    done: recorded a, recorded b" in text
     assert 'call record {"tag": "a"}' in text and '"ticket": 7' in text
-    assert "1 attempts, 0 failures, 0 crashes" in text
+    assert "1 attempt, 0 failures, 0 crashes" in text
     assert "succeeded" in text.split("attempts\n", 1)[1].splitlines()[1]
     version = re.search(r"^version   ([0-9a-f]{12})$", text, re.MULTILINE)
     assert version is not None, text  # pinned to the version its attempt ran, waiting for none
@@ -187,7 +187,7 @@ def test_show_after_a_sigkill_mid_tool_says_which_steps_replayed(fleet: Fleet) -
     assert replayed == {"recorded t1"} and fresh == {"recorded t2", "recorded t3"}
 
     text = cli(fleet, "show", request_id).stdout
-    assert "2 attempts, 0 failures, 1 crashes" in text
+    assert "2 attempts, 0 failures, 1 crash" in text
     attempt_rows = text.split("attempts\n", 1)[1].split("\n\n", 1)[0]
     assert "worker died" in attempt_rows and "succeeded" in attempt_rows
     journal = text.split("journal ", 1)[1].splitlines()

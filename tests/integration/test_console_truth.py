@@ -107,7 +107,7 @@ def test_a_death_alone_says_it_is_a_crash_of_the_request(
 
     page = client.get(f"/runs/{killed}").text
     counts = _counts(page)
-    assert "1 crashes" in counts
+    assert "1 crash" in counts
     assert "attempt 1's worker died while no other run died with it: counted as a crash" in counts
     assert ("its worker process died while it ran alone with no other request's run dying "
             "there: a crash of this request") in _attempt_row(page, 1)
