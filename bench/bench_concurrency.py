@@ -43,7 +43,10 @@ the way the side was loaded.
 commit REF (a worktree of it, its schema migrated by its own code into a database of its
 own), and prints ours' runs/s and worker CPU per run against it: what a change costs, measured
 side by side (e.g. ``--backlog --concurrency 1000 --runs 3000 --only-threads --against
-e3dc7a1``: agent versions against the commit before them).
+e3dc7a1``: agent versions against the commit before them). This process enqueues into
+REF's database with this code, so REF must have this code's schema: a REF before a
+migration is refused by its own workers once migrated, and refuses this code's enqueue
+before. Across a migration, run this script at each commit instead, one after the other.
 
 ``--tracing RATIO`` has our workers export OpenTelemetry traces over OTLP/HTTP, set up the
 standard way (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_TRACES_SAMPLER=parentbased_traceidratio``
@@ -100,10 +103,8 @@ from bench.bench_celery import (  # noqa: E402
     ours_config,
     teardown,
 )
-from bench.bench_orphans import _migrate  # noqa: E402
 from bench.bench_runtime import create_database, database_uri  # noqa: E402
 from loomflow_worker import sockets, tasks  # noqa: E402
-from loomflow_worker.execution import limits as concurrency_limits  # noqa: E402
 
 MODEL_CALLS = 3
 TARGET_IDEAL_RATIO = 1.15
@@ -612,11 +613,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if worktree is not None:
             ref_env, ref_settings = against(args.against, worktree, dsns["ref"], redis_url,
                                             prefix, f"lfwb-{tag}-ref", base_env)
-            # This process enqueues into REF's database with this code: the
-            # schema this code reads at enqueue goes on top of REF's (as a
-            # rolling deploy's first new process migrates under old workers),
-            # and fair shares, which REF's workers do not serve, are off.
-            anyio.run(_migrate_for_enqueue, dsns["ref"])
         print(f"{args.runs} runs on {args.runs} sessions, 3 model calls (each waiting "
               f"{args.latency:g}s) and 2 tool calls per run; "
               f"{'a backlog enqueued before each worker starts; ' if args.backlog else ''}"
@@ -683,12 +679,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT,
                            capture_output=True, check=False)
     return 0
-
-
-async def _migrate_for_enqueue(dsn: str) -> None:
-    await _migrate(dsn)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        concurrency_limits.write(conn, "fair_queue", 0)
 
 
 def against(
