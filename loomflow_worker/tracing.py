@@ -70,6 +70,14 @@ def _tracer() -> Any:
     return None if api is None else api.get_tracer(SCOPE)
 
 
+def _recording() -> bool:
+    """Whether a tracer provider is set: without one, the API's proxy makes
+    only spans that record nothing."""
+    api = _trace_api()
+    return api is not None and not isinstance(api.get_tracer_provider(),
+                                              api.ProxyTracerProvider)
+
+
 def malformed(carrier: Mapping[str, Any]) -> str | None:
     """What is wrong with ``carrier``'s ``traceparent`` (and ``tracestate``),
     or ``None`` when they are well formed or absent."""
@@ -192,10 +200,13 @@ def attempt_span(headers: Mapping[str, Any] | None, request_id: str, agent: str 
                  quarantine: int = 0) -> Iterator[AttemptTrace | None]:
     """The span of one attempt (a consumer span under the request's enqueue),
     current for the attempt's steps and loomflow's spans; ``None`` without
-    the API. ``quarantine``: it runs in a process of quarantine (1 among a
-    few suspects, 2 alone)."""
-    tracer = _tracer()
+    the API, or with no tracer provider set (an attempt records nothing
+    then, and spends nothing on spans: its trace context is kept in the
+    ledger for its republished messages all the same). ``quarantine``: it
+    runs in a process of quarantine (1 among a few suspects, 2 alone)."""
+    tracer = _tracer() if _recording() else None
     if tracer is None:
+        parent_of(headers, request_id)  # a malformed traceparent is said all the same
         yield None
         return
     from opentelemetry.trace import SpanKind

@@ -96,12 +96,35 @@ def test_an_enqueue_outside_any_trace_carries_nothing() -> None:
         assert carried == {}
 
 
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tracer provider is taken as set: this process sets none (a global
+    set once), and without one an attempt makes no span."""
+    monkeypatch.setattr(tracing, "_recording", lambda: True)
+
+
+def test_without_a_tracer_provider_an_attempt_makes_no_span(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with tracing.attempt_span({"traceparent": PARENT}, "r1", "default", "s1", "w1") as traced:
+        assert traced is None
+        with tracing.executed_step("model_call_1"):
+            pass
+    with caplog.at_level(logging.WARNING, logger="loomflow_worker.tracing"), \
+            tracing.attempt_span({"traceparent": "00-nonsense"}, "r2", None, None, None):
+        pass
+    assert any("request r2" in r.getMessage() and "ignored" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.usefixtures("recording")
 def test_an_attempt_continues_the_trace_its_headers_carry() -> None:
     with tracing.attempt_span({"traceparent": PARENT}, "r1", "default", "s1", "w1") as traced:
         assert traced is not None
         assert format(trace.get_current_span().get_span_context().trace_id, "032x") == TRACE_ID
 
 
+@pytest.mark.usefixtures("recording")
 def test_a_malformed_traceparent_is_ignored_with_a_log_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -113,6 +136,7 @@ def test_a_malformed_traceparent_is_ignored_with_a_log_line(
                for r in caplog.records)
 
 
+@pytest.mark.usefixtures("recording")
 def test_an_attempt_counts_its_replayed_and_executed_steps() -> None:
     with tracing.attempt_span({"traceparent": PARENT}, "r1", None, None, None) as traced:
         assert traced is not None
