@@ -92,6 +92,12 @@ def signal_waits(hook: Callable[[str, str, float], None]) -> Iterator[None]:
 _UNSET: Any = object()
 
 
+#: How long a run made outside Celery waits, at most, for its record in
+#: ``direct_runs`` to be written (seconds): a healthy database answers in
+#: milliseconds; past it the run goes on (or ends, or raises) unrecorded.
+DIRECT_RECORD_WAIT = 0.5
+
+
 class RuntimeOptions(TypedDict, total=False):
     """How a runtime behaves whatever its pool: the keyword arguments of
     :class:`PostgresRuntime`, which :meth:`PostgresRuntime.connect` passes on
@@ -455,9 +461,12 @@ class PostgresRuntime(JournaledRuntime):
             "error": None if error is None else error[:500]})
 
     async def _record_direct(self, name: str, params: dict[str, Any]) -> bool:
+        # A record for the console: it never holds a run up, however the
+        # database answers (a frozen link, a full pool).
         try:
-            async with self._pg.pool.connection() as conn:
-                await conn.execute(query(name), params)
+            with anyio.fail_after(DIRECT_RECORD_WAIT):
+                async with self._pg.pool.connection(timeout=DIRECT_RECORD_WAIT) as conn:
+                    await conn.execute(query(name), params)
         except Exception as exc:
             if not self._direct_unrecorded:
                 log.warning("could not record a run made outside Celery in direct_runs "
