@@ -281,3 +281,22 @@ def wait_fleet_page(client: Any, worker: str, expected: tuple[str, int],
             return
         time.sleep(0.1)
     raise AssertionError(f"the fleet page shows {worker} as {shown}, not {expected}")
+
+
+def cell(header: str, row: str, name: str) -> str:
+    """The cell of column ``name`` in ``row`` of a table the CLI printed under
+    ``header`` (its columns are left-aligned: a cell starts where its name does)."""
+    names = header.split()
+    starts = _starts(header, names)
+    at = names.index(name)
+    end = starts[at + 1] if at + 1 < len(starts) else None
+    return row[starts[at]:end].strip()
+
+
+def _starts(header: str, names: list[str]) -> list[int]:
+    starts, at = [], 0
+    for name in names:
+        at = header.index(name, at)
+        starts.append(at)
+        at += len(name)
+    return starts

@@ -34,6 +34,7 @@ from .celery_harness import (
 )
 from .helpers import (
     calls,
+    cell,
     cli,
     connected_to,
     enqueued,
@@ -91,13 +92,16 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
     assert table.returncode == 0, table.stderr
     header, *rows = lines(table.stdout)
     assert header.split() == ["REQUEST", "SESSION", "USER", "AGENT", "VERSION", "STATUS",
-                              "ATTEMPTS", "ENQUEUED", "ETA", "FINISHED", "WORKER", "WAITS"]
+                              "ATTEMPTS", "ENQUEUED", "ETA", "FINISHED", "WORKER", "WAITS",
+                              "TOKENS", "COST"]
     assert [r.split()[0] for r in rows] == [second_id, first_id]  # newest first
     for row in rows:
         cells = row.split()
         assert cells[1:4] == ["s1", "u1", "default"] and cells[5:7] == ["succeeded", "1"]
         assert re.fullmatch(r"[0-9a-f]{12}", cells[4])  # the version it ran
-        assert ":" in cells[-2] and cells[-1] == "-"  # the worker (node:pid); no wait
+        # The worker (node:pid); no wait.
+        assert ":" in cell(header, row, "WORKER") and cell(header, row, "WAITS") == "-"
+
 
     # `runs`, the command's first name, lists them too.
     as_json = [json.loads(line) for line in lines(cli(fleet, "runs", "--json").stdout)]

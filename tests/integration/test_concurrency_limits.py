@@ -17,7 +17,7 @@ from loomflow_worker.runtime.errors import InvalidInput
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet, wait_sweeps_for
-from .helpers import calls, cli, tool_executions, wait_until
+from .helpers import calls, cell, cli, tool_executions, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -127,7 +127,8 @@ def test_a_slot_freed_by_a_killed_worker_goes_to_a_parked_request(fleet: Fleet) 
     # Held back at its enqueue: it waits in the ledger for her slot.
     assert _waiting(fleet.dsn, second.id) == "limit per_key:alice"
     listed = cli(fleet, "requests", "--user", "alice", "--status", "queued")
-    assert listed.stdout.splitlines()[1].split()[-2:] == ["limit", "per_key:alice"], listed
+    header, row = listed.stdout.splitlines()[:2]
+    assert cell(header, row, "WAITS") == "limit per_key:alice", listed
     # While the limit is full the sweeper leaves the parked request alone
     # (past its grace of 1 s, it would publish a parked request it thought lost).
     wait_sweeps_for(fleet, 1.5)
