@@ -178,19 +178,27 @@ _attempt: contextvars.ContextVar[AttemptTrace | None] = contextvars.ContextVar(
     "loomflow_worker_attempt_trace", default=None)
 
 
-def parent_of(headers: Mapping[str, Any] | None, request_id: str) -> Any:
-    """The context an attempt's span continues: the trace of the message's
-    headers. A malformed ``traceparent`` is ignored with a log line (the
-    attempt starts a new trace); ``None`` when there is none to continue."""
+def _carries_trace(headers: Mapping[str, Any] | None, request_id: str) -> bool:
+    """Whether ``headers`` carry a trace to continue. A malformed
+    ``traceparent`` is ignored with a log line (the attempt starts a new trace)."""
     if not headers or "traceparent" not in headers:
-        return None
+        return False
     problem = malformed(headers)
     if problem is not None:
         log.warning("request %s: %s; ignored, its attempt starts a new trace", request_id,
                     problem, extra={"action": "trace_ignored", "request": request_id})
+        return False
+    return True
+
+
+def parent_of(headers: Mapping[str, Any] | None, request_id: str) -> Any:
+    """The context an attempt's span continues: the trace of the message's
+    headers (see :func:`_carries_trace`); ``None`` when there is none to continue."""
+    if not _carries_trace(headers, request_id):
         return None
     from opentelemetry import propagate
 
+    assert headers is not None
     return propagate.extract(carried(headers))
 
 
@@ -206,7 +214,7 @@ def attempt_span(headers: Mapping[str, Any] | None, request_id: str, agent: str 
     runs in a process of quarantine (1 among a few suspects, 2 alone)."""
     tracer = _tracer() if _recording() else None
     if tracer is None:
-        parent_of(headers, request_id)  # a malformed traceparent is said all the same
+        _carries_trace(headers, request_id)  # a malformed traceparent is said all the same
         yield None
         return
     from opentelemetry.trace import SpanKind
