@@ -68,12 +68,19 @@ def _resumed(dsn: str, sent: list[Sent] | list[str], after: datetime) -> list[da
     return [r[1] for r in rows]
 
 
+#: How long a tool call lasts in the process that is killed, frozen or stopped.
+W1_TOOL_SLEEP = "20"
+
+
 def _fill_one_process(
     fleet: Fleet, runs: int, *, cli: bool = False, **env: str
 ) -> tuple[list[Sent], datetime]:
     """``runs`` requests in flight in worker w1 (threads pool), a spare worker w2 ready;
-    returns them and the database's clock at that moment."""
-    fleet.start("w1", concurrency=runs, cli=cli, pool="threads", **env)
+    returns them and the database's clock at that moment. w1's tool calls last
+    long enough that every run is still in flight in it once w2 is ready,
+    however slowly w2 starts on a loaded machine."""
+    fleet.start("w1", concurrency=runs, cli=cli, pool="threads",
+                **{**env, "TEST_TOOL_SLEEP": W1_TOOL_SLEEP})
     sent = [send(i, f"s{i}", "u", letters="abc") for i in range(runs)]
     _wait_running(fleet.dsn, _ids(sent))
     fleet.start("w2", concurrency=runs, pool="threads", **env)
@@ -126,9 +133,9 @@ def test_fifty_runs_on_one_lock_connection_fenced_together(fleet: Fleet) -> None
     assert row == (0,)
 
 
-#: A hundred runs at once: each tool call takes longer, so that every run is
-#: still in flight once the spare worker is ready, however slowly it starts.
-HUNDRED = {**FAST_RECOVERY, "TEST_TOOL_SLEEP": "5"}
+#: A hundred runs at once; in the spare worker that resumes them, each tool
+#: call takes a second.
+HUNDRED = {**FAST_RECOVERY, "TEST_TOOL_SLEEP": "1"}
 
 
 def test_a_process_killed_with_a_hundred_runs_in_flight(fleet: Fleet) -> None:
@@ -271,8 +278,6 @@ def test_soft_shutdown_with_a_hundred_runs_in_flight_loses_none(fleet: Fleet) ->
 
 def test_a_frozen_process_is_fenced_as_a_whole(fleet: Fleet) -> None:
     install_journal_audit(fleet.dsn)
-    # Tool calls as long as HUNDRED's: every run is still in flight once the
-    # spare worker is ready, however slowly it starts.
     sent, cut = _fill_one_process(fleet, 30, **HUNDRED)
     assert running_count(fleet.dsn, _ids(sent)) == 30
     frozen = fleet.workers["w1"]
