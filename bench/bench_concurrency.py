@@ -44,9 +44,8 @@ commit REF (a worktree of it, its schema migrated by its own code into a databas
 own), and prints ours' runs/s and worker CPU per run against it: what a change costs, measured
 side by side (e.g. ``--backlog --concurrency 1000 --runs 3000 --only-threads --against
 e3dc7a1``: agent versions against the commit before them). This process enqueues into
-REF's database with this code, so REF must have this code's schema: a REF before a
-migration is refused by its own workers once migrated, and refuses this code's enqueue
-before. Across a migration, run this script at each commit instead, one after the other.
+REF's database with REF's own code (a process started in its worktree), so REF may be
+before a migration: its schema and its enqueue are its own.
 
 ``--tracing RATIO`` has our workers export OpenTelemetry traces over OTLP/HTTP, set up the
 standard way (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_TRACES_SAMPLER=parentbased_traceidratio``
@@ -66,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import signal
@@ -606,13 +606,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix=f"lfw_bench_concurrency_{tag}_"))
     fleet = Fleet(logs, tag, base_env)
     worktree = logs / "against" if args.against else None
+    ref_enqueuer: Enqueuer | None = None
     try:
         for name in dbnames.values():
             create_database(admin_dsn, name)
         anyio.run(migrate, dsns["ours"], dsns["plain"])
         if worktree is not None:
-            ref_env, ref_settings = against(args.against, worktree, dsns["ref"], redis_url,
-                                            prefix, f"lfwb-{tag}-ref", base_env)
+            ref_env = against(args.against, worktree, dsns["ref"], redis_url, prefix,
+                              f"lfwb-{tag}-ref", base_env)
+            ref_enqueuer = Enqueuer(worktree, {**base_env, **ref_env})
         print(f"{args.runs} runs on {args.runs} sessions, 3 model calls (each waiting "
               f"{args.latency:g}s) and 2 tool calls per run; "
               f"{'a backlog enqueued before each worker starts; ' if args.backlog else ''}"
@@ -631,11 +633,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return tasks.run_agent.delay(prompt, session)
 
         def ref_submit(prompt: str, session: str) -> AsyncResult:
-            # Enqueued by this code into the database REF's code migrated.
-            if configured[0] is not ref_settings:
-                tasks.configure(ref_settings)
-                configured[0] = ref_settings
-            return tasks.run_agent.delay(prompt, session)
+            # Enqueued by REF's code, read back by this process's result backend.
+            if configured[0] is not ours_settings:
+                tasks.configure(ours_settings)
+                configured[0] = ours_settings
+            assert ref_enqueuer is not None
+            return tasks.app.AsyncResult(ref_enqueuer.delay(prompt, session))
 
         def plain_submit(prompt: str, session: str) -> AsyncResult:
             return plain.run_agent.delay(prompt, session)
@@ -674,6 +677,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if sink is not None:
             sink.close()
+        if ref_enqueuer is not None:
+            ref_enqueuer.close()
         teardown(fleet, redis_url, prefix, admin_dsn, dbnames.values())
         if worktree is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=ROOT,
@@ -684,16 +689,53 @@ def main(argv: Sequence[str] | None = None) -> int:
 def against(
     ref: str, worktree: Path, dsn: str, redis_url: str, prefix: str, queue: str,
     base_env: dict[str, str],
-) -> tuple[dict[str, str], Any]:
+) -> dict[str, str]:
     """A worktree of commit ``ref`` at ``worktree``, its schema migrated into
-    ``dsn`` by its own code; its workers' environment and settings."""
+    ``dsn`` by its own code; its processes' environment."""
     subprocess.run(["git", "worktree", "add", "--detach", str(worktree), ref], cwd=ROOT,
                    check=True, capture_output=True, text=True)
-    env, settings = ours_config(dsn, redis_url, prefix, queue)
+    env, _ = ours_config(dsn, redis_url, prefix, queue)
     env["PYTHONPATH"] = str(worktree)
     subprocess.run([sys.executable, "-m", "loomflow_worker.cli", "migrate"], cwd=worktree,
                    env={**base_env, **env}, check=True, capture_output=True, text=True)
-    return env, settings
+    return env
+
+
+#: Enqueues each JSON line's prompt and session with the code of the folder it
+#: runs in, and prints the request's id.
+ENQUEUE_LINES = """
+import json, sys
+from loomflow_worker import tasks
+tasks.configure()
+for line in sys.stdin:
+    prompt, session = json.loads(line)
+    print(tasks.run_agent.delay(prompt, session).id, flush=True)
+"""
+
+
+class Enqueuer:
+    """A process that enqueues with another commit's code (its schema may differ
+    from this code's), one request at a time."""
+
+    def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", ENQUEUE_LINES], cwd=cwd, env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def delay(self, prompt: str, session: str) -> str:
+        """Enqueue one request; its id."""
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(json.dumps([prompt, session]) + "\n")
+        self._process.stdin.flush()
+        request_id = self._process.stdout.readline().strip()
+        if not request_id:
+            raise RuntimeError(f"the enqueuing process ended (exit {self._process.wait()})")
+        return request_id
+
+    def close(self) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.close()
+        self._process.wait(timeout=30)
 
 
 if __name__ == "__main__":
