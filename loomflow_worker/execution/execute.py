@@ -50,6 +50,7 @@ from .errors import AttemptLost, HandedBack, Paused
 from .errors import RunCancelled as RunCancelled
 from .errors import RunDead as RunDead
 from .errors import RunFailed as RunFailed
+from .fair_turns import FairTurns
 from .limits import Bound, Limits, set_limits
 from .limits import take as take_limits
 from .pacing import Budgets, RunPacing, pace, pacing_run, set_model_limits
@@ -177,6 +178,10 @@ class WorkerContext:
         # runtime is up.
         self.budgets: Budgets | None = None
         self.limits: Limits | None = None
+        # How this process publishes requests whose fair turn came (set by a
+        # Celery worker; without it a run's end hands them to its caller).
+        self.publish_turns: Callable[[list[Pending]], None] | None = None
+        self._fair_turns: FairTurns | None = None
         # What model calls cost (settings' prices over genai-prices' table).
         self.prices = Prices(settings.prices)
         # Whether a run that would wait long for its model key gives its slot
@@ -267,6 +272,15 @@ class WorkerContext:
                         load=lambda: len(self._halts),
                     )
             return self._runtime
+
+    def fair_turns(self) -> FairTurns | None:
+        """The process's looks for requests whose fair turn came, once its
+        runtime is up, when it publishes them itself."""
+        if (self._fair_turns is None and self.publish_turns is not None
+                and self._runtime is not None and self.limits is not None):
+            self._fair_turns = FairTurns(self._runtime.pool, self.limits.fair,
+                                         self.publish_turns)
+        return self._fair_turns
 
     async def version(self, name: str) -> str:
         """The version of agent ``name`` as this process builds it."""
@@ -472,6 +486,9 @@ class WorkerContext:
         if self.events is not None:
             await self.events.aclose()
             self.events = None
+        if self._fair_turns is not None:
+            await self._fair_turns.aclose()
+            self._fair_turns = None
         if self._runtime is not None:
             await self._runtime.aclose()
             self._runtime = None
@@ -606,8 +623,11 @@ async def execute(
         async with runtime.pool.connection() as conn:
             for bound in freed:
                 outcome.dispatch.extend(await ledger.next_on_limit(conn, bound.reason, 1))
-    if ctx.limits is not None and await ctx.limits.fair():
-        # Its message left the broker: room for a request held for its fair turn.
+    # Its message left the broker: room for a request held for its fair turn.
+    turns = ctx.fair_turns()
+    if turns is not None:
+        turns.poke()
+    elif ctx.limits is not None and await ctx.limits.fair():
         async with runtime.pool.connection() as conn:
             outcome.dispatch.extend(await ledger.fair_next(conn))
     if ctx.events is not None:

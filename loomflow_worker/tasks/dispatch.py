@@ -59,6 +59,16 @@ def dispatch_many(pendings: list[Pending]) -> None:
                 dispatch(pending, producer)
 
 
+def dispatch_turns(pendings: list[Pending]) -> None:
+    """Publish requests the ledger sent on their fair turn, as one batch: a
+    broker that refuses it leaves each to the sweeper."""
+    try:
+        dispatch_many(pendings)
+    except dispatch_errors() as exc:
+        for pending in pendings:
+            dispatch_deferred(pending.request_id, "queued (its fair turn came)", exc)
+
+
 def dispatch_deferred(request_id: str, state: str, exc: BaseException) -> None:
     """The broker refused the message of a request the ledger has as ``state``:
     log it and mark the request for the sweeper."""

@@ -22,7 +22,7 @@ from ..execution.registry import DEFAULT_AGENT
 from ..execution.request import Kind
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
 from .alone import run_alone
-from .dispatch import dispatch_recorded, options_json
+from .dispatch import dispatch_recorded, dispatch_turns, options_json
 from .eta import arrival
 from .retry import retry_within
 from .state import PROCESS
@@ -166,7 +166,10 @@ def _backoff(task: AgentTask) -> float:
 
 def _attempt(task: AgentTask, request_id: str, args: dict[str, Any]) -> Outcome:
     """One attempt of the request on this process's loop."""
-    attempt = execute(PROCESS.worker_context(), request_id, args, task.kind,
+    ctx = PROCESS.worker_context()
+    if ctx.publish_turns is None:
+        ctx.publish_turns = dispatch_turns  # fair turns go out in batches, from the loop
+    attempt = execute(ctx, request_id, args, task.kind,
                       task.request.hostname, time_limit=_call_time_limit(task),
                       options=functools.partial(_message_options, task, task.request),
                       arrival=arrival(task.request, task.app))

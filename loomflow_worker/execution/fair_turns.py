@@ -1,0 +1,88 @@
+"""Publishing the requests held for their fair turn as runs end, one look at
+a time per process.
+
+Each run's end makes room in the broker for a request held in the ledger for
+its fair turn (see ``loomflow_worker_fair_next``). A process ending dozens of
+runs a second does not look once for each: ends that come while a look is
+under way, or within :data:`LOOK_EVERY` of the last, are answered by the next
+look, which publishes as many as there is room for then. So the looks cost a
+statement every few tens of milliseconds, not one per run, and their messages
+go out in one batch over one broker connection. A look that fails is left to
+the sweeper's leader, which publishes held requests on each sweep."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import anyio
+from psycopg_pool import AsyncConnectionPool
+
+from . import ledger
+from .pending import Pending
+
+log = logging.getLogger(__name__)
+
+#: At most one look per this many seconds per process: a request held for its
+#: turn waits that much longer at worst, and a busy process makes a few dozen
+#: looks a second at most, whatever its rate of ends.
+LOOK_EVERY = 0.02
+
+
+class FairTurns:
+    """Looks for requests whose fair turn came, as runs end (:meth:`poke`),
+    and hands them to ``publish`` (blocking: it runs in a thread)."""
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool,
+        fair: Callable[[], Awaitable[bool]],
+        publish: Callable[[list[Pending]], None],
+        every: float = LOOK_EVERY,
+    ) -> None:
+        self._pool = pool
+        self._fair = fair
+        self._publish = publish
+        self._every = every
+        self._asked = False
+        self._looking: asyncio.Task[None] | None = None
+
+    def poke(self) -> None:
+        """A run ended (on the process's loop): look soon."""
+        self._asked = True
+        if self._looking is None:
+            self._looking = asyncio.get_running_loop().create_task(
+                self._looks(), name="loomflow-worker fair turns")
+
+    async def _looks(self) -> None:
+        try:
+            while self._asked:
+                self._asked = False
+                try:
+                    await self.look()
+                except Exception as exc:  # the sweeper publishes them
+                    log.warning("could not publish requests waiting their fair turn (%s); "
+                                "the sweeper will", exc, extra={"action": "fair_turn"})
+                await asyncio.sleep(self._every)
+        finally:
+            self._looking = None
+
+    async def look(self) -> int:
+        """Publish the requests whose fair turn came now; how many."""
+        if not await self._fair():
+            return 0
+        async with self._pool.connection() as conn:
+            turn = await ledger.fair_next(conn)
+        if turn:
+            await anyio.to_thread.run_sync(self._publish, turn)
+        return len(turn)
+
+    async def aclose(self) -> None:
+        """Stop looking (a look under way is cancelled: the sweeper publishes
+        what it marked and did not send)."""
+        task, self._looking = self._looking, None
+        if task is not None:
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(task, return_exceptions=True)
