@@ -6,6 +6,7 @@ budget has room again (raised, or its period rolled over by the clock)."""
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -131,7 +132,7 @@ async def test_a_budget_in_dollars_spends_the_cost(dsn: str) -> None:
         await ctx.aclose()
     cost = _one(dsn, "SELECT cost FROM runs WHERE request_id = 'acme-usd'")[0]
     row = _budgets(dsn)[0]
-    assert cost > 0 and row.spent == cost and (row.unit, str(row.amount)) == ("usd", "0.5")
+    assert cost > 0 and row.spent == cost and (row.unit, row.amount) == ("usd", Decimal("0.5"))
 
 
 async def test_a_refusing_budget_refuses_the_enqueue_and_writes_nothing(dsn: str) -> None:
