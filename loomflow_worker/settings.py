@@ -147,10 +147,11 @@ def check_budget_name(name: str) -> str:
 
 def check_key(key: str, what: str = "model key") -> str:
     """A model key, fairness key or limit name: 1 to 64 bytes, printable."""
+    article = "an" if what[:1] in "aeiou" else "a"
     if not isinstance(key, str) or not key.strip() or not key.isprintable():
-        raise ValueError(f"a {what} is a non-empty printable name")
+        raise ValueError(f"{article} {what} is a non-empty printable name")
     if len(key.encode()) > MAX_KEY_BYTES:
-        raise ValueError(f"a {what} is at most {MAX_KEY_BYTES} bytes")
+        raise ValueError(f"{article} {what} is at most {MAX_KEY_BYTES} bytes")
     return key
 
 
