@@ -6,14 +6,18 @@ budget has room again (raised, or its period rolled over by the clock)."""
 
 from __future__ import annotations
 
+import html
+import re
 from decimal import Decimal
 from typing import Any
 
 import psycopg
 import pytest
 from loomflow import Agent
+from starlette.testclient import TestClient
 
 from loomflow_worker import NoMemory, register_agent
+from loomflow_worker.console.app import create_app
 from loomflow_worker.execution import budgets, ledger
 from loomflow_worker.execution.errors import OverBudget
 from loomflow_worker.execution.execute import WorkerContext, execute
@@ -90,6 +94,12 @@ async def test_a_spent_budget_parks_its_tenants_next_request_until_raised_or_rol
             f"for tenant acme's daily budget of 1 tokens (spent {tokens:,}); resets ")
         assert waiting_for.endswith(" 00:00 UTC or when raised"), waiting_for
         assert _budgets(dsn)[0].waiting == 1
+        # The console's run page says so too.
+        with TestClient(create_app(settings), client=("127.0.0.1", 40000),
+                        base_url="http://localhost:8040") as browser:
+            page = browser.get("/runs/acme-2")
+        shown = re.search(r'<dd id="waits">([^<]*)</dd>', page.text)
+        assert shown is not None and html.unescape(shown[1]) == waiting_for, page.text
         # The sweeper's wake leaves it while the budget is spent.
         with psycopg.connect(dsn, autocommit=True) as conn:
             assert budgets.wake(conn) == []
