@@ -957,8 +957,7 @@ def _list_limits(as_json: bool) -> None:
     if spends:
         for line in _table(["BUDGET", "AMOUNT", "PER", "SPENT", "RESETS", "OVER", "WAITING",
                             "SOURCE"],
-                           [[b.name, budgets.amount_said(b.amount, b.unit), b.period,
-                             budgets.amount_said(b.spent, b.unit), _when(b.resets_at),
+                           [[b.name, b.amount_text, b.period, b.spent_text, _when(b.resets_at),
                              b.over, str(b.waiting), _source(b.source, b.set_by)]
                             for b in spends]):
             click.echo(line)

@@ -36,7 +36,7 @@ from decimal import Decimal
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import class_row, dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from ..runtime.errors import InvalidInput
@@ -151,8 +151,25 @@ class BudgetRow:
     waiting: int
 
 
+    @property
+    def amount_text(self) -> str:
+        return amount_said(self.amount, self.unit)
+
+    @property
+    def spent_text(self) -> str:
+        return amount_said(self.spent, self.unit)
+
+
 def read(conn: SyncConn) -> list[BudgetRow]:
-    return [BudgetRow(*row) for row in conn.execute(query("cost_budgets")).fetchall()]
+    """Every budget, as ``limits`` lists it."""
+    return conn.cursor(row_factory=class_row(BudgetRow)).execute(query("cost_budgets")).fetchall()
+
+
+async def read_async(conn: Conn) -> list[BudgetRow]:
+    """:func:`read` on an async connection: the console's fleet page."""
+    cur = conn.cursor(row_factory=class_row(BudgetRow))
+    await cur.execute(query("cost_budgets"))
+    return await cur.fetchall()
 
 
 def write(conn: SyncConn, name: str, budget: Budget | None, by: str) -> None:

@@ -98,8 +98,14 @@ async def test_a_spent_budget_parks_its_tenants_next_request_until_raised_or_rol
         with TestClient(create_app(settings), client=("127.0.0.1", 40000),
                         base_url="http://localhost:8040") as browser:
             page = browser.get("/runs/acme-2")
+            fleet = browser.get("/fleet")
         shown = re.search(r'<dd id="waits">([^<]*)</dd>', page.text)
         assert shown is not None and html.unescape(shown[1]) == waiting_for, page.text
+        # And its fleet page lists the budget: spent, and one request waiting on it.
+        row = re.search(r'<tr data-budget="acme">(.*?)</tr>', fleet.text)
+        assert row is not None, fleet.text
+        assert f'<td class="num spent">{tokens:,} tokens</td>' in row[1], row[1]
+        assert '<td class="num waiting">1</td>' in row[1], row[1]
         # The sweeper's wake leaves it while the budget is spent.
         with psycopg.connect(dsn, autocommit=True) as conn:
             assert budgets.wake(conn) == []

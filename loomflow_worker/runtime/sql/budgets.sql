@@ -45,8 +45,9 @@ DELETE FROM cost_budgets WHERE name = %(name)s RETURNING name;
 
 -- name: cost_budgets
 -- Every budget, with what it spent in the current period, when that period
--- ends, and how many requests wait for it (runs_waiting_budget).
-SELECT b.name, b.amount, b.unit, b.period, b.when_over,
+-- ends, and how many requests wait for it (runs_waiting_budget): `limits` and
+-- the console's fleet page.
+SELECT b.name, b.amount, b.unit, b.period, b.when_over AS over,
        loomflow_worker_budget_spent(b, now()) AS spent,
        loomflow_worker_period_start(b.period, now()) + ('1 ' || b.period)::interval AS resets_at,
        b.updated_at, b.source, b.set_by,
