@@ -23,6 +23,7 @@ from loomflow_worker.execution.errors import OverBudget
 from loomflow_worker.execution.execute import WorkerContext, execute
 from loomflow_worker.execution.limits import command_by
 from loomflow_worker.execution.request import check_request
+from loomflow_worker.runtime.errors import InvalidInput
 from loomflow_worker.settings import Settings, budget_of
 from loomflow_worker.testing import DeterministicModel
 
@@ -130,6 +131,16 @@ async def test_a_spent_budget_parks_its_tenants_next_request_until_raised_or_rol
         assert await _attempt(ctx, "acme-3", "acme") == "succeeded"
         assert _budgets(dsn)[0].spent == _one(
             dsn, "SELECT input_tokens + output_tokens FROM runs WHERE request_id = 'acme-3'")[0]
+        # Spent again; the budget is removed: its waiter runs.
+        _set(dsn, "acme", 1)
+        _enqueue(settings, "acme-4", "acme")
+        assert await _attempt(ctx, "acme-4", "acme") == "parked"
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            budgets.write(conn, "acme", None, command_by())
+            assert [p.request_id for p in budgets.wake(conn)] == ["acme-4"]
+            with pytest.raises(InvalidInput, match="no budget is named 'acme'"):
+                budgets.write(conn, "acme", None, command_by())
+        assert await _attempt(ctx, "acme-4", "acme") == "succeeded"
     finally:
         await ctx.aclose()
 
