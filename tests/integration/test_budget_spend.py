@@ -13,7 +13,9 @@ from typing import Any
 
 import psycopg
 import pytest
-from loomflow import Agent
+from loomflow import Agent, tool
+from loomflow.core.errors import InvalidRequestError
+from loomflow.core.types import Message, Role
 from starlette.testclient import TestClient
 
 from loomflow_worker import NoMemory, register_agent
@@ -38,22 +40,47 @@ def _agent(runtime: Any) -> Agent:
                  auto_extract=False)
 
 
-def _args(request_id: str, user: str) -> dict[str, Any]:
-    return {"prompt": f"hello {request_id}", "session_id": f"s-{request_id}", "user_id": user,
-            "agent": AGENT, "metadata": None}
+#: An agent whose model call after a tool call fails once per prompt (a retry).
+FLAKY = "test-budgets-flaky"
+_failed: set[str] = set()
 
 
-def _enqueue(settings: Settings, request_id: str, user: str) -> None:
+@tool(name="echo", description="Answers with its tag.")
+async def echo(tag: str) -> str:
+    return f"ok {tag}"
+
+
+async def _fail_once_after_a_tool(messages: list[Message]) -> None:
+    prompt = next(m.content for m in messages if m.role == Role.USER)
+    if messages[-1].role == Role.TOOL and prompt not in _failed:
+        _failed.add(prompt)
+        raise InvalidRequestError("the model call failed once")
+
+
+@register_agent(FLAKY)
+def _flaky(runtime: Any) -> Agent:
+    return Agent("a", model=DeterministicModel(on_call=_fail_once_after_a_tool), runtime=runtime,
+                 memory=NoMemory(), tools=[echo], auto_extract=False)
+
+
+def _args(request_id: str, user: str, agent: str = AGENT) -> dict[str, Any]:
+    prompt = (f'call echo {{"tag": "{request_id}"}}' if agent == FLAKY
+              else f"hello {request_id}")
+    return {"prompt": prompt, "session_id": f"s-{request_id}", "user_id": user,
+            "agent": agent, "metadata": None}
+
+
+def _enqueue(settings: Settings, request_id: str, user: str, agent: str = AGENT) -> None:
     enqueue = ledger.EnqueuePool()
     try:
         enqueue.insert(settings.database_url.get_secret_value(), 5, request_id,
-                       check_request(settings, kind="run", **_args(request_id, user)))
+                       check_request(settings, kind="run", **_args(request_id, user, agent)))
     finally:
         enqueue.close()
 
 
-async def _attempt(ctx: WorkerContext, request_id: str, user: str) -> str:
-    return (await execute(ctx, request_id, _args(request_id, user), "run")).kind
+async def _attempt(ctx: WorkerContext, request_id: str, user: str, agent: str = AGENT) -> str:
+    return (await execute(ctx, request_id, _args(request_id, user, agent), "run")).kind
 
 
 def _set(dsn: str, name: str, amount: Any, unit: str = "tokens", over: str = "wait") -> None:
@@ -143,6 +170,29 @@ async def test_a_spent_budget_parks_its_tenants_next_request_until_raised_or_rol
         assert await _attempt(ctx, "acme-4", "acme") == "succeeded"
     finally:
         await ctx.aclose()
+
+
+async def test_a_retried_request_spends_each_model_call_once(dsn: str) -> None:
+    """Attempt 1 calls the model, runs its tool, and its second call fails (a
+    retry); attempt 2 replays the first call from the journal and makes the
+    second. The budget is spent by the two calls billed, the replay not again."""
+    settings = Settings(database_url=dsn, events=False,  # type: ignore[arg-type]
+                        retry_backoff=0.01)
+    _set(dsn, "acme", 10_000_000)
+    ctx = WorkerContext(settings)
+    try:
+        _enqueue(settings, "acme-flaky", "acme", FLAKY)
+        assert await _attempt(ctx, "acme-flaky", "acme", FLAKY) == "retry"
+        first = _budgets(dsn)[0].spent
+        assert first > 0
+        assert await _attempt(ctx, "acme-flaky", "acme", FLAKY) == "succeeded"
+    finally:
+        await ctx.aclose()
+    calls, replayed, tokens = _one(
+        dsn, "SELECT model_calls, replayed_calls, input_tokens + output_tokens FROM runs"
+             " WHERE request_id = 'acme-flaky'")
+    assert (calls, replayed) == (2, 1)
+    assert _budgets(dsn)[0].spent == tokens > first
 
 
 async def test_a_budget_in_dollars_spends_the_cost(dsn: str) -> None:
