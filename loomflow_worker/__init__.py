@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 from .lazy import exports
 
 if TYPE_CHECKING:
-    from .execution.errors import RequestNotFound
+    from .execution.errors import OverBudget, RequestNotFound
     from .execution.registry import register_agent
     from .memory import NoMemory
     from .runtime import (
@@ -27,6 +27,7 @@ __getattr__ = exports(__name__, {
     "LockLost": ".runtime.errors",
     "LoomflowWorkerError": ".runtime.errors",
     "NoMemory": ".memory",
+    "OverBudget": ".execution.errors",
     "PostgresRuntime": ".runtime.runtime",
     "RequestNotFound": ".execution.errors",
     "SessionBusy": ".runtime.errors",
@@ -42,6 +43,7 @@ __all__ = [
     "LockLost",
     "LoomflowWorkerError",
     "NoMemory",
+    "OverBudget",
     "PostgresRuntime",
     "RequestNotFound",
     "SessionBusy",

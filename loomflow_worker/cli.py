@@ -900,14 +900,16 @@ def signal_command(session_id: str, name: str, payload: Any, user_id: str | None
 @click.pass_context
 def limits(ctx: click.Context, as_json: bool) -> None:
     """List the fleet's concurrency limits (runs in flight, and requests
-    waiting on each) and model-call budgets (requests and tokens per minute
-    by model key, and any pause a provider asked for); `limits concurrency`
-    and `limits set` change them at run time. Every process with
-    LOOMFLOW_WORKER_LIMITS or FAIRNESS_WEIGHTS declares them (a worker at its
-    start, any process at its first enqueue): the newest settings win, and a
-    limit or weight set with this command holds over settings until the
-    command changes it (SOURCE says which). Workers write
-    LOOMFLOW_WORKER_MODEL_LIMITS at their start."""
+    waiting on each), cost budgets (tokens or dollars per day or month by
+    fairness key or agent, spent this period, and requests waiting on each)
+    and model-call budgets (requests and tokens per minute by model key, and
+    any pause a provider asked for); `limits concurrency`, `limits budget` and
+    `limits set` change them at run time. Every process with
+    LOOMFLOW_WORKER_LIMITS, FAIRNESS_WEIGHTS or BUDGETS declares them (a
+    worker at its start, any process at its first enqueue): the newest
+    settings win, and a limit, weight or budget set with this command holds
+    over settings until the command changes it (SOURCE says which). Workers
+    write LOOMFLOW_WORKER_MODEL_LIMITS at their start."""
     if ctx.invoked_subcommand is not None:
         return
     _list_limits(as_json)
@@ -916,17 +918,20 @@ def limits(ctx: click.Context, as_json: bool) -> None:
 @handled
 def _list_limits(as_json: bool) -> None:
     from . import admin
+    from .execution import budgets, pacing
     from .execution import limits as concurrency
-    from .execution import pacing
 
     with admin.connect(_settings()) as conn:
         rows = pacing.read_limits(conn)
         sizes = concurrency.read(conn)
         weights = concurrency.read_weights(conn)
         depth = concurrency.fair_depth(conn)
+        spends = budgets.read(conn)
     if as_json:
         for row in rows:
             _echo_json({"kind": "model", **asdict(row)})
+        for spend in spends:
+            _echo_json({"kind": "budget", **asdict(spend)})
         for size in sizes:
             _echo_json({"kind": "concurrency", **asdict(size)})
         for weight in weights:
@@ -947,6 +952,14 @@ def _list_limits(as_json: bool) -> None:
                              str(w.waiting),
                              "-" if w.weight is None else _source(w.source, w.set_by)]
                             for w in weights]):
+            click.echo(line)
+        click.echo("")
+    if spends:
+        for line in _table(["BUDGET", "AMOUNT", "PER", "SPENT", "RESETS", "OVER", "WAITING",
+                            "SOURCE"],
+                           [[b.name, b.amount_text, b.period, b.spent_text, _when(b.resets_at),
+                             b.over, str(b.waiting), _source(b.source, b.set_by)]
+                            for b in spends]):
             click.echo(line)
         click.echo("")
     model_table = _table(
@@ -1074,6 +1087,61 @@ def limits_weight(key: str, weight: float | None, unweighted: bool) -> None:
     with admin.connect(_settings()) as conn:
         concurrency.write_weight(conn, key, weight)
     click.echo(f"fairness key {key!r}: " + (f"weight {weight:g}" if weight else "weight 1"))
+
+
+@limits.command(name="budget")
+@click.argument("name")
+@click.argument("amount", required=False)
+@click.option("--unit", type=click.Choice(["tokens", "usd"]), default="tokens",
+              show_default=True, help="What AMOUNT counts: tokens (input, output and cache), "
+              "or US dollars.")
+@click.option("--per", "period", type=click.Choice(["day", "month"]), default="day",
+              show_default=True, help="The period, a UTC calendar day or month.")
+@click.option("--over", type=click.Choice(["wait", "refuse"]), default="wait",
+              show_default=True, help="While it is spent: requests wait in the ledger, or "
+              "their enqueue is refused.")
+@click.option("--none", "unbounded", is_flag=True, help="Remove the budget.")
+@handled
+def limits_budget(name: str, amount: str | None, unit: str, period: str, over: str,
+                  unbounded: bool) -> None:
+    """Set the budget of NAME, a fairness key (a tenant) or agent:AGENT, to
+    AMOUNT tokens or dollars per UTC day or month, for the whole fleet. A
+    request whose key or agent has spent its budget waits in the ledger (or,
+    with --over refuse, its enqueue raises) until the period rolls over or the
+    budget is raised; a run under way finishes. Every worker applies it within
+    seconds; it holds over LOOMFLOW_WORKER_BUDGETS until this command changes
+    it (--none removes it, and settings apply again). Requests that waited for
+    it and may run now are published at once."""
+    from .settings import budget_of, check_budget_name
+
+    if unbounded == (amount is not None):
+        raise click.UsageError("give AMOUNT (a positive number), or --none")
+    try:
+        check_budget_name(name)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="NAME") from None
+    try:
+        budget = None if amount is None else budget_of(amount, unit, period, over)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="AMOUNT") from None
+    from . import admin
+    from .execution import budgets
+    from .execution.limits import command_by
+
+    with admin.connect(_settings()) as conn:
+        budgets.write(conn, name, budget, command_by())
+        woken = budgets.wake(conn, [name])
+    click.echo(f"budget {name!r}: " + (
+        "none" if budget is None else
+        f"{budgets.amount_said(budget.amount, budget.unit)} a {budget.period} (UTC), "
+        + ("requests wait" if budget.over == "wait" else "enqueues refused")
+        + " while spent"))
+    if woken:
+        from .tasks.wake import publish_budget_waiters
+
+        publish_budget_waiters(woken, "was removed" if budget is None else "has room")
+        for pending in woken:
+            click.echo(f"request {pending.request_id}, which waited for it, published")
 
 
 # ---- prune ----------------------------------------------------------------------------------

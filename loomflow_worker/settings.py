@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any
+from decimal import Decimal, InvalidOperation
+from typing import Annotated, Any, Literal
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -68,12 +69,89 @@ class ModelPrice(BaseModel):
     cache_write: float | None = Field(default=None, ge=0, strict=True)
 
 
+#: A budget's units, periods (UTC calendar ones) and what an enqueue does while
+#: it is spent.
+BUDGET_UNITS = ("tokens", "usd")
+BUDGET_PERIODS = ("day", "month")
+BUDGET_OVER = ("wait", "refuse")
+#: The largest budget amount (tokens or dollars) the ledger stores.
+MAX_BUDGET = Decimal(10) ** 18
+
+
+class Budget(BaseModel):
+    """A fairness key's or an agent's budget for the whole fleet: ``amount``
+    tokens (input, output and cache) or US dollars per UTC calendar ``period``;
+    ``over`` says what an enqueue does while it is spent: ``wait`` (accepted,
+    the request waits in the ledger) or ``refuse`` (the enqueue raises). In
+    settings, JSON such as ``{"tokens": 1000000, "per": "day"}`` or
+    ``{"usd": 50, "per": "month", "over": "refuse"}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    amount: Decimal
+    unit: Literal["tokens", "usd"]
+    period: Literal["day", "month"] = "day"
+    over: Literal["wait", "refuse"] = "wait"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_json(cls, value: Any) -> Any:
+        if not isinstance(value, dict) or "amount" in value:
+            return value
+        units = [unit for unit in BUDGET_UNITS if unit in value]
+        unknown = sorted(set(value) - {*BUDGET_UNITS, "per", "over"})
+        if unknown:
+            raise ValueError(f"unknown unit or field {unknown[0]!r}: a budget is "
+                             '{"tokens": N} or {"usd": N}, with "per" (day or month) and '
+                             '"over" (wait or refuse)')
+        if len(units) != 1:
+            raise ValueError("give the budget in tokens or in usd (one of them), e.g. "
+                             '{"tokens": 1000000, "per": "day"}')
+        budget = budget_of(value[units[0]], units[0], value.get("per", "day"),
+                           value.get("over", "wait"))
+        return budget.model_dump()
+
+
+def budget_of(amount: Any, unit: Any, period: Any = "day", over: Any = "wait") -> Budget:
+    """A budget from its parts, as settings and ``loomflow-worker limits budget``
+    give them; a ``ValueError`` saying what is wrong with the first bad one."""
+    if unit not in BUDGET_UNITS:
+        raise ValueError(f"unknown budget unit {unit!r}: tokens or usd")
+    if period not in BUDGET_PERIODS:
+        raise ValueError(f"unknown budget period {period!r}: day or month (UTC calendar "
+                         "days and months)")
+    if over not in BUDGET_OVER:
+        raise ValueError(f"unknown budget action {over!r}: wait (the request waits in the "
+                         "ledger) or refuse (the enqueue raises)")
+    try:
+        if isinstance(amount, bool) or (isinstance(amount, float) and not math.isfinite(amount)):
+            raise InvalidOperation
+        value = Decimal(str(amount).replace(",", "").replace("_", "").strip())
+    except (InvalidOperation, ValueError):
+        raise ValueError(f"a budget is a positive number of {unit}, not {amount!r}") from None
+    if not value.is_finite() or value <= 0 or value > MAX_BUDGET:
+        raise ValueError(f"a budget is a positive number of {unit}, not {amount!r}")
+    if unit == "tokens" and value != value.to_integral_value():
+        raise ValueError(f"a budget in tokens is a whole number, not {amount!r}")
+    return Budget.model_construct(amount=value, unit=unit, period=period, over=over)
+
+
+def check_budget_name(name: str) -> str:
+    """A budget's name: a fairness key (a tenant), or ``agent:NAME``."""
+    if name.startswith("agent:"):
+        check_key(name.removeprefix("agent:"), "agent name")
+    else:
+        check_key(name, "fairness key")
+    return name
+
+
 def check_key(key: str, what: str = "model key") -> str:
     """A model key, fairness key or limit name: 1 to 64 bytes, printable."""
+    article = "an" if what[:1] in "aeiou" else "a"
     if not isinstance(key, str) or not key.strip() or not key.isprintable():
-        raise ValueError(f"a {what} is a non-empty printable name")
+        raise ValueError(f"{article} {what} is a non-empty printable name")
     if len(key.encode()) > MAX_KEY_BYTES:
-        raise ValueError(f"a {what} is at most {MAX_KEY_BYTES} bytes")
+        raise ValueError(f"{article} {what} is at most {MAX_KEY_BYTES} bytes")
     return key
 
 
@@ -263,6 +341,17 @@ class Settings(BaseSettings):
     # Written at each worker's start; `loomflow-worker limits weight` changes
     # them at run time.
     fairness_weights: dict[str, float] = Field(default_factory=dict)
+    # Cost budgets for the whole fleet, by fairness key (a tenant) or
+    # "agent:NAME", as JSON: tokens (input, output and cache) or US dollars per
+    # UTC calendar day or month, e.g. {"acme": {"tokens": 1000000, "per":
+    # "day"}, "agent:research": {"usd": 50, "per": "month", "over": "refuse"}}.
+    # A request whose key or agent has spent its budget waits in the ledger
+    # until the period rolls over or the budget is raised ("over": "wait", the
+    # default), or is refused at enqueue ("over": "refuse"); a run under way
+    # finishes, even past its budget. Written at each worker's start and at a
+    # process's first enqueue; `loomflow-worker limits budget` changes them at
+    # run time and holds over settings.
+    budgets: dict[str, Budget] = Field(default_factory=dict)
     # A run whose model call must wait longer than this (seconds) for its
     # key's budget or its provider gives its slot back and is resumed then,
     # from its journal, on any worker (0: it always waits in its slot).
@@ -310,6 +399,14 @@ class Settings(BaseSettings):
             for key, weight in value.items():
                 check_key(key, "fairness key")
                 check_weight(weight)
+        return value
+
+    @field_validator("budgets", mode="before")
+    @classmethod
+    def _check_budget_names(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for name in value:
+                check_budget_name(name)
         return value
 
     @field_validator("model_limits", "prices")

@@ -23,7 +23,8 @@ from psycopg_pool import AsyncConnectionPool
 from .. import admin
 from ..admin.usage import UsageRow, ordered, totals, usage_params
 from ..durations import shown
-from ..execution import ledger_views
+from ..execution import budgets, ledger_views
+from ..execution.budgets import BudgetRow
 from ..execution.versions import VersionInfo
 from ..runtime.errors import InvalidInput
 from ..runtime.sql import query
@@ -450,6 +451,7 @@ class FleetView:
     limits: list[LimitUse] = field(default_factory=list)
     keys: list[KeyBacklog] = field(default_factory=list)
     budgets: list[Budget] = field(default_factory=list)
+    cost_budgets: list[BudgetRow] = field(default_factory=list)
     versions: list[VersionInfo] = field(default_factory=list)
     now: datetime = field(default_factory=lambda: datetime.now(UTC))
 
@@ -475,6 +477,7 @@ async def fleet(pool: Pool) -> FleetView:
             limits=await ledger_views.concurrency_limits(conn, LimitUse),
             keys=await ledger_views.key_backlog(conn, KeyBacklog, limit=MAX_KEYS),
             budgets=await _rows(conn, "model_budgets", {}, Budget),
+            cost_budgets=await budgets.read_async(conn),
             versions=await ledger_views.agent_versions(conn, VersionInfo),
         )
 

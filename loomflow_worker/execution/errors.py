@@ -99,3 +99,14 @@ class RequestNotFound(InvalidInput, LookupError):
             f"no request {request_id!r} in the runs ledger (pruned, mistyped, or enqueued "
             f"against another database); {listed_by}"
         )
+
+
+class OverBudget(LoomflowWorkerError):
+    """The enqueue was refused: the request's fairness key (tenant) or agent
+    has spent its budget for the period, and that budget refuses requests
+    while spent (``"over": "refuse"``). Nothing was written or published."""
+
+    def __init__(self, budget: str, said: str) -> None:
+        self.budget = budget
+        super().__init__(
+            f"refused: {said} (`loomflow-worker limits budget {budget} ...` raises it)")

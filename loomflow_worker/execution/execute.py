@@ -42,7 +42,8 @@ from ..runtime.loopwatch import LoopWatch, Stall
 from ..runtime.runtime import signal_waits
 from ..runtime.store import Conn, Lease, Liveness, OpenChoice
 from ..settings import Settings
-from . import ledger
+from . import budgets, ledger
+from .budgets import CostBudgets
 from .errors import AttemptLost, HandedBack, Paused
 
 # Failures stored by earlier versions name this module as their error's: it
@@ -178,6 +179,7 @@ class WorkerContext:
         # runtime is up.
         self.budgets: Budgets | None = None
         self.limits: Limits | None = None
+        self.cost_budgets: CostBudgets | None = None
         # How this process publishes requests whose fair turn came (set by a
         # Celery worker; without it a run's end hands them to its caller).
         self.publish_turns: Callable[[list[Pending]], None] | None = None
@@ -235,6 +237,7 @@ class WorkerContext:
                 self._runtime = runtime
                 self.budgets = Budgets(runtime.pool)
                 self.limits = Limits(runtime.pool)
+                self.cost_budgets = CostBudgets(runtime.pool)
                 if not self.serving:
                     return runtime
                 # loomflow runs a synchronous tool in a worker thread, so it never
@@ -592,10 +595,14 @@ async def execute(
     bounds: list[Bound] = []
     try:
         worker = ledger.worker_name(node or ctx.node, os.getpid())
-        bounds = (await ctx.limits.bounds(req, pre.fairness_key if pre is not None else None)
-                  if ctx.limits is not None else [])
+        key = pre.fairness_key if pre is not None else None
+        spent = await _spent_budget(ctx, lease, request_id, req, key, options)
+        bounds = (await ctx.limits.bounds(req, key)
+                  if ctx.limits is not None and spent is None else [])
         full = await take_limits(functools.partial(runtime.journal.take_slot, lease), bounds)
-        if full is not None:
+        if spent is not None:
+            outcome = Outcome("parked")
+        elif full is not None:
             outcome = await _park_on_limit(lease.io, request_id, req, full, options)
         else:
             outcome = await _run_holding(ctx, runtime, lease, request_id, req, worker,
@@ -648,6 +655,30 @@ async def _park_on_limit(
     log.info("request %s parked: %s full", request_id, full.reason,
              extra={"action": "parked", "limit": full.instance, **_log_fields(request_id, req)})
     return Outcome("parked")
+
+
+async def _spent_budget(
+    ctx: WorkerContext, lease: Lease, request_id: str, req: RunRequest, key: str | None,
+    options: MessageOptions | None,
+) -> budgets.Spent | None:
+    """Park the request when a budget of its fairness key or its agent is spent
+    for the period (one statement, only for a request that has budgets); the
+    budget, or ``None``: it runs. It holds no worker slot and counts no retry
+    while it waits; the sweeper's leader, or ``limits budget``, publishes it
+    again once the budget has room."""
+    if ctx.cost_budgets is None:
+        return None
+    names = await ctx.cost_budgets.applying(key or req.fairness_key, req.agent)
+    if not names:
+        return None
+    kept = options() if options is not None else None
+    spent = await lease.io(lambda conn: budgets.park_if_spent(conn, request_id, names, kept))
+    if spent is not None:
+        _count_parked("budget")
+        log.info("request %s waits for %s", request_id, spent.said,
+                 extra={"action": "parked", "budget": spent.budget,
+                        **_log_fields(request_id, req)})
+    return spent
 
 
 class Io(Protocol):

@@ -27,6 +27,7 @@ from ..runtime.lockconn import Batch
 from ..runtime.sql import query
 from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice
 from ..runtime.validate import MAX_ID_BYTES, MAX_ID_LENGTH
+from . import budgets
 from .cached import CachedRead
 from .errors import RequestNotFound
 from .pending import Pending
@@ -321,6 +322,8 @@ class EnqueuePool:
         a duplicate; with other arguments, :class:`InvalidInput` names them."""
         with (translated("record the request in", dsn, then="nothing was enqueued"),
               self.connection(dsn, connect_timeout) as conn):
+            # A budget that refuses requests while spent: before anything is written.
+            budgets.refuse_if_spent(conn, fairness_key or req.fairness_key, req.agent)
             insert = functools.partial(
                 _insert_new, conn, request_id, req, start, ignore_result, routing, options,
                 fairness_key=fairness_key, priority_rank=priority_rank,

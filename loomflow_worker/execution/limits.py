@@ -46,6 +46,7 @@ from ..runtime.errors import InvalidInput
 from ..runtime.keys import slot_lock_keys
 from ..runtime.sql import query
 from ..settings import Settings
+from .budgets import params as budget_params
 from .cached import AsyncCachedRead
 from .registry import agent_limits
 
@@ -123,9 +124,10 @@ async def take(take_slot: Callable[[list[int]], Awaitable[bool]], bounds: list[B
     return None
 
 
-# Which source wins, for a concurrency limit or a fairness weight: one set with
-# `loomflow-worker limits` (source "command") holds until the command changes
-# it; settings (LIMITS, FAIRNESS_WEIGHTS) are written by every process that has
+# Which source wins, for a concurrency limit, a fairness weight or a cost
+# budget: one set with `loomflow-worker limits` (source "command") holds until
+# the command changes it; settings (LIMITS, FAIRNESS_WEIGHTS, BUDGETS) are
+# written by every process that has
 # them, a worker at its start and any process at its first enqueue, so they
 # hold from the first request, and the newest settings win over older ones,
 # never over the command. A process whose settings change or lose to what the
@@ -154,11 +156,14 @@ def _declarations(settings: Settings, by: str) -> list[tuple[str, str, dict[str,
     found += [(f"the weight of fairness key {key!r}", "declare_fairness_weight",
                {"fairness_key": key, "weight": weight, "by": by})
               for key, weight in sorted(settings.fairness_weights.items())]
+    found += [(f"the budget of {name!r}", "declare_cost_budget",
+               {**budget_params(name, budget), "by": by})
+              for name, budget in sorted(settings.budgets.items())]
     return found
 
 
 def _declared(what: str, params: dict[str, Any], row: Any) -> Declared:
-    mine = params["max_runs"] if "max_runs" in params else params["weight"]
+    mine = next(params[name] for name in ("max_runs", "weight", "amount") if name in params)
     was, set_by, wrote = row if row is not None else (None, None, False)
     return Declared(what, float(mine), None if was is None else float(was), set_by,
                     bool(wrote))

@@ -20,6 +20,7 @@ from typing import Any
 import psycopg
 
 from .. import metrics, tracing
+from ..execution import budgets
 from ..execution import recovery as ledger_recovery
 from ..execution.pending import Pending
 from ..execution.statuses import Status
@@ -102,6 +103,7 @@ class Recovery:
         as one batch; returns how many requests it dispatched again."""
         self.fence(conn)
         self.publish_fair(conn)
+        self.publish_budget_waiters(conn)
         waiting = self._waiting(sorted(self.backlog(conn)))
         deadline = time.monotonic() + RECOVER_BUDGET
         suspects, self._suspects = self._suspects, {}
@@ -135,6 +137,19 @@ class Recovery:
         if turn:
             self.dispatch(turn)
         return len(turn)
+
+    def publish_budget_waiters(self, conn: Conn) -> int:
+        """Publish the requests parked on a cost budget that has room again (its
+        period rolled over, or it was raised or removed); how many."""
+        woken = budgets.wake(conn)
+        if woken:
+            self.dispatch(woken)
+            for pending in woken:
+                log.info("sweeper: request %s published: its budget has room again",
+                         pending.request_id,
+                         extra={"action": "budget_wake", "request": pending.request_id})
+                self.note(Action("budget", pending.request_id, "its budget has room again"))
+        return len(woken)
 
     def _waiting(self, queues: list[str]) -> dict[str, int | None]:
         """How many messages the broker holds for each of ``queues`` (``None``:

@@ -23,7 +23,7 @@ from celery import Celery
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from ..execution import ledger, limits
+from ..execution import budgets, ledger, limits
 from ..execution.execute import WorkerContext
 from ..execution.ledger import EnqueuePool
 from ..execution.registry import agent_registered, import_agent_modules, learn_fleet_agent
@@ -143,7 +143,7 @@ class ProcessState:
         current = self.current_settings()
         if self.limits_declared is current:
             return
-        if current.limits or current.fairness_weights:
+        if current.limits or current.fairness_weights or current.budgets:
             try:
                 with self.ledger_connection() as conn:
                     limits.declare(conn, current, ledger.worker_name(
@@ -155,6 +155,7 @@ class ProcessState:
                             "to the fleet: %s", exc, extra={"action": "limits_declare"})
                 return
             ledger.HOLD_LIMITS.forget()
+            budgets.REFUSING.forget()
         self.limits_declared = current
 
     def worker_context(self) -> WorkerContext:

@@ -74,7 +74,12 @@ def priority_rank(routing: dict[str, Any] | None, broker_url: str) -> int:
 
 
 def _stated(name: str, given: Any, options: dict[str, Any]) -> Any:
-    """What the call states as ``name``: its keyword, else its message's header."""
+    """What the call states as ``name``: its keyword (``delay``'s, or
+    ``apply_async``'s, which arrives among the message's ``options`` and is
+    taken out of them), else its message's header."""
+    among_options = options.pop(name, None)
+    if given is None:
+        given = among_options
     headers = options.get("headers")
     if given is None and isinstance(headers, dict):
         given = headers.get(name)

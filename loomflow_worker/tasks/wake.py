@@ -32,6 +32,18 @@ def publish(woken: list[Pending], name: str) -> None:
         dispatch_recorded(pending, f"queued (its signal {name!r} came)")
 
 
+def publish_budget_waiters(woken: list[Pending], why: str) -> None:
+    """Publish the requests parked on a cost budget that has room again
+    (``why``: raised, removed); a broker that refuses one is logged, not
+    raised (they are marked published: the sweeper publishes one whose message
+    is lost)."""
+    settings()
+    for pending in woken:
+        log.info("request %s published: its budget %s", pending.request_id, why,
+                 extra={"action": "budget_wake", "request": pending.request_id})
+        dispatch_recorded(pending, f"queued (its budget {why})")
+
+
 async def _publish_waiters(conn: AsyncConnection[Any], session_id: str, name: str) -> None:
     """After a runtime of this process sent the signal ``name`` to
     ``session_id``: publish the requests parked waiting for it (the broker's

@@ -97,3 +97,13 @@ def test_a_fairness_weight_is_taken_from_the_keyword_else_the_header() -> None:
     assert checked_fairness_weight(3, {"headers": {"fairness_weight": 5}}) == 3.0
     assert checked_fairness_weight(None, {"headers": {"fairness_weight": 0.5}}) == 0.5
     assert checked_fairness_weight(None, {"headers": None}) is None
+
+
+def test_apply_asyncs_fairness_keyword_names_the_key_and_leaves_the_options() -> None:
+    from loomflow_worker.tasks.task import checked_fairness_key, checked_fairness_weight
+
+    options: dict[str, object] = {"fairness_key": "acme", "fairness_weight": 2, "priority": 3}
+    assert checked_fairness_key(None, options) == "acme"
+    assert checked_fairness_weight(None, options) == 2.0
+    assert options == {"priority": 3}  # not sent on to Celery as options of its own
+    assert checked_fairness_key("beta", {"fairness_key": "acme"}) == "beta"

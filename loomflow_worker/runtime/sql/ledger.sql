@@ -380,7 +380,7 @@ WITH r AS (
            started_at = now(),
            heartbeat_at = now(),
            waiting_for = NULL, waiting_slots = NULL, booked_key = NULL, booked_at = NULL,
-           waiting_signal = NULL, waiting_signal_session = NULL,
+           waiting_signal = NULL, waiting_signal_session = NULL, waiting_budget = NULL,
            agent_version = coalesce(u.agent_version, %(version)s), version_wait_since = NULL,
            routing = CASE WHEN u.routing ? 'version' THEN u.routing -> 'base' ELSE u.routing END
       FROM r CROSS JOIN marks m LEFT JOIN prev p ON true
@@ -804,9 +804,31 @@ UPDATE runs SET status = 'queued', dispatched_at = now(), holder_pid = NULL
 -- Executed tokens add up; each total also takes at least what the attempt replayed plus
 -- executed, which holds every call journaled so far: the calls of an attempt killed
 -- before it recorded its own count once, through the replay.
+-- What the totals grow by is spent from the request's budgets (its fairness
+-- key's and its agent's, in cost_budgets) for the current period: in tokens
+-- (input, output and cache) or dollars, by each budget's unit. A budget whose
+-- period has rolled over starts again from this spend.
 WITH attempt AS (
     UPDATE run_attempts SET usage = %(usage)s::jsonb
      WHERE request_id = %(request_id)s AND attempt = %(attempt)s
+), grown AS (
+    SELECT fairness_key, agent,
+           GREATEST(%(input)s::bigint, %(r_input)s::bigint + %(input)s::bigint - input_tokens)
+           + GREATEST(%(output)s::bigint, %(r_output)s::bigint + %(output)s::bigint - output_tokens)
+           + GREATEST(%(cache_read)s::bigint,
+                      %(r_cache_read)s::bigint + %(cache_read)s::bigint - cache_read_tokens)
+           + GREATEST(%(cache_write)s::bigint,
+                      %(r_cache_write)s::bigint + %(cache_write)s::bigint - cache_write_tokens)
+           AS tokens,
+           GREATEST(%(cost)s::numeric, %(r_cost)s::numeric + %(cost)s::numeric - cost) AS cost
+      FROM runs WHERE request_id = %(request_id)s
+), spend AS (
+    UPDATE cost_budgets b
+       SET spent = loomflow_worker_budget_spent(b, now())
+                   + CASE b.unit WHEN 'tokens' THEN g.tokens ELSE g.cost END,
+           period_start = loomflow_worker_period_start(b.period, now())
+      FROM grown g
+     WHERE b.name IN (g.fairness_key, 'agent:' || g.agent) AND (g.tokens > 0 OR g.cost > 0)
 )
 UPDATE runs SET
     model_calls = GREATEST(model_calls + %(calls)s::int, %(r_calls)s::int + %(calls)s::int),

@@ -114,6 +114,8 @@ SELECT coalesce(routing->>'queue', %(default_queue)s) AS queue,
 -- session it waits on) for its user, at once unless published since it parked
 -- (its signal's sender publishes it as it sends), and then at most every
 -- queued_after (mark_swept says the same).
+-- A request parked on a spent cost budget (waiting_budget) is not an orphan:
+-- the leader publishes it once the budget has room (wake_budget_waiters).
 -- A request parked on a full concurrency limit (waiting_slots; queued, or
 -- running when its last attempt's worker died) is published again only once
 -- the limit has a free slot, only as many of a limit's parked requests (the
@@ -146,7 +148,7 @@ WITH in_broker AS (
            coalesce(held_at > dispatched_at
                     AND held_at > now() - make_interval(secs => %(held_within)s), false) AS held,
            waiting_for, waiting_slots, enqueued_at, priority_rank, waiting_signal,
-           waiting_signal_session, received_at, fairness_key
+           waiting_signal_session, received_at, fairness_key, waiting_budget
       FROM runs
      WHERE loomflow_worker_unfinished(status)
      ORDER BY scope, seq
@@ -195,7 +197,8 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
   LEFT JOIN in_broker b USING (request_id)
   LEFT JOIN budget g ON g.queue = b.queue
  WHERE h.lock_key IS NOT NULL
-   AND CASE WHEN h.waiting_signal IS NOT NULL THEN
+   AND CASE WHEN h.waiting_budget IS NOT NULL THEN false
+       WHEN h.waiting_signal IS NOT NULL THEN
             EXISTS (SELECT 1 FROM signals s
                      WHERE s.session_id = h.waiting_signal_session
                        AND s.name = h.waiting_signal
