@@ -1,7 +1,7 @@
 """What the console reads: the ledger, the journal and the fleet's traces in Postgres.
 
 The ledger is read through :mod:`~loomflow_worker.execution.ledger_views`
-(its gateway), the rest by the ``console_*`` queries of ``runtime/sql/console.sql``,
+(its gateway), the rest by the queries of ``console/sql/console.sql``,
 on a small pool of read-only connections; rows come back as the dataclasses
 below (psycopg's ``class_row``). A run's page reads what ``loomflow-worker show``
 reads, as its model (``admin.RequestDetail``). A prompt leaves the database cut to

@@ -6,8 +6,8 @@ tools read it through :mod:`.ledger_reads` and workers write it through
 :mod:`.ledger`: a change to the ledger's tables meets every statement on them
 in this layer. Async, on the caller's connection (the console's read-only
 pool); each row is made by the caller's read model, ``row``: a class taking
-the query's columns by name (psycopg's ``class_row``). The queries are the
-``console_*`` ones of ``runtime/sql/console.sql`` and ``show``'s two of
+the query's columns by name (psycopg's ``class_row``). The queries are those of
+``execution/sql/ledger_views.sql`` and ``show``'s two of the runtime's
 ``admin.sql``."""
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ DIAG_SQLSTATE = DiagnosticField.SQLSTATE
 
 @dataclass(frozen=True)
 class Statement:
-    """A named query of ``runtime/sql``, its ``%(name)s`` placeholders numbered
+    """A named query (``loomflow_worker/*/sql``), its ``%(name)s`` placeholders numbered
     in the order ``params`` gives, each parameter of the type in ``types``."""
 
     name: bytes
@@ -72,7 +72,7 @@ class Statement:
 
 
 class Query:
-    """A named query of ``runtime/sql`` sent the same way, for statements
+    """A named query (``loomflow_worker/*/sql``) sent the same way, for statements
     whose parameters and columns are not all of the types above: psycopg's
     adapters dump its parameters (each typed as its value says) and
     :func:`dicts` loads its rows. It is prepared once per connection for each

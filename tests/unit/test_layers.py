@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from loomflow_worker.runtime.sql import queries
+from loomflow_worker.runtime.sql import folder, folders, parse, queries
 
 PACKAGE = Path(__file__).resolve().parents[2] / "loomflow_worker"
 NAME = "loomflow_worker"
@@ -205,22 +205,45 @@ def test_the_ledger_is_reached_only_through_execution() -> None:
     for module, (path, _) in sorted(_modules().items()):
         if module.startswith(f"{NAME}.execution."):
             continue
-        tree = ast.parse(path.read_text())
-        # Exported names (``__all__``, a package's lazy map) may read like a query's.
-        exported = {
-            id(const) for node in ast.walk(tree)
-            for const in (
-                node.keys if isinstance(node, ast.Dict) and path.name == "__init__.py"
-                else node.value.elts if isinstance(node, ast.Assign)
-                and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
-                and isinstance(node.value, ast.List | ast.Tuple)
-                else []
-            )
-        }
-        named = {
-            node.value for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and node.value in ledger
-            and id(node) not in exported
-        }
+        named = _named_queries(path, ledger)
         wrong += [f"{module} runs {name}" for name in sorted(named)]
+    assert wrong == []
+
+
+def _named_queries(path: Path, names: set[str]) -> set[str]:
+    """The queries of ``names`` a module names (in a call or a table of names),
+    leaving out the names it exports (``__all__``, a package's lazy map)."""
+    tree = ast.parse(path.read_text())
+    exported = {
+        id(const) for node in ast.walk(tree)
+        for const in (
+            node.keys if isinstance(node, ast.Dict) and path.name == "__init__.py"
+            else node.value.elts if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+            and isinstance(node.value, ast.List | ast.Tuple)
+            else []
+        )
+    }
+    return {
+        node.value for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in names and id(node) not in exported
+    }
+
+
+def test_each_query_lives_with_the_lowest_layer_that_runs_it() -> None:
+    """A query lives in its owner's ``sql/`` folder (``execution/sql``: the
+    ledger's, ``sweeper/sql``: the sweeper's...) and is run by its owner or by
+    a layer above it, never by one below: a query two layers run lives with
+    the lower one, and no layer runs SQL that lives above it."""
+    owner = {name: f"{NAME}.{path.split('/')[0]}"
+             for path in folders() for source, text in folder(path)
+             for name in parse(text, source)}
+    assert set(owner) == set(queries())
+    wrong = []
+    for module, (path, _) in sorted(_modules().items()):
+        for layer, forbidden in LAYERS.items():
+            if module == layer or module.startswith(layer + "."):
+                wrong += [f"{module} runs {name}, which lives in {owner[name]}"
+                          for name in sorted(_named_queries(path, set(owner)))
+                          if owner[name] in forbidden]
     assert wrong == []

@@ -152,12 +152,12 @@ def _written_in_python(tree: ast.Module) -> list[int]:
 
 
 def test_the_package_sends_only_the_statements_of_the_files() -> None:
-    """Every statement the package sends is a query of ``runtime/sql/*.sql``
+    """Every statement the package sends is a query of a layer's ``sql/*.sql`` files
     (``query(name)``), so each is described, and found with its owner's."""
     wrong = [f"{path.relative_to(ROOT)}:{line}"
              for path in sorted(PACKAGE.rglob("*.py"))
              for line in _written_in_python(ast.parse(path.read_text()))]
-    assert wrong == [], "move these statements to runtime/sql/*.sql and send query(name)"
+    assert wrong == [], "move these statements to their layer's sql/*.sql and send query(name)"
 
 
 def test_the_rule_sees_literals_f_strings_and_module_strings() -> None:

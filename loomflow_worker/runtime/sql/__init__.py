@@ -1,10 +1,15 @@
 """The package's SQL: named queries and versioned migrations, loaded once.
 
-Each ``*.sql`` file here holds the queries of one owner (journal.sql: the
-runtime's journal, ledger.sql: execution's ledger, sweeper.sql, admin.sql,
-console.sql...), each under a ``-- name: <name>`` header followed by a
-comment saying what it does and why; names are one namespace across the
-files. Parameters are psycopg placeholders; nothing is assembled from input."""
+Each layer keeps its queries beside it, in its own ``sql/`` folder: this one
+the runtime's (journal.sql, signals.sql, prune.sql, migrate.sql, the
+operator tools' admin.sql, and the migrations), ``execution/sql`` the
+ledger's, ``sweeper/sql`` the sweeper's, ``console/sql`` the console's. Each
+``*.sql`` file holds queries under a ``-- name: <name>`` header followed by a
+comment saying what it does and why; names are one namespace across every
+folder (a query is found by its name alone, wherever it lives). The folders
+are found by that convention (``loomflow_worker/<layer>/sql/``): the runtime
+imports none of the layers above it. Parameters are psycopg placeholders;
+nothing is assembled from input."""
 
 from __future__ import annotations
 
@@ -32,18 +37,42 @@ class Migration:
     sql: LiteralString
 
 
+#: The package whose layers keep their queries in a ``sql/`` folder each.
+ROOT = __name__.split(".")[0]
+
+
+def folders() -> list[str]:
+    """The layers that keep queries, as ``layer/sql`` paths inside the
+    package (this one first): every ``loomflow_worker/<layer>/sql/`` folder
+    holding a ``*.sql`` file."""
+    root = resources.files(ROOT)
+    found = []
+    for layer in sorted(root.iterdir(), key=lambda entry: entry.name):
+        folder = layer.joinpath("sql")
+        if layer.is_dir() and folder.is_dir() and any(
+                entry.name.endswith(".sql") for entry in folder.iterdir()):
+            found.append(f"{layer.name}/sql")
+    return sorted(found, key=lambda path: path != "runtime/sql")
+
+
+def folder(path: str) -> list[tuple[str, str]]:
+    """The ``*.sql`` files of one ``layer/sql`` folder of the package, as
+    ``(layer/sql/file.sql, text)`` pairs ordered by name."""
+    entries = sorted(resources.files(ROOT).joinpath(path).iterdir(),
+                     key=lambda entry: entry.name)
+    return [(f"{path}/{entry.name}", entry.read_text("utf-8"))
+            for entry in entries if entry.name.endswith(".sql") and entry.is_file()]
+
+
 @cache
 def queries() -> dict[str, LiteralString]:
-    """Every query of the ``*.sql`` files here by its ``-- name:`` header.
+    """Every query of every layer's ``sql/*.sql`` files by its ``-- name:``
+    header.
 
     Plain strings, not ``psycopg.sql`` objects: psycopg caches their parsing
     and prepares them after a few runs, so a journal write costs no more
     than a hand-written statement."""
-    files = sorted(resources.files(__package__).iterdir(), key=lambda entry: entry.name)
-    return gather(
-        (entry.name, entry.read_text("utf-8"))
-        for entry in files if entry.name.endswith(".sql") and entry.is_file()
-    )
+    return gather(pair for path in folders() for pair in folder(path))
 
 
 def query(name: str) -> LiteralString:
@@ -51,7 +80,7 @@ def query(name: str) -> LiteralString:
         return queries()[name]
     except KeyError:
         raise QueryError(
-            f"no query is named {name!r} in loomflow_worker/runtime/sql/*.sql: check the "
+            f"no query is named {name!r} in loomflow_worker/*/sql/*.sql: check the "
             "name against the files' '-- name:' headers"
         ) from None
 

@@ -1,8 +1,8 @@
--- The run console (loomflow_worker.console): read only, on connections that plan each
--- statement with its values (so a filter given as NULL costs nothing and each one given uses
--- its index, 0010_console.sql). A prompt leaves the database cut to prompt_chars, except on
--- a run's own page when asked. The queries on the ledger's tables (runs, run_attempts) are
--- run by its gateway, execution.ledger_views; the others by console.data.
+-- The ledger as the run console reads it, run by its gateway execution.ledger_views (the
+-- console's other reads are in console/sql/console.sql): read only, on connections that plan
+-- each statement with its values (so a filter given as NULL costs nothing and each one given
+-- uses its index, 0010_console.sql). A prompt leaves the database cut to prompt_chars, except
+-- on a run's own page when asked.
 
 -- name: console_requests
 -- console: the requests list, newest first; keyset paging on seq (before: the last
@@ -66,21 +66,6 @@ SELECT holder AS worker, count(*) AS running, min(started_at) AS oldest_start,
   FROM runs WHERE status = 'running'
  GROUP BY holder ORDER BY holder;
 
--- name: console_workers
--- console: worker processes seen by heartbeat within `window` seconds, latest
--- first: live, stale (no beat for over two of its intervals: gone without
--- closing, or frozen) or stopped (closed cleanly); with its load at its last
--- beat (loop lag, lock-connection queue, whether it took new requests).
-SELECT worker, hostname, pid, slots, runs, heartbeat_interval, started_at, seen_at,
-       stopped_at, loop_lag, lock_queue, admitting,
-       CASE WHEN stopped_at IS NOT NULL THEN 'stopped'
-            WHEN seen_at < now() - make_interval(secs => 2 * heartbeat_interval) THEN 'stale'
-            ELSE 'live' END AS state
-  FROM workers
- WHERE seen_at > now() - make_interval(secs => %(window)s)
- ORDER BY (stopped_at IS NULL) DESC, seen_at DESC, worker
- LIMIT %(limit)s;
-
 -- name: console_recent_workers
 -- console: worker processes that started attempts within `window` seconds, and how
 -- those attempts ended ("died": ended as the next attempt started; a NULL outcome with a
@@ -95,33 +80,11 @@ SELECT a.worker, count(*) AS attempts, max(a.started_at) AS last_start,
  WHERE a.started_at > now() - make_interval(secs => %(window)s)
  GROUP BY a.worker ORDER BY max(a.started_at) DESC;
 
--- name: console_connections
--- console: the fleet's Postgres connections by role (lock, sweeper, pool...) and
--- client address: each worker process keeps one sweeper connection.
-SELECT application_name, client_addr::text AS client_addr, count(*) AS connections,
-       min(backend_start) AS oldest
-  FROM pg_stat_activity
- WHERE datname = current_database() AND starts_with(application_name, 'loomflow-worker')
- GROUP BY application_name, client_addr ORDER BY application_name, client_addr;
-
--- name: console_leader
--- console: the sweeper's leader (the worker process leading, in the holder column) and
--- whether its connection is still there.
-SELECT holder AS worker, backend_pid, heartbeat_at, now() - heartbeat_at AS age,
-       EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = l.backend_pid) AS connected
-  FROM sweeper_leader l WHERE id = 1;
-
 -- name: console_swept
 -- console: the requests the sweeper dispatched again, latest first.
 SELECT request_id, session_id, user_id, status, attempts, swept_at
   FROM runs WHERE swept_at IS NOT NULL
  ORDER BY swept_at DESC LIMIT %(limit)s;
-
--- name: console_sweeper_actions
--- console: the sweeper's latest actions, latest first.
-SELECT id, at, worker, action, request_id, detail
-  FROM sweeper_actions
- ORDER BY id DESC LIMIT %(limit)s;
 
 -- name: console_key_backlog
 -- The fleet page's fairness keys with unfinished requests, the most waiting
