@@ -40,7 +40,7 @@ from psycopg.conninfo import make_conninfo
 from loomflow_worker.runtime import PostgresRuntime
 from loomflow_worker.runtime.codec import CodecStats, encode
 from loomflow_worker.runtime.prune import Pruner
-from loomflow_worker.tasks.retention import PRUNE_BATCH, PRUNE_BUDGET
+from loomflow_worker.sweeper.retention import PRUNE_BATCH, PRUNE_BUDGET
 
 ADMIN_DSN_ENV = "LOOMFLOW_WORKER_BENCH_ADMIN_DSN"
 DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -34,6 +34,8 @@ from ..execution.request import check_request
 from ..runtime.errors import InvalidInput, LoomflowWorkerError, SessionPooler
 from ..runtime.sessions import probe
 from ..settings import Settings
+from ..sweeper.leader import Sweeper
+from ..sweeper.result_watch import ResultBackend
 from .admission import Admission
 from .alone import stop_alone
 from .application import current_app, settings
@@ -43,11 +45,9 @@ from .dispatch import RESUME_AGENT, RUN_AGENT, dispatch_many
 from .eta import arrival
 from .pool import REFUSED_POOLS, RunPool, pool_name, refused_threads_option
 from .queues import queue_lengths, version_queues
-from .result_watch import ResultRepair
 from .results import probe_result_backend, result_lifetime, results_missing, store_result
 from .revoke import end_revoked_requests, end_revoked_soon
 from .state import PROCESS
-from .sweeper import Sweeper
 from .task import AgentTask
 from .upgrade import upgrade_stranded
 from .version_watch import VersionWatch
@@ -276,7 +276,7 @@ def _start_sweeper(sender: Any = None, **_: Any) -> None:
         _say_version_queues(PROCESS.version_queues)
     if settings().sweeper:
         sweeper = Sweeper(settings(), dispatch_many, queue_lengths,
-                          ResultRepair(results_missing, store_result,
+                          ResultBackend(results_missing, store_result,
                                        probe_result_backend, result_lifetime()),
                           revoked=end_revoked_requests, held=_stamp_held,
                           versions=VersionWatch(upgrade_stranded, cancel_request))

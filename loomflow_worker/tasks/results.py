@@ -8,8 +8,8 @@ import math
 from typing import Any
 
 from ..execution.errors import RunCancelled, RunDead, RunFailed
+from ..sweeper.result_watch import BackendMark
 from .dispatch import dispatch_errors
-from .result_watch import BackendMark
 from .state import PROCESS
 
 log = logging.getLogger("loomflow_worker.tasks")

@@ -29,10 +29,10 @@ from ..execution.ledger import EnqueuePool
 from ..execution.registry import agent_registered, import_agent_modules, learn_fleet_agent
 from ..runtime.errors import InvalidInput
 from ..settings import Settings, validation_message
+from ..sweeper.leader import Sweeper
 from .admission import Admission
 from .groups import AloneRuns
 from .loop import ChildLoop
-from .sweeper import Sweeper
 
 log = logging.getLogger("loomflow_worker.tasks")
 

@@ -28,7 +28,10 @@ from loomflow_worker.console import BackgroundConsole, create_app, data
 from loomflow_worker.runtime.errors import InvalidInput
 from loomflow_worker.runtime.sql import query
 from loomflow_worker.settings import Settings
-from loomflow_worker.tasks import run_agent, settings, sweeper
+from loomflow_worker.sweeper import leader
+from loomflow_worker.sweeper.actions import Action
+from loomflow_worker.sweeper.leader import Sweeper
+from loomflow_worker.tasks import run_agent, settings
 
 from .celery_harness import Fleet, ledger
 from .helpers import calls, cli, wait_fleet_page, wait_for_execution
@@ -572,8 +575,8 @@ def test_the_fleet_page_shows_each_workers_load(fleet: Fleet, client: TestClient
 def test_the_sweeper_keeps_its_actions_and_the_workers_table_short(
     dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(sweeper, "KEEP_ACTIONS", 10)
-    made = sweeper.Sweeper(Settings(database_url=dsn), lambda _: None)  # type: ignore[arg-type]
+    monkeypatch.setattr(leader, "KEEP_ACTIONS", 10)
+    made = Sweeper(Settings(database_url=dsn), lambda _: None)  # type: ignore[arg-type]
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO workers (worker, hostname, pid, slots, heartbeat_interval, seen_at) "
@@ -582,7 +585,7 @@ def test_the_sweeper_keeps_its_actions_and_the_workers_table_short(
         assert made.retention.forget_workers(conn) == 1
         assert made.retention.forget_workers(conn) == 0  # not again before PRUNE_EVERY
         for batch in range(3):
-            made.actions.extend(sweeper.Action("redispatch", f"r{batch}-{i}") for i in range(7))
+            made.actions.extend(Action("redispatch", f"r{batch}-{i}") for i in range(7))
             made.record_actions(conn)
         assert made.actions == []
         kept = [r[0] for r in conn.execute(
@@ -591,7 +594,7 @@ def test_the_sweeper_keeps_its_actions_and_the_workers_table_short(
         assert [r[0] for r in conn.execute("SELECT worker FROM workers")] == ["new@h:2"]
         # A failing record is logged, and the sweep goes on.
         conn.execute("ALTER TABLE sweeper_actions RENAME TO sweeper_actions_away")
-        made.actions.append(sweeper.Action("fence", "r9"))
+        made.actions.append(Action("fence", "r9"))
         with caplog.at_level(logging.WARNING, logger="loomflow_worker.sweeper"):
             made.record_actions(conn)
         assert "could not record 1 action" in caplog.text

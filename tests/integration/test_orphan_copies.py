@@ -13,7 +13,8 @@ from typing import Any
 
 import psycopg
 
-from loomflow_worker.execution import ledger, recovery
+from loomflow_worker.execution import ledger
+from loomflow_worker.sweeper import ledger_recovery as recovery
 
 QUEUED_AFTER = 5.0
 AFTER = 60.0

@@ -195,7 +195,8 @@ def test_a_request_parked_for_a_signal_is_published_once_by_its_sender_or_the_sw
     ``mark_swept``) by the signal's sender or by the sweeper, whichever comes
     first; the other finds it taken and publishes nothing. The sweeper takes
     it again only ``again_after`` seconds later (its message may be lost)."""
-    from loomflow_worker.execution import recovery, signal_waits
+    from loomflow_worker.execution import signal_waits
+    from loomflow_worker.sweeper import ledger_recovery as recovery
 
     def orphans() -> list[str]:
         found = recovery.orphans(conn, waiting={}, default_queue="q", after=60, queued_after=60,

@@ -11,8 +11,8 @@ from typing import Any
 import psycopg
 
 from loomflow_worker.settings import Settings
-from loomflow_worker.tasks.actions import Action
-from loomflow_worker.tasks.recovery import Recovery
+from loomflow_worker.sweeper.actions import Action
+from loomflow_worker.sweeper.recovery import Recovery
 
 KEY = 4242
 REQUEST = "frozen-1"

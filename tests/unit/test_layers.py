@@ -1,9 +1,10 @@
 """The package's layers import one way, with no circles (no services).
 
 runtime (journal, locks, SQL, migrations, prune) <- execution (the ledger and
-one attempt of a request, no Celery) <- tasks (the Celery binding) and admin
-(operator tools, no Celery) <- faces (the CLI, the demo). Settings, events
-and metrics are leaves anyone may use."""
+one attempt of a request, no Celery) <- sweeper (what the fleet's leader
+does, no Celery) <- tasks (the Celery binding); execution <- admin (operator
+tools, no Celery) <- faces (the CLI, the demo, the console). Settings,
+events and metrics are leaves anyone may use."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ NAME = "loomflow_worker"
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "module", ["loomflow_worker", "loomflow_worker.runtime", "loomflow_worker.execution.execute"]
+    "module", ["loomflow_worker", "loomflow_worker.runtime", "loomflow_worker.execution.execute",
+               "loomflow_worker.sweeper.leader"]
 )
 def test_the_runtime_and_execution_load_no_celery(module: str) -> None:
     code = (
@@ -118,29 +120,33 @@ def test_no_import_circles() -> None:
 
 
 CONSOLE = f"{NAME}.console"
+
+
+def _layers(*names: str) -> set[str]:
+    return {f"{NAME}.{name}" for name in names}
+
+
 LAYERS = {
-    f"{NAME}.runtime": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.cli", f"{NAME}.admin",
-                        f"{NAME}.demo", f"{NAME}.events", f"{NAME}.metrics", CONSOLE,
-                        f"{NAME}.durations"},
-    f"{NAME}.execution": {f"{NAME}.tasks", f"{NAME}.cli", f"{NAME}.admin", f"{NAME}.demo",
-                          CONSOLE},
+    f"{NAME}.runtime": _layers("execution", "sweeper", "tasks", "cli", "admin", "demo", "events",
+                               "metrics", "console", "durations"),
+    f"{NAME}.execution": _layers("sweeper", "tasks", "cli", "admin", "demo", "console"),
+    # The sweeper is the leader's jobs; the Celery binding starts it, and gives
+    # it how to publish and reach the result backend.
+    f"{NAME}.sweeper": _layers("tasks", "cli", "admin", "demo", "console"),
     # The Celery binding uses the runtime's prune, not the operator tools.
-    f"{NAME}.tasks": {f"{NAME}.cli", f"{NAME}.demo", f"{NAME}.admin", CONSOLE},
+    f"{NAME}.tasks": _layers("cli", "demo", "admin", "console"),
     # Operator tools (one module per job) serve the faces; they use no Celery.
     # The console is a face: the CLI and the demo start it, nothing else imports it.
-    f"{NAME}.admin": {f"{NAME}.tasks", f"{NAME}.cli", f"{NAME}.demo", CONSOLE},
-    f"{NAME}.durations": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.admin",
-                          f"{NAME}.cli", CONSOLE},
-    f"{NAME}.pricing": {f"{NAME}.runtime", f"{NAME}.execution", f"{NAME}.tasks",
-                        f"{NAME}.admin", f"{NAME}.cli", f"{NAME}.metrics", CONSOLE},
-    f"{NAME}.settings": {f"{NAME}.runtime", f"{NAME}.execution", f"{NAME}.tasks",
-                         f"{NAME}.admin", f"{NAME}.cli", f"{NAME}.events", CONSOLE},
-    f"{NAME}.events": {f"{NAME}.execution", f"{NAME}.tasks", f"{NAME}.admin", f"{NAME}.cli",
-                       CONSOLE},
+    f"{NAME}.admin": _layers("sweeper", "tasks", "cli", "demo", "console"),
+    f"{NAME}.durations": _layers("execution", "sweeper", "tasks", "admin", "cli", "console"),
+    f"{NAME}.pricing": _layers("runtime", "execution", "sweeper", "tasks", "admin", "cli",
+                               "metrics", "console"),
+    f"{NAME}.settings": _layers("runtime", "execution", "sweeper", "tasks", "admin", "cli",
+                                "events", "console"),
+    f"{NAME}.events": _layers("execution", "sweeper", "tasks", "admin", "cli", "console"),
     # Traces are a leaf every layer may use; its SDK half only the worker's hooks.
-    **{f"{NAME}.{leaf}": {f"{NAME}.runtime", f"{NAME}.execution", f"{NAME}.tasks",
-                          f"{NAME}.admin", f"{NAME}.cli", f"{NAME}.demo", CONSOLE,
-                          f"{NAME}.settings", f"{NAME}.events", f"{NAME}.metrics"}
+    **{f"{NAME}.{leaf}": _layers("runtime", "execution", "sweeper", "tasks", "admin", "cli",
+                                 "demo", "console", "settings", "events", "metrics")
        for leaf in ("tracing", "tracing_export")},
 }
 
@@ -178,7 +184,7 @@ def test_every_name_a_package_exports_on_first_use_is_there(package: str) -> Non
 
 def test_each_layer_defines_its_errors_in_its_errors_module() -> None:
     wrong = []
-    for layer in ("runtime", "execution", "tasks", "admin"):
+    for layer in ("runtime", "execution", "sweeper", "tasks", "admin"):
         for path in (PACKAGE / layer).rglob("*.py"):
             if path.name == "errors.py":
                 continue
@@ -195,15 +201,21 @@ def test_each_layer_defines_its_errors_in_its_errors_module() -> None:
 LEDGER_TABLES = re.compile(r"\b(?:FROM|JOIN|UPDATE|INTO)\s+(?:runs|run_attempts)\b", re.IGNORECASE)
 
 
-def test_the_ledger_is_reached_only_through_execution() -> None:
-    """Every statement on the ``runs`` ledger is run by an ``execution`` module
-    (a query is run by the module that names it, in a call or in a table of
-    names). The runtime's prune reaches the ledger only through the two views
-    the ledger's schema defines for it (migration 0030)."""
+#: The ledger's gateways: execution's modules, and the sweeper's two.
+GATEWAYS = (f"{NAME}.execution.", f"{NAME}.sweeper.ledger_recovery",
+            f"{NAME}.sweeper.ledger_results")
+
+
+def test_the_ledger_is_reached_only_through_its_gateways() -> None:
+    """Every statement on the ``runs`` ledger is run by an ``execution``
+    module or one of the sweeper's two ledger gateways (a query is run by the
+    module that names it, in a call or in a table of names). The runtime's
+    prune reaches the ledger only through the two views the ledger's schema
+    defines for it (migration 0030)."""
     ledger = {name for name, text in queries().items() if LEDGER_TABLES.search(text)}
     wrong = []
     for module, (path, _) in sorted(_modules().items()):
-        if module.startswith(f"{NAME}.execution."):
+        if module.startswith(GATEWAYS):
             continue
         named = _named_queries(path, ledger)
         wrong += [f"{module} runs {name}" for name in sorted(named)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from loomflow_worker.tasks.result_watch import EPOCH, ROLLBACK_SLACK, BackendMark, lost_since
+from loomflow_worker.sweeper.result_watch import EPOCH, ROLLBACK_SLACK, BackendMark, lost_since
 
 NOW = datetime(2030, 1, 2, tzinfo=UTC)
 DAY = 86400.0

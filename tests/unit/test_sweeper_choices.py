@@ -8,8 +8,8 @@ from pydantic import SecretStr
 
 from loomflow_worker.execution.pending import Pending
 from loomflow_worker.settings import Settings
-from loomflow_worker.tasks.recovery import confirm_lost
-from loomflow_worker.tasks.sweeper import MIN_PAUSE, Sweeper
+from loomflow_worker.sweeper.leader import MIN_PAUSE, Sweeper
+from loomflow_worker.sweeper.recovery import confirm_lost
 
 
 def pending(request_id: str) -> Pending:

@@ -1,9 +1,9 @@
--- The sweeper (tasks.sweeper): every worker process runs one; the one holding the leader
+-- The sweeper (loomflow_worker.sweeper): every worker process runs one; the one holding the leader
 -- lock leads the fleet and finds what the fleet lost: frozen holders, requests whose worker
 -- or message is gone, results the result backend lacks. Its own tables (sweeper_leader,
 -- sweeper_actions, workers, result_backend_watch) it reaches itself; the ledger only
--- through execution.recovery (these statements on runs, and mark_swept of ledger.sql) and
--- execution.results_ledger.
+-- through its two gateways, sweeper.ledger_recovery (these statements on runs, and
+-- mark_swept of execution/sql/ledger.sql) and sweeper.ledger_results.
 
 -- name: leader_lock
 -- The fleet's one leading sweeper is the one whose connection holds this session advisory

@@ -19,7 +19,7 @@ from ..runtime.sql import query
 from ..settings import Settings
 from .actions import Action, Note
 
-log = logging.getLogger("loomflow_worker.sweeper")
+log = logging.getLogger(__name__)
 
 # How often the leader starts a prune, how long it may prune per sweep, and
 # how many rows each batch (one short transaction) deletes.

@@ -2,10 +2,10 @@
 result backend as the ledger has it: finished requests whose result is not
 stored, or not yet checked there, or to look for again, and their outcomes.
 
-The sweeper (``tasks``) reaches the ledger only through these functions, as
-workers do through :mod:`.ledger`. Sync, on the sweeper's autocommit
-psycopg 3 connection; driver errors go up as they are. The statements are in
-``runtime/sql/sweeper.sql``."""
+The sweeper's result repair reaches the ledger only through these
+functions, as workers do through :mod:`loomflow_worker.execution.ledger`.
+Sync, on the sweeper's autocommit psycopg 3 connection; driver errors go up
+as they are. The statements are in ``sweeper/sql/sweeper.sql``."""
 
 from __future__ import annotations
 

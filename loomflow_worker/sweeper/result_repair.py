@@ -16,12 +16,12 @@ from typing import Any
 
 import psycopg
 
-from ..execution import results_ledger
 from ..settings import Settings
+from . import ledger_results
 from .actions import Action, Note
-from .result_watch import ResultRepair, ResultWatch, store_from_ledger
+from .result_watch import ResultBackend, ResultWatch, store_from_ledger
 
-log = logging.getLogger("loomflow_worker.sweeper")
+log = logging.getLogger(__name__)
 
 # A finished request whose worker process still lives stores its own result,
 # late when the process is busy: the sweeper checks it only after this long
@@ -39,7 +39,7 @@ class ResultRepairer:
     """The leader's result repair: ``results`` reaches the backend, ``note``
     records what it did."""
 
-    def __init__(self, settings: Settings, results: ResultRepair, note: Note) -> None:
+    def __init__(self, settings: Settings, results: ResultBackend, note: Note) -> None:
         self.settings = settings
         self.results = results
         self.note = note
@@ -58,12 +58,12 @@ class ResultRepairer:
         # heartbeat interval: only a result still unchecked after that is looked for.
         after = max(self.settings.handoff_grace, 2 * self.settings.heartbeat_interval)
         batches: list[tuple[Callable[[], list[str]], bool, Callable[[list[str]], None]]] = [
-            (lambda: results_ledger.unstored(conn, RESULTS_BATCH), False,
-             lambda ids: results_ledger.mark_stored(conn, ids)),
-            (lambda: results_ledger.unchecked(
+            (lambda: ledger_results.unstored(conn, RESULTS_BATCH), False,
+             lambda ids: ledger_results.mark_stored(conn, ids)),
+            (lambda: ledger_results.unchecked(
                 conn, after=after, alive_after=max(after, RESULT_WAIT_ALIVE),
                 within=RESULTS_WITHIN, limit=RESULTS_BATCH), True,
-             lambda ids: results_ledger.mark_checked(conn, ids, RESULTS_WITHIN)),
+             lambda ids: ledger_results.mark_checked(conn, ids, RESULTS_WITHIN)),
         ]
         repaired = 0
         for read, check, mark in batches:

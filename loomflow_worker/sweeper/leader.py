@@ -10,7 +10,7 @@ sweep, the leader:
   (:mod:`.recovery`);
 - stores, from the ledger, the results the result backend lacks: refused
   while it was down, left unstored by a worker that died, or lost by the
-  backend since (:mod:`.repair`);
+  backend since (:mod:`.result_repair`);
 - with ``retention`` set, prunes what is older than it, and forgets worker
   processes long gone (:mod:`.retention`);
 - counts the requests waiting for a version of their agent, says so when no
@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 
@@ -41,12 +41,11 @@ from ..runtime.sql import query
 from ..settings import Settings
 from .actions import Action
 from .recovery import Recovery
-from .repair import ResultRepairer
-from .result_watch import ResultRepair
+from .result_repair import ResultRepairer
+from .result_watch import ResultBackend
 from .retention import Retention
-from .version_watch import VersionWatch
 
-log = logging.getLogger("loomflow_worker.sweeper")
+log = logging.getLogger(__name__)
 
 LEADER_KEY = 0x6C66_7773_7765_6570  # "lfwsweep"
 
@@ -62,9 +61,20 @@ MIN_PAUSE = 0.05
 Conn = psycopg.Connection[Any]
 
 
+class Watch(Protocol):
+    """A watch the leader keeps each turn beside its own jobs: the worker's
+    over agent versions (``VersionWatch``), which knows the Celery binding's
+    upgrade and cancel."""
+
+    def watch(self, conn: Conn) -> int:
+        """One look; how many things it read."""
+        ...
+
+
 class Sweeper:
     """The loop: ``dispatch``, ``queue_length`` and ``revoked`` serve the
-    recovery, ``results`` the result repair (none: no repair), ``held``
+    recovery, ``results`` the result repair (none: no repair), ``versions``
+    watches agent versions (none: no watch), ``held``
     stamps the requests this worker holds unstarted."""
 
     def __init__(
@@ -72,10 +82,10 @@ class Sweeper:
         settings: Settings,
         dispatch: Callable[[list[Pending]], None],
         queue_length: Callable[[list[str]], dict[str, int | None]] | None = None,
-        results: ResultRepair | None = None,
+        results: ResultBackend | None = None,
         revoked: Callable[[list[str]], None] | None = None,
         held: Callable[[psycopg.Connection[Any]], int] | None = None,
-        versions: VersionWatch | None = None,
+        versions: Watch | None = None,
     ) -> None:
         self.settings = settings
         # Stamps the requests this worker holds unstarted (a rate limit, an
@@ -91,7 +101,7 @@ class Sweeper:
         self.repair = (ResultRepairer(settings, results, self.actions.append)
                        if results is not None else None)
         self.retention = Retention(settings, self.actions.append)
-        self.versions = versions or VersionWatch()
+        self.versions = versions
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: Conn | None = None
@@ -158,7 +168,8 @@ class Sweeper:
                     self.repair.recheck(conn)
                 self.retention.retain(conn)
                 self.retention.forget_workers(conn)
-                self.versions.watch(conn)
+                if self.versions is not None:
+                    self.versions.watch(conn)
             else:
                 metrics.report_backlog({})  # the leader reports them
                 metrics.report_version_waiting({})

@@ -2,11 +2,13 @@
 what the fleet lost: frozen holders, orphans (requests whose worker died or
 whose message is gone), requests revoked while their message waited.
 
-The sweeper (``tasks``) reaches the ledger only through these functions, as
-workers do through :mod:`.ledger`: a change to the ledger's tables meets
-every statement on them in this layer. Sync, on the sweeper's autocommit
-psycopg 3 connection; driver errors go up as they are. The statements are in
-``runtime/sql/sweeper.sql`` (``mark_swept`` in ledger.sql)."""
+The sweeper's other modules reach the ledger only through these functions
+and :mod:`.ledger_results`, as workers do through
+:mod:`loomflow_worker.execution.ledger`: a change to the ledger's tables
+meets every statement on them in these gateways. Sync, on the sweeper's
+autocommit psycopg 3 connection; driver errors go up as they are. The
+statements are in ``sweeper/sql/sweeper.sql`` (``mark_swept`` and
+``fair_next`` in ``execution/sql/ledger.sql``)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from ..execution.ledger import FAIR_PAGE
+from ..execution.pending import Pending
 from ..runtime.sql import query
-from .ledger import FAIR_PAGE
-from .pending import Pending
 
 Conn = psycopg.Connection[Any]
 
@@ -105,7 +107,7 @@ def mark_swept(conn: Conn, request_ids: list[str], again_after: float) -> set[st
     """These orphans are being dispatched again now: those marked, to publish.
     A request parked for a signal is not marked when its signal's sender
     published it since it parked, less than ``again_after`` seconds ago (see
-    :mod:`.signal_waits`)."""
+    :mod:`loomflow_worker.execution.signal_waits`)."""
     rows = conn.execute(query("mark_swept"),
                         {"request_ids": request_ids, "again_after": again_after}).fetchall()
     return {str(row[0]) for row in rows}

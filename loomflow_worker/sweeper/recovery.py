@@ -21,14 +21,14 @@ import psycopg
 
 from .. import metrics, tracing
 from ..execution import budgets
-from ..execution import recovery as ledger_recovery
 from ..execution.pending import Pending
 from ..execution.statuses import Status
 from ..runtime.sql import query
 from ..settings import Settings
+from . import ledger_recovery
 from .actions import Action, Note
 
-log = logging.getLogger("loomflow_worker.sweeper")
+log = logging.getLogger(__name__)
 
 # Orphans are read a page at a time, for up to RECOVER_BUDGET seconds per
 # sweep, and each page is dispatched as one batch (one ledger statement, one

@@ -1,6 +1,6 @@
 """The sweeper's watch on the result backend: every result it lost after it
 was stored is stored again from the ledger (those it never stored are
-:mod:`.repair`'s).
+:mod:`.result_repair`'s).
 
 A Redis restarted without persistence (or from a snapshot older than its last
 writes), flushed, failed over to a replica that was behind, or evicting keys
@@ -29,10 +29,10 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from ..execution import results_ledger
 from ..runtime.sql import query
+from . import ledger_results
 
-log = logging.getLogger("loomflow_worker.sweeper")
+log = logging.getLogger(__name__)
 
 # A re-check looks for this many results per round trip, and goes on for up
 # to RECHECK_BUDGET seconds per sweep.
@@ -61,7 +61,7 @@ class BackendMark:
 
 
 @dataclass(frozen=True)
-class ResultRepair:
+class ResultBackend:
     """How the sweeper reaches the result backend: ``missing(request_ids)``
     says which of them have no outcome stored (in one round trip where the
     backend allows); ``store(request_id, status, result, error, age)`` stores
@@ -117,7 +117,7 @@ def lost_since(mark: float | None, evicted: int | None, seen: BackendMark, now: 
     return None
 
 
-def store_from_ledger(conn: psycopg.Connection[Any], results: ResultRepair,
+def store_from_ledger(conn: psycopg.Connection[Any], results: ResultBackend,
                       request_ids: list[str], stored: list[tuple[str, str]]) -> None:
     """Store these finished requests' outcomes as the ledger has them (a
     request gone from the ledger, or past its result's lifetime, is skipped);
@@ -126,7 +126,7 @@ def store_from_ledger(conn: psycopg.Connection[Any], results: ResultRepair,
     what the backend lacks: a result can be large."""
     if not request_ids:
         return
-    for outcome in results_ledger.outcomes(conn, request_ids):
+    for outcome in ledger_results.outcomes(conn, request_ids):
         if results.store(outcome.request_id, outcome.status, outcome.result, outcome.error,
                          outcome.age):
             stored.append((outcome.request_id, outcome.status))
@@ -148,7 +148,7 @@ class ResultWatch:
     """The leader's watch on the result backend (see the module's docstring).
     ``note(action, detail)`` records what it did for the console."""
 
-    def __init__(self, results: ResultRepair, note: Callable[[str, str], None]) -> None:
+    def __init__(self, results: ResultBackend, note: Callable[[str, str], None]) -> None:
         self.results = results
         self.note = note
         self._known: _Known | None = None
@@ -213,7 +213,7 @@ class ResultWatch:
         deadline = time.monotonic() + budget
         restored = 0
         while True:
-            rows = results_ledger.finished_after(conn, recheck.at, recheck.seq, recheck.until,
+            rows = ledger_results.finished_after(conn, recheck.at, recheck.seq, recheck.until,
                                                  RECHECK_BATCH)
             if not rows:
                 self._ended()
