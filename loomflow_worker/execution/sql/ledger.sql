@@ -299,38 +299,22 @@ UPDATE runs SET swept_at = now(), dispatched_at = greatest(dispatched_at, now())
 RETURNING request_id;
 
 -- name: start_request
--- Under the scope lock: read the request, look for an older unfinished one,
--- and (when there is none and the request is not finished) count the
--- attempt, pin the epoch on the first attempt and mark it running, in one
--- statement (the previous attempt, if it never ended, ends "died" then). A
--- previous attempt that ended "interrupted" (its worker shut
--- down for a deploy) or "lost" (its worker lost its database connection and
--- lived) does not count as a crash, and neither does one that died with
--- other runs of its process (shared; in a process of quarantine among a few
--- suspects, with any other attempt that process ran): that raises the
--- request's suspicion instead. A lost one lengthens its streak of lost
--- attempts. The attempt records how apart it runs (`isolation`).
--- A previous attempt that may still be running (its lock connection ended
--- but its worker lives and has not yet stopped its step) is waited for: the
--- request does not start, and `previous_worker` names that worker, until the
--- attempt records how it ended, its worker stops stamping its row in
--- `workers` (dead, or stopped) for two of its heartbeat intervals (when the
--- sweeper takes its runs for orphans too) or a new process stamps it (`boot`:
--- a container restarted in place, under the same worker id), or the request's
--- heartbeat is older than the lease (see `previous_open`).
--- The first attempt pins the request to the worker's version of its agent
--- (`version`; NULL: a caller with none, which pins nothing); a request pinned
--- to another version does not start, unless asked to cancel (it starts only
--- to end so), and `other_version` names the version it is pinned to (see
--- await_version). `upgraded`: it was moved to another version on purpose. An attempt that starts records its
--- version, clears the request's wait for one, and takes back the routing the
--- request had before it was sent to its version's queue.
+-- Under the scope lock, in one statement: read the request, and when it is not
+-- finished and nothing makes it wait (an older unfinished request on its scope,
+-- a previous attempt that may still be running, a pin to another version of its
+-- agent), count the attempt, pin the epoch on the first one and mark it running.
+-- Each part below says its rule.
 WITH r AS (
+    -- The request, locked for the statement.
     SELECT request_id, seq, scope, status, epoch, kind, attempts, cancel_requested,
            result, error, error_type, heartbeat_at, enqueued_at, booked_key, booked_at,
            agent_version
       FROM runs WHERE request_id = %(request_id)s FOR UPDATE
 ), other AS (
+    -- The version of its agent, other than the worker's, it is pinned to: it does not
+    -- start (unless asked to cancel: it starts only to end so), and `other_version`
+    -- names it (see await_version). The first attempt pins the request to the
+    -- worker's version (`version`; NULL: a caller with none, which pins nothing).
     SELECT r.agent_version FROM r
      WHERE loomflow_worker_unfinished(r.status) AND NOT r.cancel_requested
        AND %(version)s::text IS NOT NULL
@@ -342,6 +326,13 @@ WITH r AS (
       FROM r, loomflow_worker_last_attempt(r.request_id, r.attempts) p
      WHERE r.status = 'running'
 ), previous_open AS (
+    -- The worker of a previous attempt that may still be running (its lock connection
+    -- ended but its worker lives and has not yet stopped its step): the request waits
+    -- for it, named by `previous_worker`, until the attempt records how it ended, its
+    -- worker stops stamping its row in `workers` (dead, or stopped) for two of its
+    -- heartbeat intervals (when the sweeper takes its runs for orphans too) or a new
+    -- process stamps it (`boot`: a container restarted in place, under the same worker
+    -- id), or the request's heartbeat is older than the lease.
     SELECT a.worker
       FROM r JOIN run_attempts a ON a.request_id = r.request_id AND a.attempt = r.attempts
       LEFT JOIN workers w ON w.worker = a.worker
@@ -353,6 +344,8 @@ WITH r AS (
                      AND w.seen_at > now() - make_interval(secs => 2 * w.heartbeat_interval)
            END
 ), older AS (
+    -- The oldest older unfinished request on the scope: this one waits for it, and
+    -- the caller makes sure it is dispatched (`stale`: its message looks lost).
     SELECT o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
            o.not_before, CASE WHEN o.status = 'queued' THEN o.options END AS options, o.routing,
            greatest(o.dispatched_at, o.not_before) < now() - make_interval(secs => %(stale)s)
@@ -361,11 +354,20 @@ WITH r AS (
      WHERE loomflow_worker_unfinished(o.status) AND o.seq < r.seq
      ORDER BY o.seq LIMIT 1
 ), marks AS (
+    -- The scope's epochs as the journal has them, to pin the first attempt's.
     SELECT max(loomflow_worker_epoch(value)) FILTER (WHERE step_name = '__run_epoch__') AS current,
            max(loomflow_worker_epoch(value)) FILTER (WHERE step_name = '__last_run_epoch__') AS last
       FROM journal_steps
      WHERE session_id = %(scope)s AND step_name IN ('__run_epoch__', '__last_run_epoch__')
 ), started AS (
+    -- The attempt starts. A previous one that ended "interrupted" (its worker shut
+    -- down for a deploy) or "lost" (its worker lost its database connection and
+    -- lived) counts no crash, nor one that died with other runs of its process
+    -- (shared; in a process of quarantine among a few suspects, with any other attempt
+    -- that process ran): that raises the request's suspicion instead. A lost one
+    -- lengthens its streak of lost attempts. It records its agent's version, clears
+    -- the request's wait for one, and takes back the routing the request had before
+    -- it was sent to its version's queue.
     UPDATE runs u
        SET status = 'running',
            epoch = coalesce(u.epoch, CASE WHEN r.kind = 'resume' AND m.last IS NOT NULL
@@ -395,6 +397,7 @@ WITH r AS (
       FROM r, started s
      WHERE a.request_id = r.request_id AND a.attempt = r.attempts AND a.ended_at IS NULL
 ), attempt_row AS (
+    -- The attempt's row, recording how apart it runs (`isolation`).
     INSERT INTO run_attempts (request_id, attempt, worker, pid, epoch, boot, isolation,
                               agent_version)
     SELECT %(request_id)s, attempts, %(worker)s, %(pid)s, epoch, %(boot)s, %(isolation)s,
@@ -402,6 +405,8 @@ WITH r AS (
       FROM started
     ON CONFLICT (request_id, attempt) DO NOTHING
 )
+-- What the caller decides on: the request, the attempt started (none: it waits),
+-- what it waits for, and `upgraded`: it was moved to another version on purpose.
 SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
        s.epoch, s.attempts, s.crashes, s.failures, s.suspicion, s.lost_streak,
        CASE WHEN r.status = 'running'

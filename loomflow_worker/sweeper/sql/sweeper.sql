@@ -82,49 +82,17 @@ SELECT coalesce(routing->>'queue', %(default_queue)s) AS queue,
  GROUP BY 1;
 
 -- name: orphans
--- The oldest unfinished request of each scope whose lock nobody holds:
--- running, with a heartbeat older than dead_after (its worker died; a
--- worker that merely lost its lock stops its own run within a heartbeat),
--- or queued with a message that is gone. A running one is dispatched again at
--- once, then again only when an attempt started since died too, or after
--- `after` seconds, or when the copy published since its last start is gone
--- as a queued request's message is (counted below: a copy that went to a
--- process that died before it started it, as a poison request's second
--- process does, is in no queue and held by no live worker); its status then
--- reads `copy_lost`.
--- A queued request's message is in the broker when nobody received it or it
--- was published again since (a handoff), and no live worker says it holds it
--- unstarted (held_at within held_within: a rate limit, a prefetch). Each
--- queue is counted apart (its name from the request's routing, the default
--- queue when it has none): of a queue's requests, the broker holds `waiting`
--- messages (the arrays `queues` and `waiting` pair them), so only its oldest
--- (count - waiting) can be gone, since a broker hands out the oldest first,
--- and only after queued_after seconds (a message on its way to a worker is
--- counted nowhere for a moment). A request whose publish failed
--- (dispatched_at -infinity) is gone. With its queue's count unknown (NULL, or
--- not asked: the broker did not answer), a message counts as gone after
--- `after` seconds. A queued request received and parked, not published since,
--- is in no broker: it goes after queued_after.
--- A request that may not start yet (not_before: a countdown or eta) has its
--- message held by a worker until then, counted in no queue: it is in no
--- count, and gone no sooner than queued_after past its not_before (unless its
--- publish failed: then it is published at once, with its eta).
--- A request whose run gave its slot back to wait for a signal (waiting_signal)
--- is published again once that signal waits in its session's mailbox (the
--- session it waits on) for its user, at once unless published since it parked
--- (its signal's sender publishes it as it sends), and then at most every
--- queued_after (mark_swept says the same).
--- A request parked on a spent cost budget (waiting_budget) is not an orphan:
--- the leader publishes it once the budget has room (wake_budget_waiters).
--- A request parked on a full concurrency limit (waiting_slots; queued, or
--- running when its last attempt's worker died) is published again only once
--- the limit has a free slot, only as many of a limit's parked requests (the
--- oldest) as it has free slots less the messages already on their way to them
--- (`outgoing`: a request of its fairness key, of its agent, or published off
--- the limit by next_on_limit, whose message is out, due, not taken for lost by
--- its queue's count, and published within `after` or held by a worker: each
--- takes a slot as it starts), and then after queued_after like any other.
+-- The oldest unfinished request of each scope whose lock nobody holds, when its
+-- worker died (running) or its message is gone (queued): up to `limit` of them,
+-- with its status (`copy_lost`: running, and the copy published since its last
+-- start is gone too). Each part below says its rule; the final CASE has one branch per
+-- kind of request (parked on a cost budget, for a signal or on a limit; running; queued).
 WITH in_broker AS (
+    -- Messages the broker may hold: published and not received since (or published
+    -- again since, a handoff), due (not_before passed), and held unstarted by no live
+    -- worker (held_at within held_within: a rate limit, a prefetch); their age in
+    -- their queue (the routing's, or the default queue), since a broker hands out
+    -- the oldest first.
     SELECT request_id, dispatched_at, coalesce(routing->>'queue', %(default_queue)s) AS queue,
            row_number() OVER (PARTITION BY coalesce(routing->>'queue', %(default_queue)s)
                               ORDER BY dispatched_at, seq) AS age
@@ -135,13 +103,18 @@ WITH in_broker AS (
        AND NOT coalesce(held_at > dispatched_at
                         AND held_at > now() - make_interval(secs => %(held_within)s), false)
 ), counted AS (
+    -- The broker's count of each queue's messages (the arrays `queues` and `waiting`
+    -- pair them; a queue not asked, or NULL, is unknown).
     SELECT c.queue, c.waiting
       FROM unnest(%(queues)s::text[], %(waiting)s::bigint[]) AS c(queue, waiting)
 ), budget AS (
+    -- How many of a queue's messages can be gone: its oldest (count - waiting).
     SELECT b.queue, count(*) - min(c.waiting) AS lost
       FROM in_broker b LEFT JOIN counted c USING (queue)
      GROUP BY b.queue
 ), heads AS (
+    -- The oldest unfinished request of each scope, and whether a live worker says it
+    -- holds its message unstarted (`held`).
     SELECT DISTINCT ON (scope) request_id, kind, session_id, user_id, agent, prompt, metadata,
            not_before, CASE WHEN status = 'queued' THEN options END AS options, routing, status,
            dispatched_at, swept_at, started_at, heartbeat_at, lock_key,
@@ -153,10 +126,12 @@ WITH in_broker AS (
      WHERE loomflow_worker_unfinished(status)
      ORDER BY scope, seq
 ), locks AS MATERIALIZED (
+    -- The advisory locks held in this database (the scopes' and the limits' slots).
     SELECT classid, objid FROM pg_locks
      WHERE locktype = 'advisory' AND granted AND objsubid = 1
        AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
 ), unlocked AS (
+    -- The free slots of each concurrency limit some request is parked on.
     SELECT w.waiting_for, count(*) AS free
       FROM (SELECT DISTINCT waiting_for, waiting_slots FROM heads
              WHERE waiting_slots IS NOT NULL) w
@@ -166,6 +141,10 @@ WITH in_broker AS (
                           AND l.objid = (k & 4294967295)::oid)
      GROUP BY w.waiting_for
 ), outgoing AS (
+    -- The messages already on their way to each limit's slots: a request of its
+    -- fairness key, of its agent, or published off the limit by next_on_limit, whose
+    -- message is out, due, not taken for lost by its queue's count, and published
+    -- within `after` or held by a worker (each takes a slot as it starts).
     SELECT x.name, count(DISTINCT h.request_id) AS n
       FROM heads h
       LEFT JOIN in_broker b USING (request_id)
@@ -179,14 +158,17 @@ WITH in_broker AS (
        AND (h.held OR h.dispatched_at > now() - make_interval(secs => %(after)s))
      GROUP BY x.name
 ), room AS (
+    -- The room each limit has: its free slots less the messages on their way to them.
     SELECT u.waiting_for, u.free - coalesce(o.n, 0) AS free
       FROM unlocked u LEFT JOIN outgoing o ON o.name = u.waiting_for
 ), waiting AS (
+    -- The place of each request parked on a limit, by priority then age.
     SELECT request_id, waiting_for,
            row_number() OVER (PARTITION BY waiting_for ORDER BY priority_rank, enqueued_at)
            AS place
       FROM heads WHERE waiting_slots IS NOT NULL
 )
+-- A running one whose copy is gone (see the running branch) reads `copy_lost`.
 SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metadata,
        h.not_before, h.options, h.routing,
        CASE WHEN loomflow_worker_copy_out(h.status, h.swept_at, h.started_at)
@@ -197,8 +179,14 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
   LEFT JOIN in_broker b USING (request_id)
   LEFT JOIN budget g ON g.queue = b.queue
  WHERE h.lock_key IS NOT NULL
+   -- Parked on a spent cost budget: not an orphan; the leader publishes it once the
+   -- budget has room (wake_budget_waiters).
    AND CASE WHEN h.waiting_budget IS NOT NULL THEN false
        WHEN h.waiting_signal IS NOT NULL THEN
+            -- Parked for a signal (it gave its slot back to wait): published again once
+            -- the signal waits in the session's mailbox it waits on, for its user; at
+            -- once unless published since it parked (its signal's sender publishes it
+            -- as it sends), then at most every queued_after (mark_swept says the same).
             EXISTS (SELECT 1 FROM signals s
                      WHERE s.session_id = h.waiting_signal_session
                        AND s.name = h.waiting_signal
@@ -206,18 +194,37 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
             AND (h.swept_at IS NULL OR h.swept_at < h.received_at
                  OR h.swept_at < now() - make_interval(secs => %(queued_after)s))
        WHEN h.waiting_slots IS NOT NULL THEN
+            -- Parked on a full concurrency limit (queued, or running when its last
+            -- attempt's worker died): published again only once the limit has room for
+            -- it (the oldest of its parked requests first), then after queued_after.
             EXISTS (SELECT 1 FROM waiting w JOIN room m USING (waiting_for)
                      WHERE w.request_id = h.request_id AND w.place <= m.free)
             AND h.dispatched_at < now() - make_interval(secs => %(queued_after)s)
             AND (h.swept_at IS NULL
                  OR h.swept_at < now() - make_interval(secs => %(queued_after)s))
        WHEN h.status = 'running' THEN
+            -- Running with a heartbeat older than dead_after: its worker died (one that
+            -- merely lost its lock stops its own run within a heartbeat). Dispatched
+            -- again at once, then again only when an attempt started since died too,
+            -- or after `after` seconds, or when the copy published since its last start
+            -- is gone as a queued request's message is: a copy that went to a process
+            -- that died before it started it (as a poison request's second process
+            -- does) is in no queue and held by no live worker.
             h.heartbeat_at < now() - make_interval(secs => %(dead_after)s)
             AND (h.swept_at IS NULL OR h.swept_at < h.started_at
                  OR h.swept_at < now() - make_interval(secs => %(after)s)
                  OR (NOT h.held AND h.swept_at < now() - make_interval(secs => %(queued_after)s)
                      AND b.age <= g.lost))
        ELSE
+            -- Queued: its message is gone when no live worker holds it and, past
+            -- queued_after (a message on its way to a worker is counted nowhere for a
+            -- moment), it is among its queue's oldest beyond the broker's count, or its
+            -- publish failed (dispatched_at -infinity: published at once, with its eta),
+            -- or its queue's count is unknown and `after` seconds passed. One received
+            -- and parked, not published since, is in no broker: it goes after
+            -- queued_after. One that may not start yet (not_before: a countdown or eta)
+            -- has its message held by a worker until then, counted in no queue: it goes
+            -- no sooner than queued_after past its not_before.
             NOT h.held
             AND h.dispatched_at < now() - make_interval(secs => %(queued_after)s)
             AND (h.dispatched_at = '-infinity'
@@ -231,6 +238,7 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
                      AND greatest(h.dispatched_at, h.not_before)
                          < now() - make_interval(secs => %(after)s)))
        END
+   -- And nobody holds its scope's lock.
    AND NOT EXISTS (
        SELECT 1 FROM pg_locks l
         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
