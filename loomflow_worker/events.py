@@ -29,7 +29,7 @@ import redis.asyncio as aredis
 
 from .settings import Settings
 
-log = logging.getLogger("loomflow_worker.events")
+log = logging.getLogger(__name__)
 
 END = "end"
 # Kinds that describe the attempt itself, never a replayed step.

@@ -17,7 +17,7 @@ from typing import Any
 
 from . import sockets
 
-log = logging.getLogger("loomflow_worker.metrics")
+log = logging.getLogger(__name__)
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from .settings import ModelPrice
 
-log = logging.getLogger("loomflow_worker.pricing")
+log = logging.getLogger(__name__)
 
 MILLION = Decimal(1_000_000)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-log = logging.getLogger("loomflow_worker.tracing")
+log = logging.getLogger(__name__)
 
 #: The W3C trace context headers a message carries.
 TRACE_HEADERS = ("traceparent", "tracestate")

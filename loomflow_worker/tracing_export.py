@@ -17,7 +17,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-log = logging.getLogger("loomflow_worker.tracing")
+log = logging.getLogger(__name__)
 
 #: The attribute that marks a replayed span (``loomflow_worker.tracing.REPLAYED``,
 #: which imports this module when it exports: named again here, not imported).

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..durations import shown
 from ..settings import Settings
 
-log = logging.getLogger("loomflow_worker.console")
+log = logging.getLogger(__name__)
 
 COOKIE = "lfw_console"
 _LOGIN = b"loomflow-worker console login\x00"

@@ -47,7 +47,7 @@ from . import data
 from .access import COOKIE, Gate, HostAllowed, TokenRequired
 from .timeline import layout
 
-log = logging.getLogger("loomflow_worker.console")
+log = logging.getLogger(__name__)
 
 #: The most a form may hold (a token, a redirect target).
 MAX_FORM_BYTES = 4096

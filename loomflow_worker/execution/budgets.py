@@ -46,7 +46,7 @@ from .cached import AsyncCachedRead, CachedRead
 from .errors import OverBudget
 from .pending import Pending
 
-log = logging.getLogger("loomflow_worker.limits")
+log = logging.getLogger(__name__)
 
 #: How often a process reads which keys and agents have budgets.
 REFRESH = 2.0

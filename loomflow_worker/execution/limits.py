@@ -50,7 +50,7 @@ from .budgets import params as budget_params
 from .cached import AsyncCachedRead
 from .registry import agent_limits
 
-log = logging.getLogger("loomflow_worker.limits")
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .request import RunRequest

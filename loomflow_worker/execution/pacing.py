@@ -40,7 +40,7 @@ from ..settings import ModelLimit, Settings
 from .cached import AsyncCachedRead
 from .errors import Paused
 
-log = logging.getLogger("loomflow_worker.execution")
+log = logging.getLogger(__name__)
 
 #: How often a process reads which keys have limits or a pause.
 REFRESH = 2.0

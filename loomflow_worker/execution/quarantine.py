@@ -49,7 +49,7 @@ from .execute import Outcome, WorkerContext, execute
 from .pending import Pending
 from .registry import import_agent_modules
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 #: How often the process checks that the worker that started it still lives.
 ORPHAN_CHECK = 1.0

@@ -18,7 +18,7 @@ from .registry import agent_factory, agent_fairness_key, check_agent_known
 
 Kind = Literal["run", "resume"]
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ Serializer = Literal["json", "pickle"]
 
 _TAG = _codec._TAG
 
-log = logging.getLogger("loomflow_worker.runtime")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -55,7 +55,7 @@ from psycopg.rows import TupleRow
 from . import fastpath
 from .errors import LockLost
 
-log = logging.getLogger("loomflow_worker.runtime")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 U = TypeVar("U")

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import CodeType, FrameType
 
-log = logging.getLogger("loomflow_worker.runtime")
+log = logging.getLogger(__name__)
 
 #: How often the loop's timer ticks (seconds).
 TICK = 0.1

@@ -10,7 +10,7 @@ from psycopg import AsyncConnection
 from .errors import SchemaError
 from .sql import migrations, query
 
-log = logging.getLogger("loomflow_worker.runtime")
+log = logging.getLogger(__name__)
 
 # Every process migrating takes this transaction-level advisory lock first,
 # so a fleet starting together applies each migration exactly once.

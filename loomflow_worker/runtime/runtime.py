@@ -68,7 +68,7 @@ from .store import (
 )
 from .validate import check_id, check_signal_name
 
-log = logging.getLogger("loomflow_worker.runtime")
+log = logging.getLogger(__name__)
 
 _lease_var: ContextVar[Lease | None] = ContextVar("_loomflow_worker_lease", default=None)
 #: Called, inside a run, with a signal's session and name and how long the run has waited

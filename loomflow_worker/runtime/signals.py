@@ -31,7 +31,7 @@ from .sql import query
 if TYPE_CHECKING:
     from .store import Conn, Lease
 
-log = logging.getLogger("loomflow_worker.runtime")
+log = logging.getLogger(__name__)
 
 #: Undelivered signals kept per scope (``LOOMFLOW_WORKER_SIGNALS_PER_SCOPE``).
 DEFAULT_SIGNALS_PER_SCOPE = 1000

@@ -56,7 +56,7 @@ from .prune import Pruner
 from .sessions import probe
 from .sql import query
 
-log = logging.getLogger("loomflow_worker.runtime")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

@@ -24,7 +24,7 @@ from typing import Any
 from .. import metrics
 from ..runtime.loopwatch import LoopWatch
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 #: How far back each look at the loop's lateness reaches (seconds).
 LAG_WINDOW = 1.0

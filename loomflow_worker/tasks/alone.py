@@ -34,7 +34,7 @@ from ..runtime.errors import DatabaseUnavailable, LockLost
 from .groups import Member, Quarantine
 from .state import PROCESS
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 #: How long a request that must run in quarantine waits for one of its
 #: worker process's ``ALONE_AT_ONCE`` to end before it goes back to the queue.

@@ -15,7 +15,7 @@ from celery.result import task_join_will_block
 from ..execution.pending import Pending
 from .state import PROCESS
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 #: The names the tasks are registered and sent under (messages carry them).
 RUN_AGENT = "loomflow_worker.run_agent"

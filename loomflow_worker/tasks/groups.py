@@ -19,7 +19,7 @@ from typing import Any
 
 from ..execution import ledger, quarantine
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 #: How long a process whose last attempt replied may take to end before it is stopped.
 EXIT_GRACE = 10.0

@@ -52,7 +52,7 @@ from .task import AgentTask
 from .upgrade import upgrade_stranded
 from .version_watch import VersionWatch
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 #: How long a pool child that is exiting waits for its connections to close.
 CLOSE_TIMEOUT = 5.0

@@ -28,7 +28,7 @@ from .retry import retry_within
 from .state import PROCESS
 from .task import AgentTask
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 #: How long past the run time limit a request running alone may take before
 #: its process is stopped.

@@ -8,7 +8,7 @@ import logging
 from ..execution.versions import queue_suffix
 from .application import current_app, settings
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 
 def queue_lengths(names: list[str]) -> dict[str, int | None]:

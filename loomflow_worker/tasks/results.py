@@ -12,7 +12,7 @@ from ..sweeper.result_watch import BackendMark
 from .dispatch import dispatch_errors
 from .state import PROCESS
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 
 class ResultStore:

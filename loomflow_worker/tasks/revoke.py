@@ -14,7 +14,7 @@ from .dispatch import dispatch_recorded
 from .retry import retry_within
 from .state import PROCESS
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 #: How long a request Celery ended from outside (revoked, or killed at its hard
 #: time limit) whose attempt still holds its scope is waited for (its worker

@@ -34,7 +34,7 @@ from .admission import Admission
 from .groups import AloneRuns
 from .loop import ChildLoop
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 #: How often a process that enqueues for an agent it does not build reads the
 #: agent again from the fleet's registry (seconds).

@@ -23,7 +23,7 @@ from ..execution.registry import agent_on_version_gone
 from ..execution.versions import VersionInfo
 from ..runtime.errors import InvalidInput
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 #: How often the leader looks (seconds).
 WATCH_EVERY = 5.0

@@ -19,7 +19,7 @@ from ..runtime import signals
 from .application import settings
 from .dispatch import dispatch_recorded
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 
 def publish(woken: list[Pending], name: str) -> None:

@@ -22,7 +22,7 @@ from ..execution.request import refuse_message
 from ..runtime.errors import InvalidInput
 from ..runtime.validate import check_id
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 #: How much of a refused message's id a log line shows.
 SHOWN_ID_CHARS = 100

@@ -23,7 +23,7 @@ from celery.worker import state as worker_state
 
 from .state import PROCESS
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 
 def holds_work() -> bool:

@@ -59,7 +59,7 @@ def test_the_newest_settings_win_and_say_so(
     _configure(limits={"per_key": 2})
     run_agent.delay(calls("a"), "s1", user_id="alice")
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="loomflow_worker.limits"):
+    with caplog.at_level(logging.WARNING, logger="loomflow_worker.execution.limits"):
         _configure(limits={"per_key": 5})  # a process of a newer release
         run_agent.delay(calls("b"), "s2", user_id="alice")
     assert _limits(fleet.dsn) == {"per_key": (5, "settings")}
@@ -73,7 +73,7 @@ def test_a_limit_set_with_the_command_holds_over_settings_and_says_so(
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         limits.write(conn, "per_key", 1)
         limits.write_weight(conn, "bob", 2.0)
-    with caplog.at_level(logging.WARNING, logger="loomflow_worker.limits"):
+    with caplog.at_level(logging.WARNING, logger="loomflow_worker.execution.limits"):
         _configure(limits={"per_key": 50}, fairness_weights={"bob": 9.0})
         sent = [run_agent.delay(calls(f"a{i}"), f"s{i}", user_id="alice").id for i in range(3)]
     assert _limits(fleet.dsn) == {"per_key": (1, "command")}
