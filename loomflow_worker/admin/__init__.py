@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from ..durations import MAX_DURATION, format_duration, parse_duration
 from ..execution.errors import RequestNotFound
+from ..runtime.conns import SyncConn
 from ..settings import validation_message
-from .connect import Conn, connect, redact, sanitize_url, secrets_of
+from .connect import connect, redact, sanitize_url, secrets_of
 from .doctor import Check, check_settings, doctor
 from .runs import (
     MAX_LIST,
@@ -63,7 +64,6 @@ __all__ = [
     "TERMINAL",
     "AttemptInfo",
     "Check",
-    "Conn",
     "DirectRun",
     "RequestDetail",
     "RequestNotFound",
@@ -73,6 +73,7 @@ __all__ = [
     "RunRow",
     "RunStatus",
     "StepInfo",
+    "SyncConn",
     "UpgradeInfo",
     "VersionInfo",
     "add_journal",

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from ..runtime.conns import SyncConn
 from ..runtime.errors import CONNECT, translated
 from ..settings import Settings
-
-Conn = psycopg.Connection[Any]
-
 
 #: Query-string keys whose values are credentials (``?password=``, ``&token=``...).
 CREDENTIAL_KEY = re.compile(
@@ -107,7 +104,7 @@ def redact(text: str, secrets: Sequence[str]) -> str:
 # ---- connections ----------------------------------------------------------------------------
 
 
-def connect(settings: Settings, *, application_name: str = "loomflow-worker admin") -> Conn:
+def connect(settings: Settings, *, application_name: str = "loomflow-worker admin") -> SyncConn:
     """An autocommit connection to the fleet's database, or :class:`DatabaseUnavailable`."""
     dsn = settings.database_url.get_secret_value()
     with translated(CONNECT, dsn):

@@ -21,9 +21,9 @@ from ..execution import statuses as ledger_statuses
 from ..execution.errors import RequestNotFound
 from ..execution.statuses import STATUSES as STATUSES
 from ..execution.versions import VersionInfo as VersionInfo
+from ..runtime.conns import SyncConn
 from ..runtime.errors import InvalidInput, translated
 from ..runtime.sql import query
-from .connect import Conn
 
 TERMINAL = tuple(str(s) for s in ledger_statuses.TERMINAL)
 
@@ -65,7 +65,7 @@ class RequestSummary:
 
 
 def list_requests(
-    conn: Conn,
+    conn: SyncConn,
     *,
     session_id: str | None = None,
     user_id: str | None = None,
@@ -107,7 +107,7 @@ class RequestStatus:
         return self.status in TERMINAL
 
 
-def request_status(conn: Conn, request_id: str) -> RequestStatus:
+def request_status(conn: SyncConn, request_id: str) -> RequestStatus:
     """The request's status and outcome, or :class:`RequestNotFound`."""
     with translated("query"):
         row = ledger_reads.request_status(conn, request_id)
@@ -117,7 +117,7 @@ def request_status(conn: Conn, request_id: str) -> RequestStatus:
 
 
 def wait_for(
-    conn: Conn, request_id: str, *, timeout: float | None = None, poll: float = 0.05
+    conn: SyncConn, request_id: str, *, timeout: float | None = None, poll: float = 0.05
 ) -> RequestStatus:
     """Poll the ledger until the request is finished; ``TimeoutError`` after ``timeout``."""
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -264,7 +264,7 @@ class StepInfo:
         return ", ".join(parts)
 
 
-def agent_versions(conn: Conn) -> list[VersionInfo]:
+def agent_versions(conn: SyncConn) -> list[VersionInfo]:
     """Every version of every agent the fleet knows, newest build first per agent."""
     with translated("query"):
         return [VersionInfo(**row) for row in ledger_reads.agent_versions(conn)]
@@ -430,7 +430,7 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def get_request(conn: Conn, request_id: str) -> RequestDetail:
+def get_request(conn: SyncConn, request_id: str) -> RequestDetail:
     """The request, its attempts and its journal (with what each attempt
     executed or replayed), or :class:`RequestNotFound`. The console reads the
     same three queries on its own pool (``console.data.get_request``)."""
@@ -474,7 +474,7 @@ class DirectRun:
 
 
 def list_direct_runs(
-    conn: Conn, *, session_id: str | None = None, user_id: str | None = None, limit: int = 50
+    conn: SyncConn, *, session_id: str | None = None, user_id: str | None = None, limit: int = 50
 ) -> list[DirectRun]:
     """Runs made outside Celery, newest first."""
     if not 1 <= limit <= MAX_LIST:
@@ -498,7 +498,7 @@ def direct_detail(row: Mapping[str, Any]) -> RequestDetail:
     return detail
 
 
-def get_direct_run(conn: Conn, run_id: str) -> RequestDetail | None:
+def get_direct_run(conn: SyncConn, run_id: str) -> RequestDetail | None:
     """A run made outside Celery read as a request (``show``), or ``None``."""
     with translated("query"):
         row = conn.cursor(row_factory=dict_row).execute(

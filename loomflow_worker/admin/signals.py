@@ -7,15 +7,15 @@ from typing import Any
 
 from psycopg.rows import dict_row
 
+from ..runtime.conns import SyncConn
 from ..runtime.errors import InvalidInput, translated
 from ..runtime.signals import DEFAULT_SIGNALS_PER_SCOPE, report_dropped, send_params
 from ..runtime.sql import query
 from ..runtime.validate import check_id, check_signal_name
-from .connect import Conn
 
 
 def send_signal(
-    conn: Conn, session_id: str, name: str, payload: Any = None, user_id: str | None = None,
+    conn: SyncConn, session_id: str, name: str, payload: Any = None, user_id: str | None = None,
     *, keep: int = DEFAULT_SIGNALS_PER_SCOPE,
 ) -> int:
     """Deliver a durable signal to ``session_id`` (to ``user_id``'s waiters only,

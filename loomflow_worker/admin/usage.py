@@ -12,8 +12,8 @@ from typing import Any
 
 from ..durations import parse_duration
 from ..execution import ledger_reads
+from ..runtime.conns import SyncConn
 from ..runtime.errors import InvalidInput, translated
-from .connect import Conn
 
 #: What a report groups by: agent, fairness key (tenant), user, day (UTC).
 GROUPS = ("agent", "key", "user", "day")
@@ -73,7 +73,7 @@ def usage_params(by: str, since: datetime, limit: int = MAX_GROUPS) -> dict[str,
     return {"by": by, "since": since, "limit": limit}
 
 
-def usage_report(conn: Conn, by: str = "agent", since: datetime | None = None,
+def usage_report(conn: SyncConn, by: str = "agent", since: datetime | None = None,
                  limit: int = MAX_GROUPS) -> list[UsageRow]:
     """The requests enqueued since ``since`` (default the last 30 days) that
     called a model, grouped ``by`` agent, key, user or day: costliest first,

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
-import psycopg
 from psycopg.rows import class_row, dict_row
 from psycopg_pool import AsyncConnectionPool
 
@@ -26,12 +25,12 @@ from ..durations import shown
 from ..execution import budgets, ledger_views
 from ..execution.budgets import BudgetRow
 from ..execution.versions import VersionInfo
+from ..runtime.conns import Conn
 from ..runtime.errors import InvalidInput
 from ..runtime.sql import query
 from ..runtime.validate import check_id
 from ..settings import Settings
 
-Conn = psycopg.AsyncConnection[Any]
 Pool = AsyncConnectionPool[Conn]
 Row = TypeVar("Row")
 

@@ -35,10 +35,10 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-import psycopg
 from psycopg.rows import class_row, dict_row
 from psycopg_pool import AsyncConnectionPool
 
+from ..runtime.conns import Conn, SyncConn
 from ..runtime.errors import InvalidInput
 from ..runtime.sql import query
 from ..settings import Budget
@@ -52,9 +52,6 @@ log = logging.getLogger(__name__)
 REFRESH = 2.0
 #: The most parked requests one wake publishes.
 WAKE_PAGE = 500
-
-Conn = psycopg.AsyncConnection[Any]
-SyncConn = psycopg.Connection[Any]
 
 
 def names_of(fairness_key: str | None, agent: str) -> list[str]:

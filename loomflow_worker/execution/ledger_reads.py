@@ -14,16 +14,14 @@ from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
-import psycopg
 from psycopg.rows import DictRow, dict_row
 
+from ..runtime.conns import SyncConn
 from ..runtime.sql import query
-
-Conn = psycopg.Connection[Any]
 
 
 def list_requests(
-    conn: Conn,
+    conn: SyncConn,
     *,
     session_id: str | None = None,
     user_id: str | None = None,
@@ -48,47 +46,47 @@ def list_requests(
     })
 
 
-def request_status(conn: Conn, request_id: str) -> DictRow | None:
+def request_status(conn: SyncConn, request_id: str) -> DictRow | None:
     """The request's ``status``, ``result``, ``error`` and ``error_type``;
     ``None`` when the ledger has no such request."""
     return _row(conn, "admin_run_status", {"request_id": request_id})
 
 
-def request_row(conn: Conn, params: Mapping[str, Any]) -> DictRow | None:
+def request_row(conn: SyncConn, params: Mapping[str, Any]) -> DictRow | None:
     """The request's whole row (its attempt count as ``attempts_count``, its
     prompt cut as ``params`` say: ``admin.request_params``); ``None`` when the
     ledger has no such request."""
     return _row(conn, "get_run", params)
 
 
-def request_attempts(conn: Conn, request_id: str) -> list[DictRow]:
+def request_attempts(conn: SyncConn, request_id: str) -> list[DictRow]:
     """The request's attempts, first to last: ``attempt``, ``worker``, ``pid``,
     ``epoch``, ``started_at``, ``ended_at``, ``outcome`` and the start of the
     next one (``next_started_at``)."""
     return _rows(conn, "get_run_attempts", {"request_id": request_id})
 
 
-def request_upgrades(conn: Conn, request_id: str) -> list[DictRow]:
+def request_upgrades(conn: SyncConn, request_id: str) -> list[DictRow]:
     """The request's moves to another version of its agent, oldest first:
     ``at``, ``from_version``, ``to_version``, ``by``."""
     return _rows(conn, "get_run_upgrades", {"request_id": request_id})
 
 
-def agent_versions(conn: Conn) -> list[DictRow]:
+def agent_versions(conn: SyncConn) -> list[DictRow]:
     """Each version of each agent, from the fleet's registry and the requests
     pinned to it (see ``agent_versions``)."""
     return _rows(conn, "agent_versions", {})
 
 
-def usage_report(conn: Conn, params: Mapping[str, Any]) -> list[DictRow]:
+def usage_report(conn: SyncConn, params: Mapping[str, Any]) -> list[DictRow]:
     """Tokens, cost, requests and replay savings per group (``usage_report``;
     its parameters: ``admin.usage_params``)."""
     return _rows(conn, "usage_report", params)
 
 
-def _rows(conn: Conn, name: str, params: Mapping[str, Any]) -> list[DictRow]:
+def _rows(conn: SyncConn, name: str, params: Mapping[str, Any]) -> list[DictRow]:
     return conn.cursor(row_factory=dict_row).execute(query(name), params).fetchall()
 
 
-def _row(conn: Conn, name: str, params: Mapping[str, Any]) -> DictRow | None:
+def _row(conn: SyncConn, name: str, params: Mapping[str, Any]) -> DictRow | None:
     return conn.cursor(row_factory=dict_row).execute(query(name), params).fetchone()

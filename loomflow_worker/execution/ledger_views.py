@@ -16,17 +16,16 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 
-import psycopg
 from psycopg.rows import class_row
 
+from ..runtime.conns import Conn
 from ..runtime.sql import query
 
-AsyncConn = psycopg.AsyncConnection[Any]
 Row = TypeVar("Row")
 
 
 async def list_requests(
-    conn: AsyncConn,
+    conn: Conn,
     row: type[Row],
     *,
     status: str | None,
@@ -50,7 +49,7 @@ async def list_requests(
 
 
 async def session_requests(
-    conn: AsyncConn, row: type[Row], session_id: str, *, limit: int, prompt_chars: int
+    conn: Conn, row: type[Row], session_id: str, *, limit: int, prompt_chars: int
 ) -> list[Row]:
     """The session's latest ``limit`` requests, newest first, every user's
     scope of it, each with ``cancel_requested`` and whether it holds its
@@ -60,63 +59,63 @@ async def session_requests(
     })
 
 
-async def request_row(conn: AsyncConn, row: type[Row], params: Mapping[str, Any]) -> Row | None:
+async def request_row(conn: Conn, row: type[Row], params: Mapping[str, Any]) -> Row | None:
     """The request's whole row, as ``show`` reads it (``admin.request_params``
     says how much of the prompt); ``None`` when the ledger has no such
     request."""
     return next(iter(await _rows(conn, row, "get_run", params)), None)
 
 
-async def request_attempts(conn: AsyncConn, row: type[Row], request_id: str) -> list[Row]:
+async def request_attempts(conn: Conn, row: type[Row], request_id: str) -> list[Row]:
     """The request's attempts, first to last, each with the start of the
     next one."""
     return await _rows(conn, row, "get_run_attempts", {"request_id": request_id})
 
 
-async def request_upgrades(conn: AsyncConn, row: type[Row], request_id: str) -> list[Row]:
+async def request_upgrades(conn: Conn, row: type[Row], request_id: str) -> list[Row]:
     """The request's moves to another version of its agent, oldest first."""
     return await _rows(conn, row, "get_run_upgrades", {"request_id": request_id})
 
 
-async def agent_versions(conn: AsyncConn, row: type[Row]) -> list[Row]:
+async def agent_versions(conn: Conn, row: type[Row]) -> list[Row]:
     """Each version of each agent: its live workers and the requests pinned to it."""
     return await _rows(conn, row, "agent_versions", {})
 
 
-async def queue_depth(conn: AsyncConn, row: type[Row]) -> Row:
+async def queue_depth(conn: Conn, row: type[Row]) -> Row:
     """The queue of record: queued requests ready to run, those backing off,
     running ones, and the oldest queued one's enqueue time."""
     return (await _rows(conn, row, "console_queue", {}))[0]
 
 
-async def in_flight(conn: AsyncConn, row: type[Row]) -> list[Row]:
+async def in_flight(conn: Conn, row: type[Row]) -> list[Row]:
     """Running requests counted by the worker process holding them."""
     return await _rows(conn, row, "console_in_flight", {})
 
 
-async def recent_attempts(conn: AsyncConn, row: type[Row], *, window: float) -> list[Row]:
+async def recent_attempts(conn: Conn, row: type[Row], *, window: float) -> list[Row]:
     """Attempts started within ``window`` seconds by worker process, with
     how many of them died or were interrupted."""
     return await _rows(conn, row, "console_recent_workers", {"window": window})
 
 
-async def key_backlog(conn: AsyncConn, row: type[Row], *, limit: int) -> list[Row]:
+async def key_backlog(conn: Conn, row: type[Row], *, limit: int) -> list[Row]:
     """The fairness keys with the most requests waiting: queued (and of them,
     held back or parked on a limit) and running."""
     return await _rows(conn, row, "console_key_backlog", {"limit": limit})
 
 
-async def concurrency_limits(conn: AsyncConn, row: type[Row]) -> list[Row]:
+async def concurrency_limits(conn: Conn, row: type[Row]) -> list[Row]:
     """Every concurrency limit, with how many requests wait on it."""
     return await _rows(conn, row, "concurrency_limits", {})
 
 
-async def swept(conn: AsyncConn, row: type[Row], *, limit: int) -> list[Row]:
+async def swept(conn: Conn, row: type[Row], *, limit: int) -> list[Row]:
     """The latest ``limit`` requests the sweeper dispatched again."""
     return await _rows(conn, row, "console_swept", {"limit": limit})
 
 
-async def usage_report(conn: AsyncConn, row: type[Row], params: Mapping[str, Any]
+async def usage_report(conn: Conn, row: type[Row], params: Mapping[str, Any]
                        ) -> list[Row]:
     """Tokens, cost, requests and replay savings per group (``usage_report``;
     its parameters: ``admin.usage_params``)."""
@@ -124,7 +123,7 @@ async def usage_report(conn: AsyncConn, row: type[Row], params: Mapping[str, Any
 
 
 async def _rows(
-    conn: AsyncConn, row: type[Row], name: str, params: Mapping[str, Any]
+    conn: Conn, row: type[Row], name: str, params: Mapping[str, Any]
 ) -> list[Row]:
     async with conn.cursor(row_factory=class_row(row)) as cur:
         await cur.execute(query(name), params)

@@ -13,14 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import psycopg
 from psycopg.rows import DictRow, dict_row
 
+from ..runtime.conns import Conn, SyncConn
 from ..runtime.sql import query
 from .pending import Pending
-
-SyncConn = psycopg.Connection[Any]
-AsyncConn = psycopg.AsyncConnection[Any]
 
 
 def claim(conn: SyncConn, session_id: str, name: str) -> list[Pending]:
@@ -35,7 +32,7 @@ def claim(conn: SyncConn, session_id: str, name: str) -> list[Pending]:
     return _claimed(rows, marked)
 
 
-async def claim_async(conn: AsyncConn, session_id: str, name: str) -> list[Pending]:
+async def claim_async(conn: Conn, session_id: str, name: str) -> list[Pending]:
     """:func:`claim`, on an async connection."""
     cur = conn.cursor(row_factory=dict_row)
     await cur.execute(query("signal_waiters"), {"session_id": session_id, "name": name})

@@ -48,18 +48,16 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import psycopg
-from psycopg import AsyncConnection
 from psycopg.pq.abc import PGresult
-from psycopg.rows import TupleRow
 
 from . import fastpath
+from .conns import Conn as Conn
 from .errors import LockLost
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 U = TypeVar("U")
-Conn = AsyncConnection[TupleRow]
 
 Table = Literal["steps", "streams"]
 

@@ -30,13 +30,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import psycopg
 
 from .. import metrics
 from ..execution import ledger
 from ..execution.pending import Pending
+from ..runtime.conns import SyncConn
 from ..runtime.sql import query
 from ..settings import Settings
 from .actions import Action
@@ -58,7 +59,6 @@ KEEP_ACTIONS_FOR = 86400.0
 # waiting at least MIN_PAUSE, and no longer than the sweep interval.
 MIN_PAUSE = 0.05
 
-Conn = psycopg.Connection[Any]
 
 
 class Watch(Protocol):
@@ -66,7 +66,7 @@ class Watch(Protocol):
     over agent versions (``VersionWatch``), which knows the Celery binding's
     upgrade and cancel."""
 
-    def watch(self, conn: Conn) -> int:
+    def watch(self, conn: SyncConn) -> int:
         """One look; how many things it read."""
         ...
 
@@ -84,7 +84,7 @@ class Sweeper:
         queue_length: Callable[[list[str]], dict[str, int | None]] | None = None,
         results: ResultBackend | None = None,
         revoked: Callable[[list[str]], None] | None = None,
-        held: Callable[[psycopg.Connection[Any]], int] | None = None,
+        held: Callable[[SyncConn], int] | None = None,
         versions: Watch | None = None,
     ) -> None:
         self.settings = settings
@@ -104,7 +104,7 @@ class Sweeper:
         self.versions = versions
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._conn: Conn | None = None
+        self._conn: SyncConn | None = None
         self.leader = False
         # When the runs of a worker that just died become orphans (monotonic).
         self._next_orphan: float | None = None
@@ -120,7 +120,7 @@ class Sweeper:
             self._thread.join(timeout=10)
         self._close()
 
-    def _connect(self) -> Conn:
+    def _connect(self) -> SyncConn:
         conn = psycopg.connect(
             self.settings.database_url.get_secret_value(),
             autocommit=True,
@@ -155,7 +155,7 @@ class Sweeper:
                 log.exception("sweeper failed", extra={"action": "sweeper_error"})
                 backoff = min(backoff * 2, 10.0)
 
-    def _turn(self, conn: Conn) -> None:
+    def _turn(self, conn: SyncConn) -> None:
         """One turn: stamp the messages held here; the leader sweeps."""
         self.stamp_held(conn)
         try:
@@ -186,7 +186,7 @@ class Sweeper:
             return backoff
         return min(backoff, max(due - time.monotonic(), MIN_PAUSE))
 
-    def _lead(self, conn: Conn) -> bool:
+    def _lead(self, conn: SyncConn) -> bool:
         if not self.leader:
             row = conn.execute(query("leader_lock"), {"key": LEADER_KEY}).fetchone()
             self.leader = bool(row and row[0])
@@ -202,7 +202,7 @@ class Sweeper:
         conn.execute(query("leader_claim"), {"worker": self.worker})
         return True
 
-    def _end_stale_leader(self, conn: Conn) -> None:
+    def _end_stale_leader(self, conn: SyncConn) -> None:
         """End the leader's connection when it stopped stamping its lease (a
         frozen worker), so another can lead."""
         stale = conn.execute(
@@ -215,7 +215,7 @@ class Sweeper:
         self.actions.append(Action(
             "takeover", detail=f"ended a frozen leader's connection (pid {stale[0]})"))
 
-    def stamp_held(self, conn: Conn) -> int:
+    def stamp_held(self, conn: SyncConn) -> int:
         """Say, in one statement, which requests this worker holds received and
         not started (a rate limit, an eta, a prefetch): their messages are in
         no queue the broker counts, and the sweeper must not take them for
@@ -232,7 +232,7 @@ class Sweeper:
                           extra={"action": "sweeper_held"})
             return 0
 
-    def record_actions(self, conn: Conn) -> None:
+    def record_actions(self, conn: SyncConn) -> None:
         """Record this sweep's actions in ``sweeper_actions`` (one statement,
         which also drops the oldest). A failure is only logged: the actions
         are in the log and the metrics too."""

@@ -12,19 +12,15 @@ statements are in ``sweeper/sql/sweeper.sql`` (``mark_swept`` and
 
 from __future__ import annotations
 
-from typing import Any
-
-import psycopg
 from psycopg.rows import dict_row
 
 from ..execution.ledger import FAIR_PAGE
 from ..execution.pending import Pending
+from ..runtime.conns import SyncConn
 from ..runtime.sql import query
 
-Conn = psycopg.Connection[Any]
 
-
-def frozen(conn: Conn, lease: float) -> dict[int, list[str]]:
+def frozen(conn: SyncConn, lease: float) -> dict[int, list[str]]:
     """The running requests whose heartbeat is older than ``lease`` seconds
     while their scope's lock is still held, by the backend pid of the lock
     connection that holds it (one connection carries many runs). The lock
@@ -39,7 +35,7 @@ def frozen(conn: Conn, lease: float) -> dict[int, list[str]]:
     return by_backend
 
 
-def mark_frozen_lost(conn: Conn, request_ids: list[str], pid: int, lease: float) -> None:
+def mark_frozen_lost(conn: SyncConn, request_ids: list[str], pid: int, lease: float) -> None:
     """Their lock connection (backend ``pid``) is about to be ended because
     they stopped heartbeating for ``lease`` seconds (stalled, not crashed):
     their attempts end ``lost``, so the next ones count no crash. An attempt
@@ -49,7 +45,7 @@ def mark_frozen_lost(conn: Conn, request_ids: list[str], pid: int, lease: float)
                  {"request_ids": request_ids, "pid": pid, "lease": lease})
 
 
-def queued_by_queue(conn: Conn, default_queue: str) -> dict[str, int]:
+def queued_by_queue(conn: SyncConn, default_queue: str) -> dict[str, int]:
     """How many requests are queued in each queue, parked or not (a request
     with no routing counts in ``default_queue``)."""
     rows = conn.execute(query("queued_queues"), {"default_queue": default_queue}).fetchall()
@@ -62,7 +58,7 @@ COPY_LOST = "copy_lost"
 
 
 def orphans(
-    conn: Conn,
+    conn: SyncConn,
     *,
     waiting: dict[str, int | None],
     default_queue: str,
@@ -87,7 +83,7 @@ def orphans(
     return [(Pending.of(row), str(row["status"])) for row in rows]
 
 
-def fair_next(conn: Conn) -> list[Pending]:
+def fair_next(conn: SyncConn) -> list[Pending]:
     """Held requests whose fair turn came, to publish (waiting for any other
     caller publishing them to be done: see ``loomflow_worker_fair_next``)."""
     rows = conn.cursor(row_factory=dict_row).execute(
@@ -95,7 +91,7 @@ def fair_next(conn: Conn) -> list[Pending]:
     return [Pending.of(row) for row in rows]
 
 
-def next_orphan_in(conn: Conn, dead_after: float) -> float | None:
+def next_orphan_in(conn: SyncConn, dead_after: float) -> float | None:
     """In how many seconds (on the database's clock) the next running request
     whose lock nobody holds (its worker just died) becomes an orphan;
     ``None``: there is none."""
@@ -103,7 +99,7 @@ def next_orphan_in(conn: Conn, dead_after: float) -> float | None:
     return None if row is None or row[0] is None else float(row[0])
 
 
-def mark_swept(conn: Conn, request_ids: list[str], again_after: float) -> set[str]:
+def mark_swept(conn: SyncConn, request_ids: list[str], again_after: float) -> set[str]:
     """These orphans are being dispatched again now: those marked, to publish.
     A request parked for a signal is not marked when its signal's sender
     published it since it parked, less than ``again_after`` seconds ago (see
@@ -113,13 +109,13 @@ def mark_swept(conn: Conn, request_ids: list[str], again_after: float) -> set[st
     return {str(row[0]) for row in rows}
 
 
-def mark_unswept(conn: Conn, request_ids: list[str]) -> None:
+def mark_unswept(conn: SyncConn, request_ids: list[str]) -> None:
     """The broker refused these orphans' batch: each goes again on the next
     sweep, a queued one as if never published."""
     conn.execute(query("mark_unswept"), {"request_ids": request_ids})
 
 
-def unfinished_among(conn: Conn, request_ids: list[str]) -> list[str]:
+def unfinished_among(conn: SyncConn, request_ids: list[str]) -> list[str]:
     """Those of ``request_ids`` the ledger has unfinished."""
     rows = conn.execute(query("unfinished_among"), {"request_ids": request_ids}).fetchall()
     return [str(row[0]) for row in rows]

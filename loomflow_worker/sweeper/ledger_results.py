@@ -13,12 +13,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import psycopg
 from psycopg.rows import dict_row
 
+from ..runtime.conns import SyncConn
 from ..runtime.sql import query
-
-Conn = psycopg.Connection[Any]
 
 
 @dataclass(frozen=True)
@@ -42,14 +40,14 @@ class Finished:
     seq: int
 
 
-def unstored(conn: Conn, limit: int) -> list[str]:
+def unstored(conn: SyncConn, limit: int) -> list[str]:
     """Up to ``limit`` finished requests whose worker could not store their
     result, oldest first."""
     rows = conn.execute(query("unstored_results"), {"limit": limit}).fetchall()
     return [str(row[0]) for row in rows]
 
 
-def unchecked(conn: Conn, *, after: float, alive_after: float, within: float,
+def unchecked(conn: SyncConn, *, after: float, alive_after: float, within: float,
               limit: int) -> list[str]:
     """Up to ``limit`` requests finished between ``after`` seconds ago
     (``alive_after`` while their worker process lives) and ``within`` seconds
@@ -60,18 +58,18 @@ def unchecked(conn: Conn, *, after: float, alive_after: float, within: float,
     return [str(row[0]) for row in rows]
 
 
-def mark_stored(conn: Conn, request_ids: list[str]) -> None:
+def mark_stored(conn: SyncConn, request_ids: list[str]) -> None:
     """These results are in the backend now: none waits any longer."""
     conn.execute(query("mark_result_stored"), {"request_ids": request_ids})
 
 
-def mark_checked(conn: Conn, request_ids: list[str], within: float) -> None:
+def mark_checked(conn: SyncConn, request_ids: list[str], within: float) -> None:
     """These results are checked; so are those past looking back to (finished
     over ``within`` seconds ago)."""
     conn.execute(query("mark_result_checked"), {"request_ids": request_ids, "within": within})
 
 
-def outcomes(conn: Conn, request_ids: list[str]) -> list[Outcome]:
+def outcomes(conn: SyncConn, request_ids: list[str]) -> list[Outcome]:
     """The outcomes of those of ``request_ids`` that are finished (one gone
     from the ledger is not there)."""
     rows = conn.cursor(row_factory=dict_row).execute(
@@ -80,7 +78,7 @@ def outcomes(conn: Conn, request_ids: list[str]) -> list[Outcome]:
                     float(row["age"])) for row in rows]
 
 
-def finished_after(conn: Conn, at: datetime, seq: int, until: datetime | None,
+def finished_after(conn: SyncConn, at: datetime, seq: int, until: datetime | None,
                    limit: int) -> list[Finished]:
     """Up to ``limit`` finished requests whose result is wanted, in the order
     they finished, after (``at``, ``seq``) and until ``until`` (``None``: now)."""

@@ -15,14 +15,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
-
-import psycopg
 
 from .. import metrics, tracing
 from ..execution import budgets
 from ..execution.pending import Pending
 from ..execution.statuses import Status
+from ..runtime.conns import SyncConn
 from ..runtime.sql import query
 from ..settings import Settings
 from . import ledger_recovery
@@ -39,7 +37,6 @@ RECOVER_BUDGET = 5.0
 # database's clock).
 DUE_MARGIN = 0.02
 
-Conn = psycopg.Connection[Any]
 
 
 _COPY_LOST_WHY = ("it was running with its session free, and the copy published since it "
@@ -97,7 +94,7 @@ class Recovery:
         # as the last sweep found.
         self.next_orphan: float | None = None
 
-    def sweep(self, conn: Conn) -> int:
+    def sweep(self, conn: SyncConn) -> int:
         """One sweep: fence frozen workers, then dispatch again every orphan,
         a page of them at a time (for up to RECOVER_BUDGET seconds), each page
         as one batch; returns how many requests it dispatched again."""
@@ -130,7 +127,7 @@ class Recovery:
                 self.next_orphan = self._orphan_due(conn)
                 return dispatched
 
-    def publish_fair(self, conn: Conn) -> int:
+    def publish_fair(self, conn: SyncConn) -> int:
         """Publish the held requests whose fair turn came (the fair_queue
         limit has room, or was removed); how many."""
         turn = ledger_recovery.fair_next(conn)
@@ -138,7 +135,7 @@ class Recovery:
             self.dispatch(turn)
         return len(turn)
 
-    def publish_budget_waiters(self, conn: Conn) -> int:
+    def publish_budget_waiters(self, conn: SyncConn) -> int:
         """Publish the requests parked on a cost budget that has room again (its
         period rolled over, or it was raised or removed); how many."""
         woken = budgets.wake(conn)
@@ -162,7 +159,7 @@ class Recovery:
         except Exception:
             return dict.fromkeys(queues)
 
-    def backlog(self, conn: Conn) -> dict[str, int]:
+    def backlog(self, conn: SyncConn) -> dict[str, int]:
         """The queued requests of each queue, parked or not (the fleet's
         backlog, reported as a gauge for autoscalers): every queue the
         sweeper counts the messages of."""
@@ -170,13 +167,13 @@ class Recovery:
         metrics.report_backlog(queued)
         return queued
 
-    def _orphan_due(self, conn: Conn) -> float | None:
+    def _orphan_due(self, conn: SyncConn) -> float | None:
         """When (on this host's monotonic clock) the next running request
         whose lock nobody holds (its worker just died) becomes an orphan."""
         due = ledger_recovery.next_orphan_in(conn, 2 * self.settings.heartbeat_interval)
         return None if due is None else time.monotonic() + due + DUE_MARGIN
 
-    def redispatch(self, conn: Conn, batch: list[tuple[Pending, str]]) -> None:
+    def redispatch(self, conn: SyncConn, batch: list[tuple[Pending, str]]) -> None:
         """Publish a batch of orphans again: one ledger statement marks them
         dispatched, then their messages go over one broker connection (one
         round trip on Redis). A request parked for a signal that its signal's
@@ -207,7 +204,7 @@ class Recovery:
             self.note(Action("redispatch", pending.request_id, why))
             tracing.note(pending.routing, "redispatch", pending.request_id, reason=why)
 
-    def fence(self, conn: Conn) -> int:
+    def fence(self, conn: SyncConn) -> int:
         """End the lock connections of running requests whose heartbeat is
         older than the lease (a frozen worker): one connection carries many
         runs, and is ended once for all of them. Returns how many requests."""
@@ -243,7 +240,7 @@ class Recovery:
         its turns (it says so on each), so a worker that died stops counting."""
         return max(3 * self.settings.sweep_interval, 2 * self.settings.heartbeat_interval)
 
-    def sweep_revoked(self, conn: Conn) -> int:
+    def sweep_revoked(self, conn: SyncConn) -> int:
         """End the unfinished requests whose ids Celery revoked (workers learn
         of a revoke at once, but discard its message only when it comes, which
         in a backlog may be much later); returns how many."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import psycopg
 
+from ..runtime.conns import SyncConn
 from ..settings import Settings
 from . import ledger_results
 from .actions import Action, Note
@@ -32,7 +32,6 @@ RESULT_WAIT_ALIVE = 60.0
 RESULTS_BATCH = 200
 RESULTS_WITHIN = 3600.0
 
-Conn = psycopg.Connection[Any]
 
 
 class ResultRepairer:
@@ -48,7 +47,7 @@ class ResultRepairer:
         self.watch = ResultWatch(results, lambda action, detail: note(
             Action(action, detail=detail)))
 
-    def repair(self, conn: Conn) -> int:
+    def repair(self, conn: SyncConn) -> int:
         """Store, from the ledger, the results of finished requests that are not
         in the result backend: those the backend refused (it was down), and
         those whose worker died between its commit and storing it; returns how
@@ -75,7 +74,7 @@ class ResultRepairer:
                 break
         return repaired
 
-    def _store(self, conn: Conn, ids: list[str], check: bool,
+    def _store(self, conn: SyncConn, ids: list[str], check: bool,
                mark: Callable[[list[str]], None]) -> int:
         """Store those of ``ids`` the backend lacks (all of them unless
         ``check``), then ``mark`` those done; returns how many it stored."""
@@ -108,7 +107,7 @@ class ResultRepairer:
             mark(checked)
         return len(stored)
 
-    def recheck(self, conn: Conn) -> int:
+    def recheck(self, conn: SyncConn) -> int:
         """Store again, from the ledger, the results the backend lost after
         they were stored (it restarted empty, say; see :mod:`.result_watch`),
         for a bounded time per sweep; returns how many."""

@@ -29,6 +29,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from ..runtime.conns import SyncConn
 from ..runtime.sql import query
 from . import ledger_results
 
@@ -117,7 +118,7 @@ def lost_since(mark: float | None, evicted: int | None, seen: BackendMark, now: 
     return None
 
 
-def store_from_ledger(conn: psycopg.Connection[Any], results: ResultBackend,
+def store_from_ledger(conn: SyncConn, results: ResultBackend,
                       request_ids: list[str], stored: list[tuple[str, str]]) -> None:
     """Store these finished requests' outcomes as the ledger has them (a
     request gone from the ledger, or past its result's lifetime, is skipped);
@@ -162,7 +163,7 @@ class ResultWatch:
         written it since)."""
         self._known = None
 
-    def look(self, conn: psycopg.Connection[Any], *, budget: float = RECHECK_BUDGET) -> int:
+    def look(self, conn: SyncConn, *, budget: float = RECHECK_BUDGET) -> int:
         """Probe the backend, start a re-check if it lost results, and carry a
         re-check on for up to ``budget`` seconds; returns how many results it
         stored again. The backend's errors are raised (after what was done is
@@ -205,7 +206,7 @@ class ResultWatch:
             return Recheck(loss.since, -1, recheck.until if recheck else None)
         return recheck
 
-    def _walk(self, conn: psycopg.Connection[Any], recheck: Recheck,
+    def _walk(self, conn: SyncConn, recheck: Recheck,
               budget: float) -> tuple[int, Exception | None]:
         """Look for the next results of ``recheck``, a batch at a time, for up
         to ``budget`` seconds; store again those missing. Returns how many it
@@ -248,7 +249,7 @@ class ResultWatch:
         assert self._known is not None
         self._known = replace(self._known, recheck=None)
 
-    def _read(self, conn: psycopg.Connection[Any]) -> _Known:
+    def _read(self, conn: SyncConn) -> _Known:
         row = conn.cursor(row_factory=dict_row).execute(query("backend_watch")).fetchone()
         if row is None:
             raise psycopg.OperationalError("result_backend_watch has no row: run migrate")
@@ -257,7 +258,7 @@ class ResultWatch:
         self._known = _Known(row["token"], row["mark"], row["evicted"], recheck, row["now"])
         return self._known
 
-    def _write(self, conn: psycopg.Connection[Any], known: _Known, *, widen: bool) -> _Known:
+    def _write(self, conn: SyncConn, known: _Known, *, widen: bool) -> _Known:
         """Record ``known`` in the ledger; a re-check ``widen``-ed reaches up
         to now. Returns it with the database's clock (the next mark)."""
         recheck = known.recheck

@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Any
 
 import psycopg
 
 from ..durations import format_duration
+from ..runtime.conns import SyncConn
 from ..runtime.prune import Pruner, cutoff
 from ..runtime.sql import query
 from ..settings import Settings
@@ -29,7 +29,6 @@ PRUNE_BATCH = 1000
 # How long a worker process's row (``workers``) outlives its last beat.
 FORGET_WORKERS_AFTER = 86400.0
 
-Conn = psycopg.Connection[Any]
 
 
 class Retention:
@@ -49,7 +48,7 @@ class Retention:
         self._next_prune = 0.0
         self._next_forget = 0.0
 
-    def retain(self, conn: Conn, *, budget: float = PRUNE_BUDGET) -> int:
+    def retain(self, conn: SyncConn, *, budget: float = PRUNE_BUDGET) -> int:
         """Prune what is older than ``retention`` for up to ``budget`` seconds;
         returns the rows deleted. A prune started is carried on over the next
         sweeps until done; the next one starts ``PRUNE_EVERY`` seconds later."""
@@ -78,7 +77,7 @@ class Retention:
                  totals, extra={"action": "sweeper_prune", **pruner.totals})
         self.note(Action("pruned", detail=f"older than {format_duration(retention)}: {totals}"))
 
-    def forget_workers(self, conn: Conn) -> int:
+    def forget_workers(self, conn: SyncConn) -> int:
         """Delete the ``workers`` rows of processes not seen for
         FORGET_WORKERS_AFTER (right after taking the lead, then every
         PRUNE_EVERY seconds); returns how many. A failure is only logged."""

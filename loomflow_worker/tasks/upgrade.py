@@ -16,6 +16,7 @@ from ..execution import ledger, ledger_reads
 from ..execution.errors import RequestNotFound
 from ..execution.statuses import TERMINAL
 from ..execution.versions import check_version, queue_suffix
+from ..runtime.conns import SyncConn
 from ..runtime.errors import InvalidInput
 from ..runtime.validate import check_id
 from .application import settings
@@ -79,7 +80,7 @@ def upgrade_agent(agent: str, from_version: str, to: str | None = None, *,
     return _published(agent, target, moved)
 
 
-def _target(conn: ledger_reads.Conn, agent: str, to: str | None, pinned: str) -> str:
+def _target(conn: SyncConn, agent: str, to: str | None, pinned: str) -> str:
     """The version to move requests of ``agent`` pinned to ``pinned`` to: ``to``,
     which a worker must have registered, or the newest a live worker serves."""
     known = ledger.known_versions(conn, agent)
