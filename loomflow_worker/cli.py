@@ -420,7 +420,7 @@ def list_requests(
     Runs made through PostgresRuntime outside Celery are not requests:
     --direct lists them."""
     from . import admin
-    from .admin.usage import format_cost, format_tokens
+    from .admin.usage_report import format_cost, format_tokens
 
     with admin.connect(_settings()) as conn:
         if direct:
@@ -569,7 +569,7 @@ def show(request_id: str, as_json: bool) -> None:
 def _usage_lines(detail: Any) -> Iterator[str]:
     """``show``'s model-call lines: the request's executed (billed) tokens and
     cost, and what replays from the journal saved."""
-    from .admin.usage import format_cost, format_tokens
+    from .admin.usage_report import format_cost, format_tokens
 
     if not detail.model_calls and not detail.replayed_calls:
         yield "tokens    - (no model call recorded)"
@@ -594,7 +594,7 @@ def _attempt_usage(usage: dict[str, Any] | None) -> tuple[str, str, str]:
     ``show`` lists them (``not recorded``: it ended without recording them,
     e.g. its process was killed; the calls it journaled count in the
     request's total through the next attempt's replay)."""
-    from .admin.usage import format_cost, format_tokens
+    from .admin.usage_report import format_cost, format_tokens
 
     if usage is None:
         return "not recorded", "-", "-"
@@ -625,7 +625,7 @@ def usage(by: str, since: str, as_json: bool) -> None:
     user or day, from the ledger: executed model calls (billed) and those
     replayed from the journal after a crash or a retry (not billed again)."""
     from . import admin
-    from .admin.usage import format_cost, format_tokens, parse_since, totals, usage_report
+    from .admin.usage_report import format_cost, format_tokens, parse_since, totals, usage_report
 
     start = parse_since(since)
     with admin.connect(_settings()) as conn:

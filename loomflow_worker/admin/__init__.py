@@ -1,8 +1,9 @@
 """Operating a fleet, one module per job: :mod:`.runs` (the ledger and journal
-read for people), :mod:`.signals` (signals sent by an operator),
-:mod:`.doctor` (health checks), on :mod:`.connect` (the database connection;
-driver errors become the runtime's by ``runtime.errors.translated``; a request
-the ledger lacks is ``execution.errors.RequestNotFound``). Pruning is the
+read for people), :mod:`.operator_signals` (signals sent by an operator),
+:mod:`.usage_report` (tokens and cost for people), :mod:`.doctor` (health
+checks), on :mod:`.connect` (the database connection; driver errors become the
+runtime's by ``runtime.errors.translated``; a request the ledger lacks is
+``execution.errors.RequestNotFound``). Pruning is the
 runtime's (:mod:`loomflow_worker.runtime.prune`).
 
 Sync functions on psycopg 3 connections, called by the ``loomflow-worker``
@@ -20,6 +21,7 @@ from ..runtime.conns import SyncConn
 from ..settings import validation_message
 from .connect import connect, redact, sanitize_url, secrets_of
 from .doctor import Check, check_settings, doctor
+from .operator_signals import send_signal
 from .runs import (
     MAX_LIST,
     STATUSES,
@@ -55,7 +57,6 @@ from .runs import (
     summarize_value,
     wait_for,
 )
-from .signals import send_signal
 
 __all__ = [
     "MAX_DURATION",

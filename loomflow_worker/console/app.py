@@ -38,7 +38,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from .. import admin
-from ..admin.usage import GROUPS, format_cost, format_tokens, parse_since, usage_said
+from ..admin.usage_report import GROUPS, format_cost, format_tokens, parse_since, usage_said
 from ..events import aiter_events, describe_event, events_url
 from ..runtime.errors import InvalidInput, describe_dsn, driver_error
 from ..runtime.validate import check_id

@@ -20,7 +20,7 @@ from psycopg.rows import class_row, dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from .. import admin
-from ..admin.usage import UsageRow, ordered, totals, usage_params
+from ..admin.usage_report import UsageRow, ordered, totals, usage_params
 from ..durations import shown
 from ..execution import budgets, ledger_views
 from ..execution.budgets import BudgetRow

@@ -14,7 +14,7 @@ import pytest
 from loomflow.core.types import Episode, Message, ModelChunk, Role, ToolCall, ToolResult, Usage
 from loomflow.runtime import _codec
 
-from loomflow_worker.admin.signals import payload_blob
+from loomflow_worker.admin.operator_signals import payload_blob
 from loomflow_worker.runtime.codec import CodecStats, decode, encode
 
 

@@ -9,7 +9,7 @@ import pytest
 from loomflow.core.types import ModelChunk, Usage
 from pydantic import ValidationError
 
-from loomflow_worker.admin.usage import format_cost, parse_since, usage_params
+from loomflow_worker.admin.usage_report import format_cost, parse_since, usage_params
 from loomflow_worker.execution.usage import AttemptUsage, model_of, reply_tokens
 from loomflow_worker.pricing import Prices, Tokens, price_by_table, tokens_of_usage
 from loomflow_worker.runtime.errors import InvalidInput

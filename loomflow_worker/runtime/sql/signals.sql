@@ -1,4 +1,4 @@
--- Signals (runtime.signals; admin.signals sends them too): values sent to a session's runs,
+-- Signals (runtime.signals; admin.operator_signals sends them too): values sent to a session's runs,
 -- a row each in signals until a waiting run takes it. Waiters listen on the
 -- loomflow_worker_signals channel, woken by the md5 of their session's id (a payload of
 -- fixed size, whatever the id). Every take reads signals_mailbox (session_id, name, id) in
