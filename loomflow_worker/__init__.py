@@ -5,8 +5,8 @@ from typing import TYPE_CHECKING
 from .lazy import exports
 
 if TYPE_CHECKING:
-    from .execution.errors import OverBudget, RequestNotFound
     from .execution.registry import register_agent
+    from .execution.request_errors import OverBudget, RequestNotFound
     from .memory import NoMemory
     from .runtime import (
         DatabaseUnavailable,
@@ -27,9 +27,9 @@ __getattr__ = exports(__name__, {
     "LockLost": ".runtime.errors",
     "LoomflowWorkerError": ".runtime.errors",
     "NoMemory": ".memory",
-    "OverBudget": ".execution.errors",
+    "OverBudget": ".execution.request_errors",
     "PostgresRuntime": ".runtime.runtime",
-    "RequestNotFound": ".execution.errors",
+    "RequestNotFound": ".execution.request_errors",
     "SessionBusy": ".runtime.errors",
     "cancel_queued": ".tasks.cancel",
     "cancel_request": ".tasks.cancel",

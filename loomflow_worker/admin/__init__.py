@@ -3,7 +3,7 @@ read for people), :mod:`.operator_signals` (signals sent by an operator),
 :mod:`.usage_report` (tokens and cost for people), :mod:`.doctor` (health
 checks), on :mod:`.connect` (the database connection; driver errors become the
 runtime's by ``runtime.errors.translated``; a request the ledger lacks is
-``execution.errors.RequestNotFound``). Pruning is the
+``execution.request_errors.RequestNotFound``). Pruning is the
 runtime's (:mod:`loomflow_worker.runtime.prune`).
 
 Sync functions on psycopg 3 connections, called by the ``loomflow-worker``
@@ -16,7 +16,7 @@ through ``describe_dsn``).
 from __future__ import annotations
 
 from ..durations import MAX_DURATION, format_duration, parse_duration
-from ..execution.errors import RequestNotFound
+from ..execution.request_errors import RequestNotFound
 from ..runtime.conns import SyncConn
 from ..settings import validation_message
 from .connect import connect, redact, sanitize_url, secrets_of

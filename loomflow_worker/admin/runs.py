@@ -18,7 +18,7 @@ from psycopg.rows import dict_row
 from ..defaults import MAX_LIST as MAX_LIST
 from ..execution import ledger_reads
 from ..execution import statuses as ledger_statuses
-from ..execution.errors import RequestNotFound
+from ..execution.request_errors import RequestNotFound
 from ..execution.statuses import STATUSES as STATUSES
 from ..execution.versions import VersionInfo as VersionInfo
 from ..runtime.conns import SyncConn

@@ -43,8 +43,8 @@ from ..runtime.errors import InvalidInput
 from ..runtime.sql import query
 from ..settings import Budget
 from .cached import AsyncCachedRead, CachedRead
-from .errors import OverBudget
 from .pending import Pending
+from .request_errors import OverBudget
 
 log = logging.getLogger(__name__)
 

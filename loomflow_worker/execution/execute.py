@@ -44,13 +44,6 @@ from ..runtime.store import Conn, Lease, Liveness, OpenChoice
 from ..settings import Settings
 from . import budgets, ledger
 from .budgets import CostBudgets
-from .errors import AttemptLost, HandedBack, Paused
-
-# Failures stored by earlier versions name this module as their error's: it
-# still offers them (Celery's result backend looks them up here).
-from .errors import RunCancelled as RunCancelled
-from .errors import RunDead as RunDead
-from .errors import RunFailed as RunFailed
 from .fair_turns import FairTurns
 from .limits import Bound, Limits, set_limits
 from .limits import take as take_limits
@@ -66,6 +59,13 @@ from .registry import (
     registered_agents,
 )
 from .request import Kind, RunRequest, check_request, refuse_message
+from .request_errors import AttemptLost, HandedBack, Paused
+
+# Failures stored by earlier versions name this module as their error's: it
+# still offers them (Celery's result backend looks them up here).
+from .request_errors import RunCancelled as RunCancelled
+from .request_errors import RunDead as RunDead
+from .request_errors import RunFailed as RunFailed
 from .runnables import agents_within, run_request
 from .statuses import TERMINAL
 from .usage import AttemptUsage

@@ -29,10 +29,10 @@ from ..runtime.store import Conn, Followup, IdleCheck, OpenChoice
 from ..runtime.validate import MAX_ID_BYTES, MAX_ID_LENGTH
 from . import budgets
 from .cached import CachedRead
-from .errors import RequestNotFound
 from .pending import Pending
 from .registry import FleetAgent
 from .request import RunRequest
+from .request_errors import RequestNotFound
 from .statuses import TERMINAL, UNFINISHED, Status
 
 OnBusy = Literal["enqueue", "reject", "interrupt"]

@@ -38,7 +38,7 @@ from .. import metrics
 from ..runtime.sql import query
 from ..settings import ModelLimit, Settings
 from .cached import AsyncCachedRead
-from .errors import Paused
+from .request_errors import Paused
 
 log = logging.getLogger(__name__)
 

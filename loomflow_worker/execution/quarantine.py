@@ -44,10 +44,10 @@ from ..runtime.errors import DatabaseUnavailable, LockLost
 from ..runtime.loopwatch import claim_thread_for_asyncio
 from ..settings import Settings
 from . import ledger
-from .errors import AttemptLost
 from .execute import Outcome, WorkerContext, execute
 from .pending import Pending
 from .registry import import_agent_modules
+from .request_errors import AttemptLost
 
 log = logging.getLogger(__name__)
 

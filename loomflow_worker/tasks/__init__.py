@@ -6,14 +6,18 @@ The binding, by job: :mod:`.application` (the app and its configuration),
 recorded), :mod:`.wake` (a signal's sender publishing the requests waiting
 for it), :mod:`.cancel`, :mod:`.revoke`, :mod:`.results`, :mod:`.eta`,
 :mod:`.hooks` (the worker's Celery signals), :mod:`.worker` (its shutdown),
-and the process's state in :mod:`.state`."""
+and the process's state in :mod:`.state`; :mod:`.old_names` lets failures
+stored by earlier versions read as their classes."""
 
-from ..execution.errors import RunCancelled, RunDead, RunFailed
 from ..execution.registry import register_agent, registered_agents
-from . import execute as _stored_error_module  # noqa: F401  (see its docstring)
+from ..execution.request_errors import RunCancelled, RunDead, RunFailed
 from . import hooks as _hooks  # noqa: F401  (connects the worker's signal receivers)
 from . import wake as _wake  # noqa: F401  (a signal sent publishes the requests it wakes)
 from .application import AgentTask, app, configure, resume_agent, run_agent, settings
+from .old_names import install as _install_old_names
+
+# Stored failures that name a module of an earlier version read as our classes.
+_install_old_names()
 
 __all__ = [
     "AgentTask",

@@ -26,10 +26,10 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from ..execution import ledger
-from ..execution.errors import AttemptLost, DiedAlone
 from ..execution.execute import Outcome
 from ..execution.quarantine import decode_outcome
 from ..execution.registry import agent_modules
+from ..execution.request_errors import AttemptLost, DiedAlone
 from ..runtime.errors import DatabaseUnavailable, LockLost
 from .groups import Member, Quarantine
 from .state import PROCESS

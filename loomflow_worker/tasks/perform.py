@@ -16,10 +16,10 @@ from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 
 from .. import tracing
 from ..execution import ledger
-from ..execution.errors import AttemptLost, DiedAlone, RunCancelled, RunDead, RunFailed
 from ..execution.execute import Outcome, execute
 from ..execution.registry import DEFAULT_AGENT
 from ..execution.request import Kind
+from ..execution.request_errors import AttemptLost, DiedAlone, RunCancelled, RunDead, RunFailed
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
 from .alone import run_alone
 from .dispatch import dispatch_recorded, dispatch_turns, options_json

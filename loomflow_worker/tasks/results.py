@@ -7,7 +7,7 @@ import logging
 import math
 from typing import Any
 
-from ..execution.errors import RunCancelled, RunDead, RunFailed
+from ..execution.request_errors import RunCancelled, RunDead, RunFailed
 from ..sweeper.result_watch import BackendMark
 from .dispatch import dispatch_errors
 from .state import PROCESS

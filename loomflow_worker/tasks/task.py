@@ -14,11 +14,11 @@ from celery.result import AsyncResult
 
 from .. import tracing
 from ..execution import ledger
-from ..execution.errors import RunCancelled, RunDead, RunFailed
 from ..execution.ledger import ON_BUSY, OnBusy, StartAt
 from ..execution.pending import Pending
 from ..execution.registry import import_agent_modules
 from ..execution.request import Kind, RunRequest, check_request
+from ..execution.request_errors import RunCancelled, RunDead, RunFailed
 from ..runtime.errors import InvalidInput
 from ..runtime.validate import check_id
 from ..settings import check_key, check_weight

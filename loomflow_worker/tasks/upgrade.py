@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .. import tracing
 from ..execution import ledger, ledger_reads
-from ..execution.errors import RequestNotFound
+from ..execution.request_errors import RequestNotFound
 from ..execution.statuses import TERMINAL
 from ..execution.versions import check_version, queue_suffix
 from ..runtime.conns import SyncConn

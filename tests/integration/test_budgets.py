@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from loomflow_worker.execution import budgets
-from loomflow_worker.execution.errors import OverBudget
+from loomflow_worker.execution.request_errors import OverBudget
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet

@@ -11,7 +11,7 @@ from celery.backends.base import Backend
 from psycopg_pool import PoolTimeout
 
 import loomflow_worker.tasks  # noqa: F401  (what a caller reading a result imports)
-from loomflow_worker.execution import errors
+from loomflow_worker.execution import request_errors as errors
 from loomflow_worker.runtime.errors import (
     CONNECT,
     DatabaseUnavailable,
@@ -36,13 +36,14 @@ def test_a_stored_failure_names_the_errors_module_and_decodes_to_its_class(
     backend: Backend, cls: type[Exception]
 ) -> None:
     stored = backend.prepare_exception(cls("the agent raised ValueError"))
-    assert stored["exc_module"] == "loomflow_worker.execution.errors"
+    assert stored["exc_module"] == "loomflow_worker.execution.request_errors"
     decoded = backend.exception_to_python(stored)
     assert type(decoded) is cls
     assert str(decoded) == "the agent raised ValueError"
 
 
 @pytest.mark.parametrize("module", ["loomflow_worker.execution.execute",
+                                    "loomflow_worker.execution.errors",
                                     "loomflow_worker.tasks.execute"])
 @pytest.mark.parametrize("cls", ENDINGS)
 def test_a_failure_stored_by_an_earlier_version_decodes_to_the_same_class(

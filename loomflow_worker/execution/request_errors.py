@@ -2,9 +2,10 @@
 an attempt lost while its worker lived, and a request the ledger does not have.
 
 A request's stored failure names its error's module and class (Celery's
-result backend imports them when a caller reads the result), so results
-stored by earlier versions name ``loomflow_worker.execution.execute`` or
-``loomflow_worker.tasks.execute``; both still offer these classes."""
+result backend looks them up when a caller reads the result); the modules
+results stored by earlier versions name lead here (``tasks/old_names.py``,
+and ``loomflow_worker.execution.execute``, which still offers these
+classes)."""
 
 from __future__ import annotations
 
