@@ -1,6 +1,6 @@
 """A table read kept for a few seconds, for what every run or enqueue consults
 and an operator changes rarely (model budgets, concurrency limits, the
-limits an enqueue holds requests back by).
+limits an enqueue withholds requests by).
 
 The read is made again once the last one is ``every`` seconds old, one
 reader at a time: callers arriving while it is under way wait for it and take

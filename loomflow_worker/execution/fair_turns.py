@@ -1,14 +1,14 @@
-"""Publishing the requests held for their fair turn as runs end, one look at
+"""Publishing the requests withheld for their fair turn as runs end, one look at
 a time per process.
 
-Each run's end makes room in the broker for a request held in the ledger for
+Each run's end makes room in the broker for a request withheld in the ledger for
 its fair turn (see ``loomflow_worker_fair_next``). A process ending dozens of
 runs a second does not look once for each: ends that come while a look is
 under way, or within :data:`LOOK_EVERY` of the last, are answered by the next
 look, which publishes as many as there is room for then. So the looks cost a
 statement every few tens of milliseconds, not one per run, and their messages
 go out in one batch over one broker connection. A look that fails is left to
-the sweeper's leader, which publishes held requests on each sweep."""
+the sweeper's leader, which publishes withheld requests on each sweep."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from .pending import Pending
 
 log = logging.getLogger(__name__)
 
-#: At most one look per this many seconds per process: a request held for its
+#: At most one look per this many seconds per process: a request withheld for its
 #: turn waits that much longer at worst, and a busy process makes a few dozen
 #: looks a second at most, whatever its rate of ends.
 LOOK_EVERY = 0.02

@@ -101,7 +101,7 @@ async def recent_attempts(conn: Conn, row: type[Row], *, window: float) -> list[
 
 async def key_backlog(conn: Conn, row: type[Row], *, limit: int) -> list[Row]:
     """The fairness keys with the most requests waiting: queued (and of them,
-    held back or parked on a limit) and running."""
+    withheld or parked on a limit) and running."""
     return await _rows(conn, row, "console_key_backlog", {"limit": limit})
 
 

@@ -10,7 +10,7 @@ worker's start, ``loomflow-worker limits concurrency`` at run time):
 - any other name: the runs of every agent registered with it
   (``register_agent(..., limits=["anthropic"])``);
 - ``fair_queue``: not runs but requests waiting in the broker. Beyond it an
-  enqueue records the request held back, and held requests are published
+  enqueue records the request withheld, and withheld requests are published
   as room frees in proportion to their fairness keys' weights
   (``loomflow-worker limits weight``, ``FAIRNESS_WEIGHTS``, or a request's
   ``fairness_weight``): a tenant with a few requests starts within a turn

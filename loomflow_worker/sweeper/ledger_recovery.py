@@ -84,7 +84,7 @@ def orphans(
 
 
 def fair_next(conn: SyncConn) -> list[Pending]:
-    """Held requests whose fair turn came, to publish (waiting for any other
+    """Withheld requests whose fair turn came, to publish (waiting for any other
     caller publishing them to be done: see ``loomflow_worker_fair_next``)."""
     rows = conn.cursor(row_factory=dict_row).execute(
         query("fair_next"), {"wait": True, "page": FAIR_PAGE}).fetchall()

@@ -128,7 +128,7 @@ class Recovery:
                 return dispatched
 
     def publish_fair(self, conn: SyncConn) -> int:
-        """Publish the held requests whose fair turn came (the fair_queue
+        """Publish the withheld requests whose fair turn came (the fair_queue
         limit has room, or was removed); how many."""
         turn = ledger_recovery.fair_next(conn)
         if turn:

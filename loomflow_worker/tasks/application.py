@@ -72,7 +72,7 @@ def configure(new: Settings | None = None) -> Settings:
         PROCESS.settings, PROCESS.settings_error, PROCESS.context = new, None, None
         _use(make_app(new))
         PROCESS.enqueue.close()
-        # The limits enqueues hold requests back on were read from the fleet
+        # The limits enqueues withhold requests on were read from the fleet
         # before's database: the next enqueue reads this one's.
         ledger.HOLD_LIMITS.forget()
         return new

@@ -41,17 +41,17 @@ ROUTING = ("queue", "exchange", "routing_key", "priority")
 REDIS_SCHEMES = ("redis", "rediss", "sentinel", "redis+socket")
 
 
-#: The ``apply_async`` options a request held back at enqueue keeps for the
+#: The ``apply_async`` options a request withheld at enqueue keeps for the
 #: message published later (what its message would have carried).
-HELD_OPTIONS = ("link", "link_error", "headers", "priority", "expires", "time_limit",
+WITHHELD_OPTIONS = ("link", "link_error", "headers", "priority", "expires", "time_limit",
                 "soft_time_limit", "chord", "chain", "group_id", "group_index", "root_id",
                 "parent_id", "shadow", "reply_to")
 
 
-def held_options(options: dict[str, Any]) -> dict[str, Any] | None:
-    """``options`` as JSON for a request held back at enqueue; ``None`` when
+def withheld_options(options: dict[str, Any]) -> dict[str, Any] | None:
+    """``options`` as JSON for a request withheld at enqueue; ``None`` when
     one of them is not JSON (the request is then published at once)."""
-    kept = {k: v for k, v in options.items() if k in HELD_OPTIONS and v is not None}
+    kept = {k: v for k, v in options.items() if k in WITHHELD_OPTIONS and v is not None}
     try:
         return options_json(kept)
     except (TypeError, ValueError):
@@ -214,19 +214,19 @@ class AgentTask(Task):  # type: ignore[misc]
         fairness_weight: float | None,
     ) -> AsyncResult:
         """Record the checked request in the ledger, then publish it (unless
-        the ledger had it already, or holds it back on its fairness key)."""
+        the ledger had it already, or withholds it on its fairness key)."""
         current = PROCESS.current_settings()
         enqueued = PROCESS.enqueue.insert(
             *PROCESS.database(), task_id, request, on_busy, start,
             ignore_result=bool(options.get("ignore_result", self.ignore_result)),
             routing=routing,
-            options=held_options(options), fairness_key=fairness_key,
+            options=withheld_options(options), fairness_key=fairness_key,
             fairness_weight=fairness_weight,
             priority_rank=priority_rank(routing, current.broker_url.get_secret_value()),
         )
         if enqueued.duplicate or enqueued.held:
             # The same request sent again under its id: it is recorded and was
-            # published already, so this publishes nothing. Or held back on its
+            # published already, so this publishes nothing. Or withheld on its
             # fairness key's limit: the run that frees a slot of it publishes it
             # (or the sweeper does), with the options recorded with it.
             for pending in enqueued.cancelled:

@@ -35,7 +35,7 @@ def _starts(dsn: str, ids: list[str]) -> list[tuple[str, str]]:
             " ORDER BY started_at", (ids,)).fetchall()]
 
 
-def _held(dsn: str) -> int:
+def _withheld(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute("SELECT count(*) FROM runs WHERE waiting_for = 'limit fair_queue'"
                            " AND status = 'queued'").fetchone()
@@ -56,7 +56,7 @@ def test_requests_start_in_proportion_to_their_keys_weights(fleet: Fleet) -> Non
     alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(24)]
     bob = [run_agent.delay(calls(f"bob{i}"), f"b{i}", user_id="bob").id for i in range(24)]
     # At most fair_queue published at once: the rest wait in the ledger.
-    assert _held(fleet.dsn) == 46
+    assert _withheld(fleet.dsn) == 46
     fleet.start("w1", concurrency=2, pool="threads", TEST_TOOL_SLEEP="0.2", **FAST)
     for request_id in alice + bob:
         run_agent.AsyncResult(request_id).get(timeout=120)
@@ -101,15 +101,15 @@ def test_a_weight_a_request_states_counts_while_none_is_set(fleet: Fleet) -> Non
         run_agent.delay("x", "d-bad", fairness_weight="heavy")
 
 
-def test_removing_the_limit_publishes_every_held_request(fleet: Fleet) -> None:
+def test_removing_the_limit_publishes_every_withheld_request(fleet: Fleet) -> None:
     _set(fleet, "concurrency", "fair_queue", "1")
     sent = [run_agent.delay(calls(f"r{i}"), f"r{i}", user_id=f"u{i % 2}").id for i in range(6)]
-    assert _held(fleet.dsn) == 5
+    assert _withheld(fleet.dsn) == 5
     _set(fleet, "concurrency", "fair_queue", "--none")
     fleet.start("w1", concurrency=3, pool="threads", **FAST)
     for request_id in sent:
         run_agent.AsyncResult(request_id).get(timeout=60)
-    wait_until(lambda: _held(fleet.dsn) == 0, "no request held")
+    wait_until(lambda: _withheld(fleet.dsn) == 0, "no request withheld")
 
 
 def test_bad_weights_are_refused_with_nothing_written(fleet: Fleet) -> None:
@@ -152,7 +152,7 @@ def test_by_default_a_tenants_first_request_starts_within_seconds_while_10000_wa
     fleet.start("w1", concurrency=20, pool="threads", TEST_TOOL_SLEEP="0.5", **FAST)
     alice = _delay_many("alice", "alice", 10_000)
     # Most of hers wait in the ledger (some ran while the rest were sent).
-    held = _held(fleet.dsn)
+    held = _withheld(fleet.dsn)
     assert held > 5_000, held
     bob = run_agent.delay(calls("bob0"), "bob0", user_id="bob").id
     sent = time.monotonic()
@@ -160,7 +160,7 @@ def test_by_default_a_tenants_first_request_starts_within_seconds_while_10000_wa
     waited = _waited(fleet.dsn, bob)
     assert waited is not None and waited < 5, (waited, time.monotonic() - sent)
     # Alice's backlog is still there: Bob did not start because hers ran out.
-    assert _held(fleet.dsn) > 4_000
+    assert _withheld(fleet.dsn) > 4_000
     listed = cli(fleet, "limits").stdout
     assert "fair shares: on" in listed and "free slots" in listed, listed
     fleet.stop_all()
@@ -179,15 +179,15 @@ def test_with_no_worker_alive_the_broker_takes_the_floor_and_fair_queue_0_turns_
     # takes the floor (32) and the rest wait their fair turn, published as
     # the first worker runs.
     first = [run_agent.delay(calls(f"e{i}"), f"e{i}", user_id="early").id for i in range(40)]
-    assert _held(fleet.dsn) == 8
+    assert _withheld(fleet.dsn) == 8
     _set(fleet, "concurrency", "fair_queue", "0")
     listed = cli(fleet, "limits").stdout
     assert "fair shares: off" in listed, listed
     later = [run_agent.delay(calls(f"l{i}"), f"l{i}", user_id="late").id for i in range(40)]
-    assert _held(fleet.dsn) <= 8  # held before it was turned off, published by the sweeper
+    assert _withheld(fleet.dsn) <= 8  # held before it was turned off, published by the sweeper
     fleet.start("w1", concurrency=4, pool="threads", **FAST)
     for request_id in first + later:
         run_agent.AsyncResult(request_id).get(timeout=120)
-    assert _held(fleet.dsn) == 0
+    assert _withheld(fleet.dsn) == 0
     bad = cli(fleet, "limits", "concurrency", "per_key", "0")
     assert bad.returncode == 2 and "only fair_queue takes 0" in bad.stderr, bad.stderr

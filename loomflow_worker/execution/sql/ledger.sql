@@ -28,18 +28,18 @@ SELECT request_id, status FROM runs
 -- name: insert_run
 -- A request recorded queued (an enqueue, or a message that came with no row); no row back
 -- when the id is taken (recorded_request says by whom), else its not_before and whether it
--- was held back. A countdown is measured on the database's clock, an eta is a moment.
+-- was withheld. A countdown is measured on the database's clock, an eta is a moment.
 -- With hold_after (the per_key concurrency limit), a request whose fairness key has that
 -- many unfinished requests already out (published, running, or waiting for their session:
--- runs_fairness_open), or has requests held back already (runs_waiting_for), is held
--- back, parked on its key's limit as a worker would park it, and not published: the
+-- runs_fairness_open), or has requests withheld already (runs_waiting_for), is
+-- withheld, parked on its key's limit as a worker would park it, and not published: the
 -- broker then holds a handful of one tenant's backlog, not all of it, and the others'
--- requests are not queued behind it. Those held are published one per slot that frees,
+-- requests are not queued behind it. Those withheld are published one per slot that frees,
 -- in their order (next_on_limit), and a new request waits behind them: it neither jumps
 -- the key's line nor takes the slot a run that ends hands on. (That look asks "not
 -- finished" rather than "unfinished", the same thing, so that it probes runs_waiting_for
--- alone, not a bitmap of every held request with runs_scope_open.)
--- With fair_depth (the fair_queue limit), a request that may start now is held back too
+-- alone, not a bitmap of every withheld request with runs_scope_open.)
+-- With fair_depth (the fair_queue limit), a request that may start now is withheld too
 -- while others wait in line for their fair share, or while fair_depth requests wait in the
 -- broker already (runs_in_broker): loomflow_worker_fair_next publishes it in its turn.
 INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
@@ -82,7 +82,7 @@ ON CONFLICT (request_id) DO NOTHING
 RETURNING not_before, waiting_slots IS NOT NULL AS held;
 
 -- name: fair_next
--- Held requests published in their fair turn (see loomflow_worker_fair_next), at most
+-- Withheld requests published in their fair turn (see loomflow_worker_fair_next), at most
 -- `page`; `wait` false: none when another caller is publishing them.
 SELECT * FROM loomflow_worker_fair_next(%(wait)s, %(page)s);
 

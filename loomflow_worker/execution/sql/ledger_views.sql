@@ -88,7 +88,7 @@ SELECT request_id, session_id, user_id, status, attempts, swept_at
 
 -- name: console_key_backlog
 -- The fleet page's fairness keys with unfinished requests, the most waiting
--- first: how many wait (held back or parked on a limit among them) and how
+-- first: how many wait (withheld or parked on a limit among them) and how
 -- many run.
 SELECT coalesce(fairness_key, coalesce(user_id, session_id)) AS fairness_key,
        count(*) FILTER (WHERE status = 'queued') AS queued,

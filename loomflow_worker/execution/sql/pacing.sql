@@ -96,7 +96,7 @@ SELECT c.name, c.max_runs, c.updated_at, c.source, c.set_by,
   FROM concurrency_limits c ORDER BY c.name;
 
 -- name: hold_limits
--- The sizes of the limits an enqueue holds requests back on: per_key when set (a
+-- The sizes of the limits an enqueue withholds requests on: per_key when set (a
 -- fairness key with that many out), and how many may wait in the broker before the
 -- rest wait their fair turn (loomflow_worker_fair_depth: the fleet's free slots
 -- unless fair_queue sets it; NULL: fair shares off; see insert_run).
@@ -138,8 +138,8 @@ SELECT w.weight, w.weight_set_by, EXISTS (SELECT FROM wrote)
   FROM (SELECT 1) one LEFT JOIN was w ON true;
 
 -- name: fairness_key_weights
--- Every fairness key with a weight set or stated, or with requests held for their fair
--- turn, and how many are held.
+-- Every fairness key with a weight set or stated, or with requests withheld for their
+-- fair turn, and how many are withheld.
 SELECT k.fairness_key, f.weight, f.call_weight, coalesce(h.waiting, 0),
        f.weight_source, f.weight_set_by
   FROM (SELECT fairness_key FROM fairness_keys
