@@ -65,7 +65,7 @@ def test_a_limit_per_key_holds_across_three_workers_while_other_keys_run(
     fleet: Fleet, held: bool,
 ) -> None:
     # A limit of 5 per tenant on three worker processes of four slots each.
-    # Set before alice sends her 25 requests, it holds back all but 5 of them
+    # Set before alice sends her 25 requests, it withholds all but 5 of them
     # in the ledger at enqueue; set after, it finds all of them in the broker,
     # and the workers take up to twelve at once: each run takes a slot of her
     # limit in Postgres, and those beyond 5 park on whichever process took
@@ -96,7 +96,7 @@ def test_a_limit_per_key_holds_across_three_workers_while_other_keys_run(
         row = conn.execute("SELECT count(DISTINCT worker) FROM run_attempts a JOIN runs r"
                            " USING (request_id) WHERE r.user_id = 'alice'").fetchone()
     assert row == (3,), row
-    # Held back, none of hers parked on a worker; all in the broker, the
+    # Withheld, none of hers parked on a worker; all in the broker, the
     # workers parked those beyond her limit.
     parks = _parks(fleet, "limit per_key:alice")
     assert (parks == 0) if held else (parks > 0), parks
@@ -124,7 +124,7 @@ def test_a_slot_freed_by_a_killed_worker_goes_to_a_parked_request(fleet: Fleet) 
     wait_until(lambda: any(tag == "first" for tag, *_ in tool_executions(fleet.dsn)),
                "the first request never ran its tool")
     second = run_agent.delay(calls("second"), "a1", user_id="alice")
-    # Held back at its enqueue: it waits in the ledger for her slot.
+    # Withheld at its enqueue: it waits in the ledger for her slot.
     assert _waiting(fleet.dsn, second.id) == "limit per_key:alice"
     listed = cli(fleet, "requests", "--user", "alice", "--status", "queued")
     header, row = listed.stdout.splitlines()[:2]
@@ -169,7 +169,7 @@ def test_a_tenants_backlog_waits_in_the_ledger_and_another_tenant_starts_at_once
     fleet: Fleet,
 ) -> None:
     # Alice sends 60 requests at once, limited to 3 runs at a time: the rest
-    # of her backlog is held back in the ledger at enqueue, not queued in the
+    # of her backlog is withheld in the ledger at enqueue, not queued in the
     # broker, so bob's one request, sent after all of hers, is taken next.
     env = {**FAST, "TEST_TOOL_SLEEP": "0.3", "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 3})}
     fleet.start("w1", concurrency=6, pool="threads", **env)
@@ -208,7 +208,7 @@ def test_requests_published_before_their_limit_was_set_park_on_the_worker(fleet:
 
 
 def test_a_chain_whose_head_is_held_back_at_enqueue_runs_to_its_end(fleet: Fleet) -> None:
-    # The chain's head is alice's while her one slot is taken: held back in the
+    # The chain's head is alice's while her one slot is taken: withheld in the
     # ledger, it is published later with what its message would have carried
     # (the rest of the chain, and a callback), so the chain goes on after it.
     from celery import chain
@@ -262,7 +262,7 @@ def test_a_fairness_key_given_per_call_decides_whose_limit_a_request_counts_towa
 def test_requests_waiting_on_a_limit_start_in_the_order_of_their_priority(
     fleet: Fleet, broker: str
 ) -> None:
-    # Held back behind alice's one running request, in the order 9, 0, 5:
+    # Withheld behind alice's one running request, in the order 9, 0, 5:
     # they start as their broker would order them (Redis: 0 first; RabbitMQ:
     # the highest first), not in the order they came.
     env = {**FAST, "TEST_TOOL_SLEEP": "0.3", "LOOMFLOW_WORKER_LIMITS": json.dumps({"per_key": 1})}
@@ -288,8 +288,8 @@ def _parks(fleet: Fleet, reason: str) -> int:
 
 def test_a_burst_held_back_on_its_limit_sends_one_message_per_request(fleet: Fleet) -> None:
     # Alice sends 100 short requests at once, 3 runs at a time: 3 are
-    # published at enqueue, the rest held back in the ledger, and her first
-    # runs end while she is still sending. Each held request is published once,
+    # published at enqueue, the rest withheld in the ledger, and her first
+    # runs end while she is still sending. Each withheld request is published once,
     # by the run that frees a slot (or the sweeper), and a request sent while
     # others are held waits behind them rather than taking the slot a run that
     # ends hands on: no delivery parks on the worker, which receives 100
@@ -321,7 +321,7 @@ def test_held_requests_are_not_published_for_slots_messages_are_on_their_way_to(
     wait_until(lambda: {tag.split("-")[0] for tag, *_ in tool_executions(fleet.dsn)}
                == {"bob0", "bob1", "bob2"}, "bob's runs never all started")
     alice = [run_agent.delay(calls(f"alice{i}"), f"a{i}", user_id="alice").id for i in range(12)]
-    # Past her held requests' grace (1 s) and the sweeper's second look (1 s).
+    # Past her withheld requests' grace (1 s) and the sweeper's second look (1 s).
     wait_sweeps_for(fleet, 3.0)
     assert not any(tag.startswith("alice") for tag, *_ in tool_executions(fleet.dsn)), \
         "bob's runs ended before the sweeper had its chance"
@@ -354,7 +354,7 @@ def test_a_tenant_with_one_request_starts_within_seconds_while_anothers_10000_dr
     fleet.start("w1", concurrency=20, pool="threads", TEST_TOOL_SLEEP="1",
                 LOOMFLOW_WORKER_LIMITS=json.dumps(limits))
     began = time.monotonic()
-    # Each enqueue is one ledger statement (a held request is not published):
+    # Each enqueue is one ledger statement (a withheld request is not published):
     # a few at once, on the enqueue pool's connections.
     with concurrent.futures.ThreadPoolExecutor(ENQUEUERS) as enqueuers:
         list(enqueuers.map(

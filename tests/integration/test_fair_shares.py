@@ -2,7 +2,7 @@
 hold (by default the fleet's free slots, else the fair_queue limit), requests
 wait their turn in the ledger and start in proportion to their fairness keys'
 weights, not in the order they were sent; one key alone keeps its order, and
-removing the limit publishes every held request. With no setting at all, a
+removing the limit publishes every withheld request. With no setting at all, a
 tenant's first request starts within seconds while another's 10,000 wait."""
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def test_limits_in_an_enqueuing_processs_settings_hold_before_any_worker_started
     assert _limits(fleet.dsn) == {}
     _configure(limits={"per_key": 2}, fairness_weights={"bob": 3.0})
     sent = [run_agent.delay(calls(f"a{i}"), f"s{i}", user_id="alice").id for i in range(5)]
-    # No worker ever started: the third of alice's requests on is held back
+    # No worker ever started: the third of alice's requests on is withheld
     # in the ledger by the limit this process's settings declared.
     assert _held(fleet.dsn, sent) == sent[2:]
     assert _limits(fleet.dsn) == {"per_key": (2, "settings")}

@@ -157,7 +157,7 @@ def test_the_next_orphan_is_due_when_its_lease_runs_out(dsn: str) -> None:
 
 def test_a_keys_held_requests_are_read_in_their_index_whatever_their_number(dsn: str) -> None:
     """An enqueue under the per_key limit asks whether its fairness key has
-    requests held back, and a run that frees a slot takes the first of them:
+    requests withheld, and a run that frees a slot takes the first of them:
     each reads runs_waiting_for in its order, whatever the key's backlog, not a
     bitmap of all of them (10,000 enqueues would be quadratic)."""
     with psycopg.connect(dsn, autocommit=True) as conn:

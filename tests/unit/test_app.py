@@ -60,7 +60,7 @@ def test_new_settings_get_a_new_app_with_its_own_backend_and_tasks(restored: Non
 
 
 def test_new_settings_forget_the_limits_read_from_the_fleet_before(restored: None) -> None:
-    """An enqueue holds requests back on the per_key and fair_queue limits it
+    """An enqueue withholds requests on the per_key and fair_queue limits it
     read (for a few seconds) from its fleet's database: another fleet's are
     read again at its first enqueue, not taken from the one before."""
     from loomflow_worker.execution import ledger
