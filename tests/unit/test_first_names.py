@@ -4,7 +4,9 @@ first names: applications, scripts and deployments use them."""
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +59,43 @@ def test_the_lease_timeout_keeps_its_first_name_in_code(monkeypatch: pytest.Monk
     monkeypatch.setenv("LOOMFLOW_WORKER_LEASE", "12")
     given = Settings(lease=7)
     assert (given.lease_timeout, given.lease) == (7.0, 7.0)
+
+
+NAMES_PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "names.md"
+
+
+def _surface() -> dict[str, list[str]]:
+    """The package's public names, as the code has them."""
+    import loomflow_worker.runtime
+    import loomflow_worker.tasks
+    import loomflow_worker.testing
+    from loomflow_worker import cli, metrics
+    from loomflow_worker.runtime.sql import migrations
+    from loomflow_worker.tasks.dispatch import RESUME_AGENT, RUN_AGENT
+
+    created = re.compile(r"CREATE (?:TABLE|VIEW|OR REPLACE VIEW) (?:IF NOT EXISTS )?(\w+)")
+    return {
+        "imports": [*loomflow_worker.__all__, *loomflow_worker.tasks.__all__,
+                    *loomflow_worker.runtime.__all__, *loomflow_worker.testing.__all__],
+        "commands": [name for name, command in cli.main.commands.items() if not command.hidden],
+        "tasks": [RUN_AGENT, RESUME_AGENT],
+        "metrics": sorted(set(re.findall(r'"(loomflow_worker_\w+)"',
+                                         Path(metrics.__file__).read_text()))),
+        "tables": sorted({name for m in migrations() for name in created.findall(m.sql)}),
+    }
+
+
+@pytest.mark.parametrize("kind", ["imports", "commands", "tasks", "metrics", "tables"])
+def test_the_names_page_lists_every_public_name(kind: str) -> None:
+    listed = set(re.findall(r"`([^`]+)`", NAMES_PAGE.read_text()))
+    assert [name for name in _surface()[kind] if name not in listed] == []
+
+
+def test_the_names_page_lists_every_old_name_kept() -> None:
+    from loomflow_worker.tasks.old_names import STORED_MODULES
+
+    page = NAMES_PAGE.read_text()
+    old = [*STORED_MODULES, "cancel_run", "loomflow-worker runs", "admin.get_run",
+           "admin.list_runs", "admin.run_status", "admin.RunDetail", "admin.RunRow",
+           "admin.RunStatus", "LOOMFLOW_WORKER_LEASE"]
+    assert [name for name in old if name not in page] == []
