@@ -7,7 +7,8 @@ runtime's by ``runtime.errors.translated``; a request the ledger lacks is
 runtime's (:mod:`loomflow_worker.runtime.prune`).
 
 Sync functions on psycopg 3 connections, called by the ``loomflow-worker``
-command. Their queries live in ``runtime/sql/admin.sql`` (and
+command. Their queries live in ``admin/sql/admin.sql`` (their reads of the
+ledger in ``execution/sql/ledger_reads.sql``, run by its gateway, and
 ``signals.sql``, ``migrate.sql``, which they share with the runtime); every
 error names what to do and never a password (connection strings are shown
 through ``describe_dsn``).

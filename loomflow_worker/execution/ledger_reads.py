@@ -5,7 +5,8 @@ The operator tools (``admin``) read the ledger only through these functions,
 as workers write it only through :mod:`.ledger`: a change to the ledger's
 tables meets every statement on them in this layer. Sync, on an autocommit
 psycopg 3 connection; each row comes by column name, for the caller's read
-model. Driver errors go up as they are: the caller translates them."""
+model. Driver errors go up as they are: the caller translates them. The
+statements are in ``execution/sql/ledger_reads.sql``."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ tools read it through :mod:`.ledger_reads` and workers write it through
 in this layer. Async, on the caller's connection (the console's read-only
 pool); each row is made by the caller's read model, ``row``: a class taking
 the query's columns by name (psycopg's ``class_row``). The queries are those of
-``execution/sql/ledger_views.sql`` and ``show``'s two of the runtime's
-``admin.sql``."""
+``execution/sql/ledger_views.sql`` and ``show``'s two of
+``ledger_reads.sql``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """The package's SQL: named queries and versioned migrations, loaded once.
 
 Each layer keeps its queries beside it, in its own ``sql/`` folder: this one
-the runtime's (journal.sql, signals.sql, prune.sql, migrate.sql, the
-operator tools' admin.sql, and the migrations), ``execution/sql`` the
-ledger's, ``sweeper/sql`` the sweeper's, ``console/sql`` the console's. Each
+the runtime's (journal.sql, signals.sql, prune.sql, migrate.sql, and the
+migrations; demo.sql and testing.sql, of the demo and the testing helpers,
+modules with no folder of their own), ``execution/sql`` the ledger's,
+``sweeper/sql`` the sweeper's, ``admin/sql`` the operator tools',
+``console/sql`` the console's. Each
 ``*.sql`` file holds queries under a ``-- name: <name>`` header followed by a
 comment saying what it does and why; names are one namespace across every
 folder (a query is found by its name alone, wherever it lives). The folders

@@ -1,10 +1,7 @@
--- Operating the fleet (loomflow_worker.admin, the CLI): the doctor's checks and the reads
--- behind `loomflow-worker requests`, `show` and the commands that wait for a request.
--- send_signal is in signals.sql, and schema_versions in migrate.sql.
-
--- name: admin_server_version
--- The server's version, which the doctor reports with the database it reached.
-SELECT current_setting('server_version');
+-- The ledger as the operator tools read it (loomflow_worker.admin, the CLI, the console's
+-- run and usage pages), run by its gateways execution.ledger_reads and ledger_views: the
+-- reads behind `loomflow-worker requests`, `show`, `versions`, `usage` and the commands that
+-- wait for a request. The operator tools' other reads are in admin/sql/admin.sql.
 
 -- name: admin_list_runs
 -- `loomflow-worker requests`: requests newest first (seq) matching every filter given (NULL:
@@ -109,26 +106,6 @@ SELECT a.attempt, a.worker, a.pid, a.epoch, a.started_at, a.ended_at, a.outcome,
  WHERE a.request_id = %(request_id)s
  ORDER BY a.attempt;
 
--- name: get_run_journal
--- The entries of one run, oldest first, at most `limit` (NULL: all): its
--- scope's "<epoch>/..." keys, or at epoch 0 the keys in no namespace; the
--- scope's epoch bookkeeping left out, the stream entries' chunks in.
-SELECT false AS stream, step_name, created_at, value FROM journal_steps
- WHERE session_id = %(scope)s
-   AND step_name NOT IN ('__run_epoch__', '__last_run_epoch__')
-   AND CASE WHEN %(epoch)s::integer > 0
-            THEN step_name COLLATE "C" >= %(lo)s AND step_name COLLATE "C" < %(hi)s
-            ELSE step_name !~ '^([0-9]+|[0-9a-f]{16})/' END
-UNION ALL
-SELECT true, step_name, created_at, chunks FROM journal_streams
- WHERE session_id = %(scope)s
-   AND CASE WHEN %(epoch)s::integer > 0
-            THEN step_name COLLATE "C" >= %(lo)s AND step_name COLLATE "C" < %(hi)s
-            ELSE step_name !~ '^([0-9]+|[0-9a-f]{16})/' END
- ORDER BY created_at, step_name
- LIMIT %(limit)s;
-
-
 -- name: agent_versions
 -- `loomflow-worker versions`, the console's fleet page and the sweeper's
 -- watch: each version of each agent, from the fleet's registry (its live
@@ -163,33 +140,6 @@ SELECT coalesce(s.agent, p.agent) AS agent, coalesce(s.version, p.version) AS ve
        now() AS now
   FROM served s FULL JOIN pinned p ON p.agent = s.agent AND p.version = s.version
  ORDER BY 1, s.built_at DESC NULLS LAST, 2;
-
--- name: list_direct_runs
--- Runs made through PostgresRuntime outside Celery (direct_runs: a web
--- process's own agent.run), newest first, of a session and user when given.
-SELECT run_id, session_id, user_id, epoch, process, started_at, finished_at, outcome, error
-  FROM direct_runs
- WHERE (%(session_id)s::text IS NULL OR session_id = %(session_id)s)
-   AND (%(user_id)s::text IS NULL OR user_id = %(user_id)s)
- ORDER BY started_at DESC
- LIMIT %(limit)s;
-
--- name: get_direct_run
--- One run made outside Celery, read as `show` and the console's run page read
--- a request (admin.RequestDetail), of kind "direct": its journal is its
--- scope's at its epoch. Not ended: "running" (or its process died).
-SELECT run_id AS request_id, 0::bigint AS seq, scope, session_id, user_id,
-       '(outside Celery)' AS agent, 'direct' AS kind, '' AS prompt, 0 AS prompt_length,
-       '{}'::jsonb AS metadata,
-       CASE outcome WHEN 'succeeded' THEN 'succeeded' WHEN 'raised' THEN 'failed'
-                    ELSE 'running' END AS status,
-       epoch, 1 AS attempts_count, (outcome = 'raised')::int AS failures, 0 AS crashes,
-       process AS worker, false AS cancel_requested, NULL::jsonb AS result, error,
-       NULL::text AS error_type, started_at AS enqueued_at, started_at,
-       started_at AS heartbeat_at, finished_at, NULL::timestamptz AS not_before, now() AS now,
-       pid, outcome
-  FROM direct_runs
- WHERE run_id = %(request_id)s;
 
 -- name: usage_report
 -- `loomflow-worker usage` and the console's usage page: the requests enqueued since `since`
