@@ -39,9 +39,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import psycopg
 from psycopg_pool import AsyncConnectionPool
 
+from ..runtime.conns import SyncConn
 from ..runtime.errors import InvalidInput
 from ..runtime.keys import slot_lock_keys
 from ..runtime.sql import query
@@ -201,7 +201,7 @@ async def set_limits(pool: AsyncConnectionPool[Any], settings: Settings, by: str
     _say(found, by)
 
 
-def declare(conn: psycopg.Connection[Any], settings: Settings, by: str) -> None:
+def declare(conn: SyncConn, settings: Settings, by: str) -> None:
     """:func:`set_limits` on a sync connection: a process's first enqueue."""
     found = [_declared(what, params, conn.execute(query(name), params).fetchone())
              for what, name, params in _declarations(settings, by)]
@@ -221,17 +221,17 @@ class LimitRow:
     waiting: int
 
 
-def read(conn: psycopg.Connection[Any]) -> list[LimitRow]:
+def read(conn: SyncConn) -> list[LimitRow]:
     return [LimitRow(*row) for row in conn.execute(query("concurrency_limits")).fetchall()]
 
 
-def fair_depth(conn: psycopg.Connection[Any]) -> int | None:
+def fair_depth(conn: SyncConn) -> int | None:
     """How many requests may wait in the broker now (``None``: fair shares off)."""
     row = conn.execute(query("fair_depth")).fetchone()
     return None if row is None else row[0]
 
 
-def write(conn: psycopg.Connection[Any], name: str, max_runs: int | None) -> None:
+def write(conn: SyncConn, name: str, max_runs: int | None) -> None:
     """Set (``None``: remove) the limit ``name`` for the whole fleet; every
     process reads it within :data:`REFRESH` seconds."""
     if max_runs is None:
@@ -258,11 +258,11 @@ class WeightRow:
     set_by: str | None
 
 
-def read_weights(conn: psycopg.Connection[Any]) -> list[WeightRow]:
+def read_weights(conn: SyncConn) -> list[WeightRow]:
     return [WeightRow(*row) for row in conn.execute(query("fairness_key_weights")).fetchall()]
 
 
-def write_weight(conn: psycopg.Connection[Any], key: str, weight: float | None) -> None:
+def write_weight(conn: SyncConn, key: str, weight: float | None) -> None:
     """Set (``None``: remove) the weight of the fairness key ``key``; the next
     requests published by fair shares use it."""
     conn.execute(query("set_fairness_weight"),

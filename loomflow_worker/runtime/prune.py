@@ -24,10 +24,10 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-import psycopg
 from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
+from .conns import SyncConn
 from .errors import InvalidInput
 from .sql import query
 
@@ -42,7 +42,7 @@ _ORDER: tuple[tuple[str, str], ...] = (
 PRUNED_TABLES = tuple(table for table, _ in _ORDER)
 
 
-def cutoff(conn: psycopg.Connection[Any], older_than: timedelta) -> datetime:
+def cutoff(conn: SyncConn, older_than: timedelta) -> datetime:
     """The moment ``older_than`` ago on the database's clock (a prune's cutoff:
     a host whose clock is off must not delete what finished a minute ago)."""
     row = conn.cursor(row_factory=dict_row).execute(
@@ -98,7 +98,7 @@ class Pruner:
             self._left.pop(0)
         return table, deleted
 
-    def counts(self, conn: psycopg.Connection[Any]) -> dict[str, int]:
+    def counts(self, conn: SyncConn) -> dict[str, int]:
         """How many rows the prune would delete now, per table."""
         row = conn.cursor(row_factory=dict_row).execute(
             query("prune_counts"), self.params(0)
@@ -106,7 +106,7 @@ class Pruner:
         assert row is not None
         return {table: int(row[table]) for table in PRUNED_TABLES}
 
-    def step(self, conn: psycopg.Connection[Any]) -> tuple[str, int]:
+    def step(self, conn: SyncConn) -> tuple[str, int]:
         """Delete one batch; returns ``(table, rows deleted)``."""
         table, name = self._left[0]
         return self._deleted(table, conn.execute(query(name), self.params()).rowcount)
@@ -119,7 +119,7 @@ class Pruner:
 
     def run(
         self,
-        conn: psycopg.Connection[Any],
+        conn: SyncConn,
         *,
         budget: float | None = None,
         on_batch: Callable[[str, int], None] | None = None,
