@@ -14,8 +14,8 @@ sweep, the leader:
 - with ``retention`` set, prunes what is older than it, and forgets worker
   processes long gone (:mod:`.retention`);
 - counts the requests waiting for a version of their agent, says so when no
-  live worker serves it, and applies its agent's on_version_gone policy
-  (:mod:`.version_watch`);
+  live worker serves it, and applies its agent's on_version_gone policy (the
+  version watch the worker's Celery binding gives it, a :class:`Watch`);
 
 and records what it did in ``sweeper_actions``, for the console. Every
 worker, leader or not, says on each turn which messages it holds unstarted.
@@ -60,7 +60,6 @@ KEEP_ACTIONS_FOR = 86400.0
 MIN_PAUSE = 0.05
 
 
-
 class Watch(Protocol):
     """A watch the leader keeps each turn beside its own jobs: the worker's
     over agent versions (``VersionWatch``), which knows the Celery binding's
@@ -74,8 +73,8 @@ class Watch(Protocol):
 class Sweeper:
     """The loop: ``dispatch``, ``queue_length`` and ``revoked`` serve the
     recovery, ``results`` the result repair (none: no repair), ``versions``
-    watches agent versions (none: no watch), ``held``
-    stamps the requests this worker holds unstarted."""
+    watches agent versions (none: no watch), ``held`` stamps the requests this
+    worker holds unstarted."""
 
     def __init__(
         self,
