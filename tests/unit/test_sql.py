@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from loomflow_worker.runtime.errors import QueryError
-from loomflow_worker.runtime.sql import gather, parse, queries, query
+from loomflow_worker.runtime.sql import folder, folders, gather, parse, queries, query
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "loomflow_worker"
@@ -172,3 +172,14 @@ def test_the_rule_sees_literals_f_strings_and_module_strings() -> None:
         '    await conn.execute(sql.SQL(query("drop_database")).format(name))\n'
     )
     assert sorted(_written_in_python(ast.parse(source))) == [3, 4, 5, 6]
+
+
+def test_every_sql_file_of_the_package_is_read() -> None:
+    """A query file placed anywhere but a layer's ``sql/`` folder would be
+    read by no one: every ``*.sql`` file outside the migrations is one the
+    loader reads."""
+    read = {source for path in folders() for source, _ in folder(path)}
+    files = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.sql")
+             if "migrations" not in path.parts}
+    assert files - read == set()
+    assert read <= files
