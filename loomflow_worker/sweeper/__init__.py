@@ -9,7 +9,6 @@ the ledger) with :mod:`.result_watch` (the watch on a backend that loses
 results it had), :mod:`.retention` (pruning, and forgetting workers long
 gone), :mod:`.actions` (what it did, for the console). It reaches the ledger
 only through its two gateways, :mod:`.ledger_recovery` and
-:mod:`.ledger_results`; its SQL is in ``sql/sweeper.sql``. Importing it loads
-no Celery (only the revoked ids are read from Celery's worker state): the
-worker's Celery binding (``tasks``) gives it how to publish, count queues and
-reach the result backend."""
+:mod:`.ledger_results`; its SQL is in ``sql/sweeper.sql``. It uses no Celery:
+the worker's Celery binding (``tasks``) gives it how to publish, count queues,
+learn of revokes and reach the result backend."""

@@ -41,7 +41,7 @@ from ..runtime.conns import SyncConn
 from ..runtime.sql import query
 from ..settings import Settings
 from .actions import Action
-from .recovery import Recovery
+from .recovery import Recovery, Revokes
 from .result_repair import ResultRepairer
 from .result_watch import ResultBackend
 from .retention import Retention
@@ -82,7 +82,7 @@ class Sweeper:
         dispatch: Callable[[list[Pending]], None],
         queue_length: Callable[[list[str]], dict[str, int | None]] | None = None,
         results: ResultBackend | None = None,
-        revoked: Callable[[list[str]], None] | None = None,
+        revoked: Revokes | None = None,
         held: Callable[[SyncConn], int] | None = None,
         versions: Watch | None = None,
     ) -> None:

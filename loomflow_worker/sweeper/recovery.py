@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from .. import metrics, tracing
 from ..execution import budgets
@@ -68,11 +69,21 @@ def confirm_lost(
     return chosen, still
 
 
+@dataclass(frozen=True)
+class Revokes:
+    """How the recovery learns of revokes: ``ids()`` the request ids revoked
+    (Celery's worker state: a bounded set, old ones forgotten), ``end`` ends
+    those of them still unfinished."""
+
+    ids: Callable[[], set[str]]
+    end: Callable[[list[str]], None]
+
+
 class Recovery:
     """The leader's recovery (see the module's docstring): ``dispatch``
     publishes a batch, ``queue_length`` counts each queue's messages in the
-    broker, ``revoked`` ends requests revoked while their message waited,
-    ``note`` records what it did."""
+    broker, ``revoked`` learns of revokes and ends the requests revoked while
+    their message waited, ``note`` records what it did."""
 
     def __init__(
         self,
@@ -80,13 +91,13 @@ class Recovery:
         dispatch: Callable[[list[Pending]], None],
         note: Note,
         queue_length: Callable[[list[str]], dict[str, int | None]] | None = None,
-        revoked: Callable[[list[str]], None] | None = None,
+        revoked: Revokes | None = None,
     ) -> None:
         self.settings = settings
         self.dispatch = dispatch
         self.note = note
         self.queue_length = queue_length
-        self.end_revoked = revoked
+        self.revokes = revoked
         self._revoked_seen: set[str] = set()
         # Queued requests that looked lost on the last sweep, since when.
         self._suspects: dict[str, float] = {}
@@ -244,11 +255,9 @@ class Recovery:
         """End the unfinished requests whose ids Celery revoked (workers learn
         of a revoke at once, but discard its message only when it comes, which
         in a backlog may be much later); returns how many."""
-        if self.end_revoked is None:
+        if self.revokes is None:
             return 0
-        from celery.worker import state
-
-        revoked = set(state.revoked)
+        revoked = self.revokes.ids()
         fresh = list(revoked - self._revoked_seen)
         # Only ids Celery still keeps (it forgets old ones): a bounded set.
         self._revoked_seen = revoked
@@ -256,7 +265,7 @@ class Recovery:
             return 0
         ids = ledger_recovery.unfinished_among(conn, fresh)
         if ids:
-            self.end_revoked(ids)
+            self.revokes.end(ids)
             for request_id in ids:
                 self.note(Action("revoked", request_id, "revoked while its message waited"))
         return len(ids)

@@ -35,6 +35,7 @@ from ..runtime.errors import InvalidInput, LoomflowWorkerError, SessionPooler
 from ..runtime.sessions import probe
 from ..settings import Settings
 from ..sweeper.leader import Sweeper
+from ..sweeper.recovery import Revokes
 from ..sweeper.result_watch import ResultBackend
 from .admission import Admission
 from .alone import stop_alone
@@ -46,7 +47,7 @@ from .eta import arrival
 from .pool import REFUSED_POOLS, RunPool, pool_name, refused_threads_option
 from .queues import queue_lengths, version_queues
 from .results import probe_result_backend, result_lifetime, results_missing, store_result
-from .revoke import end_revoked_requests, end_revoked_soon
+from .revoke import end_revoked_requests, end_revoked_soon, revoked_ids
 from .state import PROCESS
 from .task import AgentTask
 from .upgrade import upgrade_stranded
@@ -278,7 +279,7 @@ def _start_sweeper(sender: Any = None, **_: Any) -> None:
         sweeper = Sweeper(settings(), dispatch_many, queue_lengths,
                           ResultBackend(results_missing, store_result,
                                        probe_result_backend, result_lifetime()),
-                          revoked=end_revoked_requests, held=_stamp_held,
+                          revoked=Revokes(revoked_ids, end_revoked_requests), held=_stamp_held,
                           versions=VersionWatch(upgrade_stranded, cancel_request))
         PROCESS.sweeper = sweeper
         sweeper.start()

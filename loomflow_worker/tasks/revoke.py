@@ -60,6 +60,14 @@ def end_revoked(request_id: str, how: ledger.OutsideEnding) -> None:
         dispatch_recorded(pending, "handed the session")
 
 
+def revoked_ids() -> set[str]:
+    """The request ids Celery revoked, as this worker knows them (it forgets
+    old ones: a bounded set)."""
+    from celery.worker import state
+
+    return set(state.revoked)
+
+
 def end_revoked_requests(request_ids: list[str]) -> None:
     """The sweeper's share: requests revoked while their message waits in the
     broker (a worker learns of a revoke at once, of the message only when it

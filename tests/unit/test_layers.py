@@ -265,3 +265,16 @@ def test_each_query_lives_with_the_lowest_layer_that_runs_it() -> None:
                           for name in sorted(_named_queries(path, set(owner)))
                           if owner[name] in forbidden]
     assert wrong == []
+
+
+def test_the_sweeper_imports_no_celery_even_in_a_function() -> None:
+    """The Celery binding gives the sweeper all it needs of Celery (how to
+    publish, count queues, learn of revokes, reach the result backend)."""
+    wrong = []
+    for path in sorted((PACKAGE / "sweeper").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            wrong += [f"{path.relative_to(PACKAGE)}: {name}" for name in names
+                      if name.split(".")[0] in ("celery", "kombu", "billiard")]
+    assert wrong == []
