@@ -21,7 +21,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from loomflow_worker.tasks import run_agent
 from tests.integration.celery_harness import Fleet
-from tests.integration.helpers import calls, tool_executions
+from tests.integration.helpers import calls, tool_executions, wait_until
 from tests.needs import ADMIN_DSN
 
 TERMINAL = ("succeeded", "failed", "cancelled", "dead")
@@ -131,14 +131,13 @@ def all_terminal(dsn: str, sent: list[Sent]) -> bool:
 
 def wait_terminal(dsn: str, sent: list[Sent], timeout: float) -> dict[str, str]:
     """Poll the ledger until every request is terminal (or ``timeout`` passes)."""
-    deadline = time.monotonic() + timeout
-    found = statuses(dsn, sent)
-    while time.monotonic() < deadline:
-        found = statuses(dsn, sent)
-        if len(found) == len(sent) and all(s in TERMINAL for s in found.values()):
-            break
-        time.sleep(0.2)
-    return found
+    def all_terminal(found: dict[str, str]) -> bool:
+        return len(found) == len(sent) and all(s in TERMINAL for s in found.values())
+
+    with contextlib.suppress(AssertionError):  # the caller says which are not
+        return wait_until(lambda: statuses(dsn, sent), "every request terminal", timeout,
+                          until=all_terminal, every=0.2)
+    return statuses(dsn, sent)
 
 
 AUDIT_DDL = r"""
@@ -453,15 +452,16 @@ def kill_postgres_backends(dsn: str) -> tuple[datetime, Counter[str]]:
 def wait_in_tool(dsn: str, tags: tuple[str, ...], times: int, timeout: float = 90) -> None:
     """Wait until the tool call of each of ``tags`` runs for the ``times``-th
     time (its model call before it is journaled)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        runs: dict[str, list[object]] = {}
+    def runs() -> dict[str, list[object]]:
+        """The end of each execution of each tag's tool call (None: running)."""
+        found: dict[str, list[object]] = {}
         for tag, _, _, finished in tool_executions(dsn):
-            runs.setdefault(tag, []).append(finished)
-        if all(len(runs.get(tag, [])) == times and runs[tag][-1] is None for tag in tags):
-            return
-        assert time.monotonic() < deadline, runs
-        time.sleep(0.05)
+            found.setdefault(tag, []).append(finished)
+        return found
+
+    wait_until(runs, f"{', '.join(tags)} running for time {times}", timeout, every=0.05,
+               until=lambda seen: all(len(seen.get(tag, [])) == times and seen[tag][-1] is None
+                                      for tag in tags))
 
 
 def quarantined(fleet: Fleet, env: dict[str, str],

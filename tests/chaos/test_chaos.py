@@ -12,6 +12,7 @@ right, in the ledger and in the Celery result."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -38,6 +39,7 @@ from tests.chaos.checks import (
     wait_terminal,
 )
 from tests.integration.celery_harness import Fleet
+from tests.integration.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -78,17 +80,18 @@ def _in_flight(fleet: Fleet) -> dict[int, list[str]]:
 def _busy(fleet: Fleet, wait: float) -> dict[int, tuple[str, list[str]]]:
     """Pool children running a tool call, with their worker; waits up to ``wait``
     seconds for one, so that most kills land mid-tool."""
-    deadline = time.monotonic() + wait
-    while True:
+    def busy() -> dict[int, tuple[str, list[str]]]:
         found: dict[int, tuple[str, list[str]]] = {}
         for pid, tags in _in_flight(fleet).items():
             try:
                 found[pid] = (fleet.worker_of(pid), tags)
             except (LookupError, OSError):
                 continue
-        if found or time.monotonic() >= deadline:
-            return found
-        time.sleep(0.02)
+        return found
+
+    with contextlib.suppress(AssertionError):  # none busy: the kill lands between tools
+        return wait_until(busy, "a pool child in a tool call", wait)
+    return {}
 
 
 def _kill_one(fleet: Fleet, rng: random.Random, t0: float) -> Kill:
@@ -164,7 +167,7 @@ def test_sigkills_lose_nothing_and_run_nothing_twice(fleet: Fleet, broker: str) 
     kills: list[Kill] = []
     try:
         next_kill = t0 + rng.uniform(1.5, 3.0)
-        while sender.is_alive() or (
+        while sender.is_alive() or (  # not a wait: kills paced until the requests end
             len(kills) < MAX_KILLS and not all_terminal(fleet.dsn, list(sent))
         ):
             if time.monotonic() < next_kill or len(kills) >= MAX_KILLS:

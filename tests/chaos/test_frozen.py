@@ -38,6 +38,7 @@ from tests.chaos.checks import (
     wait_terminal,
 )
 from tests.integration.celery_harness import Fleet
+from tests.integration.helpers import wait_until
 
 # Alone, not beside other tests: two hundred runs and their stand-in tools load
 # this 2-CPU machine enough to slow every test beside them.
@@ -86,10 +87,9 @@ def _trial(
     frozen = fleet.workers[frozen_name]
     sent = [_send_pairs(i, f"s{i}", turns) for i in range(runs)]
     ids = [s.request_id for s in sent]
-    deadline = time.monotonic() + 90
-    while (queued := running_count(fleet.dsn, ids, "queued")) > 0:
-        assert time.monotonic() < deadline, f"{queued} not started yet"
-        time.sleep(0.05)
+    wait_until(lambda: running_count(fleet.dsn, ids, "queued"),
+               "every request started (seen as: how many not yet)", 90,
+               until=lambda queued: queued == 0, every=0.05)
     time.sleep(stop_after)
     # Most still run when the process stops (on a loaded machine the first
     # may have finished before the last started).
@@ -122,19 +122,23 @@ def _wait_settled(fleet: Fleet, name: str, ids: list[str], timeout: float = 120)
     """Wait until worker ``name`` ended every task of ``ids`` it received, and
     received no other for a second."""
     log = fleet.logs / f"{name}.log"
-    deadline = time.monotonic() + timeout
     settled: tuple[set[str], float] = (set(), time.monotonic())
-    while True:
+
+    def running() -> list[str] | None:
+        """Its tasks of ``ids`` not ended yet; None once none was, and none
+        came, for a second."""
+        nonlocal settled
         text = log.read_text(errors="replace")
         received = {rid for rid in ids if f"[{rid}] received" in text}
         pending = {rid for rid in received if not re.search(
             rf"Task \S+\[{rid}\] (succeeded|raised|retry|ignored|reject)", text)}
         if received != settled[0] or pending:
             settled = (received, time.monotonic())
-        elif time.monotonic() - settled[1] > 1.0:
-            return
-        assert time.monotonic() < deadline, f"worker {name} still running {sorted(pending)[:5]}"
-        time.sleep(0.1)
+            return sorted(pending)
+        return None if time.monotonic() - settled[1] > 1.0 else []
+
+    wait_until(running, f"worker {name} settled (seen as: its tasks still running)", timeout,
+               until=lambda pending: pending is None, every=0.1)
 
 
 @pytest.mark.parametrize(

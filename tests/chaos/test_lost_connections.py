@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from functools import partial
 from pathlib import Path
 
@@ -78,10 +77,8 @@ def test_a_connection_lost_while_a_request_starts_is_no_crash(
                 LOOMFLOW_WORKER_HEARTBEAT_INTERVAL="0.5")
     first = run_agent.delay(calls("x1", "x2"), "s")
     behind = run_agent.delay(calls("y1"), "s")
-    deadline = time.monotonic() + 30
-    while not marker.exists():
-        assert time.monotonic() < deadline, fleet.log_text()
-        time.sleep(0.02)
+    wait_until(marker.exists, "the first request held in its tool call", 30,
+               detail=fleet.log_text)
     _, ended = kill_postgres_backends(fleet.dsn)
     assert ended["loomflow-worker lock"] >= 1, ended
     assert first.get(timeout=60)["output"] == "done: recorded x1, recorded x2"

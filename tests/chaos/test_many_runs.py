@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from datetime import datetime, timedelta
 
 import psycopg
@@ -22,7 +21,7 @@ from tests.chaos.checks import (
     wait_terminal,
 )
 from tests.integration.celery_harness import Fleet
-from tests.integration.helpers import backends, tcp_connections
+from tests.integration.helpers import backends, tcp_connections, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -41,10 +40,8 @@ def _ids(sent: list[Sent]) -> list[str]:
 
 
 def _wait_running(dsn: str, ids: list[str], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while running_count(dsn, ids) < len(ids):
-        assert time.monotonic() < deadline, f"only {running_count(dsn, ids)} running"
-        time.sleep(0.05)
+    wait_until(lambda: running_count(dsn, ids), f"all {len(ids)} running (seen as: how many)",
+               timeout, until=lambda running: running >= len(ids), every=0.05)
 
 
 def _lock_backends(dsn: str) -> list[int]:
@@ -202,10 +199,9 @@ def test_three_hundred_orphans_resume_in_seconds_dispatched_in_one_batch(fleet: 
     killed, last_beat = row
     lease_out = last_beat + timedelta(
         seconds=2 * float(env["LOOMFLOW_WORKER_HEARTBEAT_INTERVAL"]))
-    deadline = time.monotonic() + 60
-    while len(resumed := _resumed(fleet.dsn, ids, killed)) < ORPHANS:
-        assert time.monotonic() < deadline, f"only {len(resumed)} resumed"
-        time.sleep(0.1)
+    resumed = wait_until(lambda: _resumed(fleet.dsn, ids, killed),
+                         f"all {ORPHANS} resumed (seen as: those resumed)", 60,
+                         until=lambda resumed: len(resumed) >= ORPHANS, every=0.1)
     for result in sent:
         assert result.get(timeout=60)["output"]
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:

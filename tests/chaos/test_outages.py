@@ -39,7 +39,7 @@ from tests.chaos.checks import (
     wait_terminal,
 )
 from tests.integration.celery_harness import Fleet, wait_status
-from tests.integration.helpers import calls
+from tests.integration.helpers import calls, wait_until
 from tests.integration.services import PrivateRabbitMQ, PrivateRedis
 
 pytestmark = [
@@ -115,27 +115,18 @@ def use_services(fleet: Fleet, *, broker: str | None = None, backend: str | None
 
 def wait_in_flight(dsn: str, after: float, timeout: float = 20) -> list[str]:
     """Tags of tool calls started after ``after`` (epoch seconds) and still running."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        tags = [e.tag for e in executions(dsn)
-                if e.finished_at is None and e.started_at.timestamp() > after]
-        if tags:
-            return tags
-        time.sleep(0.02)
-    raise AssertionError(f"no tool call in flight within {timeout}s")
+    return wait_until(lambda: [e.tag for e in executions(dsn)
+                               if e.finished_at is None and e.started_at.timestamp() > after],
+                      "a tool call in flight", timeout)
 
 
 def wait_running(dsn: str, batch: list[Sent], timeout: float = 20) -> list[str]:
     """Tags of the tool calls in flight once every request of ``batch`` has one."""
     keys = {request_key(s.tags[0]) for s in batch}
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        tags = [e.tag for e in executions(dsn)
-                if e.finished_at is None and request_key(e.tag) in keys]
-        if {request_key(tag) for tag in tags} == keys:
-            return tags
-        time.sleep(0.02)
-    raise AssertionError(f"requests {sorted(keys)} not all running within {timeout}s")
+    return wait_until(lambda: [e.tag for e in executions(dsn)
+                               if e.finished_at is None and request_key(e.tag) in keys],
+                      f"requests {sorted(keys)} all in a tool call (seen as: the tags)", timeout,
+                      until=lambda tags: {request_key(tag) for tag in tags} == keys)
 
 
 def check_all(fleet: Fleet, sent: list[Sent], *, fresh_handles: bool = False) -> None:
@@ -161,18 +152,19 @@ def wait_reconnected(fleet: Fleet, name: str, connects: int, timeout: float = 60
     "Unrecoverable" or exits instead."""
     proc = fleet.workers[name]
     log = fleet.logs / f"{name}.log"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def connections() -> int:
+        """How many times it connected to the broker so far."""
         text = log.read_text(errors="replace")
         if "Unrecoverable" in text or proc.poll() is not None:
             raise AssertionError(
                 f"worker {name}'s main process did not outlive the restart:\n"
                 + grep_logs(fleet, "Unrecoverable", "CRITICAL", "consumer:", limit=20))
-        if text.count("] Connected to ") >= connects:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"worker {name} not connected again within {timeout}s:\n"
-                         + grep_logs(fleet, "consumer:", limit=20))
+        return text.count("] Connected to ")
+
+    wait_until(connections, f"worker {name} connected {connects} times (seen as: how many)",
+               timeout, until=lambda count: count >= connects, every=0.05,
+               detail=lambda: grep_logs(fleet, "consumer:", limit=20))
 
 
 #: Requests sent before each restart, to a worker taking four at once: with
@@ -281,10 +273,8 @@ def test_a_retry_goes_on_without_a_failure_when_the_backend_refuses_its_state(
     assert grep_logs(fleet, f"[{request_id}] retry"), problem_lines(fleet)
     assert grep_logs(fleet, "raised unexpected", "outside body") == "", problem_lines(fleet)
     private_redis.start()
-    deadline = time.monotonic() + 30
-    while not _result_stored(fleet.dsn, request_id):
-        assert time.monotonic() < deadline, problem_lines(fleet)
-        time.sleep(0.1)
+    wait_until(lambda: _result_stored(fleet.dsn, request_id), "the result stored", 30,
+               every=0.1, detail=lambda: problem_lines(fleet))
     assert AsyncResult(request_id, backend=by_url(private_redis.url)[0](
         app=tasks.app, url=private_redis.url)).get(timeout=10)["output"]
 
@@ -366,8 +356,7 @@ def _result_key(request_id: str) -> str:
 
 def _wait_results_checked(dsn: str, timeout: float = 30) -> None:
     """Wait until no finished request waits for the sweeper to check its result."""
-    deadline = time.monotonic() + timeout
     with psycopg.connect(dsn, autocommit=True) as conn:
-        while conn.execute("SELECT count(*) FROM results_to_check").fetchone() != (0,):
-            assert time.monotonic() < deadline, "results still unchecked"
-            time.sleep(0.1)
+        wait_until(lambda: conn.execute("SELECT count(*) FROM results_to_check").fetchone(),
+                   "every result checked (seen as: how many unchecked)", timeout,
+                   until=lambda row: row == (0,), every=0.1)

@@ -19,6 +19,7 @@ from tests.integration.helpers import (
     tool_counts,
     tool_executions,
     wait_for_execution,
+    wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -27,13 +28,10 @@ pytestmark = pytest.mark.slow
 
 def _next_start(dsn: str, tag: str, after_pid: int, timeout: float = 30) -> float:
     """When ``tag`` started again, in a process other than ``after_pid``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for found, pid, started, _ in tool_executions(dsn):
-            if found == tag and pid != after_pid:
-                return float(started.timestamp())
-        time.sleep(0.02)
-    raise AssertionError(f"{tag} never ran again")
+    started = wait_until(lambda: next((e[2] for e in tool_executions(dsn)
+                                       if e[0] == tag and e[1] != after_pid), None),
+                         f"{tag} ran again", timeout)
+    return float(started.timestamp())
 
 
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])

@@ -49,10 +49,7 @@ def test_a_worker_lost_right_after_its_commit_still_answers_and_hands_over(
     fleet.start("w2", 1, cli=False, **env)
     first = send(0, "s", "u", "a")
     second = send(1, "s", "u", "a")
-    deadline = time.monotonic() + 30
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert marker.exists(), "no worker was lost"
+    wait_until(marker.exists, "a worker lost", 30, every=0.05)
     assert ledger(fleet.dsn, first.request_id)["status"] == "succeeded"
     # The next request on the session is handed over within seconds...
     wait_status(fleet.dsn, second.request_id, ("succeeded",), timeout=15)
@@ -61,13 +58,10 @@ def test_a_worker_lost_right_after_its_commit_still_answers_and_hands_over(
 
 
 def _next_run(dsn: str, tag: str, not_pids: set[int], timeout: float = 30) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for e in executions(dsn):
-            if e.tag == tag and e.finished_at is None and e.pid not in not_pids:
-                return e.pid
-        time.sleep(0.02)
-    raise AssertionError(f"{tag} never ran (again)")
+    pid: int = wait_until(lambda: next((e.pid for e in executions(dsn) if e.tag == tag and
+                                        e.finished_at is None and e.pid not in not_pids), None),
+                          f"{tag} running (again)", timeout)
+    return pid
 
 
 def test_a_request_whose_worker_dies_twice_resumes_in_seconds(fleet: Fleet) -> None:
@@ -127,9 +121,8 @@ def test_a_queued_request_reserved_by_a_lost_worker_resumes_in_seconds(fleet: Fl
            "LOOMFLOW_WORKER_RETRY_BACKOFF_MAX": "4", "TEST_FLAKY_FAILURES": "1"}
     fleet.start("w1", 1, cli=False, **env)
     request = run_agent.delay("flaky\n" + calls("x"), "s", agent="flaky")
-    deadline = time.monotonic() + 30
-    while ledger(fleet.dsn, request.id)["failures"] != 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: ledger(fleet.dsn, request.id)["failures"], "the first attempt failed",
+               30, until=lambda failures: failures == 1, every=0.05)
     # w1 receives the retry and holds it for its countdown.
     wait_until(lambda: fleet.deliveries(request.id)[0] == 2, "w1 never received the retry")
     fleet.kill("w1")

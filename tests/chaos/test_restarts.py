@@ -21,6 +21,7 @@ kept its order without overlap."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import time
@@ -72,17 +73,14 @@ def _start(fleet: Fleet) -> list[Sent]:
 def _wait_in_flight(dsn: str, after: float, count: int = 2, timeout: float = 30) -> list[str]:
     """Wait until ``count`` tool calls that started after ``after`` (epoch seconds)
     are in flight; returns their tags (fewer if the runs ended first)."""
-    deadline = time.monotonic() + timeout
-    tags: list[str] = []
-    while time.monotonic() < deadline:
-        tags = [
-            e.tag for e in executions(dsn)
-            if e.finished_at is None and e.started_at.timestamp() > after
-        ]
-        if len(tags) >= count:
-            break
-        time.sleep(0.02)
-    return tags
+    def tags() -> list[str]:
+        return [e.tag for e in executions(dsn)
+                if e.finished_at is None and e.started_at.timestamp() > after]
+
+    with contextlib.suppress(AssertionError):  # fewer: the runs ended first
+        return wait_until(tags, f"{count} tool calls in flight", timeout,
+                          until=lambda found: len(found) >= count)
+    return tags()
 
 
 def _open_attempts(dsn: str) -> set[tuple[str, int]]:

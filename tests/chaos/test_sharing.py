@@ -32,7 +32,7 @@ from tests.chaos.checks import (
     wait_terminal,
 )
 from tests.integration.celery_harness import Fleet, ledger, wait_status
-from tests.integration.helpers import calls, wait_for_execution
+from tests.integration.helpers import calls, wait_for_execution, wait_until
 
 # Alone (python -m tests runs it after the rest): CPU hogs load the whole
 # machine, and its loop stalls are measured against leases of a few seconds.
@@ -55,8 +55,7 @@ def _attempt_outcomes(dsn: str, sent: list[str]) -> dict[str, int]:
 def _wait_running(dsn: str, request_ids: list[str], count: int, timeout: float = 60,
                   *, attempt: int | None = None) -> None:
     """Wait until ``count`` of ``request_ids`` run (their ``attempt``-th attempt)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def running() -> int:
         with psycopg.connect(dsn, autocommit=True) as conn:
             row = conn.execute(
                 "SELECT count(*) FROM runs WHERE request_id = ANY(%s) AND status = 'running'"
@@ -64,10 +63,10 @@ def _wait_running(dsn: str, request_ids: list[str], count: int, timeout: float =
                 (request_ids, attempt),
             ).fetchone()
         assert row is not None
-        if int(row[0]) >= count:
-            return
-        assert time.monotonic() < deadline, f"only {row[0]} of {count} running"
-        time.sleep(0.05)
+        return int(row[0])
+
+    wait_until(running, f"{count} running (seen as: how many)", timeout,
+               until=lambda found: found >= count, every=0.05)
 
 
 def test_a_tool_that_blocks_the_loop_six_seconds_fences_nothing_and_is_named(
@@ -166,14 +165,19 @@ def _keep_workers_up(fleet: Fleet, names: list[str], env: dict[str, str],
     """Restart any of ``names`` that died (as an orchestrator would) until
     ``until()``; returns how many restarts it took."""
     restarts = 0
-    deadline = time.monotonic() + timeout
-    while not until():
-        assert time.monotonic() < deadline, fleet.log_text()
+
+    def done() -> bool:
+        """Whether ``until()``; if not, the dead workers restarted."""
+        nonlocal restarts
+        if until():
+            return True
         for name in names:
             if fleet.workers[name].poll() is not None:
                 restarts += 1
                 fleet.start(name, concurrency=100, cli=True, pool="threads", wait=False, **env)
-        time.sleep(0.2)
+        return False
+
+    wait_until(done, "the workers kept up until done", timeout, every=0.2, detail=fleet.log_text)
     return restarts
 
 
@@ -274,11 +278,9 @@ def test_revoke_and_cancel_stop_requests_running_alone_and_their_sessions_move_o
     suspect_id, neighbour_id = both = list(quarantined(fleet, env))
     _wait_running(fleet.dsn, both, 2, timeout=90, attempt=3)
     log = fleet.logs / "w1.log"
-    for request_id in both:
-        deadline = time.monotonic() + 30
-        while f"request {request_id}: running in quarantine" not in log.read_text():
-            assert time.monotonic() < deadline, fleet.log_text()
-            time.sleep(0.1)
+    wait_until(lambda: all(f"request {request_id}: running in quarantine" in log.read_text()
+                           for request_id in both),
+               "both running in quarantine", 30, every=0.1, detail=fleet.log_text)
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         places = conn.execute(
             "SELECT DISTINCT worker FROM run_attempts WHERE request_id = ANY(%s)"
@@ -351,17 +353,18 @@ def test_a_member_left_alone_in_its_group_is_not_charged_the_groups_death(
     left_id, stayed_id = both = list(quarantined(fleet, env, ("alone-1", "lasting-1")))
     wait_in_tool(fleet.dsn, ("lasting-1",), 3)
     log = fleet.logs / "w1.log"
-    deadline = time.monotonic() + 30
-    while True:
+
+    def ended() -> dict[str, str]:
+        """The outcome of each third attempt that ended."""
         with psycopg.connect(fleet.dsn, autocommit=True) as conn:
-            ended = dict(conn.execute(
+            return dict(conn.execute(
                 "SELECT request_id, outcome FROM run_attempts WHERE request_id = ANY(%s)"
                 " AND attempt = 3", (both,)).fetchall())
-        if ended.get(left_id) == "handed_back":
-            break
-        assert time.monotonic() < deadline, (ended, fleet.log_text())
-        time.sleep(0.05)
-    assert ended.get(stayed_id) is None, ended
+
+    outcomes = wait_until(ended, f"{left_id} handed back", 30, every=0.05,
+                          until=lambda seen: seen.get(left_id) == "handed_back",
+                          detail=fleet.log_text)
+    assert outcomes.get(stayed_id) is None, outcomes
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         places = conn.execute(
             "SELECT DISTINCT worker, pid FROM run_attempts WHERE request_id = ANY(%s)"
@@ -394,10 +397,8 @@ def test_a_request_that_finds_no_room_to_run_alone_goes_back_to_the_queue(
            "TEST_TOOL_SLEEP": "3", "LOOMFLOW_WORKER_ALONE_AT_ONCE": "1",
            "LOOMFLOW_WORKER_QUARANTINE_GROUP": "1"}
     both = list(quarantined(fleet, env))
-    deadline = time.monotonic() + 60
-    while "goes back to the queue" not in (fleet.logs / "w1.log").read_text():
-        assert time.monotonic() < deadline, fleet.log_text()
-        time.sleep(0.05)
+    wait_until(lambda: "goes back to the queue" in (fleet.logs / "w1.log").read_text(),
+               "the second suspect back to the queue", 60, every=0.05, detail=fleet.log_text)
     # A worker with room takes it (or w1, once its own ended).
     fleet.start("w2", concurrency=10, cli=True, pool="threads", **env)
     for request_id in both:
@@ -429,10 +430,7 @@ def test_a_connection_lost_while_a_request_starts_alone_is_no_crash(
            "TEST_TOOL_SLEEP": "5", "LOOMFLOW_WORKER_MAX_CRASHES": "1",
            "TEST_HOLD_START": f"alone:{marker}"}
     ids = quarantined(fleet, env)
-    deadline = time.monotonic() + 60
-    while not marker.exists():
-        assert time.monotonic() < deadline, fleet.log_text()
-        time.sleep(0.02)
+    wait_until(marker.exists, "the first start alone held", 60, detail=fleet.log_text)
     kill_postgres_backends(fleet.dsn)
     for request_id in ids:
         assert wait_status(fleet.dsn, request_id, ("succeeded", "failed", "dead"),

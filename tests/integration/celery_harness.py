@@ -22,6 +22,7 @@ from loomflow_worker import tasks
 from loomflow_worker.settings import Settings
 from tests.needs import AMQP_URL, RABBITMQ, REDIS_URL
 from tests.needs import REDIS_PORT as REDIS_PORT  # the tests' import of it from here
+from tests.waiting import wait_until
 
 BROKERS = {"redis": REDIS_URL, "rabbitmq": AMQP_URL}
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,15 +87,17 @@ class Fleet:
     def wait_ready(self, name: str, timeout: float = 60) -> None:
         """Wait until worker ``name`` says it is ready."""
         proc, log = self.workers[name], self.logs / f"{name}.log"
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def ready() -> bool:
             if log.exists() and "ready." in log.read_text(errors="replace"):
-                return
+                return True
             if proc.poll() is not None:
                 out = (self.logs / f"{name}.out").read_text(errors="replace")
                 raise RuntimeError(f"worker {name} exited at start:\n{out}")
-            time.sleep(0.05)
-        raise RuntimeError(f"worker {name} not ready: {log.read_text(errors='replace')}")
+            return False
+
+        wait_until(ready, f"worker {name} ready", timeout, every=0.05,
+                   detail=lambda: log.read_text(errors="replace") if log.exists() else "")
 
     def wait_exit(self, name: str, timeout: float = 60) -> tuple[int, str]:
         """Wait until worker ``name`` exits; its exit code and what it printed."""
@@ -157,16 +160,13 @@ class Fleet:
         """Wait until worker ``name``'s log says its task of each of ``request_ids``
         ended (succeeded, raised, retried, was ignored or rejected)."""
         log = self.logs / f"{name}.log"
-        pending = set(request_ids)
-        deadline = time.monotonic() + timeout
-        while pending:
+
+        def pending() -> list[str]:
             text = log.read_text(errors="replace") if log.exists() else ""
-            pending = {rid for rid in pending if not re.search(_ENDED.format(rid), text)}
-            if pending:
-                assert time.monotonic() < deadline, (
-                    f"worker {name} still running {sorted(pending)[:5]} after {timeout:g}s"
-                )
-                time.sleep(0.05)
+            return sorted(rid for rid in request_ids if not re.search(_ENDED.format(rid), text))
+
+        wait_until(pending, f"worker {name}'s tasks ended (seen as: those still running)",
+                   timeout, until=lambda left: not left, every=0.05)
 
     def deliveries(self, request_id: str) -> tuple[int, int]:
         """How many times the fleet's workers received the message of
@@ -179,21 +179,17 @@ class Fleet:
     def wait_deliveries(self, request_id: str, count: int, timeout: float = 30) -> int:
         """Wait until the workers received ``request_id``'s message at least
         ``count`` times and every delivery so far ended; how many there were."""
-        deadline = time.monotonic() + timeout
-        while True:
-            received, ended = self.deliveries(request_id)
-            if received >= count and ended == received:
-                return received
-            assert time.monotonic() < deadline, (
-                f"{request_id}: {received} deliveries, {ended} ended, after {timeout:g}s")
-            time.sleep(0.05)
+        received, _ = wait_until(
+            lambda: self.deliveries(request_id),
+            f"{request_id}: {count} deliveries, all ended (seen as: received, ended)",
+            timeout, until=lambda seen: seen[0] >= count and seen[1] == seen[0], every=0.05)
+        return received
 
     def wait_logged(self, needle: str, timeout: float = 30) -> None:
         """Wait until a worker of the fleet logs ``needle``."""
-        deadline = time.monotonic() + timeout
-        while not any(needle in p.read_text(errors="replace") for p in self.logs.glob("*.log")):
-            assert time.monotonic() < deadline, f"no worker logged {needle!r} in {timeout:g}s"
-            time.sleep(0.05)
+        wait_until(lambda: any(needle in p.read_text(errors="replace")
+                               for p in self.logs.glob("*.log")),
+                   f"a worker logged {needle!r}", timeout, every=0.05)
 
     def log_text(self) -> str:
         return "\n".join(
@@ -220,14 +216,9 @@ def ledger(dsn: str, request_id: str) -> dict[str, object]:
 
 
 def wait_status(dsn: str, request_id: str, statuses: tuple[str, ...], timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    status = ""
-    while time.monotonic() < deadline:
-        status = str(ledger(dsn, request_id)["status"])
-        if status in statuses:
-            return status
-        time.sleep(0.05)
-    raise AssertionError(f"request {request_id} still {status!r} after {timeout}s")
+    return wait_until(lambda: str(ledger(dsn, request_id)["status"]),
+                      f"request {request_id} {' or '.join(statuses)}", timeout,
+                      until=lambda status: status in statuses, every=0.05)
 
 
 #: A fleet's sweeper that looks at a finished request's result a second after
@@ -249,10 +240,14 @@ def wait_swept(fleet: Fleet, request_id: str, timeout: float = 60) -> None:
     grace = float(fleet.env.get("LOOMFLOW_WORKER_HANDOFF_GRACE", settings.handoff_grace))
     beat = float(fleet.env.get("LOOMFLOW_WORKER_HEARTBEAT_INTERVAL", settings.heartbeat_interval))
     after = max(grace, 2 * beat) + 1.0
-    deadline = time.monotonic() + timeout
-    seen = None
+    began = None  # the first sweep seen to begin past that moment
+
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
-        while True:
+
+        def sweeps() -> tuple[int, object, object]:
+            """Its results waiting to be checked, the last sweep begun past
+            that moment, and the first one seen."""
+            nonlocal began
             row = conn.execute(
                 "SELECT (SELECT count(*) FROM results_to_check WHERE request_id = %(r)s),"
                 " (SELECT l.heartbeat_at FROM sweeper_leader l, runs r"
@@ -261,13 +256,14 @@ def wait_swept(fleet: Fleet, request_id: str, timeout: float = 60) -> None:
                 {"r": request_id, "after": after},
             ).fetchone()
             assert row is not None
-            waiting, claimed = row
-            if seen is None:
-                seen = claimed  # a sweep began past that moment
-            elif waiting == 0 and claimed is not None and claimed > seen:
-                return  # ... and a later one began, so it ended
-            assert time.monotonic() < deadline, f"the sweeper did not settle {request_id}"
-            time.sleep(0.1)
+            began = began or row[1]
+            return int(row[0]), row[1], began
+
+        # None waiting, and a sweep began after the first one, so that one ended.
+        wait_until(sweeps, f"the sweeper settled {request_id} (seen as: results to "
+                   "check, last sweep, first sweep)", timeout,
+                   until=lambda seen: seen[0] == 0 and seen[2] is not None
+                   and seen[1] is not None and seen[1] > seen[2], every=0.1)
 
 
 def wait_sweeps_for(fleet: Fleet, seconds: float = 0.0, timeout: float = 60) -> None:
@@ -275,20 +271,24 @@ def wait_sweeps_for(fleet: Fleet, seconds: float = 0.0, timeout: float = 60) -> 
     after now (on the database's clock): one began past that moment, and a
     later one began, so it ended. Whatever the sweeper would do by then about
     what the ledger says, it has done."""
-    deadline = time.monotonic() + timeout
-    began = None
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         row = conn.execute("SELECT now() + make_interval(secs => %s)", (seconds,)).fetchone()
         assert row is not None
         since = row[0]
-        while True:
+        began = None  # the first sweep seen to begin past that moment
+
+        def sweeps() -> tuple[object, object]:
+            """The last sweep begun past that moment, and the first one seen."""
+            nonlocal began
             row = conn.execute("SELECT heartbeat_at FROM sweeper_leader").fetchone()
-            if row is not None and row[0] > since:
-                if began is not None and row[0] > began:
-                    return
-                began = row[0]
-            assert time.monotonic() < deadline, f"no whole sweep past {seconds:g}s from now"
-            time.sleep(0.05)
+            last = row[0] if row is not None and row[0] > since else None
+            began = began or last
+            return last, began
+
+        wait_until(sweeps, f"a whole sweep past {seconds:g}s from now (seen as: last "
+                   "sweep, first sweep)", timeout, every=0.05,
+                   until=lambda seen: seen[0] is not None and seen[1] is not None
+                   and seen[0] > seen[1])
 
 
 @pytest.fixture

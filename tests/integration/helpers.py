@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -24,6 +23,7 @@ from loomflow.runtime import _codec, journal_scope
 
 from loomflow_worker.runtime import PostgresRuntime
 from loomflow_worker.testing import DeterministicModel, EffectsLog
+from tests.waiting import wait_until as wait_until  # the tests' import of it from here
 
 from .celery_harness import ROOT, Fleet
 
@@ -108,15 +108,7 @@ def steps_journaled_twice(dsn: str) -> list[tuple[str, str, int]]:
     return [(r[0], r[1], int(r[2])) for r in rows]
 
 
-# ---- waiting on what can be seen ---------------------------------------------------------------
-
-
-def wait_until(condition: Callable[[], object], what: str, timeout: float = 30) -> None:
-    """Poll ``condition`` until it is true; fail saying ``what`` did not happen."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:g}s"
-        time.sleep(0.02)
+# ---- waiting on what can be seen (with tests/waiting.py's wait_until) --------------------------
 
 
 def backends(dsn: str, application: str, statement: str = "%") -> int:
@@ -186,13 +178,9 @@ def wait_for_execution(
     dsn: str, tag: str, timeout: float = 60
 ) -> tuple[str, int, object, object]:
     """Wait until the tool call of ``tag`` is running; its execution."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for execution in tool_executions(dsn):
-            if execution[0] == tag and execution[3] is None:
-                return execution
-        time.sleep(0.02)
-    raise AssertionError(f"{tag} never started")
+    return wait_until(
+        lambda: next((e for e in tool_executions(dsn) if e[0] == tag and e[3] is None), None),
+        f"{tag} running", timeout)
 
 
 # ---- the loomflow-worker command and the metrics endpoint --------------------------------------
@@ -225,16 +213,17 @@ def lines(text: str) -> list[str]:
 def scrape(port: int) -> dict[str, float]:
     """The ``loomflow_worker_*`` samples of the metrics endpoint on ``port``,
     once it answers (within 20 s)."""
-    deadline = time.monotonic() + 20
-    while True:
+
+    def page() -> str | OSError:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-                text = reply.read().decode()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+                return str(reply.read().decode())
+        except OSError as exc:
+            return exc
+
+    text = wait_until(page, f"the metrics endpoint on {port} answered", 20,
+                      until=lambda seen: isinstance(seen, str), every=0.2)
+    assert isinstance(text, str)
     samples: dict[str, float] = {}
     for line in text.splitlines():
         match = re.match(r"^(loomflow_worker_[^\s]+)\s+([0-9.e+-]+)$", line)
@@ -273,14 +262,8 @@ def wait_fleet_page(client: Any, worker: str, expected: tuple[str, int],
                     timeout: float = 15) -> None:
     """Wait until the fleet page shows ``worker`` (node:pid) as ``expected``
     (its state and runs in flight)."""
-    deadline = time.monotonic() + timeout
-    shown = None
-    while time.monotonic() < deadline:
-        shown = fleet_page(client).get(worker)
-        if shown == expected:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the fleet page shows {worker} as {shown}, not {expected}")
+    wait_until(lambda: fleet_page(client).get(worker), f"the fleet page shows {worker} as "
+               f"{expected}", timeout, until=lambda shown: shown == expected, every=0.1)
 
 
 def cell(header: str, row: str, name: str) -> str:
