@@ -18,10 +18,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The command the pages run, from the interpreter's own environment.
@@ -96,13 +97,6 @@ def write_files(page_blocks: list[Block], folder: Path) -> None:
             path.write_text(block.code)
 
 
-def wait_for(condition: Callable[[], object], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout:g}s for {what}"
-        time.sleep(0.05)
-
-
 @contextlib.contextmanager
 def worker(folder: Path, env: dict[str, str], log: Path,
            agents: list[str]) -> Iterator[subprocess.Popen[bytes]]:
@@ -113,8 +107,9 @@ def worker(folder: Path, env: dict[str, str], log: Path,
         env={**env, "LOOMFLOW_WORKER_AGENTS": ",".join(agents)},
         stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: "ready." in log.read_text(errors="replace") or proc.poll() is not None,
-                 f"the worker to start:\n{log.read_text(errors='replace')[-3000:]}")
+        wait_until(lambda: "ready." in log.read_text(errors="replace") or proc.poll() is not None,
+                   "the worker started", 60, every=0.05,
+                   detail=lambda: log.read_text(errors="replace")[-3000:])
         assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
         yield proc
     finally:

@@ -25,7 +25,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,8 @@ from urllib.parse import urlsplit
 import psycopg
 import redis
 from psycopg.conninfo import conninfo_to_dict
+
+from tests.waiting import wait_until
 
 ADMIN_DSN_VARIABLE = "LOOMFLOW_WORKER_TEST_ADMIN_DSN"
 REDIS_VARIABLE = "LOOMFLOW_WORKER_TEST_REDIS"
@@ -140,13 +141,19 @@ class _Server:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True, user=user)
-        deadline = time.monotonic() + START_WITHIN
-        while not self.answers():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the private {self.name} did not start:\n"
-                                   f"{self.log.read_text(errors='replace')}")
-            time.sleep(0.1)
+
+        def up() -> bool:
+            if self.answers():
+                return True
+            assert self.proc is not None and self.proc.poll() is None, "it exited"
+            return False
+
+        try:
+            wait_until(up, f"the private {self.name} answering", START_WITHIN, every=0.1)
+        except AssertionError as exc:
+            self.stop()
+            raise RuntimeError(f"the private {self.name} did not start ({exc}):\n"
+                               f"{self.log.read_text(errors='replace')}") from None
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None

@@ -61,7 +61,7 @@ def wait_until(
 async def wait_until_async(
     condition: Callable[[], Awaitable[T]],
     what: str,
-    timeout: float = 30,
+    timeout: float = 30,  # noqa: ASYNC109 (the twin of wait_until, its deadline its own)
     *,
     until: Callable[[T], object] = bool,
     every: float = 0.02,

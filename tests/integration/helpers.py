@@ -23,7 +23,8 @@ from loomflow.runtime import _codec, journal_scope
 
 from loomflow_worker.runtime import PostgresRuntime
 from loomflow_worker.testing import DeterministicModel, EffectsLog
-from tests.waiting import wait_until as wait_until  # the tests' import of it from here
+from tests.waiting import wait_until as wait_until  # the tests import them from here
+from tests.waiting import wait_until_async as wait_until_async
 
 from .celery_harness import ROOT, Fleet
 

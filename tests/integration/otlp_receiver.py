@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gzip
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,6 +16,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from tests.waiting import wait_until
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,8 @@ class Receiver:
     def wait_for(self, what: str, found: Callable[[list[ReceivedSpan]], bool],
                  timeout: float = 60) -> list[ReceivedSpan]:
         """Wait until the spans received satisfy ``found``; them."""
-        deadline = time.monotonic() + timeout
-        while True:
-            spans = self.received()
-            if found(spans):
-                return spans
-            assert time.monotonic() < deadline, f"no {what} in {len(spans)} spans received"
-            time.sleep(0.05)
+        return wait_until(self.received, f"{what} among the spans received", timeout,
+                          until=found, every=0.05)
 
 
 def serve() -> Iterator[Receiver]:

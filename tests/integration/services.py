@@ -14,19 +14,21 @@ from pathlib import Path
 
 from tests.needs import PGBOUNCER, POSTGRES_PORT, RABBITMQ_SERVER, REDIS_SERVER
 from tests.stand_ins import free_port, stop_process, unprivileged_user
+from tests.waiting import wait_until
 
 __all__ = ["PrivatePgBouncer", "PrivateRabbitMQ", "PrivateRedis", "free_port"]
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def listening() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args!r} exited at start:\n{log.read_text(errors='replace')}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"{proc.args!r} not listening on {port}:\n{log.read_text(errors='replace')}")
+            return True
+        return False
+
+    wait_until(listening, f"{proc.args!r} listening on {port}", timeout, every=0.05,
+               detail=lambda: log.read_text(errors="replace"))
 
 
 class _Service:

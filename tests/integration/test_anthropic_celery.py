@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import psycopg
@@ -25,7 +24,7 @@ from loomflow_worker.pricing import Prices, Tokens
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet, ledger
-from .helpers import cli, steps_journaled_twice, tool_counts
+from .helpers import cli, steps_journaled_twice, tool_counts, wait_until
 from .messages_api import ANSWER, API_KEY, MODEL, PROMPT, MessagesAPI, serving
 
 pytestmark = pytest.mark.slow
@@ -60,18 +59,18 @@ def _start_worker(
 
 def _pid_running(dsn: str, tag: str, timeout: float = 30) -> int:
     """The pid of the process running tool ``tag`` right now (started, not finished)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def running() -> int | None:
         with psycopg.connect(dsn, autocommit=True) as conn:
             row = conn.execute(
                 "SELECT pid FROM loomflow_worker_effects "
                 "WHERE tag = %s AND finished_at IS NULL ORDER BY id DESC LIMIT 1",
                 (tag,),
             ).fetchone()
-        if row is not None:
-            return int(row[0])
-        time.sleep(0.02)
-    raise AssertionError(f"tool {tag} never started")
+        return None if row is None else int(row[0])
+
+    pid = wait_until(running, f"tool {tag} running", timeout)
+    assert pid is not None
+    return pid
 
 
 def _assert_ran_once_after_crash(fleet: Fleet, request_id: str) -> None:
@@ -213,12 +212,8 @@ def test_new_instructions_under_a_declared_version_restamp_the_replayed_tool_res
 
 
 def _wait_for_version(dsn: str, request_id: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
     with psycopg.connect(dsn, autocommit=True) as conn:
-        while time.monotonic() < deadline:
-            row = conn.execute("SELECT version_wait_since FROM runs WHERE request_id = %s",
-                               (request_id,)).fetchone()
-            if row is not None and row[0] is not None:
-                return
-            time.sleep(0.1)
-    raise AssertionError(f"{request_id} never waited for its version")
+        wait_until(lambda: conn.execute("SELECT version_wait_since FROM runs WHERE request_id"
+                                        " = %s", (request_id,)).fetchone(),
+                   f"{request_id} waiting for its version", timeout, every=0.1,
+                   until=lambda row: row is not None and row[0] is not None)

@@ -4,7 +4,6 @@ group membership, headers, priority, time limits)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import psycopg
@@ -15,7 +14,7 @@ from celery.result import AsyncResult
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet, wait_status
-from .helpers import calls, tool_counts
+from .helpers import calls, tool_counts, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -116,10 +115,8 @@ def test_a_parked_request_keeps_its_time_limit_headers_priority_and_errback(
     assert options["link_error"][0]["args"][1] == "s-errors"
     # Celery sends the errback once the failure is stored: the caller may see
     # the failure a moment before the errback's request is recorded.
-    deadline = time.monotonic() + 20
-    while not (errbacks := [r for r in _runs(fleet.dsn).values()
-                            if r["prompt"] == calls("errback")]):
-        assert time.monotonic() < deadline, "the errback was never enqueued"
-        time.sleep(0.1)
+    errbacks = wait_until(lambda: [r for r in _runs(fleet.dsn).values()
+                                   if r["prompt"] == calls("errback")],
+                          "the errback enqueued", 20, every=0.1)
     assert len(errbacks) == 1
     wait_status(fleet.dsn, errbacks[0]["request_id"], ("succeeded",), timeout=20)

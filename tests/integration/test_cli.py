@@ -603,10 +603,8 @@ def test_prune_deletes_old_rows_in_batches(fleet: Fleet) -> None:
 def test_the_sweeper_prunes_what_is_older_than_the_retention(fleet: Fleet) -> None:
     _seed_old_and_new(fleet.dsn)
     fleet.start("w1", concurrency=1, LOOMFLOW_WORKER_RETENTION=str(30 * 86400))
-    deadline = time.monotonic() + 30
-    while _left(fleet.dsn) != KEPT and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _left(fleet.dsn) == KEPT
+    wait_until(lambda: _left(fleet.dsn), "what is older than 30 days pruned", 30,
+               until=lambda left: left == KEPT, every=0.2)
     assert "sweeper: pruned what is older than 30d" in fleet.log_text()
     # Runs go on as usual, and their fresh journal stays.
     done = cli(fleet, "enqueue", calls("kept"), "--session", "idle", "--wait")

@@ -34,7 +34,7 @@ from loomflow_worker.sweeper.leader import Sweeper
 from loomflow_worker.tasks import run_agent, settings
 
 from .celery_harness import Fleet, ledger
-from .helpers import calls, cli, wait_fleet_page, wait_for_execution
+from .helpers import calls, cli, wait_fleet_page, wait_for_execution, wait_until
 
 TOKEN = "console-token-" + "x" * 20
 END = "zebra-at-the-end"
@@ -288,10 +288,8 @@ def test_a_login_is_its_own_cookie_that_expires_and_logs_out(
         behind.cookies.set("lfw_console", login["value"])
         assert behind.get("/requests").status_code == 200
         # Past its lifetime, the same cookie opens nothing, and the form says why.
-        deadline = time.monotonic() + 10
-        while behind.get("/requests").status_code == 200:
-            assert time.monotonic() < deadline, "the login never expired"
-            time.sleep(0.2)
+        wait_until(lambda: behind.get("/requests").status_code, "the login expired", 10,
+                   until=lambda status: status != 200, every=0.2)
         expired = behind.get("/requests")
         assert expired.status_code == 401 and "Your login has expired" in expired.text
 

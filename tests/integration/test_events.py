@@ -18,7 +18,7 @@ from loomflow_worker.settings import Settings
 from loomflow_worker.tasks import run_agent, settings
 
 from .celery_harness import REDIS_URL, Fleet
-from .helpers import calls, wait_for_execution
+from .helpers import calls, wait_for_execution, wait_until_async
 
 
 def _summary(events: list[RunEvent]) -> list[tuple[int, str, bool]]:
@@ -231,15 +231,17 @@ def test_an_idle_process_sends_an_event_at_once_not_after_its_interval() -> None
     prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
     client = redis.Redis.from_url(REDIS_URL)
 
+    async def exists() -> int:
+        return int(client.exists(stream_key(prefix, "r0")))
+
     async def publish() -> float:
         publisher = EventPublisher(REDIS_URL, prefix=prefix, maxlen=1000, retention=600,
                                    interval=60, step_end_delay=60, load=lambda: 1)
         try:
             started = time.monotonic()
             publisher.publish("r0", 1, "tool_call", "{}", replayed=False)
-            while not client.exists(stream_key(prefix, "r0")):
-                assert time.monotonic() - started < 10, "the event waited for the interval"
-                await asyncio.sleep(0.001)
+            await wait_until_async(exists, "the event in the stream before the interval", 10,
+                                   every=0.001)
             return time.monotonic() - started
         finally:
             await publisher.aclose()

@@ -17,7 +17,7 @@ from loomflow_worker.runtime import LockLost, PostgresRuntime, SessionBusy, fast
 from loomflow_worker.runtime.lockconn import Batch, JournalRow, LockConnection
 from loomflow_worker.testing import EffectsLog
 
-from .helpers import calls, make_agent, warm_runtime
+from .helpers import calls, make_agent, wait_until_async, warm_runtime
 
 pytestmark = pytest.mark.anyio
 
@@ -233,11 +233,11 @@ async def test_a_watched_connection_keeps_its_one_reader_from_answer_to_answer(
             # removes it, and stays for the next wait to read.
             async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as other:
                 await other.execute("SELECT pg_terminate_backend(%s)", (conn.info.backend_pid,))
-            for _ in range(500):
-                if watched.fd is None:
-                    break
-                await anyio.sleep(0.01)
-            assert watched.fd is None, "a reader left on a socket nobody reads"
+            async def removed() -> bool:
+                return watched.fd is None
+
+            await wait_until_async(removed, "the reader removed from a socket nobody reads", 5,
+                                   every=0.01)
             with pytest.raises(psycopg.OperationalError):
                 await fastpath.pipeline(conn, [(fastpath.TRY_LOCK, (fastpath.int8(7),))])
         finally:

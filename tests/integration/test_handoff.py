@@ -25,6 +25,7 @@ from loomflow_worker.runtime.lockconn import Batch
 from loomflow_worker.runtime.store import Lease
 from loomflow_worker.settings import Settings
 from loomflow_worker.testing import DeterministicModel
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.anyio
 
@@ -73,11 +74,11 @@ async def _blocked(
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
         async with await psycopg.AsyncConnection.connect(on.info.dsn, autocommit=True) as look:
-            with anyio.fail_after(10):
-                while True:
-                    if result or await _waits_on_a_lock(look, on.info.backend_pid):
-                        break
-                    await anyio.sleep(0.01)
+            async def waits_or_ended() -> bool:
+                return bool(result) or await _waits_on_a_lock(look, on.info.backend_pid)
+
+            await wait_until_async(waits_or_ended, "the second statement waiting on a lock", 10,
+                                   every=0.01)
         assert not result, "the second statement did not wait for the first"
         await release()
     return result[0]

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import psycopg
 import pytest
 
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet
-from .helpers import calls, scrape, wait_for_execution
+from .helpers import calls, scrape, wait_for_execution, wait_until
 from .services import free_port
 
 pytestmark = pytest.mark.slow
@@ -66,14 +64,11 @@ def test_a_threads_worker_shows_its_admission_and_lock_queue(fleet: Fleet) -> No
     # Idle, it takes requests and nothing waits for its lock connections, once
     # a stamp taken after the run says so (one taken while it ran may show it
     # waiting, or paused while a loaded machine made its loop late).
-    deadline = time.monotonic() + 30
-    while True:
-        samples = scrape(port)
-        shown = sorted((name.split("{")[0], v) for name, v in samples.items()
-                       if name.startswith(("loomflow_worker_lock_queue_depth",
-                                           "loomflow_worker_admitting")))
-        if shown == [("loomflow_worker_admitting", 1.0),
-                     ("loomflow_worker_lock_queue_depth", 0.0)]:
-            break
-        assert time.monotonic() < deadline, samples
-        time.sleep(0.2)
+    def shown() -> list[tuple[str, float]]:
+        return sorted((name.split("{")[0], v) for name, v in scrape(port).items()
+                      if name.startswith(("loomflow_worker_lock_queue_depth",
+                                          "loomflow_worker_admitting")))
+
+    wait_until(shown, "admitting and no lock queue", 30, every=0.2,
+               until=lambda seen: seen == [("loomflow_worker_admitting", 1.0),
+                                           ("loomflow_worker_lock_queue_depth", 0.0)])

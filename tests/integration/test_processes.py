@@ -44,6 +44,7 @@ from loomflow_worker.runtime import (
     scope_lock_key,
 )
 from loomflow_worker.testing import DeterministicModel, EffectsLog, Execution
+from tests.waiting import wait_until_async
 
 from .proc_agent import EVENT_PREFIX
 
@@ -236,19 +237,21 @@ async def wait_lock_free(conn: psycopg.AsyncConnection[Any], key: int, within: f
     """Poll until the advisory lock ``key`` can be taken; release it again.
 
     Returns the ``time.time()`` at which it was taken."""
-    deadline = anyio.current_time() + within
-    while True:
+    async def taken() -> float | None:
+        """When it took the lock (and released it), or None: still held."""
         cur = await conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
         row = await cur.fetchone()
-        if row is not None and row[0]:
-            taken_at = time.time()
-            cur = await conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
-            row = await cur.fetchone()
-            assert row is not None and row[0] is True
-            return taken_at
-        if anyio.current_time() > deadline:
-            raise AssertionError(f"advisory lock {key} still held after {within}s")
-        await anyio.sleep(0.005)
+        if row is None or not row[0]:
+            return None
+        taken_at = time.time()
+        cur = await conn.execute("SELECT pg_advisory_unlock(%s)", (key,))
+        row = await cur.fetchone()
+        assert row is not None and row[0] is True
+        return taken_at
+
+    taken_at = await wait_until_async(taken, f"advisory lock {key} free", within, every=0.005)
+    assert taken_at is not None
+    return taken_at
 
 
 async def lock_is_free(conn: psycopg.AsyncConnection[Any], key: int) -> bool:

@@ -17,9 +17,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.doc_blocks import COMMAND, ROOT, Block, blocks, wait_for, worker, write_files
+from tests.doc_blocks import COMMAND, ROOT, Block, blocks, worker, write_files
 
 from .celery_harness import Fleet
+from .helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -72,9 +73,11 @@ def test_the_offline_example_runs_crashes_and_resumes_as_the_page_says(
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         with _worker(folder, env, log) as proc:
-            wait_for(lambda: _charged(log) == ["1", "2", "3", "1"], "order 1 charged again")
+            wait_until(lambda: _charged(log) == ["1", "2", "3", "1"], "order 1 charged again",
+                       60, every=0.05)
             # ... and journaled: a reader's kill comes seconds later.
-            wait_for(lambda: _first_calls_journaled(fleet.dsn) == 2, "order 1's call journaled")
+            wait_until(lambda: _first_calls_journaled(fleet.dsn) == 2,
+                       "order 1's call journaled", 60, every=0.05)
             os.killpg(proc.pid, signal.SIGKILL)  # pkill -9 -f 'loomflow-worker worker'
         with _worker(folder, env, log):
             out, err = second.communicate(timeout=120)

@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -21,7 +20,7 @@ from loomflow_worker.tasks.application import RUN_AGENT
 
 from . import vip_agents  # noqa: F401  (the enqueuing side knows the vip agent)
 from .celery_harness import ROOT, Fleet, ledger, wait_status, wait_sweeps_for
-from .helpers import calls, scrape, wait_for_execution
+from .helpers import calls, scrape, wait_for_execution, wait_until
 from .services import free_port
 
 pytestmark = pytest.mark.slow
@@ -108,10 +107,8 @@ def test_a_running_request_whose_worker_died_is_sent_back_to_its_own_queue(
 
 def wait_swept_again(fleet: Fleet, request_id: str, timeout: float = 60) -> None:
     """Wait until the sweeper dispatched ``request_id`` again."""
-    deadline = time.monotonic() + timeout
-    while request_id not in _redispatches(fleet):
-        assert time.monotonic() < deadline, f"the sweeper did not dispatch {request_id}"
-        time.sleep(0.1)
+    wait_until(lambda: _redispatches(fleet), f"the sweeper dispatched {request_id} again",
+               timeout, until=lambda sent: request_id in sent, every=0.1)
 
 
 @pytest.mark.slow
@@ -150,12 +147,10 @@ def test_celery_call_with_a_countdown_records_when_the_request_may_start(fleet: 
         fleet, "--args", json.dumps([calls("c1"), "countdown"]), "--countdown", "4",
         "--queue", fleet.queue)
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
-        deadline = time.monotonic() + 30
-        while (row := conn.execute(
-                "SELECT not_before, enqueued_at FROM runs WHERE request_id = %s",
-                (request_id,)).fetchone()) is None:
-            assert time.monotonic() < deadline, "no ledger row for the message"
-            time.sleep(0.05)
+        row = wait_until(lambda: conn.execute(
+            "SELECT not_before, enqueued_at FROM runs WHERE request_id = %s",
+            (request_id,)).fetchone(), "a ledger row for the message", 30, every=0.05)
+        assert row is not None
         not_before, enqueued_at = row
         # Recorded on receipt, seconds before its eta, with that eta.
         assert not_before is not None and 2 < (not_before - enqueued_at).total_seconds() <= 4.5
@@ -184,21 +179,20 @@ def test_the_leader_reports_every_waiting_request_parked_or_not(
     run_agent.apply_async((calls("gv"), "gauge-vip"), queue=vip_queue)
     wait_status(fleet.dsn, running.id, ("running",))
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
-        deadline = time.monotonic() + 30
-        while conn.execute("SELECT count(*) FROM runs WHERE status = 'queued' "
-                           "AND received_at IS NOT NULL").fetchone() != (2,):
-            assert time.monotonic() < deadline, "the two requests did not park"
-            time.sleep(0.1)
+        wait_until(lambda: conn.execute("SELECT count(*) FROM runs WHERE status = 'queued' "
+                                        "AND received_at IS NOT NULL").fetchone(),
+                   "the two requests parked (seen as: how many)", 30,
+                   until=lambda parked: parked == (2,), every=0.1)
     gauge = "loomflow_worker_queued_requests"
-    deadline = time.monotonic() + 30
-    while True:
+
+    def waiting() -> tuple[float, float]:
+        """The gauge's requests waiting in the default queue and in the vip one."""
         samples = {k: v for k, v in scrape(port).items() if k.startswith(gauge)}
-        default = sum(v for k, v in samples.items() if f'queue="{fleet.queue}"' in k)
-        vip = sum(v for k, v in samples.items() if f'queue="{vip_queue}"' in k)
-        if (default, vip) == (2, 1):
-            break
-        assert time.monotonic() < deadline, samples
-        time.sleep(0.2)
+        return (sum(v for k, v in samples.items() if f'queue="{fleet.queue}"' in k),
+                sum(v for k, v in samples.items() if f'queue="{vip_queue}"' in k))
+
+    wait_until(waiting, "the gauge counts 2 waiting in the default queue, 1 in the vip one",
+               30, until=lambda seen: seen == (2, 1), every=0.2)
     # KEDA's trigger on the ledger (deploy/k8s/scaledobject.yaml) counts the same.
     assert _keda_count(fleet) == 2
     for result in (running, *parked):

@@ -32,7 +32,7 @@ from loomflow_worker.runtime.runtime import RuntimeOptions
 from loomflow_worker.runtime.sql import migrations
 from loomflow_worker.testing import DeterministicModel, EffectsLog
 
-from .helpers import calls, crash_on, crashes, make_agent
+from .helpers import calls, crash_on, crashes, make_agent, wait_until_async
 
 pytestmark = pytest.mark.anyio
 
@@ -296,11 +296,9 @@ async def test_a_waiting_run_starts_when_the_holder_ends(dsn: str) -> None:
     async def hold() -> None:
         async with first.session("s"):
             held.set()
-            with anyio.fail_after(5):  # the second run waits meanwhile
-                while True:
-                    if await _tried_the_lock(dsn, second):
-                        break
-                    await anyio.sleep(0.01)
+            # The second run waits meanwhile.
+            await wait_until_async(lambda: _tried_the_lock(dsn, second),
+                                   "the second run tried the lock", 5, every=0.01)
             order.append("first ends")
 
     async def wait() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict
@@ -22,7 +21,7 @@ from loomflow_worker.tasks import settings
 from tests.needs import ADMIN_DSN
 
 from .celery_harness import REDIS_URL, Fleet, wait_status
-from .helpers import calls, cli, enqueued, lines, wait_for_execution
+from .helpers import calls, cli, enqueued, lines, wait_for_execution, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -84,16 +83,14 @@ def test_no_secret_in_logs_events_results_or_cli_output(
                 LOOMFLOW_WORKER_MAX_RETRIES="0", LOOMFLOW_WORKER_HANDOFF_GRACE="0.5",
                 LOOMFLOW_WORKER_SWEEP_INTERVAL="0.3")
     # The worker really connects as the role (its pool child, once started).
-    deadline = time.monotonic() + 30
-    connected = 0
-    while not connected and time.monotonic() < deadline:
+    def connected() -> int:
         with psycopg.connect(fleet.dsn, autocommit=True) as conn:
             row = conn.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE usename = %s", (secrets.role,)
             ).fetchone()
-        connected = row[0] if row is not None else 0
-        time.sleep(0.1)
-    assert connected > 0
+        return int(row[0]) if row is not None else 0
+
+    wait_until(connected, f"the worker connected as {secrets.role}", 30, every=0.1)
 
     outputs: list[tuple[str, str]] = []
 

@@ -19,7 +19,7 @@ from loomflow_worker.runtime import LockLost, PostgresRuntime, current_lease
 from loomflow_worker.runtime.keys import scope_lock_key
 from loomflow_worker.testing import DeterministicModel, EffectsLog
 
-from .helpers import calls, make_agent, steps_journaled_twice, warm_runtime
+from .helpers import calls, make_agent, steps_journaled_twice, wait_until_async, warm_runtime
 
 pytestmark = pytest.mark.anyio
 
@@ -269,18 +269,19 @@ async def test_a_run_cancelled_after_its_open_failed_still_frees_the_scope(dsn: 
             finally:
                 await admin.execute("ALTER TABLE journal_streams_away RENAME TO journal_streams")
             key = scope_lock_key(journal_scope("s", "u"))
-            with anyio.fail_after(5):
-                while True:
-                    cur = await admin.execute(
-                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
-                        " AND granted AND objsubid = 1 AND pid = %s"
-                        " AND classid = ((%s::bigint >> 32) & 4294967295)::oid"
-                        " AND objid = (%s::bigint & 4294967295)::oid",
-                        (lock_conn.backend_pid, key, key))
-                    row = await cur.fetchone()
-                    if row == (0,):
-                        break
-                    await anyio.sleep(0.05)
+
+            async def held() -> tuple[int] | None:
+                """How many times the lock connection holds the session's lock."""
+                cur = await admin.execute(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                    " AND granted AND objsubid = 1 AND pid = %s"
+                    " AND classid = ((%s::bigint >> 32) & 4294967295)::oid"
+                    " AND objid = (%s::bigint & 4294967295)::oid",
+                    (lock_conn.backend_pid, key, key))
+                return await cur.fetchone()
+
+            await wait_until_async(held, "the session's lock released", 5,
+                                   until=lambda row: row == (0,), every=0.05)
 
 
 async def test_a_late_loop_is_not_a_silent_server(dsn: str) -> None:

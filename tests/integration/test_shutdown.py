@@ -13,7 +13,7 @@ import pytest
 from loomflow_worker.tasks import app, run_agent
 
 from .celery_harness import Fleet, ledger, wait_status
-from .helpers import calls
+from .helpers import calls, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +36,11 @@ def _wait_idle(fleet: Fleet, name: str, timeout: float = 30) -> None:
     as soon as it is stored, a moment before its worker is done with it)."""
     node = f"{name}-{fleet.queue}@{os.uname().nodename}"
     inspect = app.control.inspect(destination=[node], timeout=2)
-    deadline = time.monotonic() + timeout
-    while True:
-        found = [inspect.active(), inspect.reserved(), inspect.scheduled()]
-        if all(answer is not None and answer.get(node) == [] for answer in found):
-            return
-        assert time.monotonic() < deadline, f"worker {name} still busy: {found}"
-        time.sleep(0.1)
+    wait_until(lambda: [inspect.active(), inspect.reserved(), inspect.scheduled()],
+               f"worker {name} idle (seen as: its active, reserved and scheduled tasks)",
+               timeout, every=0.1,
+               until=lambda found: all(answer is not None and answer.get(node) == []
+                                       for answer in found))
 
 
 def _wait_scheduled(fleet: Fleet, name: str, request_id: str, timeout: float = 60) -> None:
@@ -50,13 +48,10 @@ def _wait_scheduled(fleet: Fleet, name: str, request_id: str, timeout: float = 6
     holds for their eta (it logs the message received a moment before)."""
     node = f"{name}-{fleet.queue}@{os.uname().nodename}"
     inspect = app.control.inspect(destination=[node], timeout=2)
-    deadline = time.monotonic() + timeout
-    while True:
-        scheduled = (inspect.scheduled() or {}).get(node) or []
-        if any(entry.get("request", {}).get("id") == request_id for entry in scheduled):
-            return
-        assert time.monotonic() < deadline, f"worker {name} holds no {request_id}: {scheduled}"
-        time.sleep(0.1)
+    wait_until(lambda: (inspect.scheduled() or {}).get(node) or [],
+               f"worker {name} holds {request_id} for its eta", timeout, every=0.1,
+               until=lambda scheduled: any(entry.get("request", {}).get("id") == request_id
+                                           for entry in scheduled))
 
 
 @pytest.mark.parametrize("pool", ["threads", "prefork"])

@@ -5,7 +5,6 @@ Postgres can't index. Real Postgres, Redis and workers."""
 from __future__ import annotations
 
 import secrets
-import time
 import uuid
 from typing import Any
 
@@ -18,7 +17,7 @@ from loomflow_worker.runtime import InvalidInput
 from loomflow_worker.tasks import RunFailed, app, run_agent
 
 from .celery_harness import REDIS_URL, Fleet, ledger
-from .helpers import calls, scrape, tool_counts
+from .helpers import calls, scrape, tool_counts, wait_until
 from .services import free_port
 
 pytestmark = pytest.mark.slow
@@ -50,10 +49,8 @@ def _broker_holds(fleet: Fleet) -> int:
 
 
 def _wait_broker_empty(fleet: Fleet, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while _broker_holds(fleet):
-        assert time.monotonic() < deadline, f"the broker still holds {_broker_holds(fleet)}"
-        time.sleep(0.05)
+    wait_until(lambda: _broker_holds(fleet), "the broker empty (seen as: messages it holds)",
+               timeout, until=lambda held: held == 0, every=0.05)
 
 
 GOOD_BODY: list[Any] = [["p", "s"], {}, None]
@@ -123,10 +120,8 @@ def _row(dsn: str, request_id: str) -> dict[str, Any]:
 
 def _wait_logged(fleet: Fleet, name: str, text: str, timeout: float = 30) -> None:
     log = fleet.logs / f"{name}.log"
-    deadline = time.monotonic() + timeout
-    while not (log.exists() and text in log.read_text(errors="replace")):
-        assert time.monotonic() < deadline, f"{text!r} never logged:\n{fleet.log_text()}"
-        time.sleep(0.05)
+    wait_until(lambda: log.exists() and text in log.read_text(errors="replace"),
+               f"{name} logged {text!r}", timeout, every=0.05, detail=fleet.log_text)
 
 
 def _release(dsn: str, request_id: str) -> None:

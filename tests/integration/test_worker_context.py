@@ -6,7 +6,6 @@ import logging
 import os
 from typing import Any
 
-import anyio
 import psycopg
 import pytest
 import redis.asyncio as aredis
@@ -19,6 +18,7 @@ from loomflow_worker.execution.execute import WorkerContext
 from loomflow_worker.settings import Settings
 from loomflow_worker.testing import DeterministicModel
 from tests.needs import REDIS_URL
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.anyio
 
@@ -77,22 +77,18 @@ async def test_an_idle_process_stamps_its_row_and_marks_it_stopped_when_it_close
     ctx._stamp = counted  # type: ignore[method-assign]
     try:
         await ctx.runtime()
-        with anyio.fail_after(10):  # its first stamp
-            while True:
-                if (row := await _worker_row(dsn, ctx.worker)) is not None:
-                    break
-                await anyio.sleep(0.02)
+        row = await wait_until_async(lambda: _worker_row(dsn, ctx.worker), "its first stamp", 10)
         assert row == (os.getpid(), 0, True, False)
         # The table gone (a failing stamp): logged once, and the process goes on.
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
             await conn.execute("ALTER TABLE workers RENAME TO workers_away")
         with caplog.at_level(logging.WARNING, logger="loomflow_worker.tasks"):
             failing = stamps[0] + 3
-            with anyio.fail_after(10):  # three stamps, each failing
-                while True:
-                    if stamps[0] > failing:
-                        break
-                    await anyio.sleep(0.02)
+            async def stamped() -> int:
+                return stamps[0]
+
+            await wait_until_async(stamped, f"stamp {failing + 1} (three failing)", 10,
+                                   until=lambda count: count > failing)
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
             await conn.execute("ALTER TABLE workers_away RENAME TO workers")
         warned = [r for r in caplog.records if "could not stamp" in r.getMessage()]

@@ -17,7 +17,7 @@ from loomflow_worker.console import create_app
 from loomflow_worker.tasks import run_agent, settings
 
 from .celery_harness import Fleet, wait_status
-from .helpers import calls, fleet_page
+from .helpers import calls, fleet_page, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -43,13 +43,9 @@ def _wait_shown(fleet: Fleet, client: TestClient, name: str, state: str,
                 timeout: float = 10) -> dict[str, str]:
     """Wait until the fleet page shows every process of worker ``name`` as
     ``state``; what it shows."""
-    deadline = time.monotonic() + timeout
-    while True:
-        shown = _processes(fleet, client, name)
-        if shown and set(shown.values()) == {state}:
-            return shown
-        assert time.monotonic() < deadline, f"{name}'s processes shown as {shown}, not {state}"
-        time.sleep(0.1)
+    return wait_until(lambda: _processes(fleet, client, name),
+                      f"{name}'s processes shown as {state}", timeout, every=0.1,
+                      until=lambda shown: shown and set(shown.values()) == {state})
 
 
 def _serving(fleet: Fleet, client: TestClient, name: str, pool: str) -> None:
