@@ -119,7 +119,9 @@ def test_a_duplicate_waits_for_the_attempt_whose_lock_connection_alone_ended(
     prompt = calls("d1", "d2")
     result = run_agent.delay(prompt, "s")
     wait_until(partial(_in_a_tool, fleet.dsn, result.id, 1), "attempt 1 never started a tool")
-    fleet.start("w2", concurrency=1, pool="threads", **env)
+    # w2's tool calls are short: once its attempt starts, what it must wait
+    # for is behind it.
+    fleet.start("w2", concurrency=1, pool="threads", **{**env, "TEST_TOOL_SLEEP": "0.5"})
     with psycopg.connect(fleet.dsn, autocommit=True) as admin:
         ended = admin.execute(
             "SELECT pg_terminate_backend(holder_pid, 5000) FROM runs WHERE request_id = %s",

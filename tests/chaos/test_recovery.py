@@ -41,10 +41,17 @@ def test_a_whole_worker_killed_mid_run_resumes_elsewhere_in_seconds(
     # The Redis visibility timeout stays at its default (hours): recovery
     # comes from the sweeper, which sees the dead worker's lock freed.
     env = {**RECOVERY, "TEST_TOOL_SLEEP": "0.4"}
-    fleet.start("w1", concurrency=1, **env)
-    fleet.start("w2", concurrency=1, **env)
+    # Three workers, so that a trial need not wait for the one the last trial
+    # killed to start again (seconds on a busy machine): two others are ready,
+    # one to take the request and one to resume it.
+    for name in ("w1", "w2", "w3"):
+        fleet.start(name, concurrency=1, wait=False, **env)
+    starting = ["w1", "w2", "w3"]
     times: list[float] = []
     for trial in range(5):
+        for name in starting[:-1]:
+            fleet.wait_ready(name)
+        starting = starting[-1:]
         tags = [f"k{trial}-{i}" for i in range(3)]
         result = run_agent.delay(calls(*tags), f"s{trial}")
         _, pid, _, _ = wait_for_execution(fleet.dsn, tags[1])
@@ -54,12 +61,12 @@ def test_a_whole_worker_killed_mid_run_resumes_elsewhere_in_seconds(
         times.append(_next_start(fleet.dsn, tags[1], pid) - killed_at)
         # The lost worker comes back while the request finishes elsewhere.
         fleet.start(victim, concurrency=1, wait=False, **env)
+        starting.append(victim)
         assert result.get(timeout=60)["output"] == "done: " + ", ".join(
             f"recorded {t}" for t in tags
         )
         counts = tool_counts(fleet.dsn)
         assert counts[tags[0]] == 1 and counts[tags[2]] == 1 and counts[tags[1]] == 2
-        fleet.wait_ready(victim)
     assert steps_journaled_twice(fleet.dsn) == []
     p50, worst = statistics.median(times), max(times)
     print(f"\n{broker}: kill -> resumed step over {len(times)} trials: "
@@ -129,11 +136,14 @@ def test_a_rolling_deploy_loses_no_run(fleet: Fleet) -> None:
         tags = [f"d{i}-{j}" for j in range(5)]
         requests.append((tags, run_agent.delay(calls(*tags), f"s{i}")))
     wait_for_execution(fleet.dsn, requests[0][0][1])
-    # Replace the fleet one worker at a time, as a Deployment's rolling update does.
+    # Replace the fleet one worker at a time, as a Deployment's rolling update
+    # does. The new workers' tool calls take half a second: the runs the old
+    # ones left behind need not last once the deploy is over.
     started = time.monotonic()
-    fleet.start("w3", concurrency=2, cli=True, **env)
+    new = {**env, "TEST_TOOL_SLEEP": "0.5"}
+    fleet.start("w3", concurrency=2, cli=True, **new)
     fleet.terminate("w1", timeout=30)
-    fleet.start("w4", concurrency=2, cli=True, **env)
+    fleet.start("w4", concurrency=2, cli=True, **new)
     fleet.terminate("w2", timeout=30)
     deploy_took = time.monotonic() - started
     for tags, result in requests:
