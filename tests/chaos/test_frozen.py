@@ -96,7 +96,10 @@ def _trial(
     assert running_count(fleet.dsn, ids) >= runs // 2
     os.killpg(frozen.pid, signal.SIGSTOP)
     try:
-        fleet.start(spare_name, concurrency=runs, pool="threads", **env)
+        # The spare runs what it resumes at once: how long its model and tools
+        # take changes nothing the stopped process does.
+        fleet.start(spare_name, concurrency=runs, pool="threads",
+                    **{**env, "TEST_MODEL_LATENCY": "0.05", "TEST_TOOL_SLEEP": "0"})
         found = wait_terminal(fleet.dsn, sent, timeout=180)
         assert sorted(set(found.values())) == ["succeeded"], found
     finally:

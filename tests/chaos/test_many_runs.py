@@ -189,7 +189,10 @@ def test_three_hundred_orphans_resume_in_seconds_dispatched_in_one_batch(fleet: 
     sent = [run_agent.delay(f"hello {i}", f"s{i}", agent="slow-model") for i in range(ORPHANS)]
     ids = [r.id for r in sent]
     _wait_running(fleet.dsn, ids)
-    fleet.start("w2", concurrency=ORPHANS, pool="threads", **env)
+    # The spare's model answers 10 s after a run resumed: no run ends there
+    # while the others resume (within RESUMED_WITHIN), and none waits 20 s.
+    fleet.start("w2", concurrency=ORPHANS, pool="threads",
+                **{**env, "TEST_MODEL_LATENCY": "10"})
     assert running_count(fleet.dsn, ids) == ORPHANS
     fleet.kill("w1")
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
