@@ -8,6 +8,7 @@ import os
 import signal
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import psycopg
@@ -113,34 +114,45 @@ def test_no_secret_in_logs_events_results_or_cli_output(
     failed_id = lines(failed)[0]
     assert wait_status(fleet.dsn, failed_id, ("failed",)) == "failed"
 
-    # Every subcommand, and the error paths that name a connection.
+    # Every subcommand, and the error paths that name a connection: each a
+    # process of its own, four at a time (none changes what another prints),
+    # their outputs kept in this order.
+    commands: list[tuple[tuple[str, ...], dict[str, str]]] = []
+
+    def later(*args: str, **env: str) -> None:
+        commands.append((args, env))
+
     for request_id in (ok_id, crashed, failed_id):
-        run("show", request_id)
-        run("show", request_id, "--json")
-        run("tail", request_id)
-        run("tail", request_id, "--json")
-    run("runs")
-    run("runs", "--json")
-    run("cancel", ok_id)
-    run("signal", "s", "hello", '{"a": 1}')
-    run("doctor")
-    run("doctor", "--json")
-    run("migrate")
-    run("show", str(uuid.uuid4()))
+        later("show", request_id)
+        later("show", request_id, "--json")
+        later("tail", request_id)
+        later("tail", request_id, "--json")
+    later("runs")
+    later("runs", "--json")
+    later("cancel", ok_id)
+    later("signal", "s", "hello", '{"a": 1}')
+    later("doctor")
+    later("doctor", "--json")
+    later("migrate")
+    later("show", str(uuid.uuid4()))
     bad_broker = f"redis://:{secrets.password}@127.0.0.1:1/0"
-    run("doctor", LOOMFLOW_WORKER_BROKER_URL=bad_broker)
+    later("doctor", LOOMFLOW_WORKER_BROKER_URL=bad_broker)
     down = secrets.dsn.replace(f":{conninfo_to_dict(fleet.dsn).get('port') or 5432}/", ":1/")
     assert secrets.password in down
-    run("runs", LOOMFLOW_WORKER_DATABASE_URL=down, LOOMFLOW_WORKER_CONNECT_TIMEOUT="2")
-    run("doctor", LOOMFLOW_WORKER_DATABASE_URL=down, LOOMFLOW_WORKER_CONNECT_TIMEOUT="2")
-    run("enqueue", "p", "--session", "s", LOOMFLOW_WORKER_DATABASE_URL=down,
-        LOOMFLOW_WORKER_CONNECT_TIMEOUT="2")
-    run("enqueue", "p", "--session", "s2", "--wait", "--timeout", "30",
-        LOOMFLOW_WORKER_BROKER_URL=bad_broker)
+    later("runs", LOOMFLOW_WORKER_DATABASE_URL=down, LOOMFLOW_WORKER_CONNECT_TIMEOUT="2")
+    later("doctor", LOOMFLOW_WORKER_DATABASE_URL=down, LOOMFLOW_WORKER_CONNECT_TIMEOUT="2")
+    later("enqueue", "p", "--session", "s", LOOMFLOW_WORKER_DATABASE_URL=down,
+          LOOMFLOW_WORKER_CONNECT_TIMEOUT="2")
+    later("enqueue", "p", "--session", "s2", "--wait", "--timeout", "30",
+          LOOMFLOW_WORKER_BROKER_URL=bad_broker)
     bad_escape = secrets.dsn.replace(secrets.password, secrets.password + "%zz")
-    run("runs", LOOMFLOW_WORKER_DATABASE_URL=bad_escape)
-    run("doctor", LOOMFLOW_WORKER_DATABASE_URL=bad_escape)
-    run("prune", "--older-than", "30d", "--yes")
+    later("runs", LOOMFLOW_WORKER_DATABASE_URL=bad_escape)
+    later("doctor", LOOMFLOW_WORKER_DATABASE_URL=bad_escape)
+    later("prune", "--older-than", "30d", "--yes")
+    with ThreadPoolExecutor(4) as pool:
+        done = pool.map(lambda command: cli(fleet, *command[0], **command[1]), commands)
+        for (args, _), each in zip(commands, done, strict=True):
+            outputs.append((" ".join(args), each.stdout + each.stderr))
     for command, text in outputs:
         secrets.assert_absent(f"`loomflow-worker {command}`", text)
     # The CLI did run against the password-protected database, and said what went wrong
