@@ -95,8 +95,8 @@ def _called(node: ast.AST) -> set[str]:
 
 def deadline_loops(source: str) -> list[int]:
     """The lines of the loops in ``source`` that poll by hand: a loop that
-    sleeps, and reads a clock or leaves early (a ``break`` or ``return``, a
-    ``for`` over ``range``: a deadline counted in turns)."""
+    sleeps, and reads a clock or leaves early (a ``break`` or a ``return``:
+    in a ``for`` over ``range``, a deadline counted in turns)."""
     lines = source.splitlines()
     found = []
     for node in ast.walk(ast.parse(source)):
@@ -104,8 +104,7 @@ def deadline_loops(source: str) -> list[int]:
             continue
         called = _called(node)
         leaves = any(isinstance(n, ast.Break | ast.Return) for n in ast.walk(node))
-        counted = isinstance(node, ast.For) and "range" in _called(node.iter)
-        if "sleep" in called and (called & CLOCKS or leaves or counted) \
+        if "sleep" in called and (called & CLOCKS or leaves) \
                 and NOT_A_WAIT not in lines[node.lineno - 1]:
             found.append(node.lineno)
     return found
@@ -140,6 +139,7 @@ def test_the_rule_sees_a_deadline_loop(loop: str) -> None:
     "while sending():  # not a wait: paced\n    if time.monotonic() < t:\n"
     "        time.sleep(0.05)\n",
     "for i in range(3):\n    send(i)\n",
+    "for _ in range(3):\n    poke()\n    await asyncio.sleep(0.2)\n",  # paced, whole
 ])
 def test_the_rule_leaves_other_loops_alone(loop: str) -> None:
     assert deadline_loops(loop) == []
