@@ -15,15 +15,15 @@ import os
 import random
 import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 from loomflow.core.types import Event
 from loomflow.memory.inmemory import InMemoryMemory
 from loomflow.runtime.journaled import resuming_last_run
+from psycopg.rows import DictRow
 
 from .. import metrics, sockets, tracing
 from ..events import EventPublisher, events_url
@@ -40,13 +40,24 @@ from ..runtime import (
 from ..runtime.lockconn import Batch
 from ..runtime.loopwatch import LoopWatch, Stall
 from ..runtime.runtime import signal_waits
-from ..runtime.store import Conn, Lease, Liveness, OpenChoice
+from ..runtime.store import Lease, Liveness, OpenChoice
 from ..settings import Settings
 from . import budgets, ledger
+from .attempt import Attempt, pooled
 from .budgets import CostBudgets
 from .fair_turns import FairTurns
 from .limits import Bound, Limits, set_limits
 from .limits import take as take_limits
+from .outcome import (
+    Ending,
+    Outcome,
+    OutcomeKind,
+    Retry,
+    ended,
+    ending_before_run,
+    ending_of_error,
+    time_limit_ending,
+)
 from .pacing import Budgets, RunPacing, pace, pacing_run, set_model_limits
 from .pending import Pending
 from .registry import (
@@ -71,7 +82,7 @@ from .statuses import TERMINAL
 from .usage import AttemptUsage
 from .versions import agent_version, queue_suffix
 
-log = logging.getLogger("loomflow_worker.tasks")
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -93,26 +104,6 @@ PREVIOUS_POLL = 0.25
 
 #: How soon a failed stamp of the process's ``workers`` row is tried again.
 RESTAMP_AFTER = 0.05
-
-
-@dataclass
-class Outcome:
-    # "quarantine": the request must run in quarantine (``isolation`` says how:
-    # 1 among a few suspects, 2 alone), in a process of quarantine.
-    # "handed_back": it ran in quarantine until it completed a step; run it again here.
-    # "refused": the message is not its request's own; nothing ran, nothing changed.
-    # "paused": it gave its slot back to wait for its model key; publish it again
-    # ``countdown`` seconds from now.
-    kind: Literal["succeeded", "failed", "dead", "cancelled", "parked", "retry", "quarantine",
-                  "handed_back", "refused", "paused"]
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    countdown: float = 0.0
-    dispatch: list[Pending] = field(default_factory=list)
-    # The request ended and handed its scope on (whether or not it publishes
-    # the request it handed the scope to).
-    handed: bool = False
-    isolation: int = 0
 
 
 #: What a request's message carried besides its arguments, as JSON, read
@@ -525,19 +516,101 @@ async def execute(
     try:
         req = check_request(ctx.settings, kind=kind, **args)
     except (InvalidInput, TypeError) as exc:
-        async with runtime.pool.connection() as conn:
-            differ = await ledger.record_invalid(conn, request_id, {**args, "kind": kind}, exc)
-        if differ:
-            return _not_its_own(request_id, differ)
-        if ctx.events is not None:
-            ctx.events.end(request_id, 0, "failed", str(exc))
-            await ctx.events.sent(END_SENT_WITHIN)
-        log.warning(
-            "request %s refused: %s", request_id, exc,
-            extra={"action": "refused", "request": request_id},
+        return await _refuse_invalid(ctx, runtime, request_id, args, kind, exc)
+    asked = Attempt(pooled(runtime), request_id, req.scope)
+    turn = await _take_turn(ctx, runtime, asked, req, options, arrival)
+    if isinstance(turn, Outcome):
+        return turn
+    lease, pre = turn
+    outcome: Outcome | None = None
+    bounds: list[Bound] = []
+    try:
+        held = asked.holding(lease)
+        key = pre.fairness_key if pre is not None else None
+        if await _spent_budget(ctx, held, req, key, options) is not None:
+            outcome = Outcome(OutcomeKind.PARKED)
+        else:
+            bounds = await _bounds(ctx, req, key)
+            outcome = await _within_limits(ctx, runtime, lease, held, req, bounds, node,
+                                           time_limit, options, pre)
+    finally:
+        # A request enqueued while this one finished may have parked on the
+        # lock after the finish chose no one: look once more, unlocked (in the
+        # unlock's round trip).
+        look = outcome is not None and outcome.kind.ended and not outcome.handed
+        followed = await runtime.journal.release(
+            lease, then=ledger.hand_off_followup(req.scope) if look else None
         )
-        return Outcome("failed", error=str(exc))
+    if look:
+        await _look_after_unlock(asked, followed, outcome)
+    await _free_slots(runtime, lease, bounds, outcome)
+    await _fair_turns(ctx, runtime, outcome)
+    if ctx.events is not None:
+        # Its events are in its stream before its result is stored.
+        await ctx.events.sent(END_SENT_WITHIN)
+    return outcome
 
+
+async def _refuse_invalid(
+    ctx: WorkerContext, runtime: PostgresRuntime, request_id: str, args: dict[str, Any],
+    kind: Kind, exc: Exception,
+) -> Outcome:
+    """A request whose arguments are not valid fails unrun (recorded so); a
+    message whose arguments are not its request's own is refused."""
+    async with runtime.pool.connection() as conn:
+        differ = await ledger.record_invalid(conn, request_id, {**args, "kind": kind}, exc)
+    if differ:
+        return _not_its_own(request_id, differ)
+    if ctx.events is not None:
+        ctx.events.end(request_id, 0, "failed", str(exc))
+        await ctx.events.sent(END_SENT_WITHIN)
+    log.warning(
+        "request %s refused: %s", request_id, exc,
+        extra={"action": "refused", "request": request_id},
+    )
+    return Outcome(OutcomeKind.FAILED, error=str(exc))
+
+
+async def _take_turn(
+    ctx: WorkerContext, runtime: PostgresRuntime, asked: Attempt, req: RunRequest,
+    options: MessageOptions | None, arrival: ledger.Arrival | None,
+) -> tuple[Lease, ledger.Precheck | None] | Outcome:
+    """The scope's lock and the ledger's look at the request; or, without the
+    lock, what the request does instead: refused, sent to quarantine, answered
+    as a duplicate, or parked behind the request that holds its session."""
+    try:
+        lease, pre = await _lock_at_head(ctx, runtime, asked, req, arrival)
+    except SessionBusy:
+        return await _park_busy(asked, req, options)
+    if pre is not None and pre.differ:
+        return _not_its_own(asked.request_id, pre.differ)
+    if lease is not None:
+        return lease, pre
+    assert pre is not None
+    if pre.quarantine:
+        return await _to_quarantine(asked, req, pre.quarantine)
+    if pre.status in TERMINAL:
+        return await _duplicate(asked, req, pre.status, result=pre.result, error=pre.error)
+    assert pre.older is not None
+    if await _park_behind(asked, req, pre.older, pre.older_stale, options):
+        return Outcome(OutcomeKind.PARKED, dispatch=[pre.older] if pre.older_stale else [])
+    # Handed the session since the look above: its turn, go on.
+    try:
+        return await runtime.journal.acquire(req.scope, wait=HANDOFF_LOCK_WAIT), pre
+    except SessionBusy:
+        return await _park_busy(asked, req, options)
+
+
+async def _lock_at_head(
+    ctx: WorkerContext, runtime: PostgresRuntime, asked: Attempt, req: RunRequest,
+    arrival: ledger.Arrival | None,
+) -> tuple[Lease | None, ledger.Precheck | None]:
+    """The ledger's look at the request (``None``: no row) with the scope's
+    lock tried in the same statement. A request at the head of its session
+    waits a moment for a lock still held: usually the request before it
+    finished and is releasing it, and published nothing for this one, whose
+    message this is. A request published by name, from a process with no
+    database access, gets its row first."""
     pre: ledger.Precheck | None = None
 
     def precheck_and_lock(key: int, may_lock: bool) -> Batch[bool | None]:
@@ -546,154 +619,120 @@ async def execute(
             pre = found
             return None if found is None else found.locked
 
-        return ledger.precheck(request_id, req, ctx.settings.redispatch_after, key, may_lock,
-                               isolation=ctx.isolation).then(keep)
+        return ledger.precheck(asked.request_id, req, ctx.settings.redispatch_after, key,
+                               may_lock, isolation=ctx.isolation).then(keep)
 
-    # A request at the head of its session waits a moment for a lock still
-    # held: usually the request before it finished and is releasing it, and
-    # published nothing for this one, whose message this is.
-    try:
+    lease = await runtime.journal.acquire_if(req.scope, HANDOFF_LOCK_WAIT, precheck_and_lock)
+    if lease is None and pre is None:
+        await asked.ensure_row(req, arrival)
         lease = await runtime.journal.acquire_if(req.scope, HANDOFF_LOCK_WAIT, precheck_and_lock)
-        if lease is None and pre is None:
-            # Published by name, from a process with no database access.
-            async with runtime.pool.connection() as conn:
-                await ledger.ensure_row(conn, request_id, req, arrival)
-            lease = await runtime.journal.acquire_if(
-                req.scope, HANDOFF_LOCK_WAIT, precheck_and_lock
-            )
-    except SessionBusy:
-        return await _park_busy(runtime, request_id, req, options)
-    if pre is not None and pre.differ:
-        return _not_its_own(request_id, pre.differ)
-    if lease is None:
-        assert pre is not None
-        pooled = _pooled(runtime)
-        if pre.quarantine:
-            # Handed to a process of quarantine, as a dispatch would: the
-            # sweeper leaves it to that process (for REDISPATCH_AFTER, should
-            # it die).
-            await pooled(lambda conn: ledger.mark_handed_alone(conn, request_id))
-            log.warning(
-                "request %s runs %s, without completing a step", request_id,
-                "alone: its attempts died in quarantine too, or lost their lock twice in a row"
-                if pre.quarantine > 1 else "in quarantine among a few suspects: its attempts "
-                "died with other runs of their process twice in a row",
-                extra={"action": "quarantine", **_log_fields(request_id, req)})
-            return Outcome("quarantine", isolation=pre.quarantine)
-        if pre.status in TERMINAL:
-            return await _duplicate(pooled, request_id, req, pre.status,
-                                    result=pre.result, error=pre.error)
-        assert pre.older is not None
-        if await _park_behind(pooled, request_id, req, pre.older, pre.older_stale, options):
-            return Outcome("parked", dispatch=[pre.older] if pre.older_stale else [])
-        # Handed the session since the look above: its turn, go on.
-        try:
-            lease = await runtime.journal.acquire(req.scope, wait=HANDOFF_LOCK_WAIT)
-        except SessionBusy:
-            return await _park_busy(runtime, request_id, req, options)
-    outcome: Outcome | None = None
-    bounds: list[Bound] = []
-    try:
-        worker = ledger.worker_name(node or ctx.node, os.getpid())
-        key = pre.fairness_key if pre is not None else None
-        spent = await _spent_budget(ctx, lease, request_id, req, key, options)
-        bounds = (await ctx.limits.bounds(req, key)
-                  if ctx.limits is not None and spent is None else [])
-        full = await take_limits(functools.partial(runtime.journal.take_slot, lease), bounds)
-        if spent is not None:
-            outcome = Outcome("parked")
-        elif full is not None:
-            outcome = await _park_on_limit(lease.io, request_id, req, full, options)
-        else:
-            outcome = await _run_holding(ctx, runtime, lease, request_id, req, worker,
-                                         time_limit, options,
-                                         pinned=pre.pinned if pre is not None else None)
-    finally:
-        # A request enqueued while this one finished may have parked on the
-        # lock after the finish chose no one: look once more, unlocked (in the
-        # unlock's round trip).
-        look = outcome is not None and outcome.kind in TERMINAL and not outcome.handed
-        followed = await runtime.journal.release(
-            lease, then=ledger.send_hand_off(req.scope) if look else None
-        )
-    if look:
-        if followed is not None:
-            handoff = ledger.handoff_of(followed)
-        else:
-            async with runtime.pool.connection() as conn:
-                handoff = await ledger.hand_off(conn, req.scope)
-        if handoff is not None:
-            outcome.dispatch.extend(handoff.dispatch)
+    return lease, pre
+
+
+async def _to_quarantine(asked: Attempt, req: RunRequest, level: int) -> Outcome:
+    """Handed to a process of quarantine, as a dispatch would: the sweeper
+    leaves it to that process (for REDISPATCH_AFTER, should it die)."""
+    await asked.mark_quarantined()
+    log.warning(
+        "request %s runs %s, without completing a step", asked.request_id,
+        "alone: its attempts died in quarantine too, or lost their lock twice in a row"
+        if level > 1 else "in quarantine among a few suspects: its attempts "
+        "died with other runs of their process twice in a row",
+        extra={"action": "quarantine", **_log_fields(asked.request_id, req)})
+    return Outcome(OutcomeKind.QUARANTINE, isolation=level)
+
+
+async def _spent_budget(
+    ctx: WorkerContext, attempt: Attempt, req: RunRequest, key: str | None,
+    options: MessageOptions | None,
+) -> budgets.Spent | None:
+    """Park the request when a budget of its fairness key (``key``, as its
+    enqueue recorded it) or its agent is spent for the period (one statement,
+    only for a request that has budgets); the budget, or ``None``: it runs. It
+    holds no worker slot and counts no retry while it waits; the sweeper's
+    leader, or ``limits budget``, publishes it again once the budget has room."""
+    if ctx.cost_budgets is None:
+        return None
+    names = await ctx.cost_budgets.applying(key or req.fairness_key, req.agent)
+    if not names:
+        return None
+    spent = await attempt.park_if_spent(names, options() if options is not None else None)
+    if spent is not None:
+        _count_parked("budget")
+        log.info("request %s waits for %s", attempt.request_id, spent.said,
+                 extra={"action": "parked", "budget": spent.budget,
+                        **_log_fields(attempt.request_id, req)})
+    return spent
+
+
+async def _bounds(ctx: WorkerContext, req: RunRequest, key: str | None) -> list[Bound]:
+    """The concurrency limits the request counts toward (``key``: its fairness
+    key, as its enqueue recorded it)."""
+    if ctx.limits is None:
+        return []
+    return await ctx.limits.bounds(req, key)
+
+
+async def _within_limits(
+    ctx: WorkerContext, runtime: PostgresRuntime, lease: Lease, attempt: Attempt,
+    req: RunRequest, bounds: list[Bound], node: str | None, time_limit: float | None,
+    options: MessageOptions | None, pre: ledger.Precheck | None,
+) -> Outcome:
+    """The run, once each of its limits gave it a slot; parked on the first full one."""
+    worker = ledger.worker_name(node or ctx.node, os.getpid())
+    full = await take_limits(functools.partial(runtime.journal.take_slot, lease), bounds)
+    if full is not None:
+        return await _park_on_limit(attempt, req, full, options)
+    return await _run_holding(ctx, runtime, lease, attempt, req, worker, time_limit, options,
+                              pinned=pre.pinned if pre is not None else None)
+
+
+async def _look_after_unlock(
+    asked: Attempt, followed: list[DictRow] | None, outcome: Outcome
+) -> None:
+    """What the look after the unlock found (looked now, when it could not go
+    with the unlock): the request it handed the scope to, to publish."""
+    handoff = (ledger.hand_off_rows(followed) if followed is not None
+               else await asked.hand_off())
+    if handoff is not None:
+        outcome.dispatch.extend(handoff.dispatch)
+
+
+async def _free_slots(
+    runtime: PostgresRuntime, lease: Lease, bounds: list[Bound], outcome: Outcome
+) -> None:
+    """Each limit slot the run held goes to the oldest request parked on its limit."""
     freed = [bound for bound in bounds if set(bound.slots) & set(lease.slots)]
     if freed:
-        # Each slot it held goes to the oldest request parked on its limit.
         async with runtime.pool.connection() as conn:
             for bound in freed:
                 outcome.dispatch.extend(await ledger.next_on_limit(conn, bound.reason, 1))
-    # Its message left the broker: room for a request held for its fair turn.
+
+
+async def _fair_turns(ctx: WorkerContext, runtime: PostgresRuntime, outcome: Outcome) -> None:
+    """Its message left the broker: room for a request held for its fair turn
+    (the process's looks publish it, one at a time; without them, its caller)."""
     turns = ctx.fair_turns()
     if turns is not None:
         turns.poke()
     elif ctx.limits is not None and await ctx.limits.fair():
         async with runtime.pool.connection() as conn:
             outcome.dispatch.extend(await ledger.fair_next(conn))
-    if ctx.events is not None:
-        # Its events are in its stream before its result is stored.
-        await ctx.events.sent(END_SENT_WITHIN)
-    return outcome
 
 
 async def _park_on_limit(
-    io: Io, request_id: str, req: RunRequest, full: Bound, options: MessageOptions | None
+    attempt: Attempt, req: RunRequest, full: Bound, options: MessageOptions | None
 ) -> Outcome:
     """Park the request: its limit ``full`` has no free slot. It holds no
     worker slot and counts no retry while it waits; a run that frees a slot
     of that limit publishes it again (or the sweeper does)."""
     kept = options() if options is not None else None
-    await io(lambda conn: ledger.park_on_limit(conn, request_id, kept, full.reason, full.slots))
+    await attempt.park_on_limit(kept, full.reason, full.slots)
     _count_parked("limit")
-    log.info("request %s parked: %s full", request_id, full.reason,
-             extra={"action": "parked", "limit": full.instance, **_log_fields(request_id, req)})
-    return Outcome("parked")
-
-
-async def _spent_budget(
-    ctx: WorkerContext, lease: Lease, request_id: str, req: RunRequest, key: str | None,
-    options: MessageOptions | None,
-) -> budgets.Spent | None:
-    """Park the request when a budget of its fairness key or its agent is spent
-    for the period (one statement, only for a request that has budgets); the
-    budget, or ``None``: it runs. It holds no worker slot and counts no retry
-    while it waits; the sweeper's leader, or ``limits budget``, publishes it
-    again once the budget has room."""
-    if ctx.cost_budgets is None:
-        return None
-    names = await ctx.cost_budgets.applying(key or req.fairness_key, req.agent)
-    if not names:
-        return None
-    kept = options() if options is not None else None
-    spent = await lease.io(lambda conn: budgets.park_if_spent(conn, request_id, names, kept))
-    if spent is not None:
-        _count_parked("budget")
-        log.info("request %s waits for %s", request_id, spent.said,
-                 extra={"action": "parked", "budget": spent.budget,
-                        **_log_fields(request_id, req)})
-    return spent
-
-
-class Io(Protocol):
-    """Runs one piece of ledger work on a connection: the lease's lock
-    connection (``Lease.io``) or a pooled one (:func:`_pooled`)."""
-
-    def __call__(self, fn: Callable[[Conn], Awaitable[T]]) -> Awaitable[T]: ...
-
-
-def _pooled(runtime: PostgresRuntime) -> Io:
-    async def run(fn: Callable[[Conn], Awaitable[T]]) -> T:
-        async with runtime.pool.connection() as conn:
-            return await fn(conn)
-
-    return run
+    log.info("request %s parked: %s full", attempt.request_id, full.reason,
+             extra={"action": "parked", "limit": full.instance,
+                    **_log_fields(attempt.request_id, req)})
+    return Outcome(OutcomeKind.PARKED)
 
 
 def _not_its_own(request_id: str, differ: Sequence[str]) -> Outcome:
@@ -705,24 +744,22 @@ def _not_its_own(request_id: str, differ: Sequence[str]) -> Outcome:
         "request the runs ledger holds under that id"
     )
     refuse_message(request_id, problem, "mismatch")
-    return Outcome("refused", error=problem)
+    return Outcome(OutcomeKind.REFUSED, error=problem)
 
 
 async def _duplicate(
-    io: Io, request_id: str, req: RunRequest, status: str, *, result: Any, error: str | None
+    attempt: Attempt, req: RunRequest, status: str, *, result: Any, error: str | None
 ) -> Outcome:
     """A duplicate of a finished request: its stored outcome, nothing run. It
     may have been cancelled while queued, never handing its session on: that
     is done now."""
-    log.info("request %s already %s", request_id, status,
-             extra={"action": "duplicate", **_log_fields(request_id, req)})
-    handoff = await io(lambda conn: ledger.hand_off(conn, req.scope))
-    return _ended(status, handoff, result=result, error=error)
+    log.info("request %s already %s", attempt.request_id, status,
+             extra={"action": "duplicate", **_log_fields(attempt.request_id, req)})
+    return ended(status, await attempt.hand_off(), result=result, error=error)
 
 
 async def _park_behind(
-    io: Io,
-    request_id: str,
+    attempt: Attempt,
     req: RunRequest,
     older: Pending,
     older_stale: bool,
@@ -733,113 +770,33 @@ async def _park_behind(
     message looks lost. ``False``: the session was handed to this request
     meanwhile; go on."""
     kept = options() if options is not None else None
-    if not await io(lambda conn: ledger.park(conn, request_id, kept)):
+    if not await attempt.park(kept):
         return False
     _count_parked("behind")
-    log.info("request %s parked behind %s", request_id, older.request_id,
-             extra={"action": "parked", **_log_fields(request_id, req)})
+    log.info("request %s parked behind %s", attempt.request_id, older.request_id,
+             extra={"action": "parked", **_log_fields(attempt.request_id, req)})
     if older_stale:
-        await io(lambda conn: ledger.mark_dispatched(conn, older.request_id))
+        await attempt.mark_dispatched(older.request_id)
     return True
 
 
-async def _park_busy(
-    runtime: PostgresRuntime, request_id: str, req: RunRequest, options: MessageOptions | None
-) -> Outcome:
-    kept = options() if options is not None else None
-    async with runtime.pool.connection() as conn:
-        await ledger.park(conn, request_id, kept)
+async def _park_busy(asked: Attempt, req: RunRequest, options: MessageOptions | None
+                     ) -> Outcome:
+    """Park the request: its session's lock stays held by a request that runs."""
+    await asked.park(options() if options is not None else None)
     _count_parked("busy")
     log.info(
-        "request %s parked: session busy", request_id,
-        extra={"action": "parked", "request": request_id, "session": req.session_id},
+        "request %s parked: session busy", asked.request_id,
+        extra={"action": "parked", "request": asked.request_id, "session": req.session_id},
     )
-    return Outcome("parked")
-
-
-def _ended(
-    kind: str, handoff: ledger.Handoff | None, **fields: Any
-) -> Outcome:
-    """A request's end: what it handed its scope to is published when needed."""
-    return Outcome(
-        kind,  # type: ignore[arg-type]
-        dispatch=handoff.dispatch if handoff is not None else [],
-        handed=handoff is not None,
-        **fields,
-    )
-
-
-@dataclass(frozen=True)
-class Ending:
-    """How an attempt ends its request: the terminal status and what it says."""
-
-    status: Literal["succeeded", "failed", "dead", "cancelled"]
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    error_type: str | None = None
-    # What the log line adds after "request <id> <status>" (": why", " when").
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class Retry:
-    """The run raised an error that is not final: it runs again after ``countdown``."""
-
-    error: Exception
-    failures: int
-    countdown: float
-
-
-def ending_before_run(started: ledger.Started, settings: Settings, worker: str) -> Ending | None:
-    """A request that must end without running: its worker died too often, or
-    it was cancelled while it waited."""
-    if started.crashes >= settings.max_crashes:
-        error = (
-            f"the worker died {started.crashes} times while running this request "
-            f"(LOOMFLOW_WORKER_MAX_CRASHES={settings.max_crashes}); last attempt on {worker}"
-        )
-        return Ending("dead", error=error, error_type="WorkerDied", note=f": {error}")
-    if started.lost_streak >= settings.max_lost:
-        error = (
-            f"its last {started.lost_streak} attempts lost their lock connection without "
-            f"completing a step (LOOMFLOW_WORKER_MAX_LOST={settings.max_lost}): their process "
-            "stopped heartbeating for longer than LEASE (a tool that holds the event loop? "
-            f"the worker log names it) or their connection kept failing; last attempt on {worker}"
-        )
-        return Ending("dead", error=error, error_type="AttemptsLost", note=f": {error}")
-    if started.cancel_requested:
-        return Ending("cancelled", error="cancelled before it started", error_type="Cancelled",
-                      note=" before it started")
-    return None
-
-
-def ending_of_error(
-    exc: Exception, started: ledger.Started, settings: Settings, backoff: Callable[[int], float]
-) -> Ending | Retry:
-    """A run that raised (not a crash): retried with backoff, or failed once
-    the input is at fault or the retries are spent."""
-    failures = started.failures + 1
-    if isinstance(exc, InvalidInput) or failures > settings.max_retries:
-        error = f"{type(exc).__name__}: {exc}"
-        return Ending("failed", error=error, error_type=type(exc).__name__,
-                      note=f" after {started.attempt} attempts: {error}")
-    return Retry(exc, failures, backoff(failures))
-
-
-def time_limit_ending(time_limit: float, *, per_call: bool = False) -> Ending:
-    """``per_call``: the limit was the caller's (Celery's ``time_limit`` or
-    ``soft_time_limit``), not the agent's."""
-    source = ("apply_async's time_limit or soft_time_limit" if per_call
-              else "register_agent(time_limit=...) or LOOMFLOW_WORKER_RUN_TIME_LIMIT")
-    error = f"TimeLimitExceeded: the run took longer than its {time_limit:g}s time limit ({source})"
-    return Ending("failed", error=error, error_type="TimeLimitExceeded", note=f": {error}")
+    return Outcome(OutcomeKind.PARKED)
 
 
 async def _run_holding(
     ctx: WorkerContext,
     runtime: PostgresRuntime,
     lease: Lease,
-    request_id: str,
+    attempt: Attempt,
     req: RunRequest,
     worker: str,
     time_limit: float | None = None,
@@ -847,97 +804,118 @@ async def _run_holding(
     *,
     pinned: int | None = None,
 ) -> Outcome:
-    """``pinned``: the epoch an earlier attempt pinned, as the precheck read it:
-    the run's open query goes with the start, for that epoch (or the one the
-    start pins now), and the run opens from what it read."""
+    """Start the attempt and run it, holding the scope's lock. ``pinned``: the
+    epoch an earlier attempt pinned, as the precheck read it: the run's open
+    query goes with the start, for that epoch (or the one the start pins
+    now), and the run opens from what it read."""
     opening = OpenChoice(pinned, req.kind == "resume")
     version = await ctx.version(req.agent)
     try:
-        started = await _start(ctx, lease, request_id, req, worker, opening, version)
+        started = await _start(ctx, attempt, req, worker, opening, version)
     except LockLost as exc:
         # The start may have committed (its attempt counted) before the answer
         # was lost: this worker's open attempt is lost, not crashed.
-        raise AttemptLost(request_id, None, exc, worker) from exc
+        raise AttemptLost(attempt.request_id, None, exc, worker) from exc
     if started.opened is not None:
         lease.prefetched = (opening, started.opened)
-    if started.status in TERMINAL:
-        return await _duplicate(lease.io, request_id, req, started.status,
-                                result=started.result, error=started.error)
-    if started.status == ledger.OTHER_VERSION:
-        assert started.other_version is not None
-        return await _send_to_version(ctx, lease, request_id, req, version,
-                                      started.other_version, options)
-    if started.status == "parked":
-        assert started.older is not None
-        await _park_behind(lease.io, request_id, req, started.older, started.older_stale,
-                           options)
-        return Outcome("parked", dispatch=[started.older] if started.older_stale else [])
-    assert started.epoch is not None
+    unstarted = await _not_started(ctx, attempt, req, started, version, options)
+    if unstarted is not None:
+        return unstarted
     usage = AttemptUsage(req.agent, ctx.prices,
                          req.fairness_key if ctx.settings.usage_metrics_by_key else None)
     try:
         ending: Ending | Retry | Paused | None = ending_before_run(started, ctx.settings, worker)
         if ending is None:
-            ending = await _run(ctx, runtime, lease, request_id, req, started, time_limit, usage)
-        if isinstance(ending, Paused):
-            await _record_usage(lease, request_id, started.attempt, usage)
-            return await _pause(lease, request_id, req, started, ending, options)
-        if isinstance(ending, Retry):
-            await _record_usage(lease, request_id, started.attempt, usage)
-            retry, attempt_no = ending, started.attempt
-            await lease.io(
-                lambda conn: ledger.schedule_retry(
-                    conn, request_id, attempt_no, retry.error, retry.countdown
-                )
-            )
-            log.warning("request %s failed (%s); retry %d in %.1fs", request_id, retry.error,
-                        retry.failures, retry.countdown,
-                        extra={"action": "retry", **_log_fields(request_id, req)})
-            return Outcome("retry", error=f"{type(retry.error).__name__}: {retry.error}",
-                           countdown=retry.countdown)
-        return await _conclude(ctx, lease, request_id, req, started, ending, usage)
+            ending = await _run(ctx, runtime, lease, attempt, req, started, time_limit, usage)
+        return await _settle(ctx, lease, attempt, req, started, ending, usage, options)
     except LockLost as exc:
         # Fenced while this worker lives: not a crash (see AttemptLost).
-        raise AttemptLost(request_id, started.attempt, exc, worker) from exc
+        raise AttemptLost(attempt.request_id, started.attempt, exc, worker) from exc
     except HandedBack:
-        await _record_usage(lease, request_id, started.attempt, usage)
-        return Outcome("handed_back")
+        await _record_usage(attempt, usage)
+        return Outcome(OutcomeKind.HANDED_BACK)
 
 
-async def _record_usage(lease: Lease, request_id: str, attempt: int, usage: AttemptUsage
-                        ) -> None:
+async def _not_started(
+    ctx: WorkerContext, attempt: Attempt, req: RunRequest, started: ledger.Started,
+    version: str, options: MessageOptions | None,
+) -> Outcome | None:
+    """What a start that runs nothing comes to: a duplicate of a finished
+    request, a request pinned to another version, or one behind an older
+    request of its session. ``None``: it started; run it."""
+    if started.status in TERMINAL:
+        return await _duplicate(attempt, req, started.status, result=started.result,
+                                error=started.error)
+    if started.status == ledger.OTHER_VERSION:
+        assert started.other_version is not None
+        return await _send_to_version(ctx, attempt, req, version, started.other_version,
+                                      options)
+    if started.status == "parked":
+        assert started.older is not None
+        await _park_behind(attempt, req, started.older, started.older_stale, options)
+        return Outcome(OutcomeKind.PARKED,
+                       dispatch=[started.older] if started.older_stale else [])
+    assert started.epoch is not None
+    return None
+
+
+async def _settle(
+    ctx: WorkerContext, lease: Lease, attempt: Attempt, req: RunRequest,
+    started: ledger.Started, ending: Ending | Retry | Paused, usage: AttemptUsage,
+    options: MessageOptions | None,
+) -> Outcome:
+    """The attempt's end as its run decided it: paused, retried, or its request ended."""
+    if isinstance(ending, Paused):
+        await _record_usage(attempt, usage)
+        return await _pause(attempt, req, ending, options)
+    if isinstance(ending, Retry):
+        await _record_usage(attempt, usage)
+        return await _retry(attempt, req, ending)
+    return await _conclude(ctx, lease, attempt, req, started, ending, usage)
+
+
+async def _retry(attempt: Attempt, req: RunRequest, retry: Retry) -> Outcome:
+    """The run raised an error that is not final: it runs again after its backoff."""
+    await attempt.schedule_retry(retry.error, retry.countdown)
+    log.warning("request %s failed (%s); retry %d in %.1fs", attempt.request_id, retry.error,
+                retry.failures, retry.countdown,
+                extra={"action": "retry", **_log_fields(attempt.request_id, req)})
+    return Outcome(OutcomeKind.RETRY, error=f"{type(retry.error).__name__}: {retry.error}",
+                   countdown=retry.countdown)
+
+
+async def _record_usage(attempt: Attempt, usage: AttemptUsage) -> None:
     """The attempt's model calls, recorded as it ends without finishing its
     request (a retry, a pause, a hand-back): one statement, none without calls."""
     if usage:
         params = usage.params()
         with anyio.CancelScope(shield=True):
-            await lease.io(lambda conn: ledger.record_usage(conn, request_id, attempt, params))
+            await attempt.record_usage(params)
 
 
 async def _send_to_version(
-    ctx: WorkerContext, lease: Lease, request_id: str, req: RunRequest, version: str,
-    pinned: str, options: MessageOptions | None,
+    ctx: WorkerContext, attempt: Attempt, req: RunRequest, version: str, pinned: str,
+    options: MessageOptions | None,
 ) -> Outcome:
     """The request is pinned to version ``pinned`` of its agent, and this
     worker runs ``version``: nothing of it runs here. It waits, queued, for a
     worker of its version, its message published to that version's queue."""
     kept = options() if options is not None else None
-    pending = await lease.io(lambda conn: ledger.await_version(
-        conn, request_id, kept, ctx.settings.queue, queue_suffix(req.agent, pinned)))
+    pending = await attempt.await_version(kept, ctx.settings.queue,
+                                          queue_suffix(req.agent, pinned))
     queue = (pending.routing or {}).get("queue") if pending is not None else None
     log.warning(
         "request %s is pinned to version %s of agent %r, and this worker runs version %s: "
         "it waits in queue %s for a worker of its version (or `loomflow-worker upgrade`)",
-        request_id, pinned, req.agent, version, queue,
+        attempt.request_id, pinned, req.agent, version, queue,
         extra={"action": "other_version", "agent": req.agent, "version": pinned,
-               **_log_fields(request_id, req)})
-    return Outcome("parked", dispatch=[pending] if pending is not None else [])
+               **_log_fields(attempt.request_id, req)})
+    return Outcome(OutcomeKind.PARKED, dispatch=[pending] if pending is not None else [])
 
 
 async def _start(
     ctx: WorkerContext,
-    lease: Lease,
-    request_id: str,
+    attempt: Attempt,
     req: RunRequest,
     worker: str,
     opening: OpenChoice,
@@ -954,54 +932,51 @@ async def _start(
     settings = ctx.settings
     waited: float | None = None
     while True:
-        started = await lease.send(ledger.start(
-            request_id, req.scope, worker, settings.redispatch_after, opening,
-            lease=settings.lease_timeout, interval=settings.heartbeat_interval,
-            isolation=ctx.isolation, version=version,
-        ))
+        started = await attempt.start(
+            worker, settings.redispatch_after, opening, lease=settings.lease_timeout,
+            interval=settings.heartbeat_interval, isolation=ctx.isolation, version=version,
+        )
         if started.status != ledger.WAITING:
             if waited is not None:
                 log.info("request %s: its previous attempt ended after %.1fs; starting",
-                         request_id, time.monotonic() - waited,
-                         extra={"action": "previous_ended", **_log_fields(request_id, req)})
+                         attempt.request_id, time.monotonic() - waited,
+                         extra={"action": "previous_ended",
+                                **_log_fields(attempt.request_id, req)})
             return started
         if waited is None:
             waited = time.monotonic()
             log.info(
                 "request %s: its previous attempt may still be running on %s (its lock "
                 "connection ended before it stopped); waiting for it to end",
-                request_id, started.previous_worker,
+                attempt.request_id, started.previous_worker,
                 extra={"action": "previous_running", "worker": started.previous_worker,
-                       **_log_fields(request_id, req)},
+                       **_log_fields(attempt.request_id, req)},
             )
         await anyio.sleep(min(PREVIOUS_POLL, settings.heartbeat_interval / 2))
 
 
 async def _pause(
-    lease: Lease, request_id: str, req: RunRequest, started: ledger.Started, paused: Paused,
-    options: MessageOptions | None = None,
+    attempt: Attempt, req: RunRequest, paused: Paused, options: MessageOptions | None = None,
 ) -> Outcome:
     """The run gives its slot back until its model key can take its call (see
     :class:`.errors.Paused`), the place its call booked going to its next
     attempt; or until the signal it waits for arrives (its message acked, the
     sweeper publishes it again then)."""
-    attempt_no = started.attempt
+    request_id = attempt.request_id
     if paused.signal is not None:
         (session, signal), kept = paused.signal, options() if options is not None else None
-        await lease.io(lambda conn: ledger.park_on_signal(
-            conn, request_id, attempt_no, session, signal, paused.reason, kept))
+        await attempt.park_on_signal(session, signal, paused.reason, kept)
         log.info("request %s gives its slot back, %s; it resumes from its journal when the "
                  "signal arrives", request_id, paused.reason,
                  extra={"action": "paused", "signal": signal, **_log_fields(request_id, req)})
         _count_parked("signal")
-        return Outcome("parked")
-    await lease.io(lambda conn: ledger.pause(
-        conn, request_id, attempt_no, paused.wait, paused.reason,
-        paused.key if paused.booked else None, paused.wait if paused.booked else None))
+        return Outcome(OutcomeKind.PARKED)
+    await attempt.pause(paused.wait, paused.reason, paused.key if paused.booked else None,
+                        paused.wait if paused.booked else None)
     log.info("request %s gives its slot back for %.1fs, %s; it resumes then from its journal",
              request_id, paused.wait, paused.reason,
              extra={"action": "paused", "model_key": paused.key, **_log_fields(request_id, req)})
-    return Outcome("paused", error=paused.reason, countdown=paused.wait)
+    return Outcome(OutcomeKind.PAUSED, error=paused.reason, countdown=paused.wait)
 
 
 def _signal_wait(park_after: float | None) -> Callable[[str, str, float], None]:
@@ -1023,7 +998,7 @@ def _log_fields(request_id: str, req: RunRequest) -> dict[str, Any]:
 async def _conclude(
     ctx: WorkerContext,
     lease: Lease,
-    request_id: str,
+    attempt: Attempt,
     req: RunRequest,
     started: ledger.Started,
     ending: Ending,
@@ -1034,14 +1009,13 @@ async def _conclude(
     model-call usage in the same round trip), its live events closed, logged
     and counted; the outcome says what to hand over."""
     assert started.epoch is not None
+    request_id = attempt.request_id
     await lease.flush_last_run()
     with anyio.CancelScope(shield=True):
-        chosen = await lease.send(ledger.finishing(
-            request_id, req.scope, started.attempt, started.epoch or 0,
-            usage=usage.params() if usage else None,
-            status=ending.status, result=ending.result, error=ending.error,
-            error_type=ending.error_type,
-        ))
+        chosen = await attempt.finish(
+            started.epoch or 0, usage.params() if usage else None, status=ending.status,
+            result=ending.result, error=ending.error, error_type=ending.error_type,
+        )
     if ctx.events is not None:
         ctx.events.end(request_id, started.attempt, ending.status, ending.error)
     meter = metrics.get()
@@ -1050,14 +1024,92 @@ async def _conclude(
     level = logging.ERROR if ending.status in ("failed", "dead") else logging.INFO
     log.log(level, "request %s %s%s", request_id, ending.status, ending.note,
             extra={"action": ending.status, **_log_fields(request_id, req)})
-    return _ended(ending.status, chosen, result=ending.result, error=ending.error)
+    return ended(ending.status, chosen, result=ending.result, error=ending.error)
+
+
+def _count_start(request_id: str, req: RunRequest, started: ledger.Started) -> None:
+    """The attempt's start, logged, traced and counted (a first one, a retry,
+    or a recovery: how long its request went unstamped, and since its handoff)."""
+    log.info("request %s attempt %d at epoch %d", request_id, started.attempt, started.epoch,
+             extra={"action": "start", "attempt": started.attempt,
+                    **_log_fields(request_id, req)})
+    tracing.attempt_started(started.attempt, started.epoch or 0, started.since_heartbeat)
+    meter = metrics.get()
+    if meter is not None:
+        how = "recovery" if started.since_heartbeat is not None else (
+            "retry" if started.failures else "first")
+        meter.attempts.labels(how).inc()
+        if started.since_heartbeat is not None:
+            meter.recovery.observe(started.since_heartbeat)
+        if started.since_handoff is not None:
+            meter.handoff.observe(started.since_handoff)
+
+
+def _time_limit(ctx: WorkerContext, req: RunRequest, call_limit: float | None
+                ) -> tuple[float, bool]:
+    """The run's time limit (the agent's, else the settings'; the caller's when
+    shorter), and whether it is the caller's."""
+    time_limit = agent_time_limit(req.agent) or ctx.settings.run_time_limit
+    if call_limit is not None and call_limit < time_limit:
+        return call_limit, True
+    return time_limit, False
+
+
+def _lend_lease(ctx: WorkerContext, lease: Lease, attempt: Attempt, started: ledger.Started,
+                usage: AttemptUsage | None, fence: anyio.CancelScope) -> None:
+    """The lease carries the attempt while it runs: the process's heartbeat
+    stamps the request from now on, and when the lock connection is lost the
+    run stops at once, mid-step (``fence``)."""
+    lease.request_id, lease.attempt = attempt.request_id, started.attempt
+    lease.upgraded = started.upgraded
+    lease.usage = usage
+    if started.suspicion or started.lost_streak:
+        # Its first completed step clears it of suspicion (and, running in
+        # quarantine, sends it back to its shared process, unless a cancel
+        # stops it there).
+        async def cleared() -> None:
+            await attempt.clear_suspicion()
+            if ctx.alone:
+                lease.request_stop(HandedBack())
+
+        lease.on_executed = cleared
+    lease.on_fenced.append(lambda _: _fenced(fence))
+
+
+def _take_lease_back(lease: Lease) -> None:
+    """The run ended: the lease carries no attempt."""
+    lease.request_id = lease.attempt = None
+    lease.upgraded = False
+    lease.usage = None
+
+
+async def _call_agent(
+    ctx: WorkerContext, runtime: PostgresRuntime, lease: Lease, request_id: str,
+    req: RunRequest, started: ledger.Started, agent: Any,
+    stops: tuple[anyio.CancelScope, anyio.CancelScope, anyio.CancelScope],
+) -> dict[str, Any] | None:
+    """The agent's run of the request, inside what can stop it (``stops``:
+    the fence, the halt and the deadline; ``None`` when one of them did),
+    paced, its waits for a signal parked past ``PARK_AFTER``."""
+    fence, halt, deadline = stops
+    pacing = RunPacing(request_id, ctx.settings.park_after if ctx.parks else None)
+    if started.booked_key is not None and started.booked_in is not None:
+        pacing.booked[started.booked_key] = time.monotonic() + started.booked_in
+    with fence, halt, run_options(lease=lease, epoch=started.epoch), deadline, \
+            pacing_run(pacing), signal_waits(_signal_wait(pacing.park_after)):
+        emit = _emitter(ctx, request_id, started.attempt, lease)
+        if req.kind == "resume":
+            with resuming_last_run():
+                return await run_request(agent, runtime, request_id, req, emit)
+        return await run_request(agent, runtime, request_id, req, emit)
+    return None
 
 
 async def _run(
     ctx: WorkerContext,
     runtime: PostgresRuntime,
     lease: Lease,
-    request_id: str,
+    attempt: Attempt,
     req: RunRequest,
     started: ledger.Started,
     call_limit: float | None = None,
@@ -1068,41 +1120,13 @@ async def _run(
     once the attempt is recorded as interrupted. ``usage`` is told of the
     run's model calls as their steps are journaled or replayed."""
     assert started.epoch is not None
-    log_fields = _log_fields(request_id, req)
-    log.info("request %s attempt %d at epoch %d", request_id, started.attempt, started.epoch,
-             extra={"action": "start", "attempt": started.attempt, **log_fields})
-    tracing.attempt_started(started.attempt, started.epoch, started.since_heartbeat)
-    meter = metrics.get()
-    if meter is not None:
-        how = "recovery" if started.since_heartbeat is not None else (
-            "retry" if started.failures else "first")
-        meter.attempts.labels(how).inc()
-        if started.since_heartbeat is not None:
-            meter.recovery.observe(started.since_heartbeat)
-        if started.since_handoff is not None:
-            meter.handoff.observe(started.since_handoff)
+    request_id = attempt.request_id
+    _count_start(request_id, req, started)
     executed, replayed = runtime.stats.steps_executed, runtime.stats.steps_replayed
     agent = await ctx.agent(req.agent)
-    time_limit = agent_time_limit(req.agent) or ctx.settings.run_time_limit
-    per_call = call_limit is not None and call_limit < time_limit
-    if call_limit is not None:
-        time_limit = min(time_limit, call_limit)
-    # The process's heartbeat stamps the request from now on; when the lock
-    # connection is lost, the run stops at once, mid-step.
+    time_limit, per_call = _time_limit(ctx, req, call_limit)
     fence = anyio.CancelScope()
-    lease.request_id, lease.attempt = request_id, started.attempt
-    lease.upgraded = started.upgraded
-    lease.usage = usage
-    if started.suspicion or started.lost_streak:
-        # Its first completed step clears it of suspicion (and, running alone,
-        # sends it back to its shared process, unless a cancel stops it there).
-        async def cleared() -> None:
-            await lease.io(lambda conn: ledger.clear_suspicion(conn, request_id))
-            if ctx.alone:
-                lease.request_stop(HandedBack())
-
-        lease.on_executed = cleared
-    lease.on_fenced.append(lambda _: _fenced(fence))
+    _lend_lease(ctx, lease, attempt, started, usage, fence)
     # A revoke with terminate stops it at once, mid-step; Celery's soft time
     # limit ends it as its own time limit does.
     halt = anyio.CancelScope()
@@ -1119,27 +1143,14 @@ async def _run(
     ctx._halts[request_id] = stop_now
     try:
         try:
-            pacing = RunPacing(request_id, ctx.settings.park_after if ctx.parks else None)
-            if started.booked_key is not None and started.booked_in is not None:
-                pacing.booked[started.booked_key] = time.monotonic() + started.booked_in
-            with fence, halt, run_options(lease=lease, epoch=started.epoch), deadline, \
-                    pacing_run(pacing), signal_waits(_signal_wait(pacing.park_after)):
-                emit = _emitter(ctx, request_id, started.attempt, lease)
-                if req.kind == "resume":
-                    with resuming_last_run():
-                        result = await run_request(agent, runtime, request_id, req, emit)
-                else:
-                    result = await run_request(agent, runtime, request_id, req, emit)
+            result = await _call_agent(ctx, runtime, lease, request_id, req, started, agent,
+                                       (fence, halt, deadline))
             if fence.cancelled_caught:
                 raise lease.fenced or LockLost(req.scope, "the heartbeat failed")
         finally:
-            lease.request_id = lease.attempt = None
-            lease.upgraded = False
-            lease.usage = None
+            _take_lease_back(lease)
             ctx._halts.pop(request_id, None)
-            if meter is not None:
-                meter.steps.labels("executed").inc(runtime.stats.steps_executed - executed)
-                meter.steps.labels("replayed").inc(runtime.stats.steps_replayed - replayed)
+            _count_steps(runtime, executed, replayed)
     except LockLost:
         raise
     except Exception as exc:  # the run raised: not a crash, so retry or fail
@@ -1147,51 +1158,67 @@ async def _run(
             raise lease.fenced from exc
         return ending_of_error(exc, started, ctx.settings, ctx.backoff)
     except BaseException as exc:
-        if _found(exc, HandedBack) is not None:
-            attempt_no = started.attempt
-            with anyio.CancelScope(shield=True):
-                await lease.io(
-                    lambda conn: ledger.end_attempt(conn, request_id, attempt_no, "handed_back")
-                )
-            log.info("request %s cleared running alone; handed back", request_id,
-                     extra={"action": "handed_back", **log_fields})
-            raise HandedBack() from exc
-        paused = _found(exc, Paused)
-        if paused is not None and lease.fenced is None:
-            return paused
-        diverged = _found(exc, Diverged)
-        if diverged is not None:
-            # The request is pinned to this worker's version: the version said
-            # the code had not changed (declared, and left unchanged).
-            said = (f"{diverged} (both under version {ctx.versions.get(req.agent)} of agent "
-                    f"{req.agent!r}: the agent changed in a way its version does not show, "
-                    "e.g. a declared version left as it was)")
-            return Ending("failed", error=f"Diverged: {said}", error_type="Diverged",
-                          note=f": {said}")
-        stopped = _found(exc, RunStopped)
-        if stopped is not None:
-            return Ending("cancelled", error=stopped.reason, error_type="Cancelled",
-                          note=" at a step boundary")
-        if isinstance(exc, asyncio.CancelledError) and lease.fenced is None:
-            # Stopped from outside (a shutdown): this attempt was interrupted,
-            # which the next one must not count as a crash, and its message goes
-            # back to the broker (the request is queued again). Recorded under
-            # the lock, before the next attempt can start.
-            attempt_no = started.attempt
-            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                await lease.io(
-                    lambda conn: ledger.requeue_interrupted(conn, request_id, attempt_no))
-            log.info("request %s interrupted", request_id,
-                     extra={"action": "interrupted", **log_fields})
-        raise
+        stopped = await _ending_of_stop(ctx, lease, attempt, req, exc)
+        if stopped is None:
+            raise
+        return stopped
     if halt.cancelled_caught:
         return Ending("cancelled", error=halted[0], error_type="Revoked", note=f": {halted[0]}")
     if deadline.cancelled_caught:
         if lease.fenced is not None:
             raise lease.fenced
         return time_limit_ending(time_limit, per_call=per_call)
-    payload = {**result, "request_id": request_id}
-    return Ending("succeeded", result=payload)
+    assert result is not None
+    return Ending("succeeded", result={**result, "request_id": request_id})
+
+
+async def _ending_of_stop(
+    ctx: WorkerContext, lease: Lease, attempt: Attempt, req: RunRequest, exc: BaseException
+) -> Ending | Paused | None:
+    """What a run stopped by other than an error of its own comes to: handed
+    back from quarantine (raised), paused, failed as diverged, or cancelled
+    at a step boundary. ``None``: the stop goes on up (a shutdown's attempt
+    recorded as interrupted first)."""
+    if _found(exc, HandedBack) is not None:
+        with anyio.CancelScope(shield=True):
+            await attempt.end("handed_back")
+        log.info("request %s cleared running alone; handed back", attempt.request_id,
+                 extra={"action": "handed_back", **_log_fields(attempt.request_id, req)})
+        raise HandedBack() from exc
+    paused = _found(exc, Paused)
+    if paused is not None and lease.fenced is None:
+        return paused
+    diverged = _found(exc, Diverged)
+    if diverged is not None:
+        # The request is pinned to this worker's version: the version said
+        # the code had not changed (declared, and left unchanged).
+        said = (f"{diverged} (both under version {ctx.versions.get(req.agent)} of agent "
+                f"{req.agent!r}: the agent changed in a way its version does not show, "
+                "e.g. a declared version left as it was)")
+        return Ending("failed", error=f"Diverged: {said}", error_type="Diverged",
+                      note=f": {said}")
+    stopped = _found(exc, RunStopped)
+    if stopped is not None:
+        return Ending("cancelled", error=stopped.reason, error_type="Cancelled",
+                      note=" at a step boundary")
+    if isinstance(exc, asyncio.CancelledError) and lease.fenced is None:
+        # Stopped from outside (a shutdown): this attempt was interrupted,
+        # which the next one must not count as a crash, and its message goes
+        # back to the broker (the request is queued again). Recorded under
+        # the lock, before the next attempt can start.
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await attempt.requeue_interrupted()
+        log.info("request %s interrupted", attempt.request_id,
+                 extra={"action": "interrupted", **_log_fields(attempt.request_id, req)})
+    return None
+
+
+def _count_steps(runtime: PostgresRuntime, executed: int, replayed: int) -> None:
+    """The run's steps, executed and replayed since ``executed`` and ``replayed``."""
+    meter = metrics.get()
+    if meter is not None:
+        meter.steps.labels("executed").inc(runtime.stats.steps_executed - executed)
+        meter.steps.labels("replayed").inc(runtime.stats.steps_replayed - replayed)
 
 
 def _fenced(fence: anyio.CancelScope) -> None:

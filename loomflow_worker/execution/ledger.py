@@ -674,7 +674,7 @@ def _started_of(request_id: str, row: DictRow | None, opened: list[DictRow] | No
     )
 
 
-async def finish(
+async def finish_async(
     conn: Conn, request_id: str, scope: str, attempt: int, epoch: int, **ending: Any
 ) -> Handoff | None:
     """The request's end in one statement: the scope's epoch advanced past
@@ -685,11 +685,11 @@ async def finish(
         conn, _FINISH, _finish_params(request_id, scope, attempt, epoch, **ending)))
 
 
-def finishing(
+def finish_batch(
     request_id: str, scope: str, attempt: int, epoch: int,
     usage: Mapping[str, Any] | None = None, **ending: Any
 ) -> Batch[Handoff | None]:
-    """:func:`finish` as a turn for the lock connection; with the attempt's
+    """:func:`finish_async` as a turn for the lock connection; with the attempt's
     ``usage`` (``AttemptUsage.params``) recorded ahead of it, in its round trip."""
     params = _finish_params(request_id, scope, attempt, epoch, **ending)
     if usage is None:
@@ -870,21 +870,21 @@ async def requeue_interrupted(conn: Conn, request_id: str, attempt: int) -> None
     await conn.execute(query("requeue_interrupted"), {"request_id": request_id, "attempt": attempt})
 
 
-async def hand_off(conn: Conn, scope: str) -> Handoff | None:
-    """Hand ``scope`` to its oldest unfinished request, unless it was handed
-    already (then whoever handed it published it, or its message runs it)."""
+async def hand_off_async(conn: Conn, scope: str) -> Handoff | None:
+    """:func:`hand_off` on an async connection."""
     return _handoff(await _fast_one(conn, _HAND_OFF, _hand_off_statement(scope)[1]))
 
 
-def _hand_off_sync(conn: psycopg.Connection[Any], scope: str) -> Handoff | None:
-    """:func:`hand_off` on a sync connection: the same statement, read the same way."""
-    return handoff_of(_rows(conn, *_hand_off_statement(scope)))
+def hand_off(conn: psycopg.Connection[Any], scope: str) -> Handoff | None:
+    """Hand ``scope`` to its oldest unfinished request, unless it was handed
+    already (then whoever handed it published it, or its message runs it)."""
+    return hand_off_rows(_rows(conn, *_hand_off_statement(scope)))
 
 
-def send_hand_off(scope: str) -> Followup:
+def hand_off_followup(scope: str) -> Followup:
     """:func:`hand_off` as a statement sent after the scope's unlock, in its
     round trip (``PostgresJournalStore.release(lease, then=...)``); read its
-    rows with :func:`handoff_of`."""
+    rows with :func:`hand_off_rows`."""
     _, params = _hand_off_statement(scope)
     return lambda conn: _HAND_OFF.call(conn, params)
 
@@ -893,7 +893,7 @@ def _hand_off_statement(scope: str) -> tuple[str, dict[str, Any]]:
     return "hand_off", {"scope": scope}
 
 
-def handoff_of(rows: list[DictRow]) -> Handoff | None:
+def hand_off_rows(rows: list[DictRow]) -> Handoff | None:
     """What the ``hand_off`` statement's rows say: the request handed the scope."""
     return _handoff(rows[0] if rows else None)
 
@@ -1086,13 +1086,13 @@ def end_revoked(
     if found[0]["status"] == Status.QUEUED and found[0]["epoch"] is None:
         # It never started: it journaled nothing, and ends without its lock.
         conn.execute(query("end_revoked"), ending)
-        return True, _hand_off_sync(conn, scope)
+        return True, hand_off(conn, scope)
     if not _take_lock(conn, lock_key, how.lock_wait):
         conn.execute(query("flag_cancel"), {"request_id": request_id})
         return False, None
     try:
         conn.execute(query("end_revoked"), ending)
-        handoff = _hand_off_sync(conn, scope)
+        handoff = hand_off(conn, scope)
     finally:
         conn.execute(query("unlock"), {"key": lock_key})
     return True, handoff
@@ -1130,13 +1130,13 @@ def mark_interrupted(conn: psycopg.Connection[Any], node: str) -> None:
     conn.execute(query("mark_interrupted"), {"node": f"{node}:"})
 
 
-async def mark_handed_alone(conn: Conn, request_id: str) -> None:
+async def mark_quarantined(conn: Conn, request_id: str) -> None:
     """The request is handed to a process of its own (quarantine): the sweeper
     takes it for dispatched just now."""
     await conn.execute(query("mark_swept"), {"request_ids": [request_id], "again_after": None})
 
 
-async def mark_lost_now(conn: Conn, request_id: str, attempt: int | None, worker: str) -> None:
+async def mark_lost_async(conn: Conn, request_id: str, attempt: int | None, worker: str) -> None:
     """:func:`mark_lost`, on an async connection."""
     await conn.execute(query("mark_attempt_lost"),
                        {"request_id": request_id, "attempt": attempt, "worker": worker})

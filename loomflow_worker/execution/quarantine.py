@@ -44,7 +44,8 @@ from ..runtime.errors import DatabaseUnavailable, LockLost
 from ..runtime.loopwatch import claim_thread_for_asyncio
 from ..settings import Settings
 from . import ledger
-from .execute import Outcome, WorkerContext, execute
+from .execute import WorkerContext, execute
+from .outcome import Outcome, OutcomeKind
 from .pending import Pending
 from .registry import import_agent_modules
 from .request_errors import AttemptLost
@@ -69,12 +70,13 @@ def encode_outcome(outcome: Outcome) -> dict[str, Any]:
 
 def decode_outcome(data: dict[str, Any]) -> Outcome:
     fields = dict(data["outcome"])
+    kind = OutcomeKind(fields.pop("kind"))
     dispatch = []
     for pending in fields.pop("dispatch"):
         if pending["not_before"] is not None:
             pending["not_before"] = datetime.fromisoformat(pending["not_before"])
         dispatch.append(Pending(**pending))
-    return Outcome(**fields, dispatch=dispatch)
+    return Outcome(kind, **fields, dispatch=dispatch)
 
 
 async def attempt(ctx: WorkerContext, job: dict[str, Any]) -> dict[str, Any]:
@@ -233,7 +235,7 @@ async def _mark_lost(ctx: WorkerContext, lost: AttemptLost) -> None:
     try:
         runtime = await ctx.runtime()
         async with runtime.pool.connection() as conn:
-            await ledger.mark_lost_now(conn, lost.request_id, lost.attempt, lost.worker)
+            await ledger.mark_lost_async(conn, lost.request_id, lost.attempt, lost.worker)
     except (psycopg.Error, PoolTimeout, DatabaseUnavailable) as exc:
         log.warning("request %s: could not record its lost attempt yet (%s); its worker "
                     "records it", lost.request_id, exc,

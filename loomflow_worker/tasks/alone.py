@@ -26,7 +26,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from ..execution import ledger
-from ..execution.execute import Outcome
+from ..execution.outcome import Outcome, OutcomeKind
 from ..execution.quarantine import decode_outcome
 from ..execution.registry import agent_modules
 from ..execution.request_errors import AttemptLost, DiedAlone
@@ -67,7 +67,7 @@ def run_alone(
     with alone.guard:
         if request_id in alone.running:
             # A duplicate of a request in quarantine here: again later.
-            return Outcome("quarantine")
+            return Outcome(OutcomeKind.QUARANTINE)
         # A revoke from now on stops it, while it waits for room as well as
         # however soon its process starts.
         alone.running[request_id] = None
@@ -81,7 +81,7 @@ def run_alone(
                          "processes of quarantine already (ALONE_AT_ONCE); it goes back to "
                          "the queue", request_id, settings.alone_at_once,
                          extra={"action": "quarantine_full", "request": request_id})
-                return Outcome("quarantine")
+                return Outcome(OutcomeKind.QUARANTINE)
         else:
             group, member = place
             _run(request_id, job, group, member, timeout)
@@ -102,7 +102,7 @@ def run_alone(
         # interrupted if it had started, and released the session; the
         # revoke ends the request cancelled in the ledger and hands the
         # session on (tasks/hooks.py), as for a run of this process.
-        return Outcome("cancelled", error=ledger.REVOKED.error)
+        return Outcome(OutcomeKind.CANCELLED, error=ledger.REVOKED.error)
     if reply is None:
         assert place is not None
         raise DiedAlone(_death(place[0]), alone=place[0].isolation > 1)

@@ -16,7 +16,8 @@ from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 
 from .. import tracing
 from ..execution import ledger
-from ..execution.execute import Outcome, execute
+from ..execution.execute import execute
+from ..execution.outcome import Outcome, OutcomeKind
 from ..execution.registry import DEFAULT_AGENT
 from ..execution.request import Kind
 from ..execution.request_errors import AttemptLost, DiedAlone, RunCancelled, RunDead, RunFailed
@@ -94,20 +95,20 @@ def perform(task: AgentTask, args: dict[str, Any]) -> Any:
     request_id = task.request.id
     try:
         outcome = _attempt(task, request_id, args)
-        if outcome.kind == "quarantine":
+        if outcome.kind == OutcomeKind.QUARANTINE:
             outcome = run_alone(
                 request_id, args, task.kind, task.request.hostname or PROCESS.worker_context().node,
                 isolation=outcome.isolation, time_limit=_call_time_limit(task),
                 options=_message_options(task, task.request),
                 timeout=PROCESS.current_settings().run_time_limit + ALONE_GRACE,
             )
-            if outcome.kind == "quarantine":
+            if outcome.kind == OutcomeKind.QUARANTINE:
                 # No room to run it in quarantine here: again soon, on any worker
                 # (a first retry's countdown, whatever its retries so far).
                 raise task.retry(countdown=PROCESS.worker_context().backoff(1))
-            if outcome.kind == "handed_back":
+            if outcome.kind == OutcomeKind.HANDED_BACK:
                 outcome = _attempt(task, request_id, args)
-            if outcome.kind in ("quarantine", "handed_back"):
+            if outcome.kind in (OutcomeKind.QUARANTINE, OutcomeKind.HANDED_BACK):
                 raise task.retry(countdown=_backoff(task))
     except DiedAlone as exc:
         # Alone, its own death: its next attempt counts the crash, after a
@@ -139,21 +140,21 @@ def perform(task: AgentTask, args: dict[str, Any]) -> Any:
 
 def _celery_outcome(task: AgentTask, outcome: Outcome) -> Any:
     """The task's result for an outcome, or what it raises to end otherwise."""
-    if outcome.kind == "succeeded":
+    if outcome.kind == OutcomeKind.SUCCEEDED:
         return outcome.result
-    if outcome.kind in ("parked", "refused"):
+    if outcome.kind in (OutcomeKind.PARKED, OutcomeKind.REFUSED):
         # Acked, and nothing stored under the id: a refused message's id may
         # be another request's, whose caller waits for its own result.
         raise Ignore()
-    if outcome.kind == "retry":
+    if outcome.kind == OutcomeKind.RETRY:
         raise task.retry(exc=RunFailed(outcome.error or "retry"), countdown=outcome.countdown)
-    if outcome.kind == "paused":
+    if outcome.kind == OutcomeKind.PAUSED:
         # Its slot given back, not a failure: Celery's retry publishes it again
         # for then (its state RETRY meanwhile), and no retry is counted.
         raise task.retry(countdown=outcome.countdown)
-    if outcome.kind == "dead":
+    if outcome.kind == OutcomeKind.DEAD:
         raise RunDead(outcome.error or "dead")
-    if outcome.kind == "cancelled":
+    if outcome.kind == OutcomeKind.CANCELLED:
         raise RunCancelled(outcome.error or "cancelled")
     raise RunFailed(outcome.error or "failed")
 

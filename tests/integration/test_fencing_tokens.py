@@ -135,7 +135,7 @@ async def test_a_finish_of_an_ended_attempt_lands_nothing(dsn: str) -> None:
             "VALUES ('req-f', 2, 'w2@h', 2, 0)")
         await conn.execute("UPDATE runs SET attempts = 2 WHERE request_id = 'req-f'")
         with pytest.raises(psycopg.Error) as refused:
-            await ledger.finish(conn, "req-f", REQUEST.scope, 1, 0, status="succeeded",
+            await ledger.finish_async(conn, "req-f", REQUEST.scope, 1, 0, status="succeeded",
                                 result={"output": "stale"})
         assert refused.value.sqlstate == FENCED_SQLSTATE
         cur = await conn.execute(
@@ -143,7 +143,7 @@ async def test_a_finish_of_an_ended_attempt_lands_nothing(dsn: str) -> None:
         assert await cur.fetchone() == ("running", None)
         assert await _steps(dsn, REQUEST.scope) == set()
         # The open attempt finishes it.
-        await ledger.finish(conn, "req-f", REQUEST.scope, 2, 0, status="succeeded",
+        await ledger.finish_async(conn, "req-f", REQUEST.scope, 2, 0, status="succeeded",
                             result={"output": "fresh"})
         cur = await conn.execute("SELECT status FROM runs WHERE request_id = 'req-f'")
         assert await cur.fetchone() == ("succeeded",)

@@ -50,12 +50,13 @@ async def conns(dsn: str) -> AsyncIterator[tuple[Any, Any]]:
 
 
 async def _finish_first(conn: Any) -> ledger.Handoff | None:
-    return await ledger.finish(conn, FIRST, REQUEST.scope, 1, 0, status="succeeded", result={})
+    return await ledger.finish_async(conn, FIRST, REQUEST.scope, 1, 0, status="succeeded",
+                                     result={})
 
 
 async def _hand_off_after_a_cancel(conn: Any) -> ledger.Handoff | None:
     await conn.execute("UPDATE runs SET status = 'cancelled' WHERE request_id = %s", (FIRST,))
-    return await ledger.hand_off(conn, REQUEST.scope)
+    return await ledger.hand_off_async(conn, REQUEST.scope)
 
 
 HANDERS = [_finish_first, _hand_off_after_a_cancel]
@@ -123,7 +124,7 @@ async def test_a_scope_is_handed_once(conns: tuple[Any, Any]) -> None:
     assert first is not None and first.received
     # A duplicate of the finished request looks again: already handed, so
     # nothing is published twice.
-    assert await ledger.hand_off(hander, REQUEST.scope) is None
+    assert await ledger.hand_off_async(hander, REQUEST.scope) is None
 
 
 @register_agent("test-handoff-look")
@@ -148,11 +149,11 @@ async def test_a_request_that_parks_after_the_finish_chose_no_one_is_handed_the_
     req = check_request(settings, kind="run", **args)
     enqueue = ledger.EnqueuePool()
     parked: list[str] = []
-    real_finishing, real_send = ledger.finishing, Lease.send
+    real_finish, real_send = ledger.finish_batch, Lease.send
     finishes: list[Batch[Any]] = []
 
-    def finishing(*a: Any, **kw: Any) -> Batch[ledger.Handoff | None]:
-        finishes.append(real_finishing(*a, **kw))
+    def finish_batch(*a: Any, **kw: Any) -> Batch[ledger.Handoff | None]:
+        finishes.append(real_finish(*a, **kw))
         return finishes[-1]
 
     async def send_then_the_next_arrives(lease: Lease, batch: Batch[Any]) -> Any:
@@ -163,7 +164,7 @@ async def test_a_request_that_parks_after_the_finish_chose_no_one_is_handed_the_
             parked.append(outcome.kind)
         return answer
 
-    monkeypatch.setattr(ledger, "finishing", finishing)
+    monkeypatch.setattr(ledger, "finish_batch", finish_batch)
     monkeypatch.setattr(Lease, "send", send_then_the_next_arrives)
     try:
         enqueue.insert(dsn, 5, FIRST, req)

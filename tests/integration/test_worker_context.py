@@ -42,7 +42,7 @@ async def test_an_agent_with_process_local_memory_is_warned_about_once(
 ) -> None:
     ctx = WorkerContext(Settings(database_url=dsn, events=False))  # type: ignore[arg-type]
     try:
-        with caplog.at_level(logging.WARNING, logger="loomflow_worker.tasks"):
+        with caplog.at_level(logging.WARNING, logger="loomflow_worker.execution.execute"):
             await ctx.agent("test-memory-per-process")
             await ctx.agent("test-memory-per-process")
             await ctx.agent("test-memory-shared")
@@ -82,7 +82,7 @@ async def test_an_idle_process_stamps_its_row_and_marks_it_stopped_when_it_close
         # The table gone (a failing stamp): logged once, and the process goes on.
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
             await conn.execute("ALTER TABLE workers RENAME TO workers_away")
-        with caplog.at_level(logging.WARNING, logger="loomflow_worker.tasks"):
+        with caplog.at_level(logging.WARNING, logger="loomflow_worker.execution.execute"):
             failing = stamps[0] + 3
             async def stamped() -> int:
                 return stamps[0]

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from loomflow_worker.execution.execute import (
+from loomflow_worker.execution.ledger import Started
+from loomflow_worker.execution.outcome import (
     Ending,
     Retry,
     ending_before_run,
     ending_of_error,
     time_limit_ending,
 )
-from loomflow_worker.execution.ledger import Started
 from loomflow_worker.runtime import InvalidInput
 from loomflow_worker.settings import Settings
 
