@@ -664,9 +664,10 @@ async def bench_split(
     settings: Settings, plain_dsn: str, requests: int, rounds: int, tag: str
 ) -> SplitResult:
     from loomflow_worker.execution import execute as ours_execute
+    from loomflow_worker.worker.context import WorkerContext
 
     import_agent_modules(settings.agents)
-    ctx = ours_execute.WorkerContext(settings)
+    ctx = WorkerContext(settings)
     loom = await LoomPG.connect(plain_dsn, min_size=settings.pool_min_size,
                                 max_size=settings.pool_max_size)
     agent = build_agent(loom)

@@ -1,4 +1,4 @@
-"""Operating a fleet, one module per job: :mod:`.runs` (the ledger and journal
+"""Operating a fleet, one module per job: :mod:`.attempts` (the ledger and journal
 read for people), :mod:`.operator_signals` (signals sent by an operator),
 :mod:`.usage_report` (tokens and cost for people), :mod:`.doctor` (health
 checks), on :mod:`.connect` (the database connection; driver errors become the

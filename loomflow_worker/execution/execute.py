@@ -7,13 +7,10 @@ publishes the handoff."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import logging
 import os
-import random
-import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -21,13 +18,10 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 from loomflow.core.types import Event
-from loomflow.memory.inmemory import InMemoryMemory
 from loomflow.runtime.journaled import resuming_last_run
 from psycopg.rows import DictRow
 
-from .. import metrics, sockets, tracing
-from ..events import EventPublisher, events_url
-from ..pricing import Prices
+from .. import metrics, tracing
 from ..runtime import (
     Diverged,
     InvalidInput,
@@ -38,15 +32,13 @@ from ..runtime import (
     run_options,
 )
 from ..runtime.lockconn import Batch
-from ..runtime.loopwatch import LoopWatch, Stall
 from ..runtime.runtime import signal_waits
 from ..runtime.store import Lease, Liveness, OpenChoice
 from ..settings import Settings
 from . import budgets, ledger
 from .attempt import Attempt, pooled
-from .budgets import CostBudgets
-from .fair_turns import FairTurns
-from .limits import Bound, Limits, set_limits
+from .host import Host
+from .limits import Bound
 from .limits import take as take_limits
 from .outcome import (
     Ending,
@@ -58,16 +50,10 @@ from .outcome import (
     ending_of_error,
     time_limit_ending,
 )
-from .pacing import Budgets, RunPacing, pace, pacing_run, set_model_limits
+from .pacing import RunPacing, pacing_run
 from .pending import Pending
 from .registry import (
-    agent_declared_version,
-    agent_factory,
-    agent_fairness_key,
-    agent_limits,
-    agent_model_key,
     agent_time_limit,
-    registered_agents,
 )
 from .request import Kind, RunRequest, check_request, refuse_message
 from .request_errors import AttemptLost, HandedBack, Paused
@@ -77,10 +63,10 @@ from .request_errors import AttemptLost, HandedBack, Paused
 from .request_errors import RunCancelled as RunCancelled
 from .request_errors import RunDead as RunDead
 from .request_errors import RunFailed as RunFailed
-from .runnables import agents_within, run_request
+from .runnables import run_request
 from .statuses import TERMINAL
 from .usage import AttemptUsage
-from .versions import agent_version, queue_suffix
+from .versions import queue_suffix
 
 log = logging.getLogger(__name__)
 
@@ -91,19 +77,9 @@ T = TypeVar("T")
 #: before it parks.
 HANDOFF_LOCK_WAIT = 2.0
 
-#: How long a process that closes waits to mark its ``workers`` row stopped.
-STOP_STAMP_WAIT = 2.0
-
-#: How many results stored by this process wait for its next stamp at most
-#: (more, while Postgres is away, are left to the sweeper's check).
-MAX_STORED_WAITING = 10_000
-
 #: How often a start whose request's previous attempt may still be running
 #: looks again (at most: half a heartbeat interval when that is shorter).
 PREVIOUS_POLL = 0.25
-
-#: How soon a failed stamp of the process's ``workers`` row is tried again.
-RESTAMP_AFTER = 0.05
 
 
 #: What a request's message carried besides its arguments, as JSON, read
@@ -121,7 +97,7 @@ async def _noop_emit(event: Event) -> None:
     return None
 
 
-def _emitter(ctx: WorkerContext, request_id: str, attempt_no: int, lease: Lease) -> Any:
+def _emitter(ctx: Host, request_id: str, attempt_no: int, lease: Lease) -> Any:
     """The run's ``emit``: every event to the request's live stream."""
     events = ctx.events
     if events is None:
@@ -136,367 +112,8 @@ def _emitter(ctx: WorkerContext, request_id: str, attempt_no: int, lease: Lease)
     return emit
 
 
-class WorkerContext:
-    """What one pool child owns: its runtime and the agents built with it."""
-
-    def __init__(
-        self, settings: Settings, slots: int = 1, node: str | None = None, *,
-        quarantine: int = 0, serving: bool = True,
-    ) -> None:
-        """``slots``: how many runs this process carries at once; ``node``:
-        the Celery node it serves (the host name when none); ``quarantine``:
-        it runs suspected requests, each of which it hands back once it
-        completes a step, a few together (1) or one alone (2); ``serving``
-        false: it only builds the agents (a prefork worker's parent, before
-        it forks its children), with no heartbeat, no row in ``workers`` or
-        ``worker_agents``, no loop watch and no events."""
-        self.settings = settings
-        self.serving = serving
-        self.slots = slots
-        self.alone = quarantine > 0
-        # How apart from other runs a request runs here (see ledger.precheck):
-        # a process of one slot is alone.
-        self.isolation = quarantine or (2 if slots == 1 else 0)
-        self.node = node or socket.gethostname()
-        # The process as the ledger names the worker running a request (its `holder`
-        # column), and its ``workers`` row.
-        self.worker = ledger.worker_name(self.node, os.getpid())
-        self._runtime: PostgresRuntime | None = None
-        self.events: EventPublisher | None = None
-        self._agents: dict[str, Any] = {}
-        # Each agent's version, as built here (execution.versions).
-        self.versions: dict[str, str] = {}
-        # The fleet's model-call budgets and concurrency limits, once the
-        # runtime is up.
-        self.budgets: Budgets | None = None
-        self.limits: Limits | None = None
-        self.cost_budgets: CostBudgets | None = None
-        # How this process publishes requests whose fair turn came (set by a
-        # Celery worker; without it a run's end hands them to its caller).
-        self.publish_turns: Callable[[list[Pending]], None] | None = None
-        self._fair_turns: FairTurns | None = None
-        # What model calls cost (settings' prices over genai-prices' table).
-        self.prices = Prices(settings.prices)
-        # Whether a run that would wait long for its model key gives its slot
-        # back (a Celery worker, which publishes it again; not an in-process
-        # caller, nor a request running alone).
-        self.parks = not self.alone
-        self._connect_lock = anyio.Lock()
-        self._beating: asyncio.Task[None] | None = None
-        self._presence: asyncio.Task[None] | None = None
-        # The last stamp of the process's row failed: said once per outage.
-        self._unseen = False
-        # Running requests of this process, by id: how to halt each.
-        self._halts: dict[str, Callable[[str, bool], None]] = {}
-        # How late the process's loop runs (started with the runtime), and
-        # what looks at it on each of its ticks (admission control).
-        self.watch: LoopWatch | None = None
-        self.watch_observers: list[Callable[[LoopWatch], None]] = []
-        # Whether the process takes new requests (admission may pause it).
-        self.admitting: Callable[[], bool] = lambda: True
-        # Finished requests whose result this process stored in the result
-        # backend since its last stamp (appended from Celery's threads).
-        self._stored: collections.deque[str] = collections.deque(maxlen=MAX_STORED_WAITING)
-
-    def result_stored(self, request_id: str) -> None:
-        """This process stored ``request_id``'s result: its next stamp takes
-        the request off ``results_to_check``, so the sweeper neither checks it
-        nor stores it again once its caller forgot it (``AsyncResult.forget``)."""
-        self._stored.append(request_id)
-
-    async def runtime(self) -> PostgresRuntime:
-        async with self._connect_lock:
-            if self._runtime is None:
-                runtime = await PostgresRuntime.connect(
-                    self.settings.database_url.get_secret_value(),
-                    min_size=self.settings.pool_min_size,
-                    max_size=self.settings.pool_max_size,
-                    lock_wait_timeout=0,
-                    lock_io_timeout=self.settings.lock_io_timeout,
-                    lock_connections=min(self.settings.lock_connections, self.slots),
-                    connect_timeout=self.settings.connect_timeout,
-                    signals_per_scope=self.settings.signals_per_scope,
-                    on_signals_dropped=metrics.count_signals_dropped,
-                )
-                try:
-                    await runtime.init_schema()
-                    await set_model_limits(runtime.pool, self.settings)
-                    await set_limits(runtime.pool, self.settings, self.worker)
-                except BaseException:
-                    await runtime.aclose()
-                    raise
-                self._runtime = runtime
-                self.budgets = Budgets(runtime.pool)
-                self.limits = Limits(runtime.pool)
-                self.cost_budgets = CostBudgets(runtime.pool)
-                if not self.serving:
-                    return runtime
-                # loomflow runs a synchronous tool in a worker thread, so it never
-                # blocks the other runs; anyio's default of 40 such threads at once
-                # would make the runs of a busy process queue for them.
-                limiter = anyio.to_thread.current_default_thread_limiter()
-                limiter.total_tokens = max(limiter.total_tokens, self.slots)
-                loop = asyncio.get_running_loop()
-                self._beating = loop.create_task(
-                    self._heartbeats(runtime), name="loomflow-worker heartbeat"
-                )
-                self._presence = loop.create_task(
-                    self._stamps(runtime), name="loomflow-worker presence"
-                )
-                meter = metrics.get()
-                if meter is not None:
-                    runtime.journal.time_writes(meter.journal_write.observe)
-                self.watch = LoopWatch(
-                    stall=self.settings.loop_stall_warning,
-                    step_codes=PostgresRuntime.step_codes(),
-                    build_codes=(WorkerContext.agent.__code__,),
-                    on_stall=self._stalled,
-                    on_lag=meter.loop_lag.observe if meter is not None else None,
-                )
-                self.watch.observers = self.watch_observers
-                self.watch.start()
-                url = events_url(self.settings)
-                if url is not None:
-                    self.events = EventPublisher(
-                        url,
-                        prefix=self.settings.redis_key_prefix,
-                        maxlen=self.settings.events_maxlen,
-                        retention=self.settings.events_retention,
-                        # Batches gather longer as the process carries more runs.
-                        load=lambda: len(self._halts),
-                    )
-            return self._runtime
-
-    def fair_turns(self) -> FairTurns | None:
-        """The process's looks for requests whose fair turn came, once its
-        runtime is up, when it publishes them itself."""
-        if (self._fair_turns is None and self.publish_turns is not None
-                and self._runtime is not None and self.limits is not None):
-            self._fair_turns = FairTurns(self._runtime.pool, self.limits.fair,
-                                         self.publish_turns)
-        return self._fair_turns
-
-    async def version(self, name: str) -> str:
-        """The version of agent ``name`` as this process builds it."""
-        await self.agent(name)
-        return self.versions[name]
-
-    async def agent(self, name: str) -> Any:
-        if name not in self._agents:
-            agent = agent_factory(name)(await self.runtime())
-            declared = agent_declared_version(name)
-            # Before pacing wraps its model: the version is of the agent as written.
-            self.versions[name] = version = agent_version(agent, declared)
-            log.info("agent %r version %s (%s)", name, version,
-                     "declared" if declared else "a digest of its definition",
-                     extra={"action": "agent_version", "agent": name, "version": version})
-            if self.serving:
-                await self._record_built(name, version, declared is not None)
-            assert self.budgets is not None
-            for each in agents_within(agent):
-                pace(each, agent_model_key(name), self.budgets)
-            if any(type(getattr(each, "_memory", None)) is InMemoryMemory
-                   for each in agents_within(agent)):
-                log.warning(
-                    "agent %r keeps its memory in this process (loomflow's default): each "
-                    "worker recalls a different history, and a request resumed on another "
-                    "worker sends its model calls again. Give it a memory every worker "
-                    "shares (loomflow's PostgresMemory or RedisMemory), or "
-                    "loomflow_worker.NoMemory if it needs none.", name,
-                    extra={"action": "memory_per_process", "agent": name},
-                )
-            self._agents[name] = agent
-        return self._agents[name]
-
-    async def serve_agents(self) -> dict[str, str]:
-        """Build every registered agent now, as a worker does at start: each
-        one's version, by name (an agent whose factory fails is logged and left
-        out; its requests fail as they come, as before)."""
-        for name in registered_agents():
-            try:
-                await self.agent(name)
-            except Exception:
-                log.exception("agent %r could not be built; its requests fail until it can",
-                              name, extra={"action": "agent_build_failed", "agent": name})
-        return dict(self.versions)
-
-    async def _record_built(self, name: str, version: str, declared: bool) -> None:
-        """The fleet's registry of agents learns that this process serves
-        ``name`` at ``version`` (logged, not raised, when Postgres is away:
-        its next build records it)."""
-        built = ledger.BuiltAgent(
-            worker=self.worker, agent=name, version=version, declared=declared,
-            fairness_key=agent_fairness_key(name), limits=list(agent_limits(name)),
-            time_limit=agent_time_limit(name), model_key=agent_model_key(name))
-        try:
-            async with (await self.runtime()).pool.connection() as conn:
-                await ledger.agent_built(conn, built)
-        except Exception as exc:
-            log.warning("could not record agent %r version %s in worker_agents: %s", name,
-                        version, exc, extra={"action": "agent_record", "agent": name})
-
-    def halt(self, request_id: str, reason: str, *, timed_out: bool = False) -> bool:
-        """Stop a running request of this process at once, mid-step: it ends
-        ``cancelled`` with ``reason`` (a revoke with terminate), or, when
-        ``timed_out`` (Celery's soft time limit), ``failed`` as past its time
-        limit. ``False`` when it does not run here."""
-        halt = self._halts.get(request_id)
-        if halt is None:
-            return False
-        halt(reason, timed_out)
-        return True
-
-    async def _heartbeats(self, runtime: PostgresRuntime) -> None:
-        """Stamp every running request of the process as alive: one urgent
-        statement per lock connection and interval, never queued behind
-        journal writes, and never two at once on a connection. A connection
-        is fenced when it fails, or when nothing has stamped its runs for so
-        long that the sweeper may soon end it (:func:`fence_after`): a late
-        loop or a busy connection only delays a stamp. A frozen process
-        stamps nothing, so its lease runs out and the sweeper fences it."""
-        interval = self.settings.heartbeat_interval
-        runtime.journal.keep_alive(liveness(self.settings))
-        while True:
-            await anyio.sleep(interval)
-            runtime.journal.heartbeat()
-
-    def _stalled(self, stall: Stall) -> None:
-        """The loop was held (from the loop watch's thread): say by what, or
-        that the whole process was stopped."""
-        if stall.frozen:
-            log.warning(
-                "the whole process was stopped for %.1fs (SIGSTOP, a paused VM or container, "
-                "or a machine that gave it no CPU): no run held the event loop. Each of its "
-                "%d runs confirms its lease before its next step, and a run whose lease may "
-                "have lapsed meanwhile is fenced", stall.held, len(self._halts),
-                extra={"action": "process_stopped", "held": round(stall.held, 3)},
-            )
-            meter = metrics.get()
-            if meter is not None:
-                meter.loop_stalls.inc()
-            return
-        if stall.culprit is not None and stall.culprit.agent is not None:
-            # Not a run's code: an agent's factory (and the modules it imports
-            # the first time), once per process.
-            log.log(
-                logging.WARNING if self._halts else logging.INFO,
-                "building agent %r took the event loop for %.1fs (its factory, at %s); "
-                "%d runs of this process waited as long", stall.culprit.agent, stall.held,
-                stall.culprit.where, len(self._halts),
-                extra={"action": "agent_build_stall", "agent": stall.culprit.agent,
-                       "held": round(stall.held, 3)},
-            )
-            return
-        culprit = stall.culprit.describe() if stall.culprit is not None else "unknown code"
-        others = max(0, len(self._halts) - 1)
-        log.warning(
-            "the event loop was held for %.1fs by %s; the %d other runs of this process "
-            "waited as long. A tool that blocks (time.sleep, a synchronous client) in an "
-            "async def holds every run: make it a plain def (loomflow runs those in a "
-            "thread) or await an async call", stall.held, culprit, others,
-            extra={"action": "loop_stall", "held": round(stall.held, 3),
-                   "request": stall.culprit.request_id if stall.culprit else None,
-                   "step": stall.culprit.step if stall.culprit else None},
-        )
-        meter = metrics.get()
-        if meter is not None:
-            meter.loop_stalls.inc()
-
-    def queue_depth(self) -> int:
-        """Statements waiting for the process's lock connections."""
-        runtime = self._runtime
-        if runtime is None:
-            return 0
-        return runtime.journal.queue_depth()
-
-    async def _stamps(self, runtime: PostgresRuntime) -> None:
-        """Stamp the process's own row in ``workers`` at once, then on every
-        heartbeat interval, idle or not: one statement per interval, on a
-        pooled connection (never a lock connection), on a loop of its own so
-        a slow pool never delays the runs' heartbeats. Its connections are
-        counted for the metrics on the same beat."""
-        interval = self.settings.heartbeat_interval
-        peers = sockets.peer_ports(self.settings)
-        while True:
-            if not await self._stamp(runtime, stopped=False):
-                # Once more at once, on another connection: a new attempt of one
-                # of its requests takes the process for dead when its row goes
-                # unstamped for two intervals (see start_request).
-                await anyio.sleep(RESTAMP_AFTER)
-                await self._stamp(runtime, stopped=False)
-            metrics.observe_connections(peers)
-            await anyio.sleep(interval)
-
-    async def _stamp(self, runtime: PostgresRuntime, *, stopped: bool) -> bool:
-        """One stamp of the process's row (``stopped``: it closes); whether it
-        was written. A failure is logged once per outage: the row is for the
-        console, and says to a new attempt of one of its requests that the
-        process lives (see ``start_request``)."""
-        stored = [self._stored.popleft() for _ in range(len(self._stored))]
-        beat = ledger.WorkerBeat(
-            worker=self.worker, hostname=socket.gethostname(), pid=os.getpid(),
-            slots=self.slots, interval=self.settings.heartbeat_interval,
-            runs=len(self._halts), stored=stored,
-            loop_lag=self.watch.lag() if self.watch is not None else 0.0,
-            lock_queue=self.queue_depth(), admitting=self.admitting(),
-        )
-        try:
-            # Closing waits for it no more than STOP_STAMP_WAIT.
-            with anyio.fail_after(min(2 * beat.interval, STOP_STAMP_WAIT) if stopped
-                                  else 2 * beat.interval):
-                async with runtime.pool.connection() as conn:
-                    if stopped:
-                        await ledger.worker_stopped(conn, beat)
-                    else:
-                        await ledger.worker_seen(conn, beat)
-        except Exception as exc:
-            self._stored.extendleft(reversed(stored))  # for the next stamp
-            if not self._unseen:
-                log.warning("could not stamp this worker's row in the workers table: %s",
-                            exc, extra={"action": "worker_stamp", "worker": beat.worker})
-            self._unseen = True
-            return False
-        self._unseen = False
-        return True
-
-    async def aclose(self) -> None:
-        if self.watch is not None:
-            self.watch.stop()
-            self.watch = None
-        tasks, self._beating, self._presence = (self._beating, self._presence), None, None
-        for task in tasks:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        if self._runtime is not None and self.serving:
-            with anyio.CancelScope(shield=True):
-                await self._stamp(self._runtime, stopped=True)
-        for agent in self._agents.values():
-            closer = getattr(agent, "aclose", None)
-            if closer is not None:
-                await closer(timeout=5.0)
-        self._agents.clear()
-        if self.events is not None:
-            await self.events.aclose()
-            self.events = None
-        if self._fair_turns is not None:
-            await self._fair_turns.aclose()
-            self._fair_turns = None
-        if self._runtime is not None:
-            await self._runtime.aclose()
-            self._runtime = None
-
-    def backoff(self, failures: int) -> float:
-        """Full-jitter exponential backoff for the ``failures``-th retry."""
-        cap = min(
-            self.settings.retry_backoff_max, self.settings.retry_backoff * 2 ** (failures - 1)
-        )
-        return random.uniform(cap / 2, cap)
-
-
 async def execute(
-    ctx: WorkerContext,
+    ctx: Host,
     request_id: str,
     args: dict[str, Any],
     kind: Kind,
@@ -552,7 +169,7 @@ async def execute(
 
 
 async def _refuse_invalid(
-    ctx: WorkerContext, runtime: PostgresRuntime, request_id: str, args: dict[str, Any],
+    ctx: Host, runtime: PostgresRuntime, request_id: str, args: dict[str, Any],
     kind: Kind, exc: Exception,
 ) -> Outcome:
     """A request whose arguments are not valid fails unrun (recorded so); a
@@ -572,7 +189,7 @@ async def _refuse_invalid(
 
 
 async def _take_turn(
-    ctx: WorkerContext, runtime: PostgresRuntime, asked: Attempt, req: RunRequest,
+    ctx: Host, runtime: PostgresRuntime, asked: Attempt, req: RunRequest,
     options: MessageOptions | None, arrival: ledger.Arrival | None,
 ) -> tuple[Lease, ledger.Precheck | None] | Outcome:
     """The scope's lock and the ledger's look at the request; or, without the
@@ -602,7 +219,7 @@ async def _take_turn(
 
 
 async def _lock_at_head(
-    ctx: WorkerContext, runtime: PostgresRuntime, asked: Attempt, req: RunRequest,
+    ctx: Host, runtime: PostgresRuntime, asked: Attempt, req: RunRequest,
     arrival: ledger.Arrival | None,
 ) -> tuple[Lease | None, ledger.Precheck | None]:
     """The ledger's look at the request (``None``: no row) with the scope's
@@ -620,7 +237,7 @@ async def _lock_at_head(
             return None if found is None else found.locked
 
         return ledger.precheck(asked.request_id, req, ctx.settings.redispatch_after, key,
-                               may_lock, isolation=ctx.isolation).then(keep)
+                               may_lock, isolation=int(ctx.isolation)).then(keep)
 
     lease = await runtime.journal.acquire_if(req.scope, HANDOFF_LOCK_WAIT, precheck_and_lock)
     if lease is None and pre is None:
@@ -643,7 +260,7 @@ async def _to_quarantine(asked: Attempt, req: RunRequest, level: int) -> Outcome
 
 
 async def _spent_budget(
-    ctx: WorkerContext, attempt: Attempt, req: RunRequest, key: str | None,
+    ctx: Host, attempt: Attempt, req: RunRequest, key: str | None,
     options: MessageOptions | None,
 ) -> budgets.Spent | None:
     """Park the request when a budget of its fairness key (``key``, as its
@@ -665,7 +282,7 @@ async def _spent_budget(
     return spent
 
 
-async def _bounds(ctx: WorkerContext, req: RunRequest, key: str | None) -> list[Bound]:
+async def _bounds(ctx: Host, req: RunRequest, key: str | None) -> list[Bound]:
     """The concurrency limits the request counts toward (``key``: its fairness
     key, as its enqueue recorded it)."""
     if ctx.limits is None:
@@ -674,7 +291,7 @@ async def _bounds(ctx: WorkerContext, req: RunRequest, key: str | None) -> list[
 
 
 async def _within_limits(
-    ctx: WorkerContext, runtime: PostgresRuntime, lease: Lease, attempt: Attempt,
+    ctx: Host, runtime: PostgresRuntime, lease: Lease, attempt: Attempt,
     req: RunRequest, bounds: list[Bound], node: str | None, time_limit: float | None,
     options: MessageOptions | None, pre: ledger.Precheck | None,
 ) -> Outcome:
@@ -709,7 +326,7 @@ async def _free_slots(
                 outcome.dispatch.extend(await ledger.next_on_limit(conn, bound.reason, 1))
 
 
-async def _fair_turns(ctx: WorkerContext, runtime: PostgresRuntime, outcome: Outcome) -> None:
+async def _fair_turns(ctx: Host, runtime: PostgresRuntime, outcome: Outcome) -> None:
     """Its message left the broker: room for a request held for its fair turn
     (the process's looks publish it, one at a time; without them, its caller)."""
     turns = ctx.fair_turns()
@@ -793,7 +410,7 @@ async def _park_busy(asked: Attempt, req: RunRequest, options: MessageOptions | 
 
 
 async def _run_holding(
-    ctx: WorkerContext,
+    ctx: Host,
     runtime: PostgresRuntime,
     lease: Lease,
     attempt: Attempt,
@@ -837,7 +454,7 @@ async def _run_holding(
 
 
 async def _not_started(
-    ctx: WorkerContext, attempt: Attempt, req: RunRequest, started: ledger.Started,
+    ctx: Host, attempt: Attempt, req: RunRequest, started: ledger.Started,
     version: str, options: MessageOptions | None,
 ) -> Outcome | None:
     """What a start that runs nothing comes to: a duplicate of a finished
@@ -860,7 +477,7 @@ async def _not_started(
 
 
 async def _settle(
-    ctx: WorkerContext, lease: Lease, attempt: Attempt, req: RunRequest,
+    ctx: Host, lease: Lease, attempt: Attempt, req: RunRequest,
     started: ledger.Started, ending: Ending | Retry | Paused, usage: AttemptUsage,
     options: MessageOptions | None,
 ) -> Outcome:
@@ -894,7 +511,7 @@ async def _record_usage(attempt: Attempt, usage: AttemptUsage) -> None:
 
 
 async def _send_to_version(
-    ctx: WorkerContext, attempt: Attempt, req: RunRequest, version: str, pinned: str,
+    ctx: Host, attempt: Attempt, req: RunRequest, version: str, pinned: str,
     options: MessageOptions | None,
 ) -> Outcome:
     """The request is pinned to version ``pinned`` of its agent, and this
@@ -914,7 +531,7 @@ async def _send_to_version(
 
 
 async def _start(
-    ctx: WorkerContext,
+    ctx: Host,
     attempt: Attempt,
     req: RunRequest,
     worker: str,
@@ -934,7 +551,8 @@ async def _start(
     while True:
         started = await attempt.start(
             worker, settings.redispatch_after, opening, lease=settings.lease_timeout,
-            interval=settings.heartbeat_interval, isolation=ctx.isolation, version=version,
+            interval=settings.heartbeat_interval, isolation=int(ctx.isolation),
+            version=version,
         )
         if started.status != ledger.WAITING:
             if waited is not None:
@@ -996,7 +614,7 @@ def _log_fields(request_id: str, req: RunRequest) -> dict[str, Any]:
 
 
 async def _conclude(
-    ctx: WorkerContext,
+    ctx: Host,
     lease: Lease,
     attempt: Attempt,
     req: RunRequest,
@@ -1045,7 +663,7 @@ def _count_start(request_id: str, req: RunRequest, started: ledger.Started) -> N
             meter.handoff.observe(started.since_handoff)
 
 
-def _time_limit(ctx: WorkerContext, req: RunRequest, call_limit: float | None
+def _time_limit(ctx: Host, req: RunRequest, call_limit: float | None
                 ) -> tuple[float, bool]:
     """The run's time limit (the agent's, else the settings'; the caller's when
     shorter), and whether it is the caller's."""
@@ -1055,7 +673,7 @@ def _time_limit(ctx: WorkerContext, req: RunRequest, call_limit: float | None
     return time_limit, False
 
 
-def _lend_lease(ctx: WorkerContext, lease: Lease, attempt: Attempt, started: ledger.Started,
+def _lend_lease(ctx: Host, lease: Lease, attempt: Attempt, started: ledger.Started,
                 usage: AttemptUsage | None, fence: anyio.CancelScope) -> None:
     """The lease carries the attempt while it runs: the process's heartbeat
     stamps the request from now on, and when the lock connection is lost the
@@ -1069,7 +687,7 @@ def _lend_lease(ctx: WorkerContext, lease: Lease, attempt: Attempt, started: led
         # stops it there).
         async def cleared() -> None:
             await attempt.clear_suspicion()
-            if ctx.alone:
+            if ctx.in_quarantine:
                 lease.request_stop(HandedBack())
 
         lease.on_executed = cleared
@@ -1084,7 +702,7 @@ def _take_lease_back(lease: Lease) -> None:
 
 
 async def _call_agent(
-    ctx: WorkerContext, runtime: PostgresRuntime, lease: Lease, request_id: str,
+    ctx: Host, runtime: PostgresRuntime, lease: Lease, request_id: str,
     req: RunRequest, started: ledger.Started, agent: Any,
     stops: tuple[anyio.CancelScope, anyio.CancelScope, anyio.CancelScope],
 ) -> dict[str, Any] | None:
@@ -1106,7 +724,7 @@ async def _call_agent(
 
 
 async def _run(
-    ctx: WorkerContext,
+    ctx: Host,
     runtime: PostgresRuntime,
     lease: Lease,
     attempt: Attempt,
@@ -1140,7 +758,7 @@ async def _run(
         halted.append(reason)
         halt.cancel()
 
-    ctx._halts[request_id] = stop_now
+    ctx.run_started(request_id, stop_now)
     try:
         try:
             result = await _call_agent(ctx, runtime, lease, request_id, req, started, agent,
@@ -1149,7 +767,7 @@ async def _run(
                 raise lease.fenced or LockLost(req.scope, "the heartbeat failed")
         finally:
             _take_lease_back(lease)
-            ctx._halts.pop(request_id, None)
+            ctx.run_ended(request_id)
             _count_steps(runtime, executed, replayed)
     except LockLost:
         raise
@@ -1173,7 +791,7 @@ async def _run(
 
 
 async def _ending_of_stop(
-    ctx: WorkerContext, lease: Lease, attempt: Attempt, req: RunRequest, exc: BaseException
+    ctx: Host, lease: Lease, attempt: Attempt, req: RunRequest, exc: BaseException
 ) -> Ending | Paused | None:
     """What a run stopped by other than an error of its own comes to: handed
     back from quarantine (raised), paused, failed as diverged, or cancelled

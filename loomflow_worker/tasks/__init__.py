@@ -5,9 +5,10 @@ The binding, by job: :mod:`.application` (the app and its configuration),
 (what a worker's task does), :mod:`.dispatch` (publishing what the ledger
 recorded), :mod:`.wake` (a signal's sender publishing the requests waiting
 for it), :mod:`.cancel`, :mod:`.revoke`, :mod:`.results`, :mod:`.eta`,
-:mod:`.hooks` (the worker's Celery signals), :mod:`.worker` (its shutdown),
-and the process's state in :mod:`.state`; :mod:`.old_names` lets failures
-stored by earlier versions read as their classes."""
+:mod:`.hooks` (the worker's Celery signals), :mod:`.old_names` (what lets
+failures stored by earlier versions read as their classes). What a worker
+process is (its context, loop, pool, state and quarantine's processes) is in
+:mod:`loomflow_worker.worker`."""
 
 from ..execution.registry import register_agent, registered_agents
 from ..execution.request_errors import RunCancelled, RunDead, RunFailed

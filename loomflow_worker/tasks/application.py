@@ -18,10 +18,10 @@ from pydantic_settings import SettingsError
 
 from ..execution import ledger
 from ..settings import Settings
+from ..worker.state import PROCESS
 from .broker import AMQP
 from .dispatch import RESUME_AGENT, RUN_AGENT
 from .perform import ResumeAgentTask, RunAgentTask, _resume_agent, _run_agent
-from .state import PROCESS
 from .task import AgentTask
 
 __all__ = ["RESUME_AGENT", "RUN_AGENT", "AgentTask", "app", "configure", "current_app",
@@ -40,7 +40,7 @@ class LoomflowCelery(Celery):  # type: ignore[misc]
 
     @cached_property
     def Worker(self) -> Any:
-        return self.subclass_with_self("loomflow_worker.tasks.worker:Worker")
+        return self.subclass_with_self("loomflow_worker.worker.celery_worker:Worker")
 
 
 def settings() -> Settings:

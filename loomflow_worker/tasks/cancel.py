@@ -4,9 +4,9 @@ a worker ends each request ``cancelled`` and hands its session on."""
 from __future__ import annotations
 
 from ..runtime.validate import check_id
+from ..worker.state import PROCESS
 from .application import settings
 from .dispatch import dispatch_recorded
-from .state import PROCESS
 
 
 def cancel_request(request_id: str) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 from celery.result import task_join_will_block
 
 from ..execution.pending import Pending
-from .state import PROCESS
+from ..worker.state import PROCESS
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from celery.signals import (
 
 from .. import metrics, tracing
 from ..execution import ledger
-from ..execution.execute import WorkerContext
 from ..execution.registry import import_agent_modules
 from ..execution.request import check_request
 from ..runtime.errors import InvalidInput, LoomflowWorkerError, SessionPooler
@@ -37,18 +36,19 @@ from ..settings import Settings
 from ..sweeper.leader import Sweeper
 from ..sweeper.recovery import Revokes
 from ..sweeper.result_watch import ResultBackend
-from .admission import Admission
-from .alone import stop_alone
+from ..worker.admission import Admission
+from ..worker.connections import bound_producers_now, bound_worker_connections
+from ..worker.context import WorkerContext
+from ..worker.pool import REFUSED_POOLS, RunPool, pool_name, refused_threads_option
+from ..worker.quarantine.attempts import stop_alone
+from ..worker.state import PROCESS
 from .application import current_app, settings
 from .cancel import cancel_request
-from .connections import bound_producers_now, bound_worker_connections
 from .dispatch import RESUME_AGENT, RUN_AGENT, dispatch_many
 from .eta import arrival
-from .pool import REFUSED_POOLS, RunPool, pool_name, refused_threads_option
 from .queues import queue_lengths, version_queues
 from .results import probe_result_backend, result_lifetime, results_missing, store_result
 from .revoke import end_revoked_requests, end_revoked_soon, revoked_ids
-from .state import PROCESS
 from .task import AgentTask
 from .upgrade import upgrade_stranded
 from .version_watch import VersionWatch

@@ -22,11 +22,11 @@ from ..execution.registry import DEFAULT_AGENT
 from ..execution.request import Kind
 from ..execution.request_errors import AttemptLost, DiedAlone, RunCancelled, RunDead, RunFailed
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
-from .alone import run_alone
+from ..worker.quarantine.attempts import run_alone
+from ..worker.state import PROCESS
 from .dispatch import dispatch_recorded, dispatch_turns, options_json
 from .eta import arrival
 from .retry import retry_within
-from .state import PROCESS
 from .task import AgentTask
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from typing import Any
 
 from ..execution.request_errors import RunCancelled, RunDead, RunFailed
 from ..sweeper.result_watch import BackendMark
+from ..worker.state import PROCESS
 from .dispatch import dispatch_errors
-from .state import PROCESS
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import threading
 
 from ..execution import ledger
 from ..execution.pending import Pending
+from ..worker.state import PROCESS
 from .dispatch import dispatch_recorded
 from .retry import retry_within
-from .state import PROCESS
 
 log = logging.getLogger(__name__)
 

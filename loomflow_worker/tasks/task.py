@@ -22,6 +22,7 @@ from ..execution.request_errors import RunCancelled, RunDead, RunFailed
 from ..runtime.errors import InvalidInput
 from ..runtime.validate import check_id
 from ..settings import check_key, check_weight
+from ..worker.state import PROCESS
 from .dispatch import (
     DISPATCH_RETRY,
     check_result_backend,
@@ -33,7 +34,6 @@ from .dispatch import (
 from .eta import start_at
 from .results import ResultStore
 from .revoke import end_revoked_soon
-from .state import PROCESS
 
 #: The ``apply_async`` options that say where a message goes.
 ROUTING = ("queue", "exchange", "routing_key", "priority")

@@ -19,9 +19,9 @@ from ..execution.versions import check_version, queue_suffix
 from ..runtime.conns import SyncConn
 from ..runtime.errors import InvalidInput
 from ..runtime.validate import check_id
+from ..worker.state import PROCESS
 from .application import settings
 from .dispatch import dispatch_recorded
-from .state import PROCESS
 
 
 @dataclass(frozen=True)

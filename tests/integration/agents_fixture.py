@@ -14,9 +14,9 @@ import anyio
 from loomflow import Agent
 
 from loomflow_worker import register_agent
-from loomflow_worker.execution.quarantine import PROCESS_NAME as ALONE_PROCESS
 from loomflow_worker.tasks import settings
 from loomflow_worker.testing import DeterministicModel, EffectsLog
+from loomflow_worker.worker.quarantine.child import PROCESS_NAME as ALONE_PROCESS
 
 # SIGUSR2 prints every thread's stack to the worker's output: the harness
 # sends it to a worker that does not stop in time, to show where it hangs.

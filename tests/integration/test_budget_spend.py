@@ -21,13 +21,14 @@ from starlette.testclient import TestClient
 from loomflow_worker import NoMemory, register_agent
 from loomflow_worker.console.app import create_app
 from loomflow_worker.execution import budgets, ledger
-from loomflow_worker.execution.execute import WorkerContext, execute
+from loomflow_worker.execution.execute import execute
 from loomflow_worker.execution.limits import command_by
 from loomflow_worker.execution.request import check_request
 from loomflow_worker.execution.request_errors import OverBudget
 from loomflow_worker.runtime.errors import InvalidInput
 from loomflow_worker.settings import Settings, budget_of
 from loomflow_worker.testing import DeterministicModel
+from loomflow_worker.worker.context import WorkerContext
 
 pytestmark = pytest.mark.anyio
 

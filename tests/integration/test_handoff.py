@@ -19,12 +19,13 @@ from loomflow import Agent
 
 from loomflow_worker import NoMemory, register_agent
 from loomflow_worker.execution import ledger
-from loomflow_worker.execution.execute import WorkerContext, execute
+from loomflow_worker.execution.execute import execute
 from loomflow_worker.execution.request import RunRequest, check_request
 from loomflow_worker.runtime.lockconn import Batch
 from loomflow_worker.runtime.store import Lease
 from loomflow_worker.settings import Settings
 from loomflow_worker.testing import DeterministicModel
+from loomflow_worker.worker.context import WorkerContext
 from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.anyio

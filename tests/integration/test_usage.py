@@ -24,10 +24,11 @@ from loomflow_worker import NoMemory, register_agent
 from loomflow_worker.cli import main
 from loomflow_worker.console.app import create_app
 from loomflow_worker.execution import ledger
-from loomflow_worker.execution.execute import WorkerContext, execute
+from loomflow_worker.execution.execute import execute
 from loomflow_worker.execution.request import check_request
 from loomflow_worker.settings import ModelPrice, Settings
 from loomflow_worker.testing import DeterministicModel
+from loomflow_worker.worker.context import WorkerContext
 
 pytestmark = pytest.mark.anyio
 

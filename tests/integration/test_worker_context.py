@@ -14,9 +14,9 @@ from loomflow.memory import HashEmbedder
 from loomflow.memory.redis import RedisMemory
 
 from loomflow_worker import register_agent
-from loomflow_worker.execution.execute import WorkerContext
 from loomflow_worker.settings import Settings
 from loomflow_worker.testing import DeterministicModel
+from loomflow_worker.worker.context import WorkerContext
 from tests.needs import REDIS_URL
 from tests.waiting import wait_until_async
 
@@ -42,7 +42,7 @@ async def test_an_agent_with_process_local_memory_is_warned_about_once(
 ) -> None:
     ctx = WorkerContext(Settings(database_url=dsn, events=False))  # type: ignore[arg-type]
     try:
-        with caplog.at_level(logging.WARNING, logger="loomflow_worker.execution.execute"):
+        with caplog.at_level(logging.WARNING, logger="loomflow_worker.worker.agents"):
             await ctx.agent("test-memory-per-process")
             await ctx.agent("test-memory-per-process")
             await ctx.agent("test-memory-shared")
@@ -68,13 +68,13 @@ async def test_an_idle_process_stamps_its_row_and_marks_it_stopped_when_it_close
     ctx = WorkerContext(settings, slots=3, node="n1@host")
     assert ctx.worker == f"n1@host:{os.getpid()}"
     stamps = [0]
-    stamp = ctx._stamp
+    stamp = ctx.heart._stamp
 
     async def counted(runtime: Any, *, stopped: bool) -> None:
         stamps[0] += 1
         await stamp(runtime, stopped=stopped)
 
-    ctx._stamp = counted  # type: ignore[method-assign]
+    ctx.heart._stamp = counted  # type: ignore[method-assign]
     try:
         await ctx.runtime()
         row = await wait_until_async(lambda: _worker_row(dsn, ctx.worker), "its first stamp", 10)
@@ -82,7 +82,7 @@ async def test_an_idle_process_stamps_its_row_and_marks_it_stopped_when_it_close
         # The table gone (a failing stamp): logged once, and the process goes on.
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
             await conn.execute("ALTER TABLE workers RENAME TO workers_away")
-        with caplog.at_level(logging.WARNING, logger="loomflow_worker.execution.execute"):
+        with caplog.at_level(logging.WARNING, logger="loomflow_worker.worker.heart"):
             failing = stamps[0] + 3
             async def stamped() -> int:
                 return stamps[0]
@@ -93,7 +93,7 @@ async def test_an_idle_process_stamps_its_row_and_marks_it_stopped_when_it_close
             await conn.execute("ALTER TABLE workers_away RENAME TO workers")
         warned = [r for r in caplog.records if "could not stamp" in r.getMessage()]
         assert len(warned) == 1
-        assert ctx._presence is not None and not ctx._presence.done()
+        assert ctx.heart._presence is not None and not ctx.heart._presence.done()
     finally:
         await ctx.aclose()
     assert await _worker_row(dsn, ctx.worker) == (os.getpid(), 0, True, True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from loomflow_worker.tasks.admission import Admission
+from loomflow_worker.worker.admission import Admission
 
 
 @dataclass

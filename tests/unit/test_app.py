@@ -21,7 +21,7 @@ from pydantic import SecretStr
 
 from loomflow_worker import tasks
 from loomflow_worker.tasks import application
-from loomflow_worker.tasks.connections import (
+from loomflow_worker.worker.connections import (
     PUBLISH_CONNECTIONS,
     PUBLISH_WAIT,
     RESULT_CONNECTIONS,
@@ -87,7 +87,7 @@ def _in_a_new_process(code: str, **env: str) -> str:
 def test_importing_the_package_makes_no_app_until_one_is_used() -> None:
     shown = _in_a_new_process(
         "import loomflow_worker.tasks as tasks\n"
-        "from loomflow_worker.tasks.state import PROCESS\n"
+        "from loomflow_worker.worker.state import PROCESS\n"
         "print(PROCESS.app is None and PROCESS.settings is None)\n"
         "print(tasks.run_agent.name, PROCESS.app is not None, PROCESS.settings is not None)"
     )
@@ -156,7 +156,7 @@ def test_a_worker_bounds_its_producers_before_any_thread_publishes() -> None:
         "import kombu\n"
         "from loomflow_worker import tasks\n"
         "from loomflow_worker.tasks import application\n"
-        "from loomflow_worker.tasks import connections\n"
+        "from loomflow_worker.worker import connections\n"
         "app = application.make_app(tasks.settings())\n"
         "connections.bound_worker_connections(app)\n"
         "connections.bound_producers_now(app)\n"

@@ -11,7 +11,7 @@ from types import FrameType
 import pytest
 import sniffio
 
-from loomflow_worker.tasks.loop import ChildLoop
+from loomflow_worker.worker.loop import ChildLoop
 
 
 @pytest.fixture

@@ -1,10 +1,14 @@
 """The package's layers import one way, with no circles (no services).
 
 runtime (journal, locks, SQL, migrations, prune) <- execution (the ledger and
-one attempt of a request, no Celery) <- sweeper (what the fleet's leader
-does, no Celery) <- tasks (the Celery binding); execution <- admin (operator
-tools, no Celery) <- faces (the CLI, the demo, the console). Settings,
-events and metrics are leaves anyone may use."""
+one attempt of a request, no Celery; what it needs of its worker process it
+declares in execution.host) <- sweeper (what the fleet's leader does, no
+Celery) and worker (what a worker process is: its context and parts, its
+loop, admission, pool and connections, quarantine's processes) <- tasks (the
+Celery binding); execution <- admin (operator tools, no Celery) <- faces
+(the CLI, the demo, the console). Settings, events and metrics are leaves
+anyone may use; the live events, sockets and the loop watch are the
+worker's, not execution's."""
 
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ NAME = "loomflow_worker"
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "module", ["loomflow_worker", "loomflow_worker.runtime", "loomflow_worker.execution.execute",
-               "loomflow_worker.sweeper.leader"]
+               "loomflow_worker.sweeper.leader", "loomflow_worker.worker.context",
+               "loomflow_worker.worker.quarantine.child"]
 )
 def test_the_runtime_and_execution_load_no_celery(module: str) -> None:
     code = (
@@ -127,26 +132,32 @@ def _layers(*names: str) -> set[str]:
 
 
 LAYERS = {
-    f"{NAME}.runtime": _layers("execution", "sweeper", "tasks", "cli", "admin", "demo", "events",
-                               "metrics", "console", "durations"),
-    f"{NAME}.execution": _layers("sweeper", "tasks", "cli", "admin", "demo", "console"),
+    f"{NAME}.runtime": _layers("execution", "sweeper", "worker", "tasks", "cli", "admin", "demo",
+                               "events", "metrics", "console", "durations"),
+    # The worker process's concerns (its live events, sockets, loop watch)
+    # reach an attempt only through execution.host.
+    f"{NAME}.execution": _layers("sweeper", "worker", "tasks", "cli", "admin", "demo", "console",
+                                 "events", "sockets", "runtime.loopwatch"),
     # The sweeper is the leader's jobs; the Celery binding starts it, and gives
     # it how to publish and reach the result backend.
-    f"{NAME}.sweeper": _layers("tasks", "cli", "admin", "demo", "console"),
+    f"{NAME}.sweeper": _layers("worker", "tasks", "cli", "admin", "demo", "console"),
+    # A worker process, with Celery's pieces but not the binding's tasks.
+    f"{NAME}.worker": _layers("sweeper", "tasks", "cli", "admin", "demo", "console"),
     # The Celery binding uses the runtime's prune, not the operator tools.
     f"{NAME}.tasks": _layers("cli", "demo", "admin", "console"),
     # Operator tools (one module per job) serve the faces; they use no Celery.
     # The console is a face: the CLI and the demo start it, nothing else imports it.
-    f"{NAME}.admin": _layers("sweeper", "tasks", "cli", "demo", "console"),
-    f"{NAME}.durations": _layers("execution", "sweeper", "tasks", "admin", "cli", "console"),
-    f"{NAME}.pricing": _layers("runtime", "execution", "sweeper", "tasks", "admin", "cli",
-                               "metrics", "console"),
-    f"{NAME}.settings": _layers("runtime", "execution", "sweeper", "tasks", "admin", "cli",
-                                "events", "console"),
-    f"{NAME}.events": _layers("execution", "sweeper", "tasks", "admin", "cli", "console"),
+    f"{NAME}.admin": _layers("sweeper", "worker", "tasks", "cli", "demo", "console"),
+    f"{NAME}.durations": _layers("execution", "sweeper", "worker", "tasks", "admin", "cli",
+                                 "console"),
+    f"{NAME}.pricing": _layers("runtime", "execution", "sweeper", "worker", "tasks", "admin",
+                               "cli", "metrics", "console"),
+    f"{NAME}.settings": _layers("runtime", "execution", "sweeper", "worker", "tasks", "admin",
+                                "cli", "events", "console"),
+    f"{NAME}.events": _layers("execution", "sweeper", "worker", "tasks", "admin", "cli", "console"),
     # Traces are a leaf every layer may use; its SDK half only the worker's hooks.
-    **{f"{NAME}.{leaf}": _layers("runtime", "execution", "sweeper", "tasks", "admin", "cli",
-                                 "demo", "console", "settings", "events", "metrics")
+    **{f"{NAME}.{leaf}": _layers("runtime", "execution", "sweeper", "worker", "tasks", "admin",
+                                 "cli", "demo", "console", "settings", "events", "metrics")
        for leaf in ("tracing", "tracing_export")},
 }
 
@@ -190,7 +201,7 @@ ERRORS = {"runtime": "errors.py", "execution": "request_errors.py"}
 
 def test_each_layer_defines_its_errors_in_its_errors_module() -> None:
     wrong = []
-    for layer in ("runtime", "execution", "sweeper", "tasks", "admin"):
+    for layer in ("runtime", "execution", "sweeper", "worker", "tasks", "admin"):
         for path in (PACKAGE / layer).rglob("*.py"):
             if path.name == ERRORS.get(layer):
                 continue

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 from loomflow_worker.cli import main
 from loomflow_worker.tasks import hooks
-from loomflow_worker.tasks.pool import RunPool, pool_name
-from loomflow_worker.tasks.state import PROCESS
+from loomflow_worker.worker.pool import RunPool, pool_name
+from loomflow_worker.worker.state import PROCESS
 
 
 @pytest.fixture(autouse=True)

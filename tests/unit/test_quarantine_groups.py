@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from loomflow_worker.tasks import alone
-from loomflow_worker.tasks.groups import AloneRuns, Quarantine
+from loomflow_worker.worker.quarantine import attempts as alone
+from loomflow_worker.worker.quarantine.processes import AloneRuns, Quarantine
 
 
 def test_a_group_holds_at_most_its_capacity_at_once_and_refills() -> None:

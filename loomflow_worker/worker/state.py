@@ -16,7 +16,7 @@ import threading
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from celery import Celery
@@ -24,21 +24,26 @@ from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from ..execution import budgets, ledger, limits
-from ..execution.execute import WorkerContext
 from ..execution.ledger import EnqueuePool
 from ..execution.registry import agent_registered, import_agent_modules, learn_fleet_agent
 from ..runtime.errors import InvalidInput
 from ..settings import Settings, validation_message
-from ..sweeper.leader import Sweeper
 from .admission import Admission
-from .groups import AloneRuns
+from .context import WorkerContext
 from .loop import ChildLoop
+from .quarantine.processes import AloneRuns
 
 log = logging.getLogger(__name__)
 
 #: How often a process that enqueues for an agent it does not build reads the
 #: agent again from the fleet's registry (seconds).
 LEARN_EVERY = 10.0
+
+
+class Stoppable(Protocol):
+    """A background job the worker stops as it shuts down (its sweeper)."""
+
+    def stop(self) -> None: ...
 
 
 @dataclass
@@ -60,7 +65,8 @@ class ProcessState:
     #: The process's context for running requests (its runtime, its agents),
     #: made on first use and dropped when the settings change.
     context: WorkerContext | None = None
-    sweeper: Sweeper | None = None
+    #: The fleet's sweeper, when this worker runs one.
+    sweeper: Stoppable | None = None
     admission: Admission | None = None
     #: The requests this worker's consumer received and has not started yet
     #: (held for a rate limit or an eta, or waiting for a free slot), by id.

@@ -1,7 +1,7 @@
 """Running suspected requests in quarantine: the worker's side.
 
 A shared worker process (many runs on one loop) does not run a request that
-must run in quarantine (:mod:`loomflow_worker.execution.quarantine` says
+must run in quarantine (:mod:`loomflow_worker.worker.quarantine.child` says
 which and why): its task hands the attempt to a process of quarantine and
 waits for its reply, then carries on with the outcome as if it had run here
 (result, handoffs, retry). A request that must run alone gets a process of
@@ -25,14 +25,14 @@ from typing import Any
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from ..execution import ledger
-from ..execution.outcome import Outcome, OutcomeKind
-from ..execution.quarantine import decode_outcome
-from ..execution.registry import agent_modules
-from ..execution.request_errors import AttemptLost, DiedAlone
-from ..runtime.errors import DatabaseUnavailable, LockLost
-from .groups import Member, Quarantine
-from .state import PROCESS
+from ...execution import ledger
+from ...execution.outcome import Outcome, OutcomeKind
+from ...execution.registry import agent_modules
+from ...execution.request_errors import AttemptLost, DiedAlone
+from ...runtime.errors import DatabaseUnavailable, LockLost
+from ..state import PROCESS
+from .child import decode_outcome
+from .processes import Member, Quarantine
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def _processes() -> multiprocessing.context.ForkServerContext:
     with PROCESS.alone.guard:
         if not PROCESS.alone.preloaded:
             context.set_forkserver_preload(
-                ["loomflow_worker.execution.quarantine", *agent_modules()])
+                ["loomflow_worker.worker.quarantine.child", *agent_modules()])
             PROCESS.alone.preloaded = True
     return context
 

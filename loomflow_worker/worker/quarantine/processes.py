@@ -1,5 +1,5 @@
 """The processes of quarantine a worker process runs (see
-:mod:`loomflow_worker.tasks.alone`): one request alone, or a few suspects
+:mod:`loomflow_worker.worker.quarantine.attempts`): one request alone, or a few suspects
 together, each answered through the process's pipe."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from multiprocessing.context import ForkServerContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from ..execution import ledger, quarantine
+from ...execution import ledger
+from . import child as quarantine
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ EXIT_GRACE = 10.0
 @dataclass
 class AloneRuns:
     """The processes of quarantine this process runs, and the requests in
-    them (see :mod:`loomflow_worker.tasks.alone`)."""
+    them (see :mod:`loomflow_worker.worker.quarantine.attempts`)."""
 
     #: How many processes of quarantine run now (at most ``ALONE_AT_ONCE``).
     taken: int = 0

@@ -39,16 +39,17 @@ from typing import Any
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from .. import tracing
-from ..runtime.errors import DatabaseUnavailable, LockLost
-from ..runtime.loopwatch import claim_thread_for_asyncio
-from ..settings import Settings
-from . import ledger
-from .execute import WorkerContext, execute
-from .outcome import Outcome, OutcomeKind
-from .pending import Pending
-from .registry import import_agent_modules
-from .request_errors import AttemptLost
+from ... import tracing
+from ...execution import ledger
+from ...execution.execute import execute
+from ...execution.outcome import Outcome, OutcomeKind
+from ...execution.pending import Pending
+from ...execution.registry import import_agent_modules
+from ...execution.request_errors import AttemptLost
+from ...runtime.errors import DatabaseUnavailable, LockLost
+from ...runtime.loopwatch import claim_thread_for_asyncio
+from ...settings import Settings
+from ..context import WorkerContext
 
 log = logging.getLogger(__name__)
 
