@@ -101,12 +101,12 @@ class Attempt:
             conn, request_id, options, default_queue, suffix))
 
     async def start(self, worker: str, stale_after: float, opening: OpenChoice | None, *,
-                    lease: float, interval: float, isolation: int,
+                    lease: float, interval: float, quarantine: int,
                     version: str | None) -> ledger.Started:
         """Started under the scope's lock (see :func:`.ledger.start`); its number kept."""
         started = await self._held().send(ledger.start(
             self.request_id, self.scope, worker, stale_after, opening, lease=lease,
-            interval=interval, isolation=isolation, version=version))
+            interval=interval, quarantine=quarantine, version=version))
         self.number = started.attempt
         return started
 

@@ -64,7 +64,7 @@ from .request_errors import RunCancelled as RunCancelled
 from .request_errors import RunDead as RunDead
 from .request_errors import RunFailed as RunFailed
 from .runnables import run_request
-from .statuses import TERMINAL
+from .statuses import TERMINAL, QuarantineLevel
 from .usage import AttemptUsage
 from .versions import queue_suffix
 
@@ -237,7 +237,7 @@ async def _lock_at_head(
             return None if found is None else found.locked
 
         return ledger.precheck(asked.request_id, req, ctx.settings.redispatch_after, key,
-                               may_lock, isolation=int(ctx.isolation)).then(keep)
+                               may_lock, quarantine=ctx.quarantine).then(keep)
 
     lease = await runtime.journal.acquire_if(req.scope, HANDOFF_LOCK_WAIT, precheck_and_lock)
     if lease is None and pre is None:
@@ -246,17 +246,18 @@ async def _lock_at_head(
     return lease, pre
 
 
-async def _to_quarantine(asked: Attempt, req: RunRequest, level: int) -> Outcome:
+async def _to_quarantine(asked: Attempt, req: RunRequest, level: QuarantineLevel
+                         ) -> Outcome:
     """Handed to a process of quarantine, as a dispatch would: the sweeper
     leaves it to that process (for REDISPATCH_AFTER, should it die)."""
     await asked.mark_quarantined()
     log.warning(
         "request %s runs %s, without completing a step", asked.request_id,
         "alone: its attempts died in quarantine too, or lost their lock twice in a row"
-        if level > 1 else "in quarantine among a few suspects: its attempts "
+        if level == QuarantineLevel.ALONE else "in quarantine among a few suspects: its attempts "
         "died with other runs of their process twice in a row",
         extra={"action": "quarantine", **_log_fields(asked.request_id, req)})
-    return Outcome(OutcomeKind.QUARANTINE, isolation=level)
+    return Outcome(OutcomeKind.QUARANTINE, quarantine=level)
 
 
 async def _spent_budget(
@@ -551,7 +552,7 @@ async def _start(
     while True:
         started = await attempt.start(
             worker, settings.redispatch_after, opening, lease=settings.lease_timeout,
-            interval=settings.heartbeat_interval, isolation=int(ctx.isolation),
+            interval=settings.heartbeat_interval, quarantine=ctx.quarantine,
             version=version,
         )
         if started.status != ledger.WAITING:

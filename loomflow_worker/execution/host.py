@@ -5,7 +5,6 @@ context, :class:`loomflow_worker.worker.context.WorkerContext`, is one)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import IntEnum
 from typing import Any, Protocol
 
 from ..pricing import Prices
@@ -14,28 +13,7 @@ from ..settings import Settings
 from .budgets import CostBudgets
 from .fair_turns import FairTurns
 from .limits import Limits
-
-
-class QuarantineLevel(IntEnum):
-    """How far apart from other runs a request runs: the ledger carries it as
-    a number (the ``isolation`` of an attempt, the ``quarantine`` a request
-    needs), as do the logs and metrics."""
-
-    #: In a shared process, with the other runs of its worker.
-    NONE = 0
-    #: In a process of quarantine, among a few suspects (``QUARANTINE_GROUP``).
-    GROUP = 1
-    #: In a process of its own.
-    ALONE = 2
-
-    @classmethod
-    def given(cls, quarantine: int, slots: int) -> QuarantineLevel:
-        """The quarantine a process gives its runs: its own, as a process of
-        quarantine; else alone when it carries one run at a time."""
-        if quarantine:
-            return cls(quarantine)
-        return cls.ALONE if slots == 1 else cls.NONE
-
+from .statuses import QuarantineLevel
 
 #: How to halt a running request: ``(reason, timed_out)``.
 Halt = Callable[[str, bool], None]
@@ -61,7 +39,7 @@ class Host(Protocol):
     #: The Celery node it serves (the host name when none).
     node: str
     #: The quarantine it gives its runs (see ``ledger.precheck``).
-    isolation: QuarantineLevel
+    quarantine: QuarantineLevel
     #: Whether it is a process of quarantine (a suspect that completes a step
     #: is handed back from it).
     in_quarantine: bool

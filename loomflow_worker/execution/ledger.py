@@ -33,7 +33,7 @@ from .pending import Pending
 from .registry import FleetAgent
 from .request import RunRequest
 from .request_errors import RequestNotFound
-from .statuses import TERMINAL, UNFINISHED, Status
+from .statuses import TERMINAL, UNFINISHED, QuarantineLevel, Status
 
 OnBusy = Literal["enqueue", "reject", "interrupt"]
 ON_BUSY: tuple[OnBusy, ...] = ("enqueue", "reject", "interrupt")
@@ -512,9 +512,9 @@ class Precheck:
     locked: bool | None = None
     # The epoch an earlier attempt pinned (``None``: none did).
     pinned: int | None = None
-    # The isolation it must run in, more than this process gives (see
-    # precheck_run): 1 among a few suspects, 2 alone; 0 when it may run here.
-    quarantine: int = 0
+    # The quarantine it must run in, more than this process gives (see
+    # precheck_run); NONE when it may run here.
+    quarantine: QuarantineLevel = QuarantineLevel.NONE
     # The message's arguments that differ from the row (then nothing is tried).
     differ: tuple[str, ...] = ()
     # Whose request it is for concurrency limits, as its enqueue recorded it.
@@ -528,21 +528,21 @@ def precheck(
     lock_key: int,
     may_lock: bool = True,
     *,
-    isolation: int = 2,
+    quarantine: int = QuarantineLevel.ALONE,
 ) -> Batch[Precheck | None]:
     """The ledger's view of ``request_id`` (``None``: it has no row), which of
     ``req``'s arguments (its message's) differ from the row, and the scope's
     lock (``lock_key``) tried in the same statement when it may run (and
     ``may_lock``: this process does not hold it already). A request that
-    must run in more ``isolation`` than this process gives (0: a shared
-    process, 1: a quarantine group, 2: alone) takes no lock and comes back
+    must run in more ``quarantine`` than this process gives (a
+    :class:`.QuarantineLevel`) takes no lock and comes back
     with ``quarantine`` set to what it needs. A turn for the lock connection."""
     params = _row_params(request_id, req)
     return _one(_PRECHECK, {
         **{name: params[name] for name in _IDENTITY if name != "prompt"},
         "prompt_sha256": hashlib.sha256(req.prompt.encode()).digest(),
         "request_id": request_id, "stale": stale_after, "key": lock_key, "may_lock": may_lock,
-        "isolation": isolation,
+        "isolation": int(quarantine),
     }).then(_precheck_of)
 
 
@@ -551,7 +551,7 @@ def _precheck_of(row: DictRow | None) -> Precheck | None:
         return None
     return Precheck(row["status"], row["result"], row["error"], _pending(row),
                     bool(row["stale"]), None if row["locked"] is None else bool(row["locked"]),
-                    row["pinned"], int(row["quarantine"]), tuple(row["differ"]),
+                    row["pinned"], QuarantineLevel(row["quarantine"]), tuple(row["differ"]),
                     row["fairness_key"])
 
 
@@ -613,7 +613,7 @@ def start(
     *,
     lease: float,
     interval: float,
-    isolation: int,
+    quarantine: int,
     version: str | None = None,
 ) -> Batch[Started]:
     """Under the scope lock, in one statement: a duplicate of a finished request
@@ -621,17 +621,17 @@ def start(
     request whose previous attempt may still be running (its worker lives, see
     ``start_request``) waits (``interval``: this worker's heartbeat interval,
     ``lease``: the lease's timeout); otherwise the attempt is counted, with
-    how apart it runs (``isolation``: 0 shared, 1 among a few suspects, 2
-    alone), and the request marked running, its epoch pinned on the first
-    attempt (the scope's current one, or its last run's for a resume), and
-    the request pinned to ``version`` of its agent (a request pinned to
+    the quarantine it runs in (``quarantine``, a :class:`.QuarantineLevel`),
+    and the request marked running, its epoch pinned on the first attempt
+    (the scope's current one, or its last run's for a resume), and the
+    request pinned to ``version`` of its agent (a request pinned to
     another version does not start: :data:`OTHER_VERSION`). With
     ``opening``, the run's open query follows in the same round trip (one
     pipeline; Postgres runs it after the start), its rows in ``opened`` for
     the lease to use when it opens that epoch."""
     params = {"request_id": request_id, "scope": scope, "worker": worker, "pid": os.getpid(),
               "boot": process_boot(), "stale": stale_after, "lease": lease,
-              "interval": interval, "isolation": isolation, "version": version}
+              "interval": interval, "isolation": int(quarantine), "version": version}
 
     def build(conn: Conn) -> list[fastpath.Call]:
         calls = [_START.call(conn, params)]

@@ -12,7 +12,7 @@ from ..runtime import InvalidInput
 from ..settings import Settings
 from .ledger import Handoff, Started
 from .pending import Pending
-from .statuses import Status
+from .statuses import QuarantineLevel, Status
 
 
 class OutcomeKind(StrEnum):
@@ -62,9 +62,8 @@ class Outcome:
     # The request ended and handed its scope on (whether or not it publishes
     # the request it handed the scope to).
     handed: bool = False
-    # The quarantine it must run in (``QUARANTINE``): 1 among a few
-    # suspects, 2 alone.
-    isolation: int = 0
+    # The quarantine it must run in (``QUARANTINE``).
+    quarantine: QuarantineLevel = QuarantineLevel.NONE
 
 
 def ended(kind: OutcomeKind | Status | str, handoff: Handoff | None, **fields: Any) -> Outcome:

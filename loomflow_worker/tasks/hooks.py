@@ -40,7 +40,7 @@ from ..worker.admission import Admission
 from ..worker.connections import bound_producers_now, bound_worker_connections
 from ..worker.context import WorkerContext
 from ..worker.pool import REFUSED_POOLS, RunPool, pool_name, refused_threads_option
-from ..worker.quarantine.attempts import stop_alone
+from ..worker.quarantine.attempts import stop_in_quarantine
 from ..worker.state import PROCESS
 from .application import current_app, settings
 from .cancel import cancel_request
@@ -392,7 +392,7 @@ def _stop_run(request_id: str) -> bool:
 
     ctx = PROCESS.context
     if request_id in state.revoked:
-        if stop_alone(request_id):
+        if stop_in_quarantine(request_id):
             return True
         if ctx is not None and PROCESS.loop.running:
             PROCESS.loop.loop.call_soon_threadsafe(ctx.halt, request_id, ledger.REVOKED.error)

@@ -22,7 +22,7 @@ from ..execution.registry import DEFAULT_AGENT
 from ..execution.request import Kind
 from ..execution.request_errors import AttemptLost, DiedAlone, RunCancelled, RunDead, RunFailed
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
-from ..worker.quarantine.attempts import run_alone
+from ..worker.quarantine.attempts import run_in_quarantine
 from ..worker.state import PROCESS
 from .dispatch import dispatch_recorded, dispatch_turns, options_json
 from .eta import arrival
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 #: How long past the run time limit a request running alone may take before
 #: its process is stopped.
-ALONE_GRACE = 60.0
+QUARANTINE_GRACE = 60.0
 
 #: How long a worker whose attempt lost its database connection tries to record
 #: it (a Postgres restart takes seconds) before the request runs again.
@@ -96,11 +96,11 @@ def perform(task: AgentTask, args: dict[str, Any]) -> Any:
     try:
         outcome = _attempt(task, request_id, args)
         if outcome.kind == OutcomeKind.QUARANTINE:
-            outcome = run_alone(
+            outcome = run_in_quarantine(
                 request_id, args, task.kind, task.request.hostname or PROCESS.worker_context().node,
-                isolation=outcome.isolation, time_limit=_call_time_limit(task),
+                level=outcome.quarantine, time_limit=_call_time_limit(task),
                 options=_message_options(task, task.request),
-                timeout=PROCESS.current_settings().run_time_limit + ALONE_GRACE,
+                timeout=PROCESS.current_settings().run_time_limit + QUARANTINE_GRACE,
             )
             if outcome.kind == OutcomeKind.QUARANTINE:
                 # No room to run it in quarantine here: again soon, on any worker

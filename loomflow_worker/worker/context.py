@@ -26,10 +26,11 @@ from ..events import EventPublisher, events_url
 from ..execution import ledger
 from ..execution.budgets import CostBudgets
 from ..execution.fair_turns import FairTurns
-from ..execution.host import Halt, QuarantineLevel
+from ..execution.host import Halt
 from ..execution.limits import Limits
 from ..execution.pacing import Budgets
 from ..execution.pending import Pending
+from ..execution.statuses import QuarantineLevel
 from ..pricing import Prices
 from ..runtime import PostgresRuntime
 from ..runtime.loopwatch import LoopWatch
@@ -84,7 +85,7 @@ class WorkerContext:
         self.in_quarantine = quarantine > 0
         # The quarantine its runs get (see ledger.precheck): a process of one
         # slot runs each request alone.
-        self.isolation = QuarantineLevel.given(quarantine, slots)
+        self.quarantine = QuarantineLevel.given(quarantine, slots)
         self.node = node or socket.gethostname()
         # The process as the ledger names the worker running a request (its `holder`
         # column), and its ``workers`` row.

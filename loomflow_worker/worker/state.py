@@ -31,7 +31,7 @@ from ..settings import Settings, validation_message
 from .admission import Admission
 from .context import WorkerContext
 from .loop import ChildLoop
-from .quarantine.processes import AloneRuns
+from .quarantine.processes import QuarantineRuns
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class ProcessState:
     #: short ledger writes.
     enqueue: EnqueuePool = field(default_factory=EnqueuePool)
     #: The requests this process runs alone.
-    alone: AloneRuns = field(default_factory=AloneRuns)
+    quarantine: QuarantineRuns = field(default_factory=QuarantineRuns)
     #: Held while the app is made or replaced.
     lock: threading.RLock = field(default_factory=threading.RLock)
     #: Agents this process enqueues for without their code: when each is read

@@ -8,12 +8,15 @@ from typing import Any
 
 import pytest
 
+from loomflow_worker.execution.statuses import QuarantineLevel
 from loomflow_worker.worker.quarantine import attempts as alone
-from loomflow_worker.worker.quarantine.processes import AloneRuns, Quarantine
+from loomflow_worker.worker.quarantine.processes import QuarantineProcess, QuarantineRuns
+
+GROUP, ALONE = QuarantineLevel.GROUP, QuarantineLevel.ALONE
 
 
 def test_a_group_holds_at_most_its_capacity_at_once_and_refills() -> None:
-    group = Quarantine(AloneRuns(), isolation=1, capacity=2, on_death=print)
+    group = QuarantineProcess(QuarantineRuns(), level=GROUP, capacity=2, on_death=print)
     assert group.join("a") is not None and group.join("b") is not None
     assert group.join("c") is None  # full: a poison there takes one other with it
     assert group.first == "a"  # the request that starts its process
@@ -23,14 +26,14 @@ def test_a_group_holds_at_most_its_capacity_at_once_and_refills() -> None:
 
 
 def test_a_closed_group_takes_nobody() -> None:
-    group = Quarantine(AloneRuns(), isolation=1, capacity=8, on_death=print)
+    group = QuarantineProcess(QuarantineRuns(), level=GROUP, capacity=8, on_death=print)
     assert group.join("a") is not None
     group.closed = True
     assert group.join("b") is None
 
 
 def test_a_request_alone_has_its_process_to_itself() -> None:
-    alone = Quarantine(AloneRuns(), isolation=2, capacity=1, on_death=print)
+    alone = QuarantineProcess(QuarantineRuns(), level=ALONE, capacity=1, on_death=print)
     assert alone.join("a") is not None
     assert alone.join("b") is None
 
@@ -38,19 +41,19 @@ def test_a_request_alone_has_its_process_to_itself() -> None:
 def test_suspects_placed_at_once_share_one_group(monkeypatch: pytest.MonkeyPatch) -> None:
     """A group is listed before another suspect can look for one: two placed
     at the same moment join one process, however long making the group takes."""
-    runs = AloneRuns()
-    monkeypatch.setattr(alone.PROCESS, "alone", runs)
+    runs = QuarantineRuns()
+    monkeypatch.setattr(alone.PROCESS, "quarantine", runs)
 
-    class Slow(Quarantine):
+    class Slow(QuarantineProcess):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             time.sleep(0.2)  # the first suspect between its slot and its group
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(alone, "Quarantine", Slow)
+    monkeypatch.setattr(alone, "QuarantineProcess", Slow)
     places: dict[str, Any] = {}
 
     def place(request_id: str) -> None:
-        places[request_id] = alone._place(request_id, isolation=1, capacity=8, at_once=4)
+        places[request_id] = alone._place(request_id, level=GROUP, capacity=8, at_once=4)
 
     threads = [threading.Thread(target=place, args=(r,)) for r in ("a", "b")]
     threads[0].start()

@@ -29,10 +29,11 @@ from ...execution import ledger
 from ...execution.outcome import Outcome, OutcomeKind
 from ...execution.registry import agent_modules
 from ...execution.request_errors import AttemptLost, DiedAlone
+from ...execution.statuses import QuarantineLevel
 from ...runtime.errors import DatabaseUnavailable, LockLost
 from ..state import PROCESS
 from .child import decode_outcome
-from .processes import Member, Quarantine
+from .processes import Member, QuarantineProcess
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +42,19 @@ log = logging.getLogger(__name__)
 SLOT_WAIT = 0.5
 
 
-def run_alone(
+def run_in_quarantine(
     request_id: str,
     args: dict[str, Any],
     kind: str,
     node: str,
     *,
-    isolation: int,
+    level: QuarantineLevel,
     time_limit: float | None,
     options: dict[str, Any] | None,
     timeout: float,
 ) -> Outcome:
     """One attempt of ``request_id`` in a process of quarantine: alone
-    (``isolation`` 2), or among a few suspects (1). Its outcome
+    (``level`` ALONE), or among a few suspects (GROUP). Its outcome
     (``quarantine`` when this process runs ``ALONE_AT_ONCE`` processes of
     quarantine already, none with room, and none ended within
     :data:`SLOT_WAIT`). Raises :class:`AttemptLost` or
@@ -61,9 +62,9 @@ def run_alone(
     :class:`DiedAlone` when its process died."""
     job = {"request_id": request_id, "args": args, "kind": kind, "node": node,
            "time_limit": time_limit, "options": options, "modules": agent_modules()}
-    alone = PROCESS.alone
+    alone = PROCESS.quarantine
     settings = PROCESS.current_settings()
-    capacity = settings.quarantine_group if isolation < 2 else 1
+    capacity = settings.quarantine_group if level != QuarantineLevel.ALONE else 1
     with alone.guard:
         if request_id in alone.running:
             # A duplicate of a request in quarantine here: again later.
@@ -71,9 +72,9 @@ def run_alone(
         # A revoke from now on stops it, while it waits for room as well as
         # however soon its process starts.
         alone.running[request_id] = None
-    place: tuple[Quarantine, Member] | None = None
+    place: tuple[QuarantineProcess, Member] | None = None
     try:
-        place = _place(request_id, isolation, capacity, settings.alone_at_once)
+        place = _place(request_id, level, capacity, settings.alone_at_once)
         if place is None:
             if not _revoked(request_id):
                 # Not held here behind the others: any worker with room may take it.
@@ -105,11 +106,11 @@ def run_alone(
         return Outcome(OutcomeKind.CANCELLED, error=ledger.REVOKED.error)
     if reply is None:
         assert place is not None
-        raise DiedAlone(_death(place[0]), alone=place[0].isolation > 1)
+        raise DiedAlone(_death(place[0]), alone=place[0].level == QuarantineLevel.ALONE)
     if "failed" in reply:
         assert place is not None
         raise DiedAlone(f"its attempt failed in quarantine: {reply['failed']}",
-                        alone=place[0].isolation > 1)
+                        alone=place[0].level == QuarantineLevel.ALONE)
     if "lost" in reply:
         lost = reply["lost"]
         raise AttemptLost(request_id, lost["attempt"], LockLost(lost["scope"], lost["cause"]),
@@ -120,13 +121,13 @@ def run_alone(
 
 
 def _place(
-    request_id: str, isolation: int, capacity: int, at_once: int
-) -> tuple[Quarantine, Member] | None:
+    request_id: str, level: QuarantineLevel, capacity: int, at_once: int
+) -> tuple[QuarantineProcess, Member] | None:
     """A place in a process of quarantine for ``request_id``: in a group of
     this worker process with room, else in a new process when fewer than
     ``at_once`` run, waiting up to :data:`SLOT_WAIT` for either; ``None``
     when none came."""
-    alone = PROCESS.alone
+    alone = PROCESS.quarantine
     deadline = time.monotonic() + SLOT_WAIT
     with alone.freed:
         while True:
@@ -141,7 +142,7 @@ def _place(
                 alone.taken += 1
                 # Listed before the condition is let go: a suspect placed
                 # meanwhile joins this group rather than start another.
-                group = Quarantine(alone, isolation, capacity, on_death=_stopped)
+                group = QuarantineProcess(alone, level, capacity, on_death=_stopped)
                 with alone.guard:
                     member = group.join(request_id)
                     assert member is not None
@@ -155,13 +156,13 @@ def _place(
             alone.freed.wait(left)
 
 
-def _run(request_id: str, job: dict[str, Any], group: Quarantine, member: Member,
+def _run(request_id: str, job: dict[str, Any], group: QuarantineProcess, member: Member,
          timeout: float) -> None:
     """Run ``job`` in ``group`` and wait for its reply (its process stopped past ``timeout``)."""
     if group.first == request_id:
         # Its first request starts it, even when revoked meanwhile (then the
         # revoke follows its job): the others wait for that.
-        if group.isolation > 1:
+        if group.level == QuarantineLevel.ALONE:
             log.info("request %s: running alone in a process of its own", request_id,
                      extra={"action": "quarantine_start", "request": request_id})
         try:
@@ -180,7 +181,7 @@ def _run(request_id: str, job: dict[str, Any], group: Quarantine, member: Member
         # Revoked while its attempt started: the revoke went nowhere, or
         # went before its job; it goes now (twice is harmless).
         group.send({"revoke": request_id})
-    if group.isolation < 2:
+    if group.level == QuarantineLevel.GROUP:
         assert group.process is not None
         log.info("request %s: running in quarantine with other suspects, in process %s",
                  request_id, group.process.pid,
@@ -206,17 +207,18 @@ def _stopped(worker: str) -> None:
                     extra={"action": "retry"})
 
 
-def _death(group: Quarantine) -> str:
+def _death(group: QuarantineProcess) -> str:
     process = group.process
     code = None if process is None else process.exitcode
-    where = "its process" if group.isolation > 1 else "its process of quarantine"
+    alone = group.level == QuarantineLevel.ALONE
+    where = "its process" if alone else "its process of quarantine"
     return (f"{where} exited with {code}"
             + (f" (signal {-code})" if code is not None and code < 0 else ""))
 
 
 def _revoked(request_id: str) -> bool:
-    with PROCESS.alone.guard:
-        return request_id in PROCESS.alone.revoked
+    with PROCESS.quarantine.guard:
+        return request_id in PROCESS.quarantine.revoked
 
 
 def _processes() -> multiprocessing.context.ForkServerContext:
@@ -224,20 +226,20 @@ def _processes() -> multiprocessing.context.ForkServerContext:
     the attempt's code and the agents once (started on first use; it stops
     with this process)."""
     context = multiprocessing.get_context("forkserver")
-    with PROCESS.alone.guard:
-        if not PROCESS.alone.preloaded:
+    with PROCESS.quarantine.guard:
+        if not PROCESS.quarantine.preloaded:
             context.set_forkserver_preload(
                 ["loomflow_worker.worker.quarantine.child", *agent_modules()])
-            PROCESS.alone.preloaded = True
+            PROCESS.quarantine.preloaded = True
     return context
 
 
-def stop_alone(request_id: str) -> bool:
+def stop_in_quarantine(request_id: str) -> bool:
     """Stop ``request_id``'s attempt in quarantine at once, mid-step (a
     revoke with terminate): its process stops the run and ends it
     ``cancelled`` as revoked under its lock, then releases the session.
     ``False`` when the request does not run in quarantine here."""
-    alone = PROCESS.alone
+    alone = PROCESS.quarantine
     with alone.guard:
         if request_id not in alone.running:
             return False

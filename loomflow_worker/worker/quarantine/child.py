@@ -46,6 +46,7 @@ from ...execution.outcome import Outcome, OutcomeKind
 from ...execution.pending import Pending
 from ...execution.registry import import_agent_modules
 from ...execution.request_errors import AttemptLost
+from ...execution.statuses import QuarantineLevel
 from ...runtime.errors import DatabaseUnavailable, LockLost
 from ...runtime.loopwatch import claim_thread_for_asyncio
 from ...settings import Settings
@@ -72,6 +73,7 @@ def encode_outcome(outcome: Outcome) -> dict[str, Any]:
 def decode_outcome(data: dict[str, Any]) -> Outcome:
     fields = dict(data["outcome"])
     kind = OutcomeKind(fields.pop("kind"))
+    fields["quarantine"] = QuarantineLevel(fields["quarantine"])
     dispatch = []
     for pending in fields.pop("dispatch"):
         if pending["not_before"] is not None:
@@ -88,7 +90,7 @@ async def attempt(ctx: WorkerContext, job: dict[str, Any]) -> dict[str, Any]:
     try:
         with tracing.attempt_span(headers if isinstance(headers, dict) else None,
                                   job["request_id"], args.get("agent"), args.get("session_id"),
-                                  job["node"], ctx.isolation):
+                                  job["node"], ctx.quarantine):
             outcome = await execute(
                 ctx, job["request_id"], args, job["kind"], job["node"],
                 time_limit=job.get("time_limit"), options=lambda: options,
@@ -277,8 +279,8 @@ STOPPED = 3
 
 def child(first: dict[str, Any], jobs: Connection, out: Connection) -> None:
     """The process's work: ``first``'s attempt, and those its worker sends
-    through ``jobs`` after it (``first["isolation"]``: 1, a few suspects
-    together; 2, ``first`` alone). Sends through ``out`` its log lines
+    through ``jobs`` after it (``first["quarantine"]``: GROUP, a few suspects
+    together; ALONE, ``first`` alone). Sends through ``out`` its log lines
     (``{"log": line, "level": level, "request": id}``), then each attempt's reply, each a
     JSON object; exits :data:`STOPPED` when stopped."""
     handler = _PipeHandler(out)
@@ -287,9 +289,8 @@ def child(first: dict[str, Any], jobs: Connection, out: Connection) -> None:
     try:
         settings = Settings()
         import_agent_modules(settings.agents)
-        isolation = int(first["isolation"])
         ctx = WorkerContext(settings, slots=int(first["capacity"]), node=first["node"],
-                            quarantine=isolation)
+                            quarantine=int(first["quarantine"]))
         claim_thread_for_asyncio()
         tracing.export_from_environment()
         try:

@@ -18,6 +18,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from ...execution import ledger
+from ...execution.statuses import QuarantineLevel
 from . import child as quarantine
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ EXIT_GRACE = 10.0
 
 
 @dataclass
-class AloneRuns:
+class QuarantineRuns:
     """The processes of quarantine this process runs, and the requests in
     them (see :mod:`loomflow_worker.worker.quarantine.attempts`)."""
 
@@ -38,9 +39,9 @@ class AloneRuns:
     freed: threading.Condition = field(default_factory=threading.Condition)
     #: The process of quarantine of each request in one, by request id
     #: (``None`` while it finds one).
-    running: dict[str, Quarantine | None] = field(default_factory=dict)
+    running: dict[str, QuarantineProcess | None] = field(default_factory=dict)
     #: The groups of suspects that run, some of which may take more.
-    groups: list[Quarantine] = field(default_factory=list)
+    groups: list[QuarantineProcess] = field(default_factory=list)
     #: Whether the fork server they come from was told what to import.
     preloaded: bool = False
     #: The requests among them a revoke with terminate stopped.
@@ -70,21 +71,21 @@ class Member:
     reply: dict[str, Any] | None = None
 
 
-class Quarantine:
-    """A process of quarantine: one request alone (``isolation`` 2), or up
-    to ``capacity`` suspects at once (1), another taking the place of each
+class QuarantineProcess:
+    """A process of quarantine: one request alone (``level`` ALONE), or up
+    to ``capacity`` suspects at once (GROUP), another taking the place of each
     that leaves, so that its death takes at most that many with it. Its
     reader thread logs its lines as their requests' and hands each attempt
     its reply; it is closed once it runs none (its process ends then), and
     gives its slot back once its process ended."""
 
-    def __init__(self, runs: AloneRuns, isolation: int, capacity: int,
+    def __init__(self, runs: QuarantineRuns, level: QuarantineLevel, capacity: int,
                  on_death: Callable[[str], None]) -> None:
         """``on_death(worker)``: its process died (``worker``: the ledger's name
         for it), called before its attempts learn it."""
         #: The worker process's processes of quarantine, this one among them.
         self.runs = runs
-        self.isolation = isolation
+        self.level = level
         self._on_death = on_death
         #: Its process, as the ledger names the worker running its attempts.
         self.worker: str | None = None
@@ -102,7 +103,7 @@ class Quarantine:
 
     def join(self, request_id: str) -> Member | None:
         """Count ``request_id`` among its requests, unless it is closed or
-        full (called under :attr:`AloneRuns.guard`)."""
+        full (called under :attr:`QuarantineRuns.guard`)."""
         if self.closed or len(self.members) >= self.capacity:
             return None
         self.first = self.first or request_id
@@ -113,9 +114,10 @@ class Quarantine:
         """Start its process, forked by ``processes``, with its first attempt, ``job``."""
         reader, writer = processes.Pipe(duplex=False)
         jobs_in, jobs_out = processes.Pipe(duplex=False)
-        first = {**job, "worker_pid": os.getpid(), "isolation": self.isolation,
+        first = {**job, "worker_pid": os.getpid(), "quarantine": int(self.level),
                  "capacity": self.capacity}
-        name = (f"{quarantine.PROCESS_NAME} {job['request_id']}" if self.isolation > 1
+        alone = self.level == QuarantineLevel.ALONE
+        name = (f"{quarantine.PROCESS_NAME} {job['request_id']}" if alone
                 else f"{quarantine.PROCESS_NAME} group of {job['request_id']}")
         self.process = processes.Process(
             target=quarantine.child, args=(first, jobs_in, writer), name=name)
@@ -221,7 +223,7 @@ class Quarantine:
                 member.ended.set()
                 self.runs.room()
             return True
-        how = "alone" if self.isolation > 1 else "in quarantine"
+        how = "alone" if self.level == QuarantineLevel.ALONE else "in quarantine"
         # At the level the process logged it at: an ERROR there is one here.
         level = item.get("level")
         if not isinstance(level, int) or not logging.DEBUG <= level <= logging.CRITICAL:
