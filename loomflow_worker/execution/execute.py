@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
-import anyio.to_thread
 from loomflow.core.types import Event
 from loomflow.runtime.journaled import resuming_last_run
 from psycopg.rows import DictRow
@@ -52,9 +51,7 @@ from .outcome import (
 )
 from .pacing import RunPacing, pacing_run
 from .pending import Pending
-from .registry import (
-    agent_time_limit,
-)
+from .registry import agent_time_limit
 from .request import Kind, RunRequest, check_request, refuse_message
 from .request_errors import AttemptLost, HandedBack, Paused
 
@@ -70,7 +67,6 @@ from .versions import queue_suffix
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 #: How long a request at the head of its session waits for its lock (the
 #: request before it releasing it, or the locks of a crashed worker being freed)

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from loomflow_worker.execution.ledger import Started
 from loomflow_worker.execution.outcome import (
     Ending,
+    Outcome,
+    OutcomeKind,
     Retry,
+    ended,
     ending_before_run,
     ending_of_error,
     time_limit_ending,
 )
+from loomflow_worker.execution.statuses import TERMINAL, QuarantineLevel, Status
 from loomflow_worker.runtime import InvalidInput
 from loomflow_worker.settings import Settings
+from loomflow_worker.worker.quarantine.child import decode_outcome, encode_outcome
 
 SETTINGS = Settings(max_crashes=3, max_retries=2)
 
@@ -73,3 +82,33 @@ def test_a_run_past_its_time_limit_fails_with_time_limit_exceeded() -> None:
     assert "LOOMFLOW_WORKER_RUN_TIME_LIMIT" in ending.error
     per_call = time_limit_ending(2.5, per_call=True).error
     assert per_call is not None and "apply_async's time_limit or soft_time_limit" in per_call
+
+
+def test_only_the_outcomes_that_end_a_request_are_ended() -> None:
+    assert {kind for kind in OutcomeKind if kind.ended} == {
+        OutcomeKind.SUCCEEDED, OutcomeKind.FAILED, OutcomeKind.DEAD, OutcomeKind.CANCELLED}
+    # Each is a terminal status of the ledger, by the same text.
+    assert {str(kind) for kind in OutcomeKind if kind.ended} <= {str(s) for s in TERMINAL}
+
+
+def test_an_ending_takes_its_kind_from_a_status() -> None:
+    outcome = ended(Status.SUCCEEDED, None, result={"output": "x"})
+    assert outcome.kind is OutcomeKind.SUCCEEDED and not outcome.handed
+
+
+@pytest.mark.parametrize(("quarantine", "slots", "level"), [
+    (0, 8, QuarantineLevel.NONE), (0, 1, QuarantineLevel.ALONE),
+    (1, 8, QuarantineLevel.GROUP), (2, 8, QuarantineLevel.ALONE), (1, 1, QuarantineLevel.GROUP),
+])
+def test_the_quarantine_a_process_gives(quarantine: int, slots: int,
+                                         level: QuarantineLevel) -> None:
+    assert QuarantineLevel.given(quarantine, slots) is level
+
+
+def test_an_outcome_crosses_the_quarantine_pipe_as_it_was() -> None:
+    """A process of quarantine sends its attempt's outcome as JSON: its kind
+    and level come back as the enums they were."""
+    sent = Outcome(OutcomeKind.QUARANTINE, quarantine=QuarantineLevel.ALONE, dispatch=[])
+    back = decode_outcome(json.loads(json.dumps(encode_outcome(sent))))
+    assert back == sent
+    assert back.kind is OutcomeKind.QUARANTINE and back.quarantine is QuarantineLevel.ALONE
