@@ -324,7 +324,7 @@ async def _free_slots(
 
 
 async def _fair_turns(ctx: Host, runtime: PostgresRuntime, outcome: Outcome) -> None:
-    """Its message left the broker: room for a request held for its fair turn
+    """Its message left the broker: room for a request withheld for its fair turn
     (the process's looks publish it, one at a time; without them, its caller)."""
     turns = ctx.fair_turns()
     if turns is not None:

@@ -166,7 +166,7 @@ class Enqueued:
     duplicate: bool = False
     # When the request may start, as the ledger recorded it (None: at once).
     not_before: datetime | None = None
-    # Held back on its fairness key's limit: not to be published now (the run
+    # Withheld on its fairness key's limit: not to be published now (the run
     # that frees a slot of the limit, or the sweeper, publishes it).
     held: bool = False
 
@@ -205,7 +205,7 @@ def _insert_new(
     fairness_weight: float | None = None,
 ) -> Enqueued:
     """Insert the request's row; a duplicate when the ledger had it already
-    (the same request: :func:`_same_as_recorded` checks). Held back when its
+    (the same request: :func:`_same_as_recorded` checks). Withheld when its
     fairness key has as many out as the per_key limit allows, or while the
     fair_queue limit makes requests wait their fair turn (and its message
     ``options`` are known)."""
@@ -311,7 +311,7 @@ class EnqueuePool:
         ``ignore_result``, so the sweeper never stores one; ``routing``: where
         its messages go, see :attr:`Pending.routing`; ``options``: what its
         message carries besides, kept for a message published later when the
-        request is held back on its fairness key's limit, which it is not
+        request is withheld on its fairness key's limit, which it is not
         when they are ``None``; ``fairness_key``: whose request it is for
         concurrency limits and fair shares, by default its user, else its
         session; ``fairness_weight``: the weight it states for that key;
@@ -815,12 +815,12 @@ async def park_on_limit(
         "slots": slots})
 
 
-#: The most held requests one call publishes in their fair turn.
+#: The most withheld requests one call publishes in their fair turn.
 FAIR_PAGE = 500
 
 
 async def fair_next(conn: Conn) -> list[Pending]:
-    """Held requests whose fair turn came, to publish; none when another
+    """Withheld requests whose fair turn came, to publish; none when another
     caller is publishing them (see ``loomflow_worker_fair_next``)."""
     cur = conn.cursor(row_factory=dict_row)
     await cur.execute(query("fair_next"), {"wait": False, "page": FAIR_PAGE})

@@ -29,16 +29,20 @@ SYNONYMS = {
     r"\bResultRepair\b": "ResultBackend (or ResultRepairer, the job)",
     # An async connection is a Conn, a sync one a SyncConn (runtime/conns.py).
     r"\bAsyncConn\b": "Conn",
+    # Quarantine is one word, its levels a QuarantineLevel (NONE, GROUP, ALONE).
+    r"\bAloneRuns\b": "QuarantineRuns",
+    r"\b(?:run|stop)_alone\b": "run_in_quarantine / stop_in_quarantine",
+    r"\bmark_handed_alone\b": "mark_quarantined",
+    # The ledger's twins: x (sync), x_async, x_batch or x_followup (a turn of
+    # the lock connection), never a fifth spelling.
+    r"\b(?:_hand_off_sync|send_hand_off|handoff_of|mark_lost_now|finishing)\(": (
+        "hand_off / hand_off_async / hand_off_followup / hand_off_rows, mark_lost_async, "
+        "finish_batch"),
 }
 
 #: Files whose words change with work under way elsewhere, and why; each
 #: leaves this list when that work lands.
-PENDING = {
-    # The ledger's enqueue and its sync/async twins are renamed together.
-    "loomflow_worker/execution/ledger.py",
-    # The attempt's steps are taken apart into the worker's parts, words with them.
-    "loomflow_worker/execution/execute.py",
-}
+PENDING: set[str] = set()
 
 #: The files read: code, SQL (the migrations are history, not read), templates,
 #: tests, benchmarks and docs.
@@ -71,10 +75,15 @@ def test_the_rules_see_each_synonym_and_leave_the_words() -> None:
     text = ("the request is held back\nenqueues hold requests back on it\nEach held request\n"
             "results: ResultRepair\nconn: AsyncConn\na request held for its fair turn\n"
             "the request is withheld; a worker holds its message: held_at\n"
-            "a ResultRepairer with its ResultBackend\nconn: Conn\n")
+            "a ResultRepairer with its ResultBackend\nconn: Conn\n"
+            "runs: AloneRuns\nrun_alone(job)\nledger.send_hand_off(scope)\n"
+            "runs: QuarantineRuns\nrun_in_quarantine(job)\nledger.hand_off_followup(scope)\n")
     assert [(n, word) for n, _, word in synonyms_in(text)] == [
         (1, "withheld"), (2, "withholds"), (3, "withheld request(s)"),
         (4, "ResultBackend (or ResultRepairer, the job)"), (5, "Conn"), (6, "withheld"),
+        (10, "QuarantineRuns"), (11, "run_in_quarantine / stop_in_quarantine"),
+        (12, "hand_off / hand_off_async / hand_off_followup / hand_off_rows, "
+             "mark_lost_async, finish_batch"),
     ]
 
 
@@ -109,10 +118,7 @@ def test_each_connection_name_is_defined_once(name: str) -> None:
 
 
 #: Modules that still log under another name than their own, and why.
-LOGGING_PENDING = {
-    # Its logger moves with the worker's context, taken out of it.
-    "loomflow_worker/execution/execute.py",
-}
+LOGGING_PENDING: set[str] = set()
 
 
 def test_every_module_logs_under_its_own_name() -> None:
