@@ -138,10 +138,15 @@ def budget_of(amount: Any, unit: Any, period: Any = "day", over: Any = "wait") -
 
 def check_budget_name(name: str) -> str:
     """A budget's name: a fairness key (a tenant), or ``agent:NAME``."""
+    return _agent_or(name, "fairness key")
+
+
+def _agent_or(name: str, what: str) -> str:
+    """``name`` checked as ``agent:NAME`` (an agent's), else as a ``what``."""
     if name.startswith("agent:"):
         check_key(name.removeprefix("agent:"), "agent name")
     else:
-        check_key(name, "fairness key")
+        check_key(name, what)
     return name
 
 
@@ -167,11 +172,7 @@ def check_weight(weight: Any) -> float:
 
 def check_limit_name(name: str) -> str:
     """A concurrency limit's name: ``per_key``, ``agent:NAME`` or a shared name."""
-    if name.startswith("agent:"):
-        check_key(name.removeprefix("agent:"), "agent name")
-    else:
-        check_key(name, "limit name")
-    return name
+    return _agent_or(name, "limit name")
 
 
 class Settings(BaseSettings):
