@@ -38,8 +38,11 @@ RESULT_CONNECTIONS = 2
 #: wait is for a Redis that hangs, not for the others' turns.
 RESULT_WAIT = 30.0
 
-#: The broker connections a worker process's threads publish with.
-PUBLISH_CONNECTIONS = 2
+#: The broker connections a worker process's threads publish with. One: a
+#: publish holds it for a round trip, and the publishers of a process (the
+#: sweeper's thread, a batch of fair turns, a handoff) take turns on it rather
+#: than open a second (two more sockets on Redis) whenever two publish at once.
+PUBLISH_CONNECTIONS = 1
 
 #: How long a thread waits for one of them before the publish counts as refused.
 PUBLISH_WAIT = 30.0
