@@ -6,11 +6,14 @@ model calls and 1 tool call, no model latency), and plain Celery's no-op task wi
 (``noop`` in ``bench/plain_celery_app.py``). One request at a time, interleaved (ours, then
 plain, ``--requests`` times), each timed from ``.delay()`` to ``.get()`` returning.
 
-Where ours' time goes, from the ledger's timestamps (one machine's clock): before the
-ledger insert (the checks of ``.delay()``), from the insert to the attempt's start (the
-commit, the message through Redis, the worker taking it and starting it under the session's
-lock), the run itself (its steps, each committed before the next), and from the run's end
-to ``.get()`` returning (the ledger's finish, the events, the result through Redis).
+Where ours' time goes, from the ledger's and the journal's timestamps and this process's (one
+machine's clock): the checks of ``.delay()`` before the ledger insert; the insert, its commit
+and the publish (until ``.delay()`` returns); the dispatch and start (the message through
+Redis, the worker taking it, the session's lock and the ledger's start); each step, to its
+journal row (each committed before the next starts: 2 model calls, the tool call, and
+loomflow's ``persist_episode``, whose row goes with the run's finish); and from the finish to
+``.get()`` returning (the unlock, the live events sent, the result stored and read back
+through Redis).
 
 For each of ours, a follower (``iter_events``, in a thread, attached before the enqueue)
 notes when each live event reached it: reported are the time from the enqueue to the first
@@ -25,6 +28,7 @@ Run it with::
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import signal
@@ -95,21 +99,53 @@ class Follower:
         self._thread.join(timeout=15)
 
 
-def _phases(dsn: str, ends: dict[str, tuple[float, float]]
-            ) -> list[tuple[float, float, float, float]]:
-    """Each of ``ends``' requests' parts, from the ledger: sent to inserted,
-    inserted to started, started to finished, finished to returned."""
+#: The steps a run journals: 2 model calls, 1 tool call, and loomflow's
+#: ``persist_episode`` at the run's end (its row written with the finish).
+STEPS = 4
+#: The parts of a request's time, in order (see :func:`_phases`).
+PARTS = (
+    "enqueue: before the ledger insert",
+    "enqueue: insert, commit, publish",
+    "dispatch and start",
+    "step 1 (model call)",
+    "step 2 (tool)",
+    "step 3 (model call)",
+    "step 4 and the finish",
+    "result (finish to .get())",
+)
+
+
+def _phases(dsn: str, ends: dict[str, tuple[float, float, float]]) -> list[list[float]]:
+    """Each of ``ends``' requests' parts (:data:`PARTS`), from the ledger's and
+    the journal's timestamps (one machine's clock) and this process's: sent
+    to inserted (``.delay()``'s checks), inserted to ``.delay()`` returning
+    (the insert's commit and the publish), to the attempt's start (the
+    broker, the worker taking the message, the session's lock and the
+    ledger's start), to each step's journal row (each committed before the
+    next starts), to the run's finish in the ledger, to ``.get()`` returning
+    (the result stored and read back through Redis)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         rows = conn.execute(
             "SELECT r.request_id, extract(epoch FROM r.enqueued_at)::float8,"
-            " extract(epoch FROM a.started_at)::float8, extract(epoch FROM r.finished_at)::float8"
+            " extract(epoch FROM a.started_at)::float8, extract(epoch FROM r.finished_at)::float8,"
+            " ARRAY(SELECT s.created_at FROM (SELECT step_name, created_at FROM journal_steps"
+            "        WHERE session_id = r.scope UNION ALL SELECT step_name, created_at"
+            "        FROM journal_streams WHERE session_id = r.scope) s"
+            "  WHERE s.step_name NOT LIKE '\\_\\_%%'"
+            "    AND s.created_at >= extract(epoch FROM a.started_at)"
+            "  ORDER BY s.created_at)"
             " FROM runs r JOIN run_attempts a ON a.request_id = r.request_id AND a.attempt = 1"
             " WHERE r.request_id = ANY(%s)", (list(ends),)).fetchall()
     found = []
-    for request_id, inserted, started, finished in rows:
-        sent, returned = ends[request_id]
-        found.append((inserted - sent, started - inserted, finished - started,
-                      returned - finished))
+    for _, inserted, started, finished, steps in rows:
+        sent, delayed, returned = ends[_]
+        if len(steps) != STEPS:
+            raise AssertionError(f"request {_}: {len(steps)} journaled steps, not {STEPS}")
+        # The last step's row goes in the statement that finishes the run, whose
+        # finished_at is that statement's start: one part.
+        marks = [sent, inserted, delayed, started, *steps[:-1], max(steps[-1], finished),
+                 returned]
+        found.append([b - a for a, b in itertools.pairwise(marks)])
     return found
 
 
@@ -143,9 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     plains: list[float] = []
     first_event: list[float] = []
     delays: list[float] = []
-    # Ours: when each request was sent and when .get() returned (epoch seconds).
-    ends: dict[str, tuple[float, float]] = {}
-    phases: list[tuple[float, float, float, float]] = []
+    # Ours: when each request was sent, when .delay() returned and when .get()
+    # returned (epoch seconds).
+    ends: dict[str, tuple[float, float, float]] = {}
+    phases: list[list[float]] = []
     try:
         for name in dbnames:
             create_database(admin_dsn, name)
@@ -162,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(0.005)  # the follower's first read is on its way
             sent_at, started = time.time(), time.perf_counter()
             result = tasks.run_agent.apply_async((prompt, f"s{i}"), task_id=request_id)
+            delayed = time.perf_counter() - started
             value = result.get(timeout=60)
             took = time.perf_counter() - started
             assert value["output"] == expected_output("a"), value
@@ -174,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             ours.append(took)
             plains.append(plain_took)
-            ends[request_id] = (sent_at, sent_at + took)
+            ends[request_id] = (sent_at, sent_at + delayed, sent_at + took)
             if follower.arrivals:
                 first_event.append(follower.arrivals[0][0] - sent_at)
             delays += [arrived - stamped for arrived, stamped in follower.arrivals]
@@ -192,9 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'ratio ours / plain':<30}{o50 / p50:>8.2f}x{o90 / p90:>8.2f}x{o99 / p99:>8.2f}x")
     if phases:
         print("where ours' time goes (p50 of each part):")
-        for i, part in enumerate(("before the ledger insert", "insert to the run's start",
-                                  "the run (3 steps)", "the run's end to .get()")):
-            print(f"  {part:<28}{statistics.median(p[i] for p in phases) * ms:>7.1f}ms")
+        for i, part in enumerate(PARTS):
+            print(f"  {part:<34}{statistics.median(p[i] for p in phases) * ms:>7.1f}ms")
     if first_event:
         f50, f90, f99 = quantiles(first_event)
         print(f"{'first event after .delay()':<30}{f50 * ms:>7.1f}ms{f90 * ms:>7.1f}ms"
