@@ -1151,6 +1151,7 @@ _PLURAL = {
     "journal_streams": ("journal stream", "journal streams"),
     "checkpoints": ("checkpoint", "checkpoints"),
     "signals": ("signal", "signals"),
+    "direct_runs": ("run outside Celery", "runs outside Celery"),
     "runs": ("finished request", "finished requests"),
 }
 
@@ -1158,6 +1159,7 @@ _PLURAL = {
 def _describe_counts(counts: dict[str, int]) -> str:
     return ", ".join(
         f"{n} {_PLURAL[table][0] if n == 1 else _PLURAL[table][1]}" for table, n in counts.items()
+        if n
     )
 
 
@@ -1170,7 +1172,8 @@ def _describe_counts(counts: dict[str, int]) -> str:
 @handled
 def prune(older_than: timedelta, batch_size: int, yes: bool) -> None:
     """Delete journal entries, streams and checkpoints written, undelivered
-    signals sent, and requests finished, longer ago than --older-than (scopes
+    signals sent, runs outside Celery ended, and requests finished, longer ago
+    than --older-than (scopes
     with an unfinished request keep their journal and signals; the scopes'
     epoch marks are kept)."""
     from . import admin

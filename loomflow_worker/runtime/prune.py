@@ -3,12 +3,12 @@ prune`` and the sweeper's retention.
 
 What matches every filter given goes (``before``: written, sent, or
 finished, before that moment; ``scope``: of that scope only): journal entries,
-streams and checkpoints, undelivered signals, then finished requests (their
-attempts cascade). The scopes of unfinished requests keep their journal: a
-run parked on a signal for longer than the cutoff still needs it to resume;
-and the signals their runs may take. Unless one scope is named,
-each scope keeps its epoch bookkeeping, so a later run never reuses an old
-epoch. An age is turned into a cutoff on the database's clock
+streams and checkpoints, undelivered signals, runs made outside Celery
+(``direct_runs``), then finished requests (their attempts cascade). The scopes
+of unfinished requests keep their journal: a run parked on a signal for
+longer than the cutoff still needs it to resume; and the signals their runs
+may take. Unless one scope is named, each scope keeps its epoch bookkeeping,
+so a later run never reuses an old epoch. An age is turned into a cutoff on the database's clock
 (:func:`cutoff`), the one that stamped what is pruned. The ledger is read and
 pruned through the two views its schema defines for this (the scopes with an
 unfinished request, the finished requests), so its tables stay its own.
@@ -37,6 +37,7 @@ _ORDER: tuple[tuple[str, str], ...] = (
     ("journal_streams", "prune_streams"),
     ("checkpoints", "prune_checkpoints"),
     ("signals", "prune_signals"),
+    ("direct_runs", "prune_direct_runs"),
     ("runs", "prune_runs"),
 )
 PRUNED_TABLES = tuple(table for table, _ in _ORDER)

@@ -532,6 +532,15 @@ def _seed_old_and_new(dsn: str) -> dict[str, object]:
                                      ("new", "idle", new_ts), ("awaited", "busy", old_ts)):
             conn.execute("INSERT INTO signals (session_id, name, payload, created_at)"
                          " VALUES (%s, %s, %s, %s)", (session_id, name, blob, ts))
+        # Runs outside Celery: an old one that ended and an old one that never recorded
+        # its end go; one started before the cutoff that ended after it stays.
+        for run_id, started, finished in (("direct-old", old_ts, old_ts),
+                                          ("direct-died", old_ts, None),
+                                          ("direct-long", old_ts, new_ts),
+                                          ("direct-new", new_ts, new_ts)):
+            conn.execute("INSERT INTO direct_runs (run_id, scope, session_id, epoch, process, pid,"
+                         " started_at, finished_at) VALUES (%s, 'idle', 'idle', 1, 'web', 1,"
+                         " %s, %s)", (run_id, started, finished))
         runs = [("old-ok", "succeeded", old_ts), ("old-failed", "failed", old_ts),
                 ("old-dead", "dead", old_ts), ("old-cancelled", "cancelled", old_ts),
                 ("new-ok", "succeeded", new_ts), ("old-queued", "queued", None)]
@@ -563,6 +572,7 @@ def _left(dsn: str) -> dict[str, list[str]]:
             "signals": names("SELECT name FROM signals"),
             "runs": names("SELECT request_id FROM runs"),
             "attempts": names("SELECT request_id FROM run_attempts"),
+            "direct": names("SELECT run_id FROM direct_runs"),
         }
 
 
@@ -573,6 +583,7 @@ KEPT = {
     "signals": ["awaited", "new"],
     "runs": ["new-ok", "old-queued"],
     "attempts": ["new-ok", "old-queued"],
+    "direct": ["direct-long", "direct-new"],
 }
 
 
@@ -583,7 +594,7 @@ def test_prune_deletes_old_rows_in_batches(fleet: Fleet) -> None:
     declined = cli(fleet, "prune", "--older-than", "30d", input="n\n")
     assert declined.returncode == 1
     assert ("Delete 5 journal steps, 3 journal streams, 2 checkpoints, 2 signals, "
-            "4 finished requests "
+            "2 runs outside Celery, 4 finished requests "
             "(older than 30d)?") in declined.stdout
     assert _left(fleet.dsn) == everything
 
@@ -591,7 +602,7 @@ def test_prune_deletes_old_rows_in_batches(fleet: Fleet) -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(
         "deleted 5 journal steps, 3 journal streams, 2 checkpoints, 2 signals, "
-        "4 finished requests in "
+        "2 runs outside Celery, 4 finished requests in "
     )
     assert "pruning" in done.stderr  # the progress bar
     assert _left(fleet.dsn) == KEPT

@@ -1,7 +1,8 @@
 -- Pruning (runtime.prune: `loomflow-worker prune`, the store's prune, the sweeper's
 -- retention). One set of rules. What matches every filter given goes: journal entries,
--- streams and checkpoints written before "before" (epoch seconds), and undelivered signals
--- sent before "cutoff", of the scope "scope"; then requests finished before "cutoff" (the
+-- streams and checkpoints written before "before" (epoch seconds), undelivered signals
+-- sent before "cutoff" and runs made outside Celery (direct_runs) started and ended (or never
+-- recorded an end) before it, of the scope "scope"; then requests finished before "cutoff" (the
 -- same moment; their attempts cascade), of that scope. The scopes of unfinished requests
 -- keep their journal (a run parked on a signal for longer than the cutoff still needs it to
 -- resume), and unless one scope is named, every scope keeps its epoch bookkeeping (a later
@@ -42,6 +43,10 @@ SELECT (SELECT count(*) FROM journal_steps j
            AND (%(scope)s::text IS NULL OR s.scope = %(scope)s::text)
            AND NOT loomflow_worker_signal_awaited(s.scope, s.session_id, s.user_id))
        AS signals,
+       (SELECT count(*) FROM direct_runs d
+         WHERE (%(cutoff)s::timestamptz IS NULL
+                OR coalesce(d.finished_at, d.started_at) < %(cutoff)s::timestamptz)
+           AND (%(scope)s::text IS NULL OR d.scope = %(scope)s::text)) AS direct_runs,
        (SELECT count(*) FROM loomflow_worker_finished_requests
          WHERE (%(cutoff)s::timestamptz IS NULL
                 OR (enqueued_at < %(cutoff)s::timestamptz
@@ -92,6 +97,18 @@ DELETE FROM signals WHERE id = ANY(ARRAY(
      WHERE (%(cutoff)s::timestamptz IS NULL OR s.created_at < %(cutoff)s::timestamptz)
        AND (%(scope)s::text IS NULL OR s.scope = %(scope)s::text)
        AND NOT loomflow_worker_signal_awaited(s.scope, s.session_id, s.user_id)
+     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
+
+-- name: prune_direct_runs
+-- One batch of runs made outside Celery that ended before the cutoff, or started before it
+-- and never recorded an end (their process died); direct_runs_started bounds the scan (a
+-- run that ended before the cutoff started before it).
+DELETE FROM direct_runs WHERE run_id = ANY(ARRAY(
+    SELECT run_id FROM direct_runs d
+     WHERE (%(cutoff)s::timestamptz IS NULL
+            OR (d.started_at < %(cutoff)s::timestamptz
+                AND coalesce(d.finished_at, d.started_at) < %(cutoff)s::timestamptz))
+       AND (%(scope)s::text IS NULL OR d.scope = %(scope)s::text)
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
 
 -- name: prune_runs
