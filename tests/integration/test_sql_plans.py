@@ -234,3 +234,20 @@ def test_a_request_parked_for_a_signal_is_published_once_by_its_sender_or_the_sw
         # A message lost since: the sweeper publishes it again after again_after.
         assert recovery.mark_swept(conn, ["by-sender", "by-sweeper"], 0) == {
             "by-sender", "by-sweeper"}
+
+
+def test_a_start_reads_a_few_pages_whatever_the_size_of_the_ledger(big_ledger: str) -> None:
+    """The start of a request that is its scope's first (every request of a
+    service that makes a session per request) reads the pages of its own rows,
+    not the ledger's: looking for the request before it on its scope went
+    through runs_session, not back along every older request's seq."""
+    with psycopg.connect(big_ledger) as conn:
+        conn.execute("INSERT INTO runs (request_id, scope, session_id, agent, prompt)"
+                     " VALUES ('fresh', 'fresh-scope', 'fresh-scope', 'a', 'p')")
+        row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + query("start_request"),
+                           {**PARAMS, "request_id": "fresh", "scope": "fresh-scope"}).fetchone()
+        conn.rollback()
+    assert row is not None
+    top = row[0][0]["Plan"]
+    pages = top["Shared Hit Blocks"] + top["Shared Read Blocks"]
+    assert pages < 200, f"{pages} pages read by a start, in a ledger of 40,000 requests"

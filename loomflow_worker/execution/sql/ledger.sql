@@ -306,9 +306,9 @@ RETURNING request_id;
 -- Each part below says its rule.
 WITH r AS (
     -- The request, locked for the statement.
-    SELECT request_id, seq, scope, status, epoch, kind, attempts, cancel_requested,
-           result, error, error_type, heartbeat_at, enqueued_at, booked_key, booked_at,
-           agent_version
+    SELECT request_id, seq, scope, session_id, status, epoch, kind, attempts,
+           cancel_requested, result, error, error_type, heartbeat_at, enqueued_at, booked_key,
+           booked_at, agent_version
       FROM runs WHERE request_id = %(request_id)s FOR UPDATE
 ), other AS (
     -- The version of its agent, other than the worker's, it is pinned to: it does not
@@ -411,9 +411,13 @@ SELECT r.status, r.seq, r.result, r.error, r.error_type, r.cancel_requested,
        s.epoch, s.attempts, s.crashes, s.failures, s.suspicion, s.lost_streak,
        CASE WHEN r.status = 'running'
             THEN extract(epoch FROM now() - r.heartbeat_at)::float8 END AS since_heartbeat,
-       (SELECT extract(epoch FROM now() - p.finished_at)::float8
+       -- The request before it on its scope, when it finished after this one was
+       -- enqueued (it handed the scope over): found through runs_session (a scope is
+       -- one session's), not by walking the ledger back from this request's seq.
+       (SELECT CASE WHEN p.finished_at > r.enqueued_at
+                    THEN extract(epoch FROM now() - p.finished_at)::float8 END
           FROM runs p
-         WHERE p.scope = r.scope AND p.seq < r.seq AND p.finished_at > r.enqueued_at
+         WHERE p.session_id = r.session_id AND p.scope = r.scope AND p.seq < r.seq
          ORDER BY p.seq DESC LIMIT 1) AS since_handoff,
        o.request_id, o.kind, o.session_id, o.user_id, o.agent, o.prompt, o.metadata,
        o.not_before, o.options, o.routing, o.stale,
