@@ -38,6 +38,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from . import fastpath
 from .codec import CodecStats, Serializer, check_serializer, decode, encode
+from .conns import without_jit
 from .errors import (
     CONNECT,
     FENCED_SQLSTATE,
@@ -1188,6 +1189,7 @@ async def open_pool(
         max_size=max_size,
         open=False,
         check=IdleCheck().acheck,
+        configure=without_jit,
         name="loomflow-worker",
     )
     await pool.open(wait=True, timeout=connect_timeout)

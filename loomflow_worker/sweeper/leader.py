@@ -128,6 +128,7 @@ class Sweeper:
             tcp_user_timeout=15_000,
             application_name="loomflow-worker sweeper",
         )
+        conn.execute(query("no_jit"))  # see journal.sql
         self.leader = False
         return conn
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import anyio
 import psycopg
 import pytest
 
 from loomflow_worker.runtime.sql import query
+from loomflow_worker.runtime.store import open_pool
+from loomflow_worker.settings import Settings
+from loomflow_worker.sweeper.leader import Sweeper
 
 PARAMS: dict[str, Any] = {
     "scope": "scope-7", "request_id": "r-7", "stale": 5, "key": 1, "may_lock": False,
@@ -251,3 +255,46 @@ def test_a_start_reads_a_few_pages_whatever_the_size_of_the_ledger(big_ledger: s
     top = row[0][0]["Plan"]
     pages = top["Shared Hit Blocks"] + top["Shared Read Blocks"]
     assert pages < 200, f"{pages} pages read by a start, in a ledger of 40,000 requests"
+
+
+def _plans_with_jit(conn: psycopg.Connection[Any]) -> bool:
+    """Whether the sweeper's ``orphans`` is compiled by JIT on ``conn``."""
+    params = {"after": 60, "queued_after": 5, "queues": ["celery"], "waiting": [2000],
+              "default_queue": "celery", "held_within": 4, "dead_after": 4, "limit": 500}
+    row = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + query("orphans"), params).fetchone()
+    assert row is not None
+    return "JIT" in row[0][0]
+
+
+def test_the_sweeper_and_the_worker_pool_compile_no_statement(dsn: str) -> None:
+    """With a backlog (3,000 unfinished requests), the estimated cost of
+    ``orphans`` passes Postgres' jit_above_cost: compiled at each sweep, it
+    cost seconds of CPU for a statement that runs in milliseconds. The
+    sweeper's connection and the worker's pool turn JIT off."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO runs (request_id, scope, session_id, agent, prompt, lock_key, status,"
+            " dispatched_at, started_at, heartbeat_at)"
+            " SELECT 'r-' || i, 's-' || i, 's-' || i, 'a', 'p', i,"
+            " CASE WHEN i <= 1000 THEN 'running' ELSE 'queued' END, now(),"
+            " CASE WHEN i <= 1000 THEN now() END, CASE WHEN i <= 1000 THEN now() END"
+            " FROM generate_series(1, 3000) AS i")
+        conn.execute("ANALYZE runs")
+        available = conn.execute("SELECT pg_jit_available()").fetchone()
+        if available is not None and available[0]:
+            assert _plans_with_jit(conn), "a plain connection compiles orphans (the control)"
+    sweeper = Sweeper(Settings(database_url=dsn), lambda _: None)  # type: ignore[arg-type]
+    with sweeper._connect() as conn:
+        assert not _plans_with_jit(conn)
+
+    async def pool_jit() -> str:
+        pool = await open_pool(dsn, min_size=1, max_size=1, connect_timeout=5)
+        try:
+            async with pool.connection() as conn:
+                cur = await conn.execute("SHOW jit")
+                row = await cur.fetchone()
+                return str(row[0]) if row else "?"
+        finally:
+            await pool.close()
+
+    assert anyio.run(pool_jit) == "off"

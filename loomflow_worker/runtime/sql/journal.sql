@@ -262,3 +262,10 @@ ON CONFLICT (run_id) DO NOTHING;
 -- That run ended: cleanly, or raising (its error's first line).
 UPDATE direct_runs SET finished_at = clock_timestamp(), outcome = %(outcome)s, error = %(error)s
  WHERE run_id = %(run_id)s;
+
+-- name: no_jit
+-- What the worker's pool and the sweeper's connection say first: no JIT compilation.
+-- Their statements run in milliseconds, thousands of times; with a backlog the estimated
+-- cost of one that reads every unfinished request (the sweeper's orphans) passes
+-- jit_above_cost, and Postgres spent seconds of CPU compiling it at each sweep.
+SET jit = off;
