@@ -298,3 +298,24 @@ def test_the_sweeper_and_the_worker_pool_compile_no_statement(dsn: str) -> None:
             await pool.close()
 
     assert anyio.run(pool_jit) == "off"
+
+
+def test_a_fair_look_writes_the_times_of_the_keys_that_sent_only(dsn: str) -> None:
+    """With 500 tenants waiting their fair turn, a look that publishes 32 of
+    their requests writes the virtual times of those 32 keys, not of the 500
+    (3,000 upserts a look at 3,000 tenants); the next look picks the others."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO runs (request_id, scope, session_id, agent, prompt, status,"
+            " fairness_key, waiting_for, dispatched_at, received_at)"
+            " SELECT 'r-' || i, 's-' || i, 's-' || i, 'a', 'p', 'queued', 'k-' || i,"
+            " 'limit fair_queue', now(), now() FROM generate_series(1, 500) AS i")
+        sent: list[str] = []
+        for _ in range(2):
+            sent += [r[0] for r in conn.execute(query("fair_next"), {"wait": True, "page": 32})]
+            keys = conn.execute("SELECT count(*) FROM fairness_keys").fetchone()
+            assert keys is not None and keys[0] == len(sent), (keys, len(sent))
+            # The workers took them and they ended: room for the next look.
+            conn.execute("UPDATE runs SET status = 'succeeded', finished_at = now()"
+                         " WHERE request_id = ANY(%s)", (sent,))
+    assert len(sent) == len(set(sent)) == 64
