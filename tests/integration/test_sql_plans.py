@@ -60,6 +60,30 @@ def test_a_hot_query_finds_unfinished_requests_through_the_partial_index(
     assert "runs_scope_open" in plan, plan
 
 
+#: The named parts (migration 0042) each long statement is composed of.
+PARTS = {"orphans": ["loomflow_worker_in_broker", "loomflow_worker_held",
+                     "loomflow_worker_scope_heads", "loomflow_worker_advisory_locks"],
+         "start_request": ["loomflow_worker_open_attempt", "loomflow_worker_scope_epochs"]}
+SWEEP = {"after": 60.0, "queued_after": 10.0, "queues": ["celery"], "waiting": [3],
+         "default_queue": "celery", "held_within": 20.0, "dead_after": 30.0, "limit": 100}
+
+
+@pytest.mark.parametrize("name", sorted(PARTS))
+def test_a_long_statements_named_parts_are_inlined(big_ledger: str, name: str) -> None:
+    """The views and functions a long statement is composed of are planned as
+    if spelt out: none is called (a strict or volatile function would be: a
+    scan of its whole result, or a call per row), and its unfinished requests
+    are read through an index."""
+    assert all(part in query(name) for part in PARTS[name])
+    with psycopg.connect(big_ledger, autocommit=True) as conn:
+        plan = "\n".join(r[0] for r in conn.execute(
+            "EXPLAIN " + query(name), {**PARAMS, **SWEEP}))
+    called = [part for part in PARTS[name]
+              if f"Function Scan on {part}" in plan or f"{part}(" in plan]
+    assert called == [], plan
+    assert "runs_scope_open" in plan or "runs_status_seq" in plan, plan
+
+
 def test_a_recheck_walks_the_finished_requests_in_their_index(big_ledger: str) -> None:
     """A re-check of the result backend reads the finished requests a batch at
     a time in the order they ended, each batch from the index (``runs_finished``),

@@ -326,23 +326,14 @@ WITH r AS (
       FROM r, loomflow_worker_last_attempt(r.request_id, r.attempts) p
      WHERE r.status = 'running'
 ), previous_open AS (
-    -- The worker of a previous attempt that may still be running (its lock connection
-    -- ended but its worker lives and has not yet stopped its step): the request waits
-    -- for it, named by `previous_worker`, until the attempt records how it ended, its
-    -- worker stops stamping its row in `workers` (dead, or stopped) for two of its
-    -- heartbeat intervals (when the sweeper takes its runs for orphans too) or a new
-    -- process stamps it (`boot`: a container restarted in place, under the same worker
-    -- id), or the request's heartbeat is older than the lease.
-    SELECT a.worker
-      FROM r JOIN run_attempts a ON a.request_id = r.request_id AND a.attempt = r.attempts
-      LEFT JOIN workers w ON w.worker = a.worker
-     WHERE r.status = 'running' AND a.ended_at IS NULL
-       AND r.heartbeat_at > now() - make_interval(secs => %(lease)s)
-       AND CASE WHEN w.worker IS NULL
-                THEN r.heartbeat_at > now() - make_interval(secs => 2 * %(interval)s)
-                ELSE w.stopped_at IS NULL AND w.boot IS NOT DISTINCT FROM a.boot
-                     AND w.seen_at > now() - make_interval(secs => 2 * w.heartbeat_interval)
-           END
+    -- The worker of a previous attempt that may still be running
+    -- (loomflow_worker_open_attempt: its worker lives and has not yet stopped its step,
+    -- and the request's heartbeat is within the lease): the request waits for it,
+    -- named by `previous_worker`.
+    SELECT p.worker
+      FROM r, loomflow_worker_open_attempt(r.request_id, r.attempts, r.heartbeat_at,
+                                           %(lease)s::float8, %(interval)s::float8) p
+     WHERE r.status = 'running'
 ), older AS (
     -- The oldest older unfinished request on the scope: this one waits for it, and
     -- the caller makes sure it is dispatched (`stale`: its message looks lost).
@@ -355,10 +346,7 @@ WITH r AS (
      ORDER BY o.seq LIMIT 1
 ), marks AS (
     -- The scope's epochs as the journal has them, to pin the first attempt's.
-    SELECT max(loomflow_worker_epoch(value)) FILTER (WHERE step_name = '__run_epoch__') AS current,
-           max(loomflow_worker_epoch(value)) FILTER (WHERE step_name = '__last_run_epoch__') AS last
-      FROM journal_steps
-     WHERE session_id = %(scope)s AND step_name IN ('__run_epoch__', '__last_run_epoch__')
+    SELECT current, last FROM loomflow_worker_scope_epochs(%(scope)s::text)
 ), started AS (
     -- The attempt starts. A previous one that ended "interrupted" (its worker shut
     -- down for a deploy) or "lost" (its worker lost its database connection and

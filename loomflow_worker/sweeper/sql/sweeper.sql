@@ -88,20 +88,9 @@ SELECT coalesce(routing->>'queue', %(default_queue)s) AS queue,
 -- start is gone too). Each part below says its rule; the final CASE has one branch per
 -- kind of request (parked on a cost budget, for a signal or on a limit; running; queued).
 WITH in_broker AS (
-    -- Messages the broker may hold: published and not received since (or published
-    -- again since, a handoff), due (not_before passed), and held unstarted by no live
-    -- worker (held_at within held_within: a rate limit, a prefetch); their age in
-    -- their queue (the routing's, or the default queue), since a broker hands out
-    -- the oldest first.
-    SELECT request_id, dispatched_at, coalesce(routing->>'queue', %(default_queue)s) AS queue,
-           row_number() OVER (PARTITION BY coalesce(routing->>'queue', %(default_queue)s)
-                              ORDER BY dispatched_at, seq) AS age
-      FROM runs
-     WHERE (status = 'queued' OR loomflow_worker_copy_out(status, swept_at, started_at))
-       AND (received_at IS NULL OR dispatched_at > received_at)
-       AND (not_before IS NULL OR not_before <= now())
-       AND NOT coalesce(held_at > dispatched_at
-                        AND held_at > now() - make_interval(secs => %(held_within)s), false)
+    -- Messages the broker may hold, with their age in their queue
+    -- (loomflow_worker_in_broker).
+    SELECT * FROM loomflow_worker_in_broker(%(default_queue)s::text, %(held_within)s::float8)
 ), counted AS (
     -- The broker's count of each queue's messages (the arrays `queues` and `waiting`
     -- pair them; a queue not asked, or NULL, is unknown).
@@ -113,23 +102,13 @@ WITH in_broker AS (
       FROM in_broker b LEFT JOIN counted c USING (queue)
      GROUP BY b.queue
 ), heads AS (
-    -- The oldest unfinished request of each scope, and whether a live worker says it
-    -- holds its message unstarted (`held`).
-    SELECT DISTINCT ON (scope) request_id, kind, session_id, user_id, agent, prompt, metadata,
-           not_before, CASE WHEN status = 'queued' THEN options END AS options, routing, status,
-           dispatched_at, swept_at, started_at, heartbeat_at, lock_key,
-           coalesce(held_at > dispatched_at
-                    AND held_at > now() - make_interval(secs => %(held_within)s), false) AS held,
-           waiting_for, waiting_slots, enqueued_at, priority_rank, waiting_signal,
-           waiting_signal_session, received_at, fairness_key, waiting_budget
-      FROM runs
-     WHERE loomflow_worker_unfinished(status)
-     ORDER BY scope, seq
+    -- The oldest unfinished request of each scope (loomflow_worker_scope_heads), read
+    -- once for the parts below; whether a live worker says it holds its message
+    -- unstarted is loomflow_worker_held.
+    SELECT * FROM loomflow_worker_scope_heads
 ), locks AS MATERIALIZED (
     -- The advisory locks held in this database (the scopes' and the limits' slots).
-    SELECT classid, objid FROM pg_locks
-     WHERE locktype = 'advisory' AND granted AND objsubid = 1
-       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+    SELECT classid, objid FROM loomflow_worker_advisory_locks
 ), unlocked AS (
     -- The free slots of each concurrency limit some request is parked on.
     SELECT w.waiting_for, count(*) AS free
@@ -155,7 +134,8 @@ WITH in_broker AS (
        AND (h.received_at IS NULL OR h.dispatched_at > h.received_at)
        AND (h.not_before IS NULL OR h.not_before <= now())
        AND NOT coalesce(b.age <= g.lost, false)
-       AND (h.held OR h.dispatched_at > now() - make_interval(secs => %(after)s))
+       AND (loomflow_worker_held(h.held_at, h.dispatched_at, %(held_within)s::float8)
+            OR h.dispatched_at > now() - make_interval(secs => %(after)s))
      GROUP BY x.name
 ), room AS (
     -- The room each limit has: its free slots less the messages on their way to them.
@@ -213,7 +193,8 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
             h.heartbeat_at < now() - make_interval(secs => %(dead_after)s)
             AND (h.swept_at IS NULL OR h.swept_at < h.started_at
                  OR h.swept_at < now() - make_interval(secs => %(after)s)
-                 OR (NOT h.held AND h.swept_at < now() - make_interval(secs => %(queued_after)s)
+                 OR (NOT loomflow_worker_held(h.held_at, h.dispatched_at, %(held_within)s::float8)
+                     AND h.swept_at < now() - make_interval(secs => %(queued_after)s)
                      AND b.age <= g.lost))
        ELSE
             -- Queued: its message is gone when no live worker holds it and, past
@@ -225,7 +206,7 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
             -- queued_after. One that may not start yet (not_before: a countdown or eta)
             -- has its message held by a worker until then, counted in no queue: it goes
             -- no sooner than queued_after past its not_before.
-            NOT h.held
+            NOT loomflow_worker_held(h.held_at, h.dispatched_at, %(held_within)s::float8)
             AND h.dispatched_at < now() - make_interval(secs => %(queued_after)s)
             AND (h.dispatched_at = '-infinity'
                  OR coalesce(h.not_before, '-infinity')
@@ -240,10 +221,8 @@ SELECT h.request_id, h.kind, h.session_id, h.user_id, h.agent, h.prompt, h.metad
        END
    -- And nobody holds its scope's lock.
    AND NOT EXISTS (
-       SELECT 1 FROM pg_locks l
-        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-          AND l.classid = ((h.lock_key >> 32) & 4294967295)::oid
+       SELECT 1 FROM loomflow_worker_advisory_locks l
+        WHERE l.classid = ((h.lock_key >> 32) & 4294967295)::oid
           AND l.objid = (h.lock_key & 4294967295)::oid)
  LIMIT %(limit)s;
 
@@ -332,10 +311,8 @@ SELECT extract(epoch FROM min(r.heartbeat_at) - now())::float8 + %(dead_after)s
  WHERE r.status = 'running' AND r.lock_key IS NOT NULL
    AND r.heartbeat_at >= now() - make_interval(secs => %(dead_after)s)
    AND NOT EXISTS (
-       SELECT 1 FROM pg_locks l
-        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-          AND l.classid = ((r.lock_key >> 32) & 4294967295)::oid
+       SELECT 1 FROM loomflow_worker_advisory_locks l
+        WHERE l.classid = ((r.lock_key >> 32) & 4294967295)::oid
           AND l.objid = (r.lock_key & 4294967295)::oid);
 
 -- name: mark_unswept
