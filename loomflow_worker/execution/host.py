@@ -11,7 +11,6 @@ from ..pricing import Prices
 from ..runtime import PostgresRuntime
 from ..settings import Settings
 from .budgets import CostBudgets
-from .fair_turns import FairTurns
 from .limits import Limits
 from .statuses import QuarantineLevel
 
@@ -28,6 +27,14 @@ class LiveEvents(Protocol):
     def end(self, request_id: str, attempt: int, status: str, error: str | None) -> None: ...
 
     async def sent(self, within: float) -> None: ...
+
+
+class TurnLooks(Protocol):
+    """The process's looks for requests withheld for their fair turn (the
+    worker's :class:`loomflow_worker.worker.fair_turns.FairTurns`)."""
+
+    def poke(self) -> None:
+        """A run ended, its message left the broker: look soon."""
 
 
 class Host(Protocol):
@@ -72,6 +79,6 @@ class Host(Protocol):
 
     def run_ended(self, request_id: str) -> None: ...
 
-    def fair_turns(self) -> FairTurns | None:
+    def fair_turns(self) -> TurnLooks | None:
         """The process's looks for requests whose fair turn came, when it
         publishes them itself (``None``: a run's end hands them to its caller)."""

@@ -44,7 +44,7 @@ from ..worker.quarantine.attempts import stop_in_quarantine
 from ..worker.state import PROCESS
 from .application import current_app, settings
 from .cancel import cancel_request
-from .dispatch import RESUME_AGENT, RUN_AGENT, dispatch_many
+from .dispatch import RESUME_AGENT, RUN_AGENT, dispatch_many, dispatch_turns
 from .eta import arrival
 from .queues import queue_lengths, version_queues
 from .results import probe_result_backend, result_lifetime, results_missing, store_result
@@ -75,6 +75,12 @@ def _prepare_worker(sender: Any = None, **_: Any) -> None:
         # defaults would point it at another broker): it does not start.
         log.critical("%s; the worker does not start", exc)
         raise SystemExit(2) from None
+    # Its fair turns go out in batches from the loop, over the broker connection
+    # its other publishes take turns on: given to the context the process makes
+    # (a prefork child's is inherited), and to one made before the worker booted.
+    PROCESS.publish_turns = dispatch_turns
+    if PROCESS.context is not None:
+        PROCESS.context.publish_turns = dispatch_turns
     name: str | None = None
     if sender is not None:
         # The node name its runs and its processes' rows in `workers` carry.

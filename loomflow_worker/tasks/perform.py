@@ -24,7 +24,7 @@ from ..execution.request_errors import AttemptLost, DiedAlone, RunCancelled, Run
 from ..runtime.errors import DatabaseUnavailable, InvalidInput, LockLost
 from ..worker.quarantine.attempts import run_in_quarantine
 from ..worker.state import PROCESS
-from .dispatch import dispatch_recorded, dispatch_turns, options_json
+from .dispatch import dispatch_recorded, options_json
 from .eta import arrival
 from .retry import retry_within
 from .task import AgentTask
@@ -168,8 +168,6 @@ def _backoff(task: AgentTask) -> float:
 def _attempt(task: AgentTask, request_id: str, args: dict[str, Any]) -> Outcome:
     """One attempt of the request on this process's loop."""
     ctx = PROCESS.worker_context()
-    if ctx.publish_turns is None:
-        ctx.publish_turns = dispatch_turns  # fair turns go out in batches, from the loop
     attempt = execute(ctx, request_id, args, task.kind,
                       task.request.hostname, time_limit=_call_time_limit(task),
                       options=functools.partial(_message_options, task, task.request),

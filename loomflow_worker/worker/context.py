@@ -25,7 +25,6 @@ from .. import metrics
 from ..events import EventPublisher, events_url
 from ..execution import ledger
 from ..execution.budgets import CostBudgets
-from ..execution.fair_turns import FairTurns
 from ..execution.host import Halt
 from ..execution.limits import Limits
 from ..execution.pacing import Budgets
@@ -37,6 +36,7 @@ from ..runtime.loopwatch import LoopWatch
 from ..settings import Settings
 from .agents import Agents
 from .database import Database
+from .fair_turns import FairTurns
 from .heart import Heart
 from .watch import Watch
 
@@ -70,6 +70,7 @@ class WorkerContext:
     def __init__(
         self, settings: Settings, slots: int = 1, node: str | None = None, *,
         quarantine: int = 0, serving: bool = True,
+        publish_turns: Callable[[list[Pending]], None] | None = None,
     ) -> None:
         """``slots``: how many runs this process carries at once; ``node``:
         the Celery node it serves (the host name when none); ``quarantine``:
@@ -78,7 +79,9 @@ class WorkerContext:
         (``QuarantineLevel.ALONE``); ``serving`` false: it only builds the agents
         (a prefork worker's parent, before it forks its children), with no
         heartbeat, no row in ``workers`` or ``worker_agents``, no loop watch
-        and no events."""
+        and no events; ``publish_turns``: how it publishes the requests whose
+        fair turn came (a Celery worker's, given as it boots; without it a
+        run's end hands them to its caller)."""
         self.settings = settings
         self.serving = serving
         self.slots = slots
@@ -109,9 +112,7 @@ class WorkerContext:
                            lag=self.watch.lag, lock_queue=self.database.queue_depth,
                            admitting=lambda: self.admitting())
         self.stream = Stream(settings, load=lambda: len(self._halts))
-        # How this process publishes requests whose fair turn came (set by a
-        # Celery worker; without it a run's end hands them to its caller).
-        self.publish_turns: Callable[[list[Pending]], None] | None = None
+        self.publish_turns = publish_turns
         self._fair_turns: FairTurns | None = None
 
     # What an attempt takes from its process (execution.host.Host).

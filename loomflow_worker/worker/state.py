@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,6 +26,7 @@ from pydantic_settings import SettingsError
 
 from ..execution import budgets, ledger, limits
 from ..execution.ledger import EnqueuePool
+from ..execution.pending import Pending
 from ..execution.registry import agent_registered, import_agent_modules, learn_fleet_agent
 from ..runtime.errors import InvalidInput
 from ..settings import Settings, validation_message
@@ -92,6 +94,11 @@ class ProcessState:
     #: The settings whose limits and weights this process declared to the
     #: fleet (at its first enqueue with them).
     limits_declared: Settings | None = None
+    #: How this worker process publishes the requests whose fair turn came, in
+    #: batches from its loop: set once by the Celery binding as the worker boots
+    #: (``None``: no worker; a run's end hands them to its caller). Each context
+    #: the process makes is given it.
+    publish_turns: Callable[[list[Pending]], None] | None = None
 
     def current_settings(self) -> Settings:
         """The settings the app runs with (raises if the environment's are invalid)."""
@@ -169,7 +176,8 @@ class ProcessState:
         if self.context is None:
             current = self.current_settings()
             import_agent_modules(current.agents)
-            self.context = WorkerContext(current, slots=self.slots or 1, node=self.node)
+            self.context = WorkerContext(current, slots=self.slots or 1, node=self.node,
+                                         publish_turns=self.publish_turns)
         return self.context
 
     @property

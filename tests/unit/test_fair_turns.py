@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from loomflow_worker.execution.fair_turns import FairTurns
+from loomflow_worker.worker.fair_turns import FairTurns
 
 
 class Looks:

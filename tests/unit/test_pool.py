@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from loomflow_worker.cli import main
 from loomflow_worker.tasks import hooks
+from loomflow_worker.tasks.dispatch import dispatch_turns
 from loomflow_worker.worker.pool import RunPool, pool_name
 from loomflow_worker.worker.state import PROCESS
 
@@ -20,7 +21,7 @@ from loomflow_worker.worker.state import PROCESS
 @pytest.fixture(autouse=True)
 def process(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a worker's start sets in the process's state is undone after the test."""
-    for name in ("node", "slots", "context"):
+    for name in ("node", "slots", "context", "publish_turns"):
         monkeypatch.setattr(PROCESS, name, getattr(PROCESS, name))
 
 
@@ -78,6 +79,17 @@ def test_the_threads_pool_carries_its_concurrency_in_runs() -> None:
     assert issubclass(sender.pool_cls, RunPool)
     assert PROCESS.slots == 150
     assert PROCESS.worker_context().slots == 150
+
+
+def test_a_worker_publishes_fair_turns_from_its_loop_once_it_boots() -> None:
+    """Set once as the worker boots, not per attempt: every context the
+    process makes publishes the requests whose fair turn came in batches."""
+    made_before = PROCESS.worker_context()
+    hooks._prepare_worker(sender=SimpleNamespace(pool_cls=ThreadPool, concurrency=2))
+    assert PROCESS.publish_turns is dispatch_turns
+    assert made_before.publish_turns is dispatch_turns
+    PROCESS.context = None  # the settings changed: a new context
+    assert PROCESS.worker_context().publish_turns is dispatch_turns
 
 
 def test_prefork_runs_one_per_child() -> None:

@@ -8,7 +8,11 @@ under way, or within :data:`LOOK_EVERY` of the last, are answered by the next
 look, which publishes as many as there is room for then. So the looks cost a
 statement every few tens of milliseconds, not one per run, and their messages
 go out in one batch over one broker connection. A look that fails is left to
-the sweeper's leader, which publishes withheld requests on each sweep."""
+the sweeper's leader, which publishes withheld requests on each sweep.
+
+A part of the worker process (its context makes one once its runtime is up,
+when the Celery binding gave it a way to publish, at the worker's boot): an
+attempt sees it only as execution's :class:`~..execution.host.TurnLooks`."""
 
 from __future__ import annotations
 
@@ -19,8 +23,8 @@ from collections.abc import Awaitable, Callable
 import anyio
 from psycopg_pool import AsyncConnectionPool
 
-from . import ledger
-from .pending import Pending
+from ..execution import ledger
+from ..execution.pending import Pending
 
 log = logging.getLogger(__name__)
 
