@@ -198,6 +198,54 @@ def cli(
     )
 
 
+def cli_in_process(
+    fleet: Fleet, *args: str, input: str | None = None, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run the ``loomflow-worker`` command ARGS in this process (click's
+    ``CliRunner``), with the fleet's environment and nothing else of
+    ``LOOMFLOW_WORKER_*``: what it printed on stdout and stderr and its exit
+    status, as :func:`cli` gives them, a second or more sooner (no interpreter
+    to start, nothing to import again). As a process of its own, the command
+    would print on stderr the warnings it logs (Python's last-resort handler)
+    and the traceback of an exception it lets out: so they are here.
+
+    For the commands that read their settings from the environment as they
+    run (``requests``, ``show``, ``tail``, ``prune``, ``doctor``, ``limits``):
+    ``enqueue``, ``cancel``, ``signal`` and ``upgrade`` send through this
+    process's Celery binding, configured once a process, so they run as
+    :func:`cli` runs them, and so does a command whose process is the point
+    (one started before the run it follows, one read while it runs)."""
+    import inspect
+    import logging
+    import traceback
+
+    from click.testing import CliRunner
+
+    from loomflow_worker.cli import main
+
+    environment: dict[str, str | None] = {
+        name: None for name in os.environ if name.startswith("LOOMFLOW_WORKER_")}
+    environment.update({**fleet.env, **env})
+    # click before 8.2 mixes stderr into stdout unless told not to.
+    separate = ({"mix_stderr": False}
+                if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters else {})
+    pool_logger = logging.getLogger("psycopg.pool")
+    pool_level = pool_logger.level
+    root = logging.getLogger()
+    root.addHandler(logging.lastResort)  # stderr, as in a process of its own
+    try:
+        done = CliRunner(**separate).invoke(main, list(args), input=input or "",
+                                            env=environment)
+    finally:
+        root.removeHandler(logging.lastResort)
+        pool_logger.setLevel(pool_level)  # the command quiets the pool's retries
+    stderr = done.stderr
+    if done.exc_info is not None and not isinstance(done.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*done.exc_info))
+    return subprocess.CompletedProcess(["loomflow-worker", *args], done.exit_code,
+                                       done.stdout, stderr)
+
+
 def enqueued(fleet: Fleet, prompt: str, session: str, *extra: str) -> str:
     """The request id ``loomflow-worker enqueue`` printed."""
     done = cli(fleet, "enqueue", prompt, "--session", session, *extra)

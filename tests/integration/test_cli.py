@@ -1,4 +1,10 @@
-"""The ``loomflow-worker`` command, run as a subprocess against real workers and services."""
+"""The ``loomflow-worker`` command against real workers and services: run as a
+subprocess, or in this process (``cli_in_process``) where what it prints is
+under test and nothing of its process is: a command that reads its settings
+from the environment as it runs, not one that may send through the process's
+Celery binding (enqueue, cancel, a signal that wakes a request), nor one whose
+process is the point (a tail attached before the run it follows, a doctor
+printing each check as it goes, the first doctor importing the agents)."""
 
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ from .helpers import (
     calls,
     cell,
     cli,
+    cli_in_process,
     connected_to,
     enqueued,
     lines,
@@ -58,7 +65,7 @@ def spawn(fleet: Fleet, *args: str) -> subprocess.Popen[str]:
 
 
 def show_json(fleet: Fleet, request_id: str) -> dict[str, object]:
-    done = cli(fleet, "show", request_id, "--json")
+    done = cli_in_process(fleet, "show", request_id, "--json")
     assert done.returncode == 0, done.stderr
     value: dict[str, object] = json.loads(done.stdout)
     return value
@@ -88,7 +95,7 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
     third_id = enqueued(fleet, calls("d"), "s2")
     wait_status(fleet.dsn, third_id, ("succeeded",))
 
-    table = cli(fleet, "requests", "--session", "s1")
+    table = cli_in_process(fleet, "requests", "--session", "s1")
     assert table.returncode == 0, table.stderr
     header, *rows = lines(table.stdout)
     assert header.split() == ["REQUEST", "SESSION", "USER", "AGENT", "VERSION", "STATUS",
@@ -104,15 +111,16 @@ def test_enqueue_wait_runs_and_show_on_a_real_run(fleet: Fleet) -> None:
 
 
     # `runs`, the command's first name, lists them too.
-    as_json = [json.loads(line) for line in lines(cli(fleet, "runs", "--json").stdout)]
+    as_json = [json.loads(line) for line in lines(cli_in_process(fleet, "runs", "--json").stdout)]
     assert [r["request_id"] for r in as_json] == [third_id, second_id, first_id]
     assert {r["status"] for r in as_json} == {"succeeded"}
-    assert cli(fleet, "requests", "--status", "failed", "--status", "dead").stdout == ""
-    assert len(lines(cli(fleet, "requests", "--newer-than", "1h", "--limit", "2").stdout)) == 3
-    assert cli(fleet, "requests", "--older-than", "1h").stdout == ""
-    assert lines(cli(fleet, "requests", "--user", "u1", "--json").stdout).__len__() == 2
+    assert cli_in_process(fleet, "requests", "--status", "failed", "--status", "dead").stdout == ""
+    newer = cli_in_process(fleet, "requests", "--newer-than", "1h", "--limit", "2")
+    assert len(lines(newer.stdout)) == 3
+    assert cli_in_process(fleet, "requests", "--older-than", "1h").stdout == ""
+    assert lines(cli_in_process(fleet, "requests", "--user", "u1", "--json").stdout).__len__() == 2
 
-    shown = cli(fleet, "show", first_id)
+    shown = cli_in_process(fleet, "show", first_id)
     assert shown.returncode == 0, shown.stderr
     text = shown.stdout
     assert "status    succeeded" in text
@@ -190,7 +198,7 @@ def test_show_after_a_sigkill_mid_tool_says_which_steps_replayed(fleet: Fleet) -
     }
     assert replayed == {"recorded t1"} and fresh == {"recorded t2", "recorded t3"}
 
-    text = cli(fleet, "show", request_id).stdout
+    text = cli_in_process(fleet, "show", request_id).stdout
     assert "2 attempts, 0 failures, 1 crash" in text
     attempt_rows = text.split("attempts\n", 1)[1].split("\n\n", 1)[0]
     assert "worker died" in attempt_rows and "succeeded" in attempt_rows
@@ -216,7 +224,7 @@ def test_tail_attached_before_during_and_after_prints_the_same_events(fleet: Fle
     out_during, err_during = during.communicate(timeout=60)
     assert before.returncode == 0, err_before
     assert during.returncode == 0, err_during
-    after = cli(fleet, "tail", request_id)
+    after = cli_in_process(fleet, "tail", request_id)
     assert after.returncode == 0, after.stderr
     assert out_before == out_during == after.stdout
 
@@ -235,7 +243,8 @@ def test_tail_attached_before_during_and_after_prints_the_same_events(fleet: Fle
     assert any("output 'done: recorded e1, recorded e2, recorded e3'" in line
                for line in printed)
 
-    as_json = [json.loads(line) for line in lines(cli(fleet, "tail", request_id, "--json").stdout)]
+    tailed = cli_in_process(fleet, "tail", request_id, "--json")
+    as_json = [json.loads(line) for line in lines(tailed.stdout)]
     assert len(as_json) == len(printed)
     assert as_json[-1]["kind"] == "end" and as_json[-1]["data"]["status"] == "succeeded"
     ids = [tuple(map(int, e["id"].split("-"))) for e in as_json]
@@ -249,7 +258,7 @@ def test_tail_of_a_resumed_run_marks_the_replayed_events(fleet: Fleet) -> None:
     request_id = enqueued(fleet, calls("r1", "r2"), "s")
     _, pid, _, _ = wait_for_execution(fleet.dsn, "r2")
     os.kill(pid, signal.SIGKILL)
-    done = cli(fleet, "tail", request_id)
+    done = cli_in_process(fleet, "tail", request_id)
     assert done.returncode == 0, done.stderr
     printed = lines(done.stdout)
     second = [line for line in printed if line.split()[1] == "a2"]
@@ -276,11 +285,11 @@ def test_cancel_prints_the_status_and_tail_exits_nonzero(fleet: Fleet) -> None:
     done = cli(fleet, "cancel", running)
     assert (done.returncode, done.stdout.strip()) == (0, f"{running}: running")
 
-    tailed = cli(fleet, "tail", running)
+    tailed = cli_in_process(fleet, "tail", running)
     assert tailed.returncode == 1, tailed.stderr
     assert lines(tailed.stdout)[-1].split()[2:] == ["end", "cancelled:", "cancelled", "while",
                                                     "running"]
-    assert cli(fleet, "tail", queued).returncode == 1
+    assert cli_in_process(fleet, "tail", queued).returncode == 1
     assert ledger(fleet.dsn, running)["status"] == "cancelled"
     assert ledger(fleet.dsn, queued)["status"] == "cancelled"
     # A finished request: its final status, nothing changed.
@@ -325,7 +334,7 @@ def test_a_run_waiting_long_for_a_signal_gives_its_slot_back(fleet: Fleet) -> No
     wait_until(lambda: _gave_its_slot_back(fleet, waiting), "the run never gave its slot back")
     other = enqueued(fleet, calls("x"), "s-other")
     wait_status(fleet.dsn, other, ("succeeded",), timeout=20)
-    shown = cli(fleet, "show", waiting)
+    shown = cli_in_process(fleet, "show", waiting)
     assert "waits     waiting for signal 'approve' of session 'approvals'" in shown.stdout, shown
     _approve(fleet, waiting)
 
@@ -433,7 +442,7 @@ def test_a_run_waiting_long_for_approval_holds_no_slot_and_resumes_once(fleet: F
         wait_until(lambda: received <= 2 + sent_again(),
                    f"{received} deliveries, {sent_again()} of them sent again by the sweeper",
                    timeout=5)
-    journal = cli(fleet, "show", waiting).stdout.split("journal ", 1)[1].splitlines()
+    journal = cli_in_process(fleet, "show", waiting).stdout.split("journal ", 1)[1].splitlines()
     assert any("executed in attempt 1, replayed in 2" in line for line in journal), journal
     assert steps_journaled_twice(fleet.dsn) == []
 
@@ -465,9 +474,9 @@ def test_signal_wakes_a_run_waiting_for_it(fleet: Fleet) -> None:
         rows = conn.execute("SELECT payload FROM signals ORDER BY id").fetchall()
     assert [_codec.loads(bytes(r[0])) for r in rows] == [1, 2]
 
-    bad = cli(fleet, "signal", "sig", "go", "{not json")
+    bad = cli_in_process(fleet, "signal", "sig", "go", "{not json")
     assert bad.returncode == 2 and "not JSON" in bad.stderr
-    bad = cli(fleet, "signal", "sig", " ")
+    bad = cli_in_process(fleet, "signal", "sig", " ")
     assert bad.returncode == 2 and "signal name is empty" in bad.stderr
 
 
@@ -493,7 +502,7 @@ def test_a_signal_sent_to_a_user_reaches_only_that_users_run(fleet: Fleet) -> No
         rows = conn.execute("SELECT session_id, user_id, payload FROM signals").fetchall()
     assert [(r[0], r[1], _codec.loads(bytes(r[2]))) for r in rows] == [
         ("chat-42", "bob", {"by": "bob"})]
-    bad = cli(fleet, "signal", "chat-42", "go", "--user", "")
+    bad = cli_in_process(fleet, "signal", "chat-42", "go", "--user", "")
     assert bad.returncode == 2 and "user_id" in bad.stderr
 
 
@@ -591,14 +600,14 @@ def test_prune_deletes_old_rows_in_batches(fleet: Fleet) -> None:
     _seed_old_and_new(fleet.dsn)
     everything = _left(fleet.dsn)
 
-    declined = cli(fleet, "prune", "--older-than", "30d", input="n\n")
+    declined = cli_in_process(fleet, "prune", "--older-than", "30d", input="n\n")
     assert declined.returncode == 1
     assert ("Delete 5 journal steps, 3 journal streams, 2 checkpoints, 2 signals, "
             "2 runs outside Celery, 4 finished requests "
             "(older than 30d)?") in declined.stdout
     assert _left(fleet.dsn) == everything
 
-    done = cli(fleet, "prune", "--older-than", "30d", "--batch-size", "2", "--yes")
+    done = cli_in_process(fleet, "prune", "--older-than", "30d", "--batch-size", "2", "--yes")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(
         "deleted 5 journal steps, 3 journal streams, 2 checkpoints, 2 signals, "
@@ -607,7 +616,7 @@ def test_prune_deletes_old_rows_in_batches(fleet: Fleet) -> None:
     assert "pruning" in done.stderr  # the progress bar
     assert _left(fleet.dsn) == KEPT
 
-    again = cli(fleet, "prune", "--older-than", "1d12h", "--yes")
+    again = cli_in_process(fleet, "prune", "--older-than", "1d12h", "--yes")
     assert (again.returncode, again.stdout.strip()) == (0, "nothing older than 1d12h to prune")
 
 
@@ -665,7 +674,7 @@ def test_doctor_shows_each_check_as_it_is_made(fleet: Fleet, scheme: str) -> Non
 def test_doctor_passes_on_a_healthy_fleet_and_says_what_to_fix(
     fleet: Fleet, empty_dsn: str
 ) -> None:
-    done = cli(fleet, "doctor")
+    done = cli(fleet, "doctor")  # a process of its own: the agents imported there
     assert done.returncode == 0, done.stdout + done.stderr
     checks = _checks(done.stdout)
     assert list(checks) == ["database", "schema", "broker", "result backend", "agents",
@@ -675,34 +684,35 @@ def test_doctor_passes_on_a_healthy_fleet_and_says_what_to_fix(
     registered = checks["agents"].split("registered: ", 1)[1].split(", ")
     assert {"default", "flaky", "quick"} <= set(registered)
 
-    bad_broker = cli(fleet, "doctor", LOOMFLOW_WORKER_BROKER_URL="redis://127.0.0.1:1/0")
+    bad_broker = cli_in_process(fleet, "doctor", LOOMFLOW_WORKER_BROKER_URL="redis://127.0.0.1:1/0")
     assert bad_broker.returncode == 1
     checks = _checks(bad_broker.stdout)
     assert checks["broker"].startswith("FAIL broker: redis://127.0.0.1:1/0 unreachable: ")
     assert "LOOMFLOW_WORKER_BROKER_URL" in checks["broker"]
     assert [n for n, c in checks.items() if c.startswith("FAIL")] == ["broker"]
 
-    tight = cli(fleet, "doctor", "--json", LOOMFLOW_WORKER_GRACE_PERIOD="10",
+    tight = cli_in_process(fleet, "doctor", "--json", LOOMFLOW_WORKER_GRACE_PERIOD="10",
                 LOOMFLOW_WORKER_VISIBILITY_TIMEOUT="600")
     assert tight.returncode == 1
     verdicts = {c["check"]: c for c in map(json.loads, lines(tight.stdout))}
     assert not verdicts["soft shutdown"]["ok"] and not verdicts["visibility timeout"]["ok"]
     assert "grace period 10s" in verdicts["soft shutdown"]["detail"]
     assert "LOOMFLOW_WORKER_VISIBILITY_TIMEOUT" in verdicts["visibility timeout"]["hint"]
-    assert cli(fleet, "doctor", "--grace-period", "60",
+    assert cli_in_process(fleet, "doctor", "--grace-period", "60",
                LOOMFLOW_WORKER_GRACE_PERIOD="10").returncode == 0
 
-    unmigrated = cli(fleet, "doctor", LOOMFLOW_WORKER_DATABASE_URL=empty_dsn)
+    unmigrated = cli_in_process(fleet, "doctor", LOOMFLOW_WORKER_DATABASE_URL=empty_dsn)
     assert unmigrated.returncode == 1
     assert "run `loomflow-worker migrate`" in _checks(unmigrated.stdout)["schema"]
 
-    no_db = cli(fleet, "doctor",
+    no_db = cli_in_process(fleet, "doctor",
                 LOOMFLOW_WORKER_DATABASE_URL="postgresql://postgres@127.0.0.1:1/nowhere")
     assert no_db.returncode == 1
     assert _checks(no_db.stdout)["database"].startswith(
         "FAIL database: can't connect to Postgres at 127.0.0.1:1/nowhere")
 
-    no_agents = cli(fleet, "doctor", LOOMFLOW_WORKER_AGENTS="tests.integration.no_such_module")
+    no_agents = cli_in_process(fleet, "doctor",
+                               LOOMFLOW_WORKER_AGENTS="tests.integration.no_such_module")
     assert no_agents.returncode == 1
     assert "can't import agents module" in _checks(no_agents.stdout)["agents"]
 
@@ -714,15 +724,16 @@ def test_bad_input_and_unknown_requests_exit_with_their_codes(
     fleet: Fleet, empty_dsn: str
 ) -> None:
     for bad in ("3x", "12", "1h30d", "-5m", "1.5h"):
-        done = cli(fleet, "runs", "--older-than", bad)
+        done = cli_in_process(fleet, "runs", "--older-than", bad)
         assert done.returncode == 2, bad
         assert "is not a duration" in done.stderr and "30d, 12h, 90m, 45s" in done.stderr
-    assert cli(fleet, "runs", "--older-than", "1d12h30m15s").returncode == 0
-    assert cli(fleet, "prune", "--older-than", "", "--yes").returncode == 2
+    assert cli_in_process(fleet, "runs", "--older-than", "1d12h30m15s").returncode == 0
+    assert cli_in_process(fleet, "prune", "--older-than", "", "--yes").returncode == 2
 
     unknown = str(uuid.uuid4())
     for command in ("show", "tail", "cancel"):
-        done = cli(fleet, command, unknown)
+        # cancel, as enqueue and signal, sends through its process's Celery binding.
+        done = (cli if command == "cancel" else cli_in_process)(fleet, command, unknown)
         assert done.returncode == 4, (command, done.stderr)
         assert f"no request {unknown!r} in the runs ledger" in done.stderr
 
@@ -740,7 +751,7 @@ def test_bad_input_and_unknown_requests_exit_with_their_codes(
         assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
     blank = cli(fleet, "enqueue", "  ", "--session", "s")
     assert blank.returncode == 2 and "prompt is empty" in blank.stderr
-    assert cli(fleet, "runs").stdout == ""  # nothing was recorded
+    assert cli_in_process(fleet, "runs").stdout == ""  # nothing was recorded
 
     # No worker: the request stays queued.
     first = enqueue()
@@ -749,17 +760,18 @@ def test_bad_input_and_unknown_requests_exit_with_their_codes(
     assert busy.returncode == 5 and "is busy" in busy.stderr
     waited = enqueue("--wait", "--timeout", "1")
     assert waited.returncode == 6 and "still queued after 1s" in waited.stderr
-    tailed = cli(fleet, "tail", first.stdout.strip(), "--idle-timeout", "2")
+    tailed = cli_in_process(fleet, "tail", first.stdout.strip(), "--idle-timeout", "2")
     assert tailed.returncode == 6 and "no event of request" in tailed.stderr
 
     down = "postgresql://postgres@127.0.0.1:1/nowhere"
     for args in (("runs",), ("show", unknown), ("prune", "--older-than", "1d", "--yes"),
                  ("signal", "s", "go"), ("enqueue", "p", "--session", "s")):
-        done = cli(fleet, *args, LOOMFLOW_WORKER_DATABASE_URL=down,
+        run = cli if args[0] in ("signal", "enqueue") else cli_in_process
+        done = run(fleet, *args, LOOMFLOW_WORKER_DATABASE_URL=down,
                    LOOMFLOW_WORKER_CONNECT_TIMEOUT="2")
         assert done.returncode == 3, (args, done.stderr)
         assert "can't" in done.stderr and "127.0.0.1:1/nowhere" in done.stderr, done.stderr
-    unmigrated = cli(fleet, "runs", LOOMFLOW_WORKER_DATABASE_URL=empty_dsn)
+    unmigrated = cli_in_process(fleet, "runs", LOOMFLOW_WORKER_DATABASE_URL=empty_dsn)
     assert unmigrated.returncode == 3 and "loomflow-worker migrate" in unmigrated.stderr
     assert "Traceback" not in unmigrated.stderr
 
@@ -768,7 +780,7 @@ def test_a_duration_of_thousands_of_digits_is_one_line_of_error(fleet: Fleet) ->
     for bad, said in (("1" * 5000 + "d", "is longer than 365000d"),
                       ("9" * 20 + "s", "is longer than 365000d"),
                       ("\u00b2d", "is not a duration")):
-        done = cli(fleet, "runs", "--older-than", bad)
+        done = cli_in_process(fleet, "runs", "--older-than", bad)
         assert done.returncode == 2, done.stderr[-300:]
         assert "Traceback" not in done.stderr
         (error,) = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
