@@ -1129,13 +1129,16 @@ def limits_budget(name: str, amount: str | None, unit: str, period: str, over: s
     from .execution.limits import command_by
 
     with admin.connect(_settings()) as conn:
-        budgets.write(conn, name, budget, command_by())
+        change = budgets.write(conn, name, budget, command_by())
         woken = budgets.wake(conn, [name])
     click.echo(f"budget {name!r}: " + (
         "none" if budget is None else
         f"{budgets.amount_said(budget.amount, budget.unit)} a {budget.period} (UTC), "
         + ("requests wait" if budget.over == "wait" else "enqueues refused")
         + " while spent"))
+    said = change.said() if change is not None else None
+    if said is not None:
+        click.echo(f"changed: {said}")
     if woken:
         from .tasks.wake import publish_budget_waiters
 

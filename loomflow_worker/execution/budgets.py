@@ -169,15 +169,86 @@ async def read_async(conn: Conn) -> list[BudgetRow]:
     return await cur.fetchall()
 
 
-def write(conn: SyncConn, name: str, budget: Budget | None, by: str) -> None:
+@dataclass(frozen=True)
+class Change:
+    """A budget as ``limits budget`` set it, beside what it was (``was_*``:
+    ``None`` when it was not set): :meth:`said` puts it in words."""
+
+    name: str
+    budget: Budget
+    was_amount: Decimal | None
+    was_unit: str | None
+    was_period: str | None
+    was_over: str | None
+    #: What it had spent in its period as it was, and in its period now.
+    was_spent: Decimal | None
+    spent: Decimal
+    resets_at: datetime
+
+    @property
+    def changed(self) -> bool:
+        """Whether a budget was set and this changed its amount, unit, period or action."""
+        return self.was_amount is not None and (
+            self.was_amount, self.was_unit, self.was_period, self.was_over) != (
+            self.budget.amount, self.budget.unit, self.budget.period, self.budget.over)
+
+    def said(self) -> str | None:
+        """The change in words (``None``: nothing changed): ``was 1,000 tokens a
+        day, now $5.00 a month; spent so far this month: $0 (...); the period
+        rolls over ...``.
+        A spend is said in its own unit only: one in tokens is not one in dollars."""
+        if not self.changed:
+            return None
+        assert self.was_unit is not None and self.was_amount is not None
+        assert self.was_period is not None and self.was_spent is not None
+        new = self.budget
+        was = f"{amount_said(self.was_amount, self.was_unit)} a {self.was_period}"
+        if self.was_over != new.over:
+            was += f" ({_over_said(self.was_over)})"
+        now = f"{amount_said(new.amount, new.unit)} a {new.period}"
+        if self.was_over != new.over:
+            now += f" ({_over_said(new.over)})"
+        why = ""
+        spent_before = amount_said(self.was_spent, self.was_unit)
+        if self.was_unit != new.unit:
+            why = (f" (the {spent_before} it spent {_this(self.was_period)} are not counted: "
+                   f"a spend in {self.was_unit} is none in {new.unit})")
+        elif self.was_period != new.period and self.spent != self.was_spent:
+            why = (f" (the {spent_before} it spent {_this(self.was_period)} are not split "
+                   "by day)")
+        elif self.was_period == "day" and new.period == "month" and self.spent:
+            why = " (today's spend only: a daily budget kept no count of the month's other days)"
+        return (f"was {was}, now {now}; spent so far {_this(new.period)}: "
+                f"{amount_said(self.spent, new.unit)}{why}; the period rolls over "
+                f"{self.resets_at:%Y-%m-%d %H:%M} UTC")
+
+
+def _this(period: str) -> str:
+    return "today" if period == "day" else "this month"
+
+
+def _over_said(over: str | None) -> str:
+    return "requests wait while spent" if over == "wait" else "enqueues refused while spent"
+
+
+def write(conn: SyncConn, name: str, budget: Budget | None, by: str) -> Change | None:
     """Set (``None``: remove) the budget ``name`` for the whole fleet; every
-    process applies it within :data:`REFRESH` seconds."""
+    process applies it within :data:`REFRESH` seconds. A set budget comes back
+    beside what it was; a change is logged (action ``budget_changed``)."""
     if budget is None:
         if conn.execute(query("drop_cost_budget"), {"name": name}).fetchone() is None:
             raise InvalidInput(f"no budget is named {name!r}; `loomflow-worker limits` "
                                "lists them")
-        return
-    conn.execute(query("set_cost_budget"), {**params(name, budget), "by": by})
+        return None
+    row = conn.cursor(row_factory=dict_row).execute(
+        query("set_cost_budget"), {**params(name, budget), "by": by}).fetchone()
+    assert row is not None
+    change = Change(name=name, budget=budget, **row)
+    said = change.said()
+    if said is not None:
+        log.info("budget %r changed by %s: %s", name, by, said,
+                 extra={"action": "budget_changed", "budget": name})
+    return change
 
 
 def params(name: str, budget: Budget) -> dict[str, Any]:

@@ -233,3 +233,66 @@ def _budgets(dsn: str) -> list[budgets.BudgetRow]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         return budgets.read(conn)
 
+
+
+async def test_a_budget_set_in_another_unit_or_period_says_so_and_counts_no_tokens_as_dollars(
+    dsn: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from loomflow_worker.settings import ModelPrice
+
+    settings = Settings(database_url=dsn, events=False,  # type: ignore[arg-type]
+                        prices={"deterministic": ModelPrice(input=3.0, output=15.0)})
+
+    def change(amount: Any, unit: str, period: str) -> str | None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            changed = budgets.write(conn, "acme", budget_of(amount, unit, period), command_by())
+        assert changed is not None
+        return changed.said()
+
+    def spent_by(request_id: str) -> tuple[int, Decimal]:
+        return _one(dsn, "SELECT input_tokens + output_tokens, cost FROM runs"
+                         " WHERE request_id = %s", request_id)
+
+    assert change(1, "tokens", "day") is None  # new: nothing changed
+    ctx = WorkerContext(settings)
+    try:
+        _enqueue(settings, "acme-1", "acme")
+        assert await _attempt(ctx, "acme-1", "acme") == "succeeded"
+        tokens, _ = spent_by("acme-1")
+        assert tokens > 5
+        # Tokens a day to dollars a month: the tokens spent are no dollars.
+        with caplog.at_level("INFO", logger=budgets.__name__):
+            said = change(5, "usd", "month")
+        assert said is not None and re.fullmatch(
+            rf"was 1 tokens a day, now \$5\.00 a month; spent so far this month: \$0 \(the "
+            rf"{tokens:,} tokens it spent today are not counted: a spend in tokens is none in "
+            r"usd\); the period rolls over \d{4}-\d\d-01 00:00 UTC", said), said
+        [logged] = [r for r in caplog.records if getattr(r, "action", None) == "budget_changed"]
+        assert logged.getMessage() == f"budget 'acme' changed by {command_by()}: {said}"
+        # Its tokens are not compared with $5: acme's next request runs, and
+        # spends its cost.
+        _enqueue(settings, "acme-2", "acme")
+        assert await _attempt(ctx, "acme-2", "acme") == "succeeded"
+        _, cost = spent_by("acme-2")
+        assert cost > 0 and _budgets(dsn)[0].spent == cost
+        # Back to tokens a day: the dollars are not counted as tokens.
+        said = change(1, "tokens", "day")
+        assert said is not None and said.startswith(
+            f"was $5.00 a month, now 1 tokens a day; spent so far today: 0 tokens (the "
+            f"${cost.normalize()} it spent this month are not counted: a spend in usd is none "
+            "in tokens); the period rolls over "), said
+        _enqueue(settings, "acme-3", "acme")
+        assert await _attempt(ctx, "acme-3", "acme") == "succeeded"
+        tokens, _ = spent_by("acme-3")
+        assert _budgets(dsn)[0].spent == tokens
+        # A day to a month in the same unit: today's spend is kept, said so.
+        said = change(1, "tokens", "month")
+        assert said is not None and said.startswith(
+            f"was 1 tokens a day, now 1 tokens a month; spent so far this month: {tokens:,} "
+            "tokens (today's spend only: a daily budget kept no count of the month's other "
+            "days); "), said
+        _enqueue(settings, "acme-4", "acme")
+        assert await _attempt(ctx, "acme-4", "acme") == "parked"
+        assert change(1, "tokens", "month") is None  # set again as it was
+    finally:
+        await ctx.aclose()

@@ -6,18 +6,22 @@ that refuses makes `.delay()` raise and writes nothing."""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 
 import psycopg
 import pytest
+from starlette.testclient import TestClient
 
+from loomflow_worker.console.app import create_app
 from loomflow_worker.execution import budgets
 from loomflow_worker.execution.request_errors import OverBudget
+from loomflow_worker.settings import Settings
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet
-from .helpers import calls, cell, cli, wait_until
+from .helpers import calls, cell, cli, tool_executions, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -118,3 +122,44 @@ def test_a_refusing_budget_makes_delay_raise_and_writes_nothing(fleet: Fleet) ->
     assert row == (0,)
     assert run_agent.delay(calls("b1"), "b1", user_id="beta").get(timeout=60)["output"] == \
         "done: recorded b1"
+
+
+def test_a_resumed_request_parked_on_its_budget_says_it_waits_for_it(fleet: Fleet) -> None:
+    # acme's first request is in its tool (30 s on w1) when its second, which
+    # calls no tool, ends and spends acme's budget; w1 is killed: w2 resumes
+    # the first, whose attempt parks on the spent budget before it starts. Its
+    # row still says `running` (its last attempt died), yet it waits for its
+    # budget, and `show`, `requests` and the console's run page say so.
+    assert cli(fleet, "limits", "budget", "acme", "1").returncode == 0
+    env = {**FAST, "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL": "2"}
+    fleet.start("w1", concurrency=2, pool="threads", **env, TEST_TOOL_SLEEP="30")
+    first = run_agent.delay(calls("first"), "a0", user_id="acme")
+    wait_until(lambda: any(tag == "first" for tag, *_ in tool_executions(fleet.dsn)),
+               "the first request never ran its tool")
+    spender = run_agent.delay("hello", "a1", user_id="acme")
+    spender.get(timeout=60)
+    fleet.start("w2", concurrency=2, pool="threads", **env)
+    fleet.kill("w1")
+    wait_until(lambda: _row(fleet.dsn, first.id)[1] == "acme",
+               "the resumed request never parked on its budget")
+    assert _row(fleet.dsn, first.id)[0] == "running"
+    shown = cli(fleet, "show", first.id).stdout
+    waits = next((line for line in shown.splitlines() if line.startswith("waits")), None)
+    assert waits is not None and REASON.search(waits) is not None, shown
+    listed = cli(fleet, "requests", "--user", "acme", "--status", "running").stdout
+    header, row = listed.splitlines()[:2]
+    assert REASON.fullmatch(cell(header, row, "WAITS")), listed
+    settings = Settings(database_url=fleet.dsn, events=False)  # type: ignore[arg-type]
+    with TestClient(create_app(settings), client=("127.0.0.1", 40000),
+                    base_url="http://localhost:8040") as browser:
+        page = browser.get(f"/runs/{first.id}")
+    said = re.search(r'<dd id="waits">([^<]*)</dd>', page.text)
+    assert said is not None and REASON.fullmatch(html.unescape(said[1])), page.text
+    # Raised (the command says the change): it runs to its end on w2.
+    raised = cli(fleet, "limits", "budget", "acme", "1000000").stdout
+    assert re.search(r"^changed: was 1 tokens a day, now 1,000,000 tokens a day; spent so far "
+                     r"today: [\d,]+ tokens; the period rolls over \d{4}-\d\d-\d\d 00:00 UTC$",
+                     raised, re.MULTILINE), raised
+    assert first.get(timeout=60)["output"] == "done: recorded first"
+    assert _row(fleet.dsn, first.id)[:2] == ("succeeded", None)
+    assert "waits" not in [line[:5] for line in cli(fleet, "show", first.id).stdout.splitlines()]

@@ -5,14 +5,28 @@
 -- name: set_cost_budget
 -- A budget as `loomflow-worker limits budget` sets it: it holds over any
 -- process's settings until the command changes it. What it spent this period
--- is kept.
-INSERT INTO cost_budgets (name, amount, unit, period, when_over, source, set_by)
-VALUES (%(name)s, %(amount)s, %(unit)s, %(period)s, %(when_over)s, 'command', %(by)s)
-ON CONFLICT (name) DO UPDATE
-   SET amount = EXCLUDED.amount, unit = EXCLUDED.unit, period = EXCLUDED.period,
-       when_over = EXCLUDED.when_over, source = 'command', set_by = EXCLUDED.set_by,
-       spent = CASE WHEN cost_budgets.unit = EXCLUDED.unit THEN cost_budgets.spent ELSE 0 END,
-       updated_at = now();
+-- is kept in its unit; a budget set in another unit (tokens, dollars) starts
+-- this period from 0, as a spend in tokens says nothing of one in dollars.
+-- Returns the budget as it was (NULLs: it was not set), what it had spent in
+-- its period, and what it has spent in its new period and when that ends.
+WITH was AS (
+    SELECT b.amount, b.unit, b.period, b.when_over, loomflow_worker_budget_spent(b, now()) AS spent
+      FROM cost_budgets b WHERE b.name = %(name)s
+), set AS (
+    INSERT INTO cost_budgets (name, amount, unit, period, when_over, source, set_by)
+    VALUES (%(name)s, %(amount)s, %(unit)s, %(period)s, %(when_over)s, 'command', %(by)s)
+    ON CONFLICT (name) DO UPDATE
+       SET amount = EXCLUDED.amount, unit = EXCLUDED.unit, period = EXCLUDED.period,
+           when_over = EXCLUDED.when_over, source = 'command', set_by = EXCLUDED.set_by,
+           spent = CASE WHEN cost_budgets.unit = EXCLUDED.unit THEN cost_budgets.spent ELSE 0 END,
+           updated_at = now()
+    RETURNING loomflow_worker_budget_spent(cost_budgets, now()) AS spent,
+              loomflow_worker_period_start(period, now()) + ('1 ' || period)::interval
+              AS resets_at
+)
+SELECT w.amount AS was_amount, w.unit AS was_unit, w.period AS was_period,
+       w.when_over AS was_over, w.spent AS was_spent, s.spent, s.resets_at
+  FROM set s LEFT JOIN was w ON true;
 
 -- name: declare_cost_budget
 -- A budget as a process's settings declare it (BUDGETS), as for a concurrency

@@ -6,10 +6,14 @@
 -- name: admin_list_runs
 -- `loomflow-worker requests`: requests newest first (seq) matching every filter given (NULL:
 -- none), ages by enqueue time on the database's clock, at least min_cost dollars, at most
--- `limit`; with each one's executed (billed) tokens and cost.
+-- `limit`; with each one's executed (billed) tokens and cost. Why it waits
+-- (waiting_for): when queued, or parked on a cost budget or a concurrency
+-- limit while still marked running (its last attempt's worker died and the
+-- attempt that resumed it parked before it started).
 SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
        holder AS worker, not_before,
-       CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for, agent_version,
+       CASE WHEN status = 'queued' OR waiting_budget IS NOT NULL OR waiting_slots IS NOT NULL
+            THEN waiting_for END AS waiting_for, agent_version,
        CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since,
        model_calls, input_tokens + output_tokens + cache_read_tokens + cache_write_tokens
            AS tokens, cost, price_unknown
@@ -28,7 +32,8 @@ SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, fi
 -- something, the costliest first: a scan of runs_cost (migration 0039) in its order.
 SELECT request_id, session_id, user_id, agent, status, attempts, enqueued_at, finished_at,
        holder AS worker, not_before,
-       CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for, agent_version,
+       CASE WHEN status = 'queued' OR waiting_budget IS NOT NULL OR waiting_slots IS NOT NULL
+            THEN waiting_for END AS waiting_for, agent_version,
        CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since,
        model_calls, input_tokens + output_tokens + cache_read_tokens + cache_write_tokens
            AS tokens, cost, price_unknown
@@ -62,7 +67,8 @@ SELECT request_id, seq, scope, session_id, user_id, agent, kind,
        length(prompt) AS prompt_length, metadata, status, epoch, attempts AS attempts_count,
        failures, crashes, holder AS worker, cancel_requested, result, error, error_type, enqueued_at,
        started_at, heartbeat_at, finished_at, not_before, now() AS now,
-       CASE WHEN status = 'queued' THEN waiting_for END AS waiting_for,
+       CASE WHEN status = 'queued' OR waiting_budget IS NOT NULL OR waiting_slots IS NOT NULL
+            THEN waiting_for END AS waiting_for,
        agent_version, CASE WHEN status = 'queued' THEN version_wait_since END AS version_wait_since,
        v.live AS version_live, v.seen_at AS version_seen_at,
        suspicion,
