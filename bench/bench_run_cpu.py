@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import gc
 import os
 import platform
@@ -40,7 +41,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -68,14 +69,20 @@ TAGS = ("a", "b")  # 2 tool calls, 3 model calls
 @dataclass
 class Result:
     runs: int
+    sides: tuple[str, ...] = SIDES
     orders: list[tuple[str, ...]] = field(default_factory=list)
-    cpu_ms: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SIDES})
-    sys_ms: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SIDES})
-    wall_ms: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in SIDES})
+    cpu_ms: dict[str, list[float]] = field(default_factory=dict)
+    sys_ms: dict[str, list[float]] = field(default_factory=dict)
+    wall_ms: dict[str, list[float]] = field(default_factory=dict)
 
-    def ratios(self) -> list[float]:
-        return [o / m for o, m in zip(self.cpu_ms["ours"], self.cpu_ms["in-memory"],
-                                      strict=True)]
+    def __post_init__(self) -> None:
+        for figures in (self.cpu_ms, self.sys_ms, self.wall_ms):
+            for side in self.sides:
+                figures.setdefault(side, [])
+
+    def ratios(self, side: str = "ours", base: str = "in-memory") -> list[float]:
+        """``side``'s CPU per run over ``base``'s, round by round."""
+        return [o / m for o, m in zip(self.cpu_ms[side], self.cpu_ms[base], strict=True)]
 
 
 async def _noop_emit(event: Any) -> None:
@@ -87,19 +94,60 @@ def build(runtime: JournaledRuntime) -> Agent:
                  runtime=runtime, memory=NoMemory(), auto_extract=False)
 
 
-async def run_batch(agent: Agent, tag: str, runs: int) -> tuple[float, float, float]:
+async def plain_run(agent: Agent, prompt: str, session_id: str) -> Any:
+    """One run of ``agent``, as :func:`run_batch` makes it unless told otherwise."""
+    return await agent.run(prompt, session_id=session_id, emit=_noop_emit)
+
+
+#: How :func:`run_batch` makes one run: the agent, the prompt and the session.
+RunOne = Callable[[Agent, str, str], Awaitable[Any]]
+
+
+async def run_batch(agent: Agent, tag: str, runs: int,
+                    run: RunOne = plain_run) -> tuple[float, float, float]:
     """``runs`` runs one after another, each on a fresh session: process CPU, the
     part of it spent in the kernel, and wall time, in ms per run."""
     prompt, expected = calls(*TAGS), expected_output(*TAGS)
     gc.collect()
     cpu0, sys0, wall0 = time.process_time(), os.times().system, time.perf_counter()
     for i in range(runs):
-        result = await agent.run(prompt, session_id=f"{tag}-{i}", emit=_noop_emit)
+        result = await run(agent, prompt, f"{tag}-{i}")
         if result.output != expected:
             raise AssertionError(f"{tag}-{i}: the run answered {result.output!r}")
     cpu, kernel = time.process_time() - cpu0, os.times().system - sys0
     wall = time.perf_counter() - wall0
     return 1000 * cpu / runs, 1000 * kernel / runs, 1000 * wall / runs
+
+
+#: One side's batch of runs: its tag and how many runs; ms per run as :func:`run_batch`.
+Batch = Callable[[str, int], Awaitable[tuple[float, float, float]]]
+
+
+async def take_turns(batches: dict[str, Batch], runs: int, rounds: int, chunk: int,
+                     tag: str) -> Result:
+    """Each side's ``runs`` runs a round, for ``rounds`` rounds after a warm-up
+    round: within a round the sides take turns every ``chunk`` runs, so that
+    all see the same moments of a machine whose load changes, and the order
+    of the sides turns from round to round (and from chunk to chunk)."""
+    sides = tuple(batches)
+    for side in sides:  # warm-up: connections, prepared statements, caches
+        await batches[side](f"{tag}-warm-{side}", runs)
+    result = Result(runs=runs, sides=sides)
+    for r in range(rounds):
+        shift = r % len(sides)
+        order = sides[shift:] + sides[:shift]
+        result.orders.append(order)
+        totals = {side: [0.0, 0.0, 0.0] for side in sides}
+        for c, start in enumerate(range(0, runs, chunk)):
+            size = min(chunk, runs - start)
+            for side in order if c % 2 == 0 else order[::-1]:
+                got = await batches[side](f"{tag}-r{r}-{side}-{c}", size)
+                totals[side] = [t + g * size for t, g in zip(totals[side], got, strict=True)]
+        for side, (cpu, kernel, wall) in totals.items():
+            result.cpu_ms[side].append(cpu / runs)
+            result.sys_ms[side].append(kernel / runs)
+            result.wall_ms[side].append(wall / runs)
+    return result
 
 
 async def bench(
@@ -110,24 +158,9 @@ async def bench(
         await ours.init_schema()
         agents = {"in-memory": build(JournaledRuntime()), "ours": build(ours)}
         tag = uuid.uuid4().hex[:6]
-        for side in SIDES:  # warm-up: connections, prepared statements, caches
-            await run_batch(agents[side], f"{tag}-warm-{side}", runs)
-        result = Result(runs=runs)
-        for r in range(rounds):
-            order = SIDES if r % 2 == 0 else SIDES[::-1]
-            result.orders.append(order)
-            totals = {side: [0.0, 0.0, 0.0] for side in SIDES}
-            # The sides take turns every `chunk` runs, so that both see the same
-            # moments of a machine whose load changes.
-            for c, start in enumerate(range(0, runs, chunk)):
-                size = min(chunk, runs - start)
-                for side in order if c % 2 == 0 else order[::-1]:
-                    got = await run_batch(agents[side], f"{tag}-r{r}-{side}-{c}", size)
-                    totals[side] = [t + g * size for t, g in zip(totals[side], got, strict=True)]
-            for side, (cpu, kernel, wall) in totals.items():
-                result.cpu_ms[side].append(cpu / runs)
-                result.sys_ms[side].append(kernel / runs)
-                result.wall_ms[side].append(wall / runs)
+        result = await take_turns(
+            {side: functools.partial(run_batch, agents[side]) for side in SIDES},
+            runs, rounds, chunk, tag)
         if profile:
             profiler = cProfile.Profile(time.process_time)
             profiler.enable()

@@ -70,12 +70,28 @@ def _tracer() -> Any:
     return None if api is None else api.get_tracer(SCOPE)
 
 
+_provider_set = False  # a tracer provider was found set (the API sets it once a process)
+
+
 def _recording() -> bool:
     """Whether a tracer provider is set: without one, the API's proxy makes
-    only spans that record nothing."""
+    only spans that record nothing. Once found set, it is not looked for
+    again (the API sets a process's provider once, for good)."""
+    global _provider_set
+    if _provider_set:
+        return True
     api = _trace_api()
-    return api is not None and not isinstance(api.get_tracer_provider(),
-                                              api.ProxyTracerProvider)
+    if api is None:
+        return False
+    _provider_set = not isinstance(api.get_tracer_provider(), api.ProxyTracerProvider)
+    return _provider_set
+
+
+def forget_provider() -> None:
+    """Look for the tracer provider again at the next hook (a benchmark that
+    swaps providers in one process)."""
+    global _provider_set
+    _provider_set = False
 
 
 def malformed(carrier: Mapping[str, Any]) -> str | None:
@@ -136,11 +152,17 @@ def enqueue_span(task_name: str, request_id: str, agent: str | None,
                  session_id: str | None) -> Iterator[dict[str, str]]:
     """A producer span around recording and publishing a request, inside the
     caller's current span; yields the trace context its messages carry
-    (empty without the API, or with no trace to continue and no SDK)."""
-    tracer = _tracer()
-    if tracer is None:
+    (empty without the API, or with no trace to continue and no SDK). With
+    no tracer provider set and no current span to continue (tracing off),
+    it makes no span and injects nothing: there would be nothing to carry.
+    A current span of the caller's (of a provider of its own, not set for
+    the process) is continued all the same."""
+    api = _trace_api()
+    if api is None or (not _recording()
+                       and not api.get_current_span().get_span_context().is_valid):
         yield {}
         return
+    tracer = api.get_tracer(SCOPE)
     from opentelemetry import propagate
     from opentelemetry.trace import SpanKind
 
@@ -313,15 +335,22 @@ def replayed_step(name: str) -> None:
         f"step {name}", attributes=traced.step_attributes(name, True)).end()
 
 
-@contextlib.contextmanager
-def executed_step(name: str, current: bool = True) -> Iterator[None]:
+_UNTRACED: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+
+
+def executed_step(name: str, current: bool = True) -> contextlib.AbstractContextManager[None]:
     """A span around a journaled step that runs (not replayed); current for
     what the step calls, unless ``current`` is false (a streamed step, whose
-    chunks are yielded to its caller between its parts)."""
+    chunks are yielded to its caller between its parts). Outside a traced
+    attempt, a context that does nothing (no generator made per step)."""
     traced = _attempt.get()
     if traced is None:
-        yield
-        return
+        return _UNTRACED
+    return _executed_step(traced, name, current)
+
+
+@contextlib.contextmanager
+def _executed_step(traced: AttemptTrace, name: str, current: bool) -> Iterator[None]:
     traced.executed += 1
     attributes = traced.step_attributes(name, False)
     if current:

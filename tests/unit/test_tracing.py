@@ -202,3 +202,57 @@ def test_without_the_api_nothing_is_traced_and_nothing_fails(
         with tracing.executed_step("model_call_2"):
             pass
     tracing.note({"trace": {"traceparent": PARENT}}, "redispatch", "r1")
+
+
+def test_tracing_off_makes_no_enqueue_span_and_injects_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The API installed, no tracer provider set, no current span: nothing to
+    # carry, so the enqueue spends nothing on a span or on the propagators.
+    from opentelemetry import propagate
+
+    def injected(*args: object, **kwargs: object) -> None:
+        raise AssertionError("tracing off injected a trace context")
+
+    monkeypatch.setattr(propagate, "inject", injected)
+    with tracing.enqueue_span("run_agent", "r1", "default", "s1") as carried:
+        assert carried == {}
+        assert not trace.get_current_span().get_span_context().is_valid
+
+
+def test_an_enqueue_continues_a_span_of_a_provider_the_process_did_not_set() -> None:
+    # The caller traces with a provider of its own, not set for the process
+    # (none is): its current span is continued all the same, sampled or not.
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
+
+    for provider, sampled in ((TracerProvider(), 1), (TracerProvider(sampler=ALWAYS_OFF), 0)):
+        with provider.get_tracer("web").start_as_current_span("POST /chat") as span, \
+                tracing.enqueue_span("run_agent", "r1", "default", "s1") as carried:
+            _, trace_id, span_id, flags = carried["traceparent"].split("-")
+            assert trace_id == format(span.get_span_context().trace_id, "032x")
+            assert span_id == format(span.get_span_context().span_id, "016x")
+            assert int(flags, 16) & 1 == sampled
+
+
+def test_a_tracer_provider_once_found_set_is_not_looked_for_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    looks: list[int] = []
+    provider = TracerProvider()
+
+    def found() -> object:
+        looks.append(1)
+        return provider
+
+    monkeypatch.setattr(trace, "get_tracer_provider", found)
+    tracing.forget_provider()
+    try:
+        assert tracing._recording() and tracing._recording()
+        assert len(looks) == 1
+    finally:
+        monkeypatch.undo()
+        tracing.forget_provider()
+    assert tracing._recording() is False  # the process sets none
