@@ -201,15 +201,20 @@ def report(result: Result) -> list[str]:
     return out
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+def turn_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of :func:`take_turns`: ``--runs``, ``--rounds`` and ``--chunk``."""
     parser.add_argument("--runs", type=int, default=300,
                         help="runs per side and round, one after another (default 300)")
     parser.add_argument("--rounds", type=int, default=7,
                         help="measured rounds after the warm-up (default 7)")
     parser.add_argument("--chunk", type=int, default=30,
-                        help="runs a side makes before the other side's turn within a round "
+                        help="runs a side makes before the next side's turn within a round "
                              "(default 30)")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    turn_arguments(parser)
     parser.add_argument("--profile", metavar="FILE",
                         help="profile one more round of ours with cProfile into FILE")
     args = parser.parse_args(argv)

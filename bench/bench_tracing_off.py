@@ -62,7 +62,14 @@ from opentelemetry import trace as otel_trace  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased  # noqa: E402
 
-from bench.bench_run_cpu import Result, build, plain_run, run_batch, take_turns  # noqa: E402
+from bench.bench_run_cpu import (  # noqa: E402
+    Result,
+    build,
+    plain_run,
+    run_batch,
+    take_turns,
+    turn_arguments,
+)
 from bench.bench_runtime import describe, scratch_database  # noqa: E402
 from loomflow_worker import tracing  # noqa: E402
 from loomflow_worker.runtime import PostgresRuntime  # noqa: E402
@@ -194,12 +201,7 @@ def report(result: Result, steps: float, hooks: dict[str, float], reps: int) -> 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--runs", type=int, default=300,
-                        help="runs per side and round, one after another (default 300)")
-    parser.add_argument("--rounds", type=int, default=7,
-                        help="measured rounds after the warm-up (default 7)")
-    parser.add_argument("--chunk", type=int, default=30,
-                        help="runs a side makes before the next side's turn (default 30)")
+    turn_arguments(parser)
     parser.add_argument("--reps", type=int, default=20_000,
                         help="repetitions of the hooks alone per side and round (default 20000)")
     parser.add_argument("--no-sdk", action="store_true",
