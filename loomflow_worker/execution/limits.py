@@ -46,6 +46,7 @@ from ..runtime.errors import InvalidInput
 from ..runtime.keys import slot_lock_keys
 from ..runtime.sql import query
 from ..settings import Settings
+from .budgets import amount_said
 from .budgets import params as budget_params
 from .cached import AsyncCachedRead
 from .registry import agent_limits
@@ -137,11 +138,12 @@ async def take(take_slot: Callable[[list[int]], Awaitable[bool]], bounds: list[B
 
 @dataclass(frozen=True)
 class Declared:
-    """What one declaration of a process's settings met in the fleet."""
+    """What one declaration of a process's settings met in the fleet: its
+    value and the fleet's, in words (a budget's with its unit and period)."""
 
     what: str
-    mine: float
-    was: float | None
+    mine: str
+    was: str | None
     set_by: str | None
     wrote: bool
 
@@ -163,10 +165,15 @@ def _declarations(settings: Settings, by: str) -> list[tuple[str, str, dict[str,
 
 
 def _declared(what: str, params: dict[str, Any], row: Any) -> Declared:
-    mine = next(params[name] for name in ("max_runs", "weight", "amount") if name in params)
-    was, set_by, wrote = row if row is not None else (None, None, False)
-    return Declared(what, float(mine), None if was is None else float(was), set_by,
-                    bool(wrote))
+    was, set_by, wrote, *unit_period = row if row is not None else (None, None, False)
+    if "unit" in params:  # a budget: a change of unit or period is one too
+        mine = f"{amount_said(params['amount'], params['unit'])} a {params['period']}"
+        if was is not None:
+            was = f"{amount_said(was, unit_period[0])} a {unit_period[1]}"
+        return Declared(what, mine, was, set_by, bool(wrote))
+    mine = next(params[name] for name in ("max_runs", "weight") if name in params)
+    return Declared(what, f"{float(mine):g}", None if was is None else f"{float(was):g}",
+                    set_by, bool(wrote))
 
 
 def _say(found: list[Declared], by: str) -> None:
@@ -175,13 +182,13 @@ def _say(found: list[Declared], by: str) -> None:
             continue
         if d.wrote:
             log.warning(
-                "%s is now %g, as this process's settings say (%s); it was %g, as the "
+                "%s is now %s, as this process's settings say (%s); it was %s, as the "
                 "settings of %s said: the newest settings win", d.what, d.mine, by, d.was,
                 d.set_by or "an earlier process", extra={"action": "limit_changed"})
         else:
             log.warning(
-                "%s stays %g, set with `loomflow-worker limits` (%s), which holds over "
-                "settings; this process's settings say %g: change it with the command, or "
+                "%s stays %s, set with `loomflow-worker limits` (%s), which holds over "
+                "settings; this process's settings say %s: change it with the command, or "
                 "remove it there (--none) for settings to apply", d.what, d.was,
                 d.set_by or "by the command", d.mine, extra={"action": "limit_kept"})
 

@@ -12,6 +12,7 @@ import pytest
 
 from loomflow_worker import tasks
 from loomflow_worker.execution import limits
+from loomflow_worker.settings import budget_of
 from loomflow_worker.tasks import run_agent
 
 from .celery_harness import Fleet
@@ -65,6 +66,21 @@ def test_the_newest_settings_win_and_say_so(
     assert _limits(fleet.dsn) == {"per_key": (5, "settings")}
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "limit 'per_key' is now 5" in said[0] and "it was 2" in said[0]
+
+
+def test_a_budget_in_settings_changed_to_another_unit_and_period_says_so(
+    fleet: Fleet, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The same amount in another unit and period is a change all the same.
+    _configure(budgets={"acme": budget_of(1000, "tokens", "day")})
+    run_agent.delay(calls("a"), "s1", user_id="acme")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="loomflow_worker.execution.limits"):
+        _configure(budgets={"acme": budget_of(1000, "usd", "month")})
+        run_agent.delay(calls("b"), "s2", user_id="acme")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "the budget of 'acme' is now $1,000.00 a month" in said[0] \
+        and "it was 1,000 tokens a day" in said[0], said
 
 
 def test_a_limit_set_with_the_command_holds_over_settings_and_says_so(

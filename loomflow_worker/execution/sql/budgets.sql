@@ -32,9 +32,10 @@ SELECT w.amount AS was_amount, w.unit AS was_unit, w.period AS was_period,
 -- A budget as a process's settings declare it (BUDGETS), as for a concurrency
 -- limit (declare_concurrency_limit): written unless the command set it, changed
 -- when other settings set it otherwise. Returns its amount as it was (no row:
--- it was not set), who set it, and whether this wrote it.
+-- it was not set), who set it, whether this wrote it, and its unit and period
+-- as they were.
 WITH was AS (
-    SELECT amount, set_by FROM cost_budgets WHERE name = %(name)s
+    SELECT amount, set_by, unit, period FROM cost_budgets WHERE name = %(name)s
 ), wrote AS (
     INSERT INTO cost_budgets (name, amount, unit, period, when_over, source, set_by)
     VALUES (%(name)s, %(amount)s, %(unit)s, %(period)s, %(when_over)s, 'settings', %(by)s)
@@ -49,7 +50,7 @@ WITH was AS (
            IS DISTINCT FROM (EXCLUDED.amount, EXCLUDED.unit, EXCLUDED.period, EXCLUDED.when_over)
     RETURNING 1
 )
-SELECT w.amount, w.set_by, EXISTS (SELECT FROM wrote)
+SELECT w.amount, w.set_by, EXISTS (SELECT FROM wrote), w.unit, w.period
   FROM (SELECT 1) one LEFT JOIN was w ON true;
 
 -- name: drop_cost_budget
