@@ -201,15 +201,16 @@ def report(result: Result) -> list[str]:
     return out
 
 
-def turn_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of :func:`take_turns`: ``--runs``, ``--rounds`` and ``--chunk``."""
+def turn_arguments(parser: argparse.ArgumentParser, chunk: int = 30) -> None:
+    """The options of :func:`take_turns`: ``--runs``, ``--rounds`` and ``--chunk``
+    (by default ``chunk``)."""
     parser.add_argument("--runs", type=int, default=300,
                         help="runs per side and round, one after another (default 300)")
     parser.add_argument("--rounds", type=int, default=7,
                         help="measured rounds after the warm-up (default 7)")
-    parser.add_argument("--chunk", type=int, default=30,
+    parser.add_argument("--chunk", type=int, default=chunk,
                         help="runs a side makes before the next side's turn within a round "
-                             "(default 30)")
+                             f"(default {chunk})")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -66,32 +66,43 @@ def _trace_api() -> ModuleType | None:
 
 
 def _tracer() -> Any:
+    """This package's tracer: the provider's, made once when a provider is set
+    (an SDK's ``get_tracer`` makes a new one each call, which costs more than
+    the span); else the API's (its proxy's), or ``None`` without the API."""
+    if _provider_set:
+        return _scope_tracer
     api = _trace_api()
     return None if api is None else api.get_tracer(SCOPE)
 
 
 _provider_set = False  # a tracer provider was found set (the API sets it once a process)
+_scope_tracer: Any = None  # and its tracer for SCOPE
 
 
 def _recording() -> bool:
     """Whether a tracer provider is set: without one, the API's proxy makes
     only spans that record nothing. Once found set, it is not looked for
-    again (the API sets a process's provider once, for good)."""
-    global _provider_set
+    again (the API sets a process's provider once, for good), and its tracer
+    is kept."""
+    global _provider_set, _scope_tracer
     if _provider_set:
         return True
     api = _trace_api()
     if api is None:
         return False
-    _provider_set = not isinstance(api.get_tracer_provider(), api.ProxyTracerProvider)
-    return _provider_set
+    provider = api.get_tracer_provider()
+    if isinstance(provider, api.ProxyTracerProvider):
+        return False
+    _scope_tracer = provider.get_tracer(SCOPE)
+    _provider_set = True
+    return True
 
 
 def forget_provider() -> None:
     """Look for the tracer provider again at the next hook (a benchmark that
     swaps providers in one process)."""
-    global _provider_set
-    _provider_set = False
+    global _provider_set, _scope_tracer
+    _provider_set, _scope_tracer = False, None
 
 
 def malformed(carrier: Mapping[str, Any]) -> str | None:
@@ -162,7 +173,7 @@ def enqueue_span(task_name: str, request_id: str, agent: str | None,
                        and not api.get_current_span().get_span_context().is_valid):
         yield {}
         return
-    tracer = api.get_tracer(SCOPE)
+    tracer = _tracer()
     from opentelemetry import propagate
     from opentelemetry.trace import SpanKind
 
@@ -331,8 +342,7 @@ def replayed_step(name: str) -> None:
     around = api.get_current_span()
     if str(getattr(around, "name", "")).startswith(AROUND_STEPS):
         around.set_attribute(REPLAYED, True)
-    api.get_tracer(SCOPE).start_span(
-        f"step {name}", attributes=traced.step_attributes(name, True)).end()
+    _tracer().start_span(f"step {name}", attributes=traced.step_attributes(name, True)).end()
 
 
 _UNTRACED: contextlib.AbstractContextManager[None] = contextlib.nullcontext()

@@ -235,7 +235,7 @@ def test_an_enqueue_continues_a_span_of_a_provider_the_process_did_not_set() -> 
             assert int(flags, 16) & 1 == sampled
 
 
-def test_a_tracer_provider_once_found_set_is_not_looked_for_again(
+def test_a_tracer_provider_once_found_set_is_not_looked_for_again_nor_its_tracer_made_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from opentelemetry.sdk.trace import TracerProvider
@@ -252,6 +252,8 @@ def test_a_tracer_provider_once_found_set_is_not_looked_for_again(
     try:
         assert tracing._recording() and tracing._recording()
         assert len(looks) == 1
+        # Its tracer is made once (an SDK's get_tracer makes a new one each call).
+        assert tracing._tracer() is tracing._tracer()
     finally:
         monkeypatch.undo()
         tracing.forget_provider()
