@@ -242,6 +242,12 @@ def _read_hold_limits(conn: psycopg.Connection[Any]) -> tuple[int | None, int | 
 HOLD_LIMITS: CachedRead[tuple[int | None, int | None]] = CachedRead((None, None))
 
 
+def _generic_plans(conn: psycopg.Connection[Any]) -> None:
+    """The enqueue pool's ``configure``: statements planned once (``generic_plans``
+    in ledger.sql says why)."""
+    conn.execute(query("generic_plans"))
+
+
 class EnqueuePool:
     """A small sync pool for inserting ledger rows, made on first use in each process."""
 
@@ -273,6 +279,7 @@ class EnqueuePool:
                     kwargs={"autocommit": True, "connect_timeout": connect_timeout,
                             "application_name": "loomflow-worker enqueue"},
                     check=idle.check,
+                    configure=_generic_plans,
                     open=True,
                     name="loomflow-worker-enqueue",
                 )
