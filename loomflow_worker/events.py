@@ -158,12 +158,13 @@ class EventPublisher:
     (and at :meth:`flush`), so a busy process costs a few round trips a
     second, not one per event. How long a batch gathers grows with the load:
     ``per_run`` seconds for each run the process carries (``load()``), at
-    least ``per_run`` and at most ``interval`` (an event that closes a step:
-    at most ``step_end_delay``). A process carrying one run sends its events
-    about a millisecond after them; one carrying a hundred or more gathers
-    them for ``interval``. A worker that dies later than that has lost none
-    of a step's events; one that dies sooner loses them, and the next
-    attempt sends them again, marked replayed."""
+    most ``interval`` (an event that closes a step: at most
+    ``step_end_delay``). A process carrying one run sends its events about a
+    millisecond after them, and the end of its last one at once; one
+    carrying a hundred or more gathers them for ``interval``. A worker that
+    dies later than that has lost none of a step's events; one that dies
+    sooner loses them, and the next attempt sends them again, marked
+    replayed."""
 
     def __init__(
         self,
@@ -216,9 +217,11 @@ class EventPublisher:
     def delay(self, step_end: bool = False) -> float:
         """How long an event published now waits for others to join its
         batch: ``per_run`` per run in flight, within ``interval`` (a step's
-        end: ``step_end_delay``)."""
+        end: ``step_end_delay``). None once no run is in flight (a request's
+        end, its run over, on an otherwise idle process): nothing would
+        join it, and its caller waits for it before its result is stored."""
         ceiling = self._step_end_delay if step_end else self._interval
-        return min(ceiling, self._per_run * max(1, self._load()))
+        return min(ceiling, self._per_run * self._load())
 
     def end(self, request_id: str, attempt: int, status: str, error: str | None) -> None:
         data = json.dumps({"status": status, "error": error}, separators=(",", ":"))

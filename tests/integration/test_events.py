@@ -222,7 +222,7 @@ def test_batches_gather_longer_only_as_the_process_carries_more_runs() -> None:
         return found
 
     assert asyncio.run(delays()) == [
-        (0.001, 0.001), (0.001, 0.001), (0.02, 0.02), (0.1, 0.05), (0.1, 0.05)]
+        (0.0, 0.0), (0.001, 0.001), (0.02, 0.02), (0.1, 0.05), (0.1, 0.05)]
 
 
 def test_an_idle_process_sends_an_event_at_once_not_after_its_interval() -> None:
@@ -248,6 +248,37 @@ def test_an_idle_process_sends_an_event_at_once_not_after_its_interval() -> None
 
     try:
         asyncio.run(publish())
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+
+
+def test_the_end_of_the_last_run_in_flight_is_sent_at_once() -> None:
+    """A request's end on a process with no other run in flight waits for no
+    batch (none could join it), while the caller holds the request's result
+    until it is in the stream: here a batch would gather for 5 s a run."""
+    prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
+    client = redis.Redis.from_url(REDIS_URL)
+
+    async def exists() -> int:
+        return int(client.exists(stream_key(prefix, "r0")))
+
+    async def end() -> None:
+        publisher = EventPublisher(REDIS_URL, prefix=prefix, maxlen=1000, retention=600,
+                                   interval=60, step_end_delay=60, per_run=5.0,
+                                   load=lambda: 0)
+        try:
+            publisher.end("r0", 1, "succeeded", None)
+            await wait_until_async(exists, "the end in the stream before a batch's wait", 2,
+                                   every=0.001)
+            await publisher.sent(60)
+        finally:
+            await publisher.aclose()
+
+    try:
+        asyncio.run(end())
     finally:
         keys = list(client.scan_iter(match=f"{prefix}*"))
         if keys:
