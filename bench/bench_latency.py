@@ -15,6 +15,10 @@ loomflow's ``persist_episode``, whose row goes with the run's finish); and from 
 ``.get()`` returning (the unlock, the live events sent, the result stored and read back
 through Redis).
 
+The CPU each side's worker process used over the measured requests, and the Postgres
+backends of ours' database (this process's enqueue connection among them), a request on
+average (``/proc``; their idle work is in it: a few milliseconds a second).
+
 For each of ours, a follower (``iter_events``, in a thread, attached before the enqueue)
 notes when each live event reached it: reported are the time from the enqueue to the first
 event and, for every event, how long after the worker stamped it the follower had it (the
@@ -53,15 +57,18 @@ from bench import plain_celery_app as plain  # noqa: E402
 from bench.agents_bench import calls, expected_output  # noqa: E402
 from bench.bench_celery import (  # noqa: E402
     ADMIN_DSN_ENV,
+    CLK_TCK,
     DEFAULT_ADMIN_DSN,
     DEFAULT_REDIS,
     REDIS_ENV,
     Fleet,
     _exit_on_sigterm,
+    backend_ticks,
     git_state,
     migrate,
     ours_config,
     teardown,
+    worker_ticks,
 )
 from bench.bench_runtime import create_database, database_uri  # noqa: E402
 from loomflow_worker import tasks  # noqa: E402
@@ -149,6 +156,16 @@ def _phases(dsn: str, ends: dict[str, tuple[float, float, float]]) -> list[list[
     return found
 
 
+def _ticks(fleet: Fleet, dsn: str, dbname: str) -> dict[str, int]:
+    """CPU ticks used so far by ours' worker, plain's, and the Postgres backends
+    of ours' database (both workers' pools are threads: one process each)."""
+    used = {side: sum(worker_ticks({fleet.workers[side].proc.pid}).values())
+            for side in ("ours", "plain")}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        used["postgres"] = sum(backend_ticks(conn, dbname).values())
+    return used
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--requests", type=int, default=200, help="requests a side (200)")
@@ -183,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # returned (epoch seconds).
     ends: dict[str, tuple[float, float, float]] = {}
     phases: list[list[float]] = []
+    ticks: dict[str, int] = {}
+    spent: dict[str, float] = {}
     try:
         for name in dbnames:
             create_database(admin_dsn, name)
@@ -209,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 expected_output("a")
             plain_took = time.perf_counter() - started
             if i < WARMUP:
+                if i == WARMUP - 1:
+                    ticks = _ticks(fleet, dsns[0], dbnames[0])
                 continue
             ours.append(took)
             plains.append(plain_took)
@@ -216,6 +237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if follower.arrivals:
                 first_event.append(follower.arrivals[0][0] - sent_at)
             delays += [arrived - stamped for arrived, stamped in follower.arrivals]
+        spent = {side: (_ticks(fleet, dsns[0], dbnames[0])[side] - ticks[side]) / CLK_TCK
+                 for side in ticks}
         phases = _phases(dsns[0], ends)
     finally:
         teardown(fleet, redis_url, prefix, admin_dsn, dbnames)
@@ -228,6 +251,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'ours, 2 model calls + 1 tool':<30}{o50 * ms:>7.1f}ms{o90 * ms:>7.1f}ms"
           f"{o99 * ms:>7.1f}ms")
     print(f"{'ratio ours / plain':<30}{o50 / p50:>8.2f}x{o90 / p90:>8.2f}x{o99 / p99:>8.2f}x")
+    if spent:
+        print(f"CPU a request (the measured ones, idle work included): ours' worker "
+              f"{spent['ours'] / args.requests * ms:.2f} ms and its Postgres backends "
+              f"{spent['postgres'] / args.requests * ms:.2f} ms; plain's worker "
+              f"{spent['plain'] / args.requests * ms:.2f} ms")
     if phases:
         print("where ours' time goes (p50 of each part):")
         for i, part in enumerate(PARTS):
