@@ -217,7 +217,7 @@ class EventPublisher:
     def delay(self, step_end: bool = False) -> float:
         """How long an event published now waits for others to join its
         batch: ``per_run`` per run in flight, within ``interval`` (a step's
-        end: ``step_end_delay``). None once no run is in flight (a request's
+        end: ``step_end_delay``). No wait once no run is in flight (a request's
         end, its run over, on an otherwise idle process): nothing would
         join it, and its caller waits for it before its result is stored."""
         ceiling = self._step_end_delay if step_end else self._interval
