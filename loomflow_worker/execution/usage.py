@@ -90,32 +90,45 @@ class AttemptUsage:
     def __bool__(self) -> bool:
         return bool(self.calls)
 
-    def spent(self, *, replayed: bool) -> Spent:
+    def priced(self) -> dict[tuple[str, str, bool], Spent]:
+        """Each (model key, model name, replayed)'s tokens and their cost, each
+        priced once (a price from the table costs about 0.1 ms to compute)."""
+        return {slot: Spent(tokens, self.prices.cost(slot[0], slot[1], tokens))
+                for slot, tokens in sorted(self.calls.items())}
+
+    def spent(self, *, replayed: bool,
+              priced: dict[tuple[str, str, bool], Spent] | None = None) -> Spent:
+        """The tokens and cost of the calls executed (or replayed, ``replayed``),
+        from ``priced`` when given (:meth:`priced`)."""
         total = Spent()
-        for (key, model, was_replayed), tokens in sorted(self.calls.items()):
+        for (_, _, was_replayed), each in (self.priced() if priced is None
+                                           else priced).items():
             if was_replayed == replayed:
-                total += Spent(tokens, self.prices.cost(key, model, tokens))
+                total += each
         return total
 
-    def record(self) -> dict[str, Any]:
+    def record(self, priced: dict[tuple[str, str, bool], Spent] | None = None
+               ) -> dict[str, Any]:
         """The attempt's usage as the ledger keeps it (``run_attempts.usage``)."""
         def side(spent: Spent) -> dict[str, Any]:
             return {**spent.tokens.as_dict(),
                     "cost": None if spent.cost is None else str(spent.cost)}
 
+        priced = self.priced() if priced is None else priced
         keys: dict[str, dict[str, Any]] = {}
-        for (key, model, replayed), tokens in sorted(self.calls.items()):
+        for (key, model, replayed), each in priced.items():
             entry = keys.setdefault(key, {"model": model})
-            entry["replayed" if replayed else "executed"] = side(
-                Spent(tokens, self.prices.cost(key, model, tokens)))
-        return {"executed": side(self.spent(replayed=False)),
-                "replayed": side(self.spent(replayed=True)), "keys": keys}
+            entry["replayed" if replayed else "executed"] = side(each)
+        return {"executed": side(self.spent(replayed=False, priced=priced)),
+                "replayed": side(self.spent(replayed=True, priced=priced)), "keys": keys}
 
     def params(self) -> dict[str, Any]:
         """The parameters of ``record_usage`` (see ``ledger.usage_params``)."""
-        executed, replayed = self.spent(replayed=False), self.spent(replayed=True)
+        priced = self.priced()
+        executed = self.spent(replayed=False, priced=priced)
+        replayed = self.spent(replayed=True, priced=priced)
         return {
-            "usage": self.record(),
+            "usage": self.record(priced),
             "calls": executed.tokens.calls, "input": executed.tokens.input,
             "output": executed.tokens.output, "cache_read": executed.tokens.cache_read,
             "cache_write": executed.tokens.cache_write,

@@ -112,6 +112,33 @@ def test_an_attempt_splits_executed_from_replayed_and_says_an_unknown_price() ->
     assert unknown.params()["price_unknown"] and unknown.record()["executed"]["cost"] is None
 
 
+class _CountedPrices(Prices):
+    def __init__(self) -> None:
+        super().__init__({})
+        self.asked: list[tuple[str, int]] = []
+
+    def cost(self, key: str, model: str, tokens: Tokens) -> Decimal | None:
+        self.asked.append((key, tokens.calls))
+        return super().cost(key, model, tokens)
+
+
+def test_an_attempts_end_prices_each_model_once() -> None:
+    """A price from genai-prices' table takes about 0.1 ms to compute: the
+    ledger's record of an attempt prices each of its models (executed and
+    replayed apart) once, not once for each total it is in."""
+    prices = _CountedPrices()
+    usage = AttemptUsage("agent", prices)
+    reply = ("x", [], Usage(input_tokens=100, output_tokens=10), "stop")
+    model = _Model()
+    for replayed in (False, False, True):
+        usage(model, reply, replayed)
+    params = usage.params()
+    # Two executed calls and one replayed: two prices, one each.
+    assert sorted(prices.asked) == [("claude-sonnet-4-5", 1), ("claude-sonnet-4-5", 2)]
+    assert params["cost"] > 0 and params["r_cost"] > 0
+    assert params["usage"]["keys"]["claude-sonnet-4-5"]["executed"]["calls"] == 2
+
+
 @pytest.mark.parametrize("prices", [
     '{"k": {"input": "three", "output": 1}}', '{"k": {"input": 1}}',
     '{"k": {"input": -1, "output": 1}}', '{"k": {"input": 1, "output": 1, "cached": 1}}',
