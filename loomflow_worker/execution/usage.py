@@ -90,45 +90,22 @@ class AttemptUsage:
     def __bool__(self) -> bool:
         return bool(self.calls)
 
-    def priced(self) -> dict[tuple[str, str, bool], Spent]:
+    def _priced(self) -> dict[tuple[str, str, bool], Spent]:
         """Each (model key, model name, replayed)'s tokens and their cost, each
         priced once (a price from the table costs about 0.1 ms to compute)."""
         return {slot: Spent(tokens, self.prices.cost(slot[0], slot[1], tokens))
                 for slot, tokens in sorted(self.calls.items())}
 
-    def spent(self, *, replayed: bool,
-              priced: dict[tuple[str, str, bool], Spent] | None = None) -> Spent:
-        """The tokens and cost of the calls executed (or replayed, ``replayed``),
-        from ``priced`` when given (:meth:`priced`)."""
-        total = Spent()
-        for (_, _, was_replayed), each in (self.priced() if priced is None
-                                           else priced).items():
-            if was_replayed == replayed:
-                total += each
-        return total
-
-    def record(self, priced: dict[tuple[str, str, bool], Spent] | None = None
-               ) -> dict[str, Any]:
+    def record(self) -> dict[str, Any]:
         """The attempt's usage as the ledger keeps it (``run_attempts.usage``)."""
-        def side(spent: Spent) -> dict[str, Any]:
-            return {**spent.tokens.as_dict(),
-                    "cost": None if spent.cost is None else str(spent.cost)}
-
-        priced = self.priced() if priced is None else priced
-        keys: dict[str, dict[str, Any]] = {}
-        for (key, model, replayed), each in priced.items():
-            entry = keys.setdefault(key, {"model": model})
-            entry["replayed" if replayed else "executed"] = side(each)
-        return {"executed": side(self.spent(replayed=False, priced=priced)),
-                "replayed": side(self.spent(replayed=True, priced=priced)), "keys": keys}
+        return _record(self._priced())
 
     def params(self) -> dict[str, Any]:
         """The parameters of ``record_usage`` (see ``ledger.usage_params``)."""
-        priced = self.priced()
-        executed = self.spent(replayed=False, priced=priced)
-        replayed = self.spent(replayed=True, priced=priced)
+        priced = self._priced()
+        executed, replayed = _total(priced, replayed=False), _total(priced, replayed=True)
         return {
-            "usage": self.record(priced),
+            "usage": _record(priced),
             "calls": executed.tokens.calls, "input": executed.tokens.input,
             "output": executed.tokens.output, "cache_read": executed.tokens.cache_read,
             "cache_write": executed.tokens.cache_write,
@@ -139,6 +116,29 @@ class AttemptUsage:
             "r_cache_write": replayed.tokens.cache_write,
             "r_tokens": replayed.tokens.total, "r_cost": replayed.cost or Decimal(0),
         }
+
+
+def _total(priced: dict[tuple[str, str, bool], Spent], *, replayed: bool) -> Spent:
+    """The tokens and cost of the calls executed (or replayed, ``replayed``)."""
+    total = Spent()
+    for (_, _, was_replayed), each in priced.items():
+        if was_replayed == replayed:
+            total += each
+    return total
+
+
+def _record(priced: dict[tuple[str, str, bool], Spent]) -> dict[str, Any]:
+    """An attempt's usage as the ledger keeps it, from its calls priced."""
+    def side(spent: Spent) -> dict[str, Any]:
+        return {**spent.tokens.as_dict(),
+                "cost": None if spent.cost is None else str(spent.cost)}
+
+    keys: dict[str, dict[str, Any]] = {}
+    for (key, model, replayed), each in priced.items():
+        entry = keys.setdefault(key, {"model": model})
+        entry["replayed" if replayed else "executed"] = side(each)
+    return {"executed": side(_total(priced, replayed=False)),
+            "replayed": side(_total(priced, replayed=True)), "keys": keys}
 
 
 def _count(usage: AttemptUsage, key: str, model: str, tokens: Tokens, replayed: bool) -> None:
