@@ -9,6 +9,8 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import pytest
 import redis
@@ -23,6 +25,27 @@ from .helpers import calls, wait_for_execution, wait_until_async
 
 def _summary(events: list[RunEvent]) -> list[tuple[int, str, bool]]:
     return [(e.attempt, e.kind, e.replayed) for e in events]
+
+
+class Streams(NamedTuple):
+    """A test's own key prefix on the test Redis, and a client to read its streams."""
+
+    prefix: str
+    client: redis.Redis
+
+
+@pytest.fixture
+def streams() -> Iterator[Streams]:
+    """A key prefix of the test's own; its keys are deleted afterwards."""
+    prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        yield Streams(prefix, client)
+    finally:
+        keys = list(client.scan_iter(match=f"{prefix}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
 
 
 @pytest.mark.slow
@@ -80,14 +103,13 @@ def test_events_of_a_resumed_attempt_say_what_replayed(fleet: Fleet) -> None:
     assert [output(e) for e in fresh] == ["recorded r2"]
 
 
-def test_requests_that_end_together_send_their_events_in_one_call() -> None:
+def test_requests_that_end_together_send_their_events_in_one_call(streams: Streams) -> None:
     """Each request's end waits until its events are in its stream (its result
     is stored after that), and on a busy process those ending within the
     wait share one call to Redis: a process ending a hundred requests a
     second makes far fewer."""
-    prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
+    prefix, client = streams
     url = REDIS_URL
-    client = redis.Redis.from_url(url)
     calls_made: list[int] = []
     found: dict[str, list[str]] = {}
 
@@ -119,24 +141,19 @@ def test_requests_that_end_together_send_their_events_in_one_call() -> None:
         finally:
             await publisher.aclose()
 
-    try:
-        asyncio.run(end_all())
-        assert found == {f"r{i}": ["completed", "end"] for i in range(6)}, found
-        assert calls_made == [6], calls_made
-    finally:
-        keys = list(client.scan_iter(match=f"{prefix}*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+    asyncio.run(end_all())
+    assert found == {f"r{i}": ["completed", "end"] for i in range(6)}, found
+    assert calls_made == [6], calls_made
 
 
-def test_a_request_ending_while_its_events_are_on_their_way_waits_for_them() -> None:
+def test_a_request_ending_while_its_events_are_on_their_way_waits_for_them(
+    streams: Streams,
+) -> None:
     """A flush already sending a request's events (its timer fired first)
     holds that request's end until they are in its stream, as one it makes
     itself would."""
-    prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
+    prefix, client = streams
     url = REDIS_URL
-    client = redis.Redis.from_url(url)
     found: list[str] = []
 
     async def end() -> None:
@@ -162,21 +179,17 @@ def test_a_request_ending_while_its_events_are_on_their_way_waits_for_them() -> 
         finally:
             await publisher.aclose()
 
-    try:
-        asyncio.run(end())
-        assert found == ["end"], found
-    finally:
-        keys = list(client.scan_iter(match=f"{prefix}*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+    asyncio.run(end())
+    assert found == ["end"], found
 
 
-def test_one_flush_appends_each_requests_events_to_its_own_stream_in_order() -> None:
+def test_one_flush_appends_each_requests_events_to_its_own_stream_in_order(
+    streams: Streams,
+) -> None:
     """A batch spanning many requests goes out in one call, and each stream
     gets exactly its own events, in the order they were published, with a
     lifetime."""
-    prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
+    prefix, client = streams
     url = REDIS_URL
     requests = [f"r{i}" for i in range(5)]
 
@@ -192,21 +205,14 @@ def test_one_flush_appends_each_requests_events_to_its_own_stream_in_order() -> 
         finally:
             await publisher.aclose()
 
-    client = redis.Redis.from_url(url)
-    try:
-        asyncio.run(publish())
-        for i, request_id in enumerate(requests):
-            events = list(iter_events(request_id, url=url, follow=False,
-                                      settings=Settings(redis_key_prefix=prefix)))
-            steps = [e.data["step"] for e in events]
-            assert steps == [s for s in range(4) if i < s + 2], (request_id, steps)
-            assert all(e.data["i"] == i and e.kind == "model_chunk" for e in events)
-            assert 0 < client.ttl(stream_key(prefix, request_id)) <= 600
-    finally:
-        keys = list(client.scan_iter(match=f"{prefix}*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+    asyncio.run(publish())
+    for i, request_id in enumerate(requests):
+        events = list(iter_events(request_id, url=url, follow=False,
+                                  settings=Settings(redis_key_prefix=prefix)))
+        steps = [e.data["step"] for e in events]
+        assert steps == [s for s in range(4) if i < s + 2], (request_id, steps)
+        assert all(e.data["i"] == i and e.kind == "model_chunk" for e in events)
+        assert 0 < client.ttl(stream_key(prefix, request_id)) <= 600
 
 
 def test_batches_gather_longer_only_as_the_process_carries_more_runs() -> None:
@@ -225,11 +231,12 @@ def test_batches_gather_longer_only_as_the_process_carries_more_runs() -> None:
         (0.0, 0.0), (0.001, 0.001), (0.02, 0.02), (0.1, 0.05), (0.1, 0.05)]
 
 
-def test_an_idle_process_sends_an_event_at_once_not_after_its_interval() -> None:
+def test_an_idle_process_sends_an_event_at_once_not_after_its_interval(
+    streams: Streams,
+) -> None:
     """One run in flight: its event is in the stream long before the (here
     minute-long) interval a busy process gathers a batch for."""
-    prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
-    client = redis.Redis.from_url(REDIS_URL)
+    prefix, client = streams
 
     async def exists() -> int:
         return int(client.exists(stream_key(prefix, "r0")))
@@ -246,21 +253,14 @@ def test_an_idle_process_sends_an_event_at_once_not_after_its_interval() -> None
         finally:
             await publisher.aclose()
 
-    try:
-        asyncio.run(publish())
-    finally:
-        keys = list(client.scan_iter(match=f"{prefix}*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+    asyncio.run(publish())
 
 
-def test_the_end_of_the_last_run_in_flight_is_sent_at_once() -> None:
+def test_the_end_of_the_last_run_in_flight_is_sent_at_once(streams: Streams) -> None:
     """A request's end on a process with no other run in flight waits for no
     batch (none could join it), while the caller holds the request's result
     until it is in the stream: here a batch would gather for 5 s a run."""
-    prefix = f"lfwtest:{uuid.uuid4().hex[:8]}:"
-    client = redis.Redis.from_url(REDIS_URL)
+    prefix, client = streams
 
     async def exists() -> int:
         return int(client.exists(stream_key(prefix, "r0")))
@@ -277,10 +277,4 @@ def test_the_end_of_the_last_run_in_flight_is_sent_at_once() -> None:
         finally:
             await publisher.aclose()
 
-    try:
-        asyncio.run(end())
-    finally:
-        keys = list(client.scan_iter(match=f"{prefix}*"))
-        if keys:
-            client.delete(*keys)
-        client.close()
+    asyncio.run(end())
