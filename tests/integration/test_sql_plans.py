@@ -392,7 +392,7 @@ def test_a_fair_look_writes_the_times_of_the_keys_that_sent_only(dsn: str) -> No
         sent: list[str] = []
         for _ in range(2):
             sent += [r[0] for r in conn.execute(query("fair_next"), {"wait": True, "page": 32})]
-            keys = conn.execute("SELECT count(*) FROM fairness_keys").fetchone()
+            keys = conn.execute("SELECT count(*) FROM fairness_keys WHERE vtime <> 0").fetchone()
             assert keys is not None and keys[0] == len(sent), (keys, len(sent))
             # The workers took them and they ended: room for the next look.
             conn.execute("UPDATE runs SET status = 'succeeded', finished_at = now()"
@@ -473,3 +473,26 @@ def test_a_fair_look_weighs_the_tenants_it_sends_first_not_every_tied_one(dsn: s
         pages = _pages(conn) - before
     assert sorted(sent) == ["r-1996", "r-1997", "r-1998", "r-1999", "r-2000"]
     assert pages < 9000, f"{pages} pages read by a look at 2,000 tied tenants"
+
+
+def test_a_look_reads_the_marks_not_a_probe_of_runs_for_every_waiting_tenant(dsn: str) -> None:
+    """20,000 tenants wait, a request each: a look of 7 reads the marks of the
+    20,000 (``fairness_keys``) and probes runs for the 7 it weighs, where the
+    walk over every tenant's withheld requests read some 60,000 pages."""
+    page = {"wait": True, "page": 7}
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO concurrency_limits (name, max_runs) VALUES ('fair_queue', 0)")
+        conn.execute(
+            "INSERT INTO runs (request_id, scope, session_id, agent, prompt, status,"
+            " fairness_key, waiting_for, waiting_slots, dispatched_at, received_at, enqueued_at)"
+            " SELECT 'r-' || i, 's-' || i, 's-' || i, 'a', 'p', 'queued', 'k-' || i,"
+            " 'limit fair_queue', '{}', now(), now(), now() - i * interval '1 second'"
+            " FROM generate_series(1, 20000) AS i")
+        conn.execute("ANALYZE runs")
+        conn.execute("ANALYZE fairness_keys")
+        conn.execute(query("fair_next"), page)  # its plans made
+        before = _pages(conn)
+        sent = sorted(r[0] for r in conn.execute(query("fair_next"), page))
+        pages = _pages(conn) - before
+    assert sent == sorted(f"r-{i}" for i in range(19987, 19994))
+    assert pages < 3000, f"{pages} pages read by a look at 20,000 tenants"

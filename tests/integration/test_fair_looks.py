@@ -1,0 +1,174 @@
+"""The fair look (``loomflow_worker_fair_next``) against a model of start-time
+fair queueing written in Python, on random ledgers: keys with weights set or
+stated, priorities, virtual times ahead of and behind the clock, requests
+withheld between looks. The keys it weighs are those ``fairness_keys`` marks
+as having requests withheld; a mark left by a request that ended otherwise is
+dropped, and an enqueue that withholds a request while a look runs keeps its
+key marked whichever of the two holds the key's row first."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+
+from loomflow_worker.runtime.sql import query
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@dataclass
+class Model:
+    """What a look should send and write, computed from the ledger's rules."""
+
+    #: request id -> (key, priority rank, enqueued at), while withheld.
+    held: dict[str, tuple[str, int, datetime]] = field(default_factory=dict)
+    vtime: dict[str, float] = field(default_factory=dict)
+    weight: dict[str, float] = field(default_factory=dict)
+    clock: float = 0.0
+
+    def look(self, room: int) -> list[str]:
+        keys = {key for key, _, _ in self.held.values()}
+        start = {k: max(self.vtime.get(k, 0.0), self.clock) for k in keys}
+        mine = {k: sorted((rank, at, rid) for rid, (key, rank, at) in self.held.items()
+                          if key == k) for k in keys}
+        firsts = sorted(keys, key=lambda k: (start[k] + 1 / self.weight.get(k, 1.0),
+                                             mine[k][0][1], k))[:room]
+        tagged = [(start[k] + (i + 1) / self.weight.get(k, 1.0), at, rid, k)
+                  for k in firsts for i, (_, at, rid) in enumerate(mine[k][:room])]
+        chosen = sorted(tagged)[:room]
+        moved: dict[str, float] = {}
+        for tag, _, rid, k in chosen:
+            moved[k] = max(moved.get(k, tag), tag)
+            del self.held[rid]
+        self.vtime.update(moved)
+        after = {**start, **moved}
+        if after:
+            self.clock = max(self.clock, min(after.values()))
+        return sorted(rid for _, _, rid, _ in chosen)
+
+
+def _hold(conn: psycopg.Connection[Any], rid: str, key: str, rank: int, at: datetime) -> None:
+    conn.execute(
+        "INSERT INTO runs (request_id, scope, session_id, agent, prompt, status, fairness_key,"
+        " waiting_for, waiting_slots, dispatched_at, received_at, enqueued_at, priority_rank)"
+        " VALUES (%s, %s, %s, 'a', 'p', 'queued', %s, 'limit fair_queue', '{}', now(), now(),"
+        " %s, %s)", (rid, f"s-{rid}", f"s-{rid}", key, at, rank))
+
+
+def _look(conn: psycopg.Connection[Any], page: int) -> list[str]:
+    return sorted(r[0] for r in conn.execute(query("fair_next"), {"wait": True, "page": page}))
+
+
+def _no_limit(conn: psycopg.Connection[Any]) -> None:
+    """fair_queue 0: a look's room is its page, whatever the broker holds."""
+    conn.execute("INSERT INTO concurrency_limits (name, max_runs) VALUES ('fair_queue', 0)"
+                 " ON CONFLICT (name) DO UPDATE SET max_runs = 0")
+
+
+def test_looks_send_what_start_time_fair_queueing_sends_on_random_ledgers(dsn: str) -> None:
+    """40 random ledgers, a dozen looks each with requests withheld between
+    them: every look sends the requests the model sends, and the keys'
+    virtual times and the clock end where the model's do."""
+    rng = random.Random(20261207)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _no_limit(conn)
+        for trial in range(40):
+            conn.execute("DELETE FROM runs; DELETE FROM fairness_keys; DELETE FROM fair_clock")
+            model = Model(clock=rng.choice([0.0, 0.5, 2.0]))
+            conn.execute("INSERT INTO fair_clock (id, vtime) VALUES (1, %s)", (model.clock,))
+            keys = [f"k{trial}-{i:02d}" for i in range(rng.randint(2, 12))]
+            for key in keys:
+                weight = rng.choice([None, None, 0.5, 2.0, 3.0])
+                call_weight = rng.choice([None, None, 4.0])
+                vtime = rng.choice([0.0, 0.0, 1.0, 2.5, 4.0])
+                if weight is None and call_weight is None and vtime == 0.0:
+                    continue
+                conn.execute("INSERT INTO fairness_keys (fairness_key, weight, call_weight,"
+                             " vtime) VALUES (%s, %s, %s, %s)", (key, weight, call_weight, vtime))
+                model.vtime[key] = vtime
+                model.weight[key] = weight or call_weight or 1.0
+            seconds = 0
+            for look in range(12):
+                for _ in range(rng.choice([0, 0, 3, 8, 20])):
+                    seconds += 1
+                    rid, key = f"r{trial}-{seconds}", rng.choice(keys)
+                    rank, at = rng.choice([-1, 0, 0, 1]), T0 + timedelta(seconds=seconds)
+                    _hold(conn, rid, key, rank, at)
+                    model.held[rid] = (key, rank, at)
+                page = rng.randint(1, 9)
+                assert _look(conn, page) == model.look(page), (trial, look)
+            times = dict(conn.execute("SELECT fairness_key, vtime FROM fairness_keys"
+                                      " WHERE vtime <> 0").fetchall())
+            assert times == {k: v for k, v in model.vtime.items() if v != 0}, trial
+            clock = conn.execute("SELECT vtime FROM fair_clock").fetchone()
+            assert clock is not None and clock[0] == model.clock, trial
+
+
+def test_a_mark_left_by_a_request_that_ended_otherwise_takes_no_room(dsn: str) -> None:
+    """Tenant a's oldest requests were withheld and then cancelled: its mark
+    still says it sends first, but a look of one weighs it, finds nothing and
+    sends b's request, and a's mark is gone."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _no_limit(conn)
+        for i in range(3):
+            _hold(conn, f"a-{i}", "a", 0, T0 + timedelta(seconds=i))
+        _hold(conn, "b-0", "b", 0, T0 + timedelta(seconds=10))
+        conn.execute("UPDATE runs SET status = 'cancelled', finished_at = now()"
+                     " WHERE fairness_key = 'a'")
+        assert _look(conn, 1) == ["b-0"]
+        marks = conn.execute("SELECT fairness_key FROM fairness_keys"
+                             " WHERE held_at IS NOT NULL").fetchall()
+        assert marks == []
+
+
+def _held_mark(dsn: str, key: str) -> Any:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT held_at FROM fairness_keys WHERE fairness_key = %s",
+                           (key,)).fetchone()
+        return row[0] if row else None
+
+
+def test_an_enqueue_during_a_look_keeps_its_key_marked_whichever_holds_the_key_first(
+        dsn: str) -> None:
+    """A look sends tenant a's last withheld request while an enqueue withholds
+    another of a's. Look first: the enqueue waits for the look's end and marks
+    a again, and the next look sends it. Enqueue first: the look waits for the
+    enqueue's end on a's row and sends both."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _no_limit(conn)
+        _hold(conn, "a-0", "a", 0, T0)
+    looker, enqueuer = psycopg.connect(dsn), psycopg.connect(dsn)
+    try:
+        # Look first.
+        assert _look(looker, 5) == ["a-0"]  # its transaction still open
+        thread = threading.Thread(target=lambda: (
+            _hold(enqueuer, "a-1", "a", 0, T0 + timedelta(seconds=1)), enqueuer.commit()))
+        thread.start()
+        time.sleep(0.3)
+        assert thread.is_alive(), "the enqueue did not wait for the look"
+        looker.commit()
+        thread.join(10)
+        assert _held_mark(dsn, "a") is not None
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert _look(conn, 5) == ["a-1"]
+            _hold(conn, "a-2", "a", 0, T0 + timedelta(seconds=2))
+        # Enqueue first.
+        _hold(enqueuer, "a-3", "a", 0, T0 + timedelta(seconds=3))  # not committed
+        sent: list[str] = []
+        thread = threading.Thread(target=lambda: (sent.extend(_look(looker, 5)),
+                                                  looker.commit()))
+        thread.start()
+        time.sleep(0.3)
+        assert thread.is_alive(), "the look did not wait for the enqueue"
+        enqueuer.commit()
+        thread.join(10)
+        assert sent == ["a-2", "a-3"]
+    finally:
+        looker.close()
+        enqueuer.close()
