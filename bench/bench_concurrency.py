@@ -557,6 +557,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tracing", type=float, default=None, metavar="RATIO",
                         help="our workers export traces, sampled at RATIO (0 to 1), to an "
                              "OTLP/HTTP receiver in this process")
+    parser.add_argument("--tenants", type=int, default=None, metavar="N",
+                        help="ours' requests come from N users (user_id, their fairness key) "
+                             "in turn, not one key a request: fair shares withhold every "
+                             "request but a key's first beyond the fleet's free slots")
     parser.add_argument("--quick", action="store_true", help="200 runs")
     args = parser.parse_args(argv)
     if args.quick:
@@ -615,7 +619,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ref_env = against(args.against, worktree, dsns["ref"], redis_url, prefix,
                               f"lfwb-{tag}-ref", base_env)
             ref_enqueuer = Enqueuer(worktree, {**base_env, **ref_env})
-        print(f"{args.runs} runs on {args.runs} sessions, 3 model calls (each waiting "
+        print(f"{args.runs} runs on {args.runs} sessions"
+              f"{f' of {args.tenants} users (ours)' if args.tenants else ''}, "
+              f"3 model calls (each waiting "
               f"{args.latency:g}s) and 2 tool calls per run; "
               f"{'a backlog enqueued before each worker starts; ' if args.backlog else ''}"
               f"{f'{args.cpu_hogs} CPU hogs; ' if args.cpu_hogs else ''}{os.cpu_count()} CPUs; "
@@ -630,6 +636,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if configured[0] is not ours_settings:
                 tasks.configure(ours_settings)
                 configured[0] = ours_settings
+            if args.tenants:
+                number = int(session.rsplit("-s", 1)[1])
+                return tasks.run_agent.delay(prompt, session,
+                                             user_id=f"tenant-{number % args.tenants}")
             return tasks.run_agent.delay(prompt, session)
 
         def ref_submit(prompt: str, session: str) -> AsyncResult:
