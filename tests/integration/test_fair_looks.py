@@ -27,15 +27,15 @@ class Model:
     """What a look should send and write, computed from the ledger's rules."""
 
     #: request id -> (key, priority rank, enqueued at), while withheld.
-    held: dict[str, tuple[str, int, datetime]] = field(default_factory=dict)
+    withheld: dict[str, tuple[str, int, datetime]] = field(default_factory=dict)
     vtime: dict[str, float] = field(default_factory=dict)
     weight: dict[str, float] = field(default_factory=dict)
     clock: float = 0.0
 
     def look(self, room: int) -> list[str]:
-        keys = {key for key, _, _ in self.held.values()}
+        keys = {key for key, _, _ in self.withheld.values()}
         start = {k: max(self.vtime.get(k, 0.0), self.clock) for k in keys}
-        mine = {k: sorted((rank, at, rid) for rid, (key, rank, at) in self.held.items()
+        mine = {k: sorted((rank, at, rid) for rid, (key, rank, at) in self.withheld.items()
                           if key == k) for k in keys}
         firsts = sorted(keys, key=lambda k: (start[k] + 1 / self.weight.get(k, 1.0),
                                              mine[k][0][1], k))[:room]
@@ -45,7 +45,7 @@ class Model:
         moved: dict[str, float] = {}
         for tag, _, rid, k in chosen:
             moved[k] = max(moved.get(k, tag), tag)
-            del self.held[rid]
+            del self.withheld[rid]
         self.vtime.update(moved)
         after = {**start, **moved}
         if after:
@@ -100,7 +100,7 @@ def test_looks_send_what_start_time_fair_queueing_sends_on_random_ledgers(dsn: s
                     rid, key = f"r{trial}-{seconds}", rng.choice(keys)
                     rank, at = rng.choice([-1, 0, 0, 1]), T0 + timedelta(seconds=seconds)
                     _hold(conn, rid, key, rank, at)
-                    model.held[rid] = (key, rank, at)
+                    model.withheld[rid] = (key, rank, at)
                 page = rng.randint(1, 9)
                 assert _look(conn, page) == model.look(page), (trial, look)
             times = dict(conn.execute("SELECT fairness_key, vtime FROM fairness_keys"
@@ -123,13 +123,13 @@ def test_a_mark_left_by_a_request_that_ended_otherwise_takes_no_room(dsn: str) -
                      " WHERE fairness_key = 'a'")
         assert _look(conn, 1) == ["b-0"]
         marks = conn.execute("SELECT fairness_key FROM fairness_keys"
-                             " WHERE held_at IS NOT NULL").fetchall()
+                             " WHERE withheld_at IS NOT NULL").fetchall()
         assert marks == []
 
 
-def _held_mark(dsn: str, key: str) -> Any:
+def _mark(dsn: str, key: str) -> Any:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT held_at FROM fairness_keys WHERE fairness_key = %s",
+        row = conn.execute("SELECT withheld_at FROM fairness_keys WHERE fairness_key = %s",
                            (key,)).fetchone()
         return row[0] if row else None
 
@@ -154,7 +154,7 @@ def test_an_enqueue_during_a_look_keeps_its_key_marked_whichever_holds_the_key_f
         assert thread.is_alive(), "the enqueue did not wait for the look"
         looker.commit()
         thread.join(10)
-        assert _held_mark(dsn, "a") is not None
+        assert _mark(dsn, "a") is not None
         with psycopg.connect(dsn, autocommit=True) as conn:
             assert _look(conn, 5) == ["a-1"]
             _hold(conn, "a-2", "a", 0, T0 + timedelta(seconds=2))

@@ -3,48 +3,48 @@
 -- probed runs_fair_held once for every waiting key (about 5 µs a key: 13 ms a
 -- look at 2,000 tenants, 105 ms at 20,000, under a lock every look takes).
 --
--- `held_rank` and `held_at`: the priority and enqueue time of the request the key
--- sends first (by priority, then age), NULL when none is withheld. A request
--- withheld sets them (a trigger on its insert, so that no way of recording one
--- can miss it); a
--- look sets them again for the keys it weighed, from runs, once it holds their
--- rows (an enqueue that withholds one more waits for it, then sets them in its
--- turn). A request withheld and then ended otherwise (cancelled, expired) leaves
--- its key's mark behind until a look weighs the key and finds nothing.
-ALTER TABLE fairness_keys ADD COLUMN IF NOT EXISTS held_rank SMALLINT,
-                          ADD COLUMN IF NOT EXISTS held_at TIMESTAMPTZ;
-CREATE INDEX IF NOT EXISTS fairness_keys_held ON fairness_keys (vtime)
-    WHERE held_at IS NOT NULL;
+-- `withheld_rank` and `withheld_at`, a key's mark: the priority and enqueue time of
+-- the withheld request the key sends first (by priority, then age), NULL when none
+-- is withheld. A request withheld sets them (a trigger on its insert, so that no
+-- way of recording one can miss it); a look sets them again from runs for the keys
+-- it weighed, once it has locked their rows (an enqueue that withholds one more
+-- meanwhile waits for it, then sets them in its turn). A request withheld and then
+-- ended otherwise (cancelled, expired) leaves its key's mark behind until a look
+-- weighs the key and finds nothing.
+ALTER TABLE fairness_keys ADD COLUMN IF NOT EXISTS withheld_rank SMALLINT,
+                          ADD COLUMN IF NOT EXISTS withheld_at TIMESTAMPTZ;
+CREATE INDEX IF NOT EXISTS fairness_keys_withheld ON fairness_keys (vtime)
+    WHERE withheld_at IS NOT NULL;
 
-CREATE OR REPLACE FUNCTION loomflow_worker_fair_held() RETURNS trigger
+CREATE OR REPLACE FUNCTION loomflow_worker_fair_withheld() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO fairness_keys AS f (fairness_key, held_rank, held_at)
+    INSERT INTO fairness_keys AS f (fairness_key, withheld_rank, withheld_at)
     VALUES (NEW.fairness_key, NEW.priority_rank, NEW.enqueued_at)
     ON CONFLICT (fairness_key) DO UPDATE
-       SET held_rank = EXCLUDED.held_rank, held_at = EXCLUDED.held_at
-     WHERE f.held_at IS NULL
-        OR (EXCLUDED.held_rank, EXCLUDED.held_at) < (f.held_rank, f.held_at);
+       SET withheld_rank = EXCLUDED.withheld_rank, withheld_at = EXCLUDED.withheld_at
+     WHERE f.withheld_at IS NULL
+        OR (EXCLUDED.withheld_rank, EXCLUDED.withheld_at) < (f.withheld_rank, f.withheld_at);
     RETURN NULL;
 END
 $$;
 
-DROP TRIGGER IF EXISTS runs_fair_held ON runs;
-CREATE TRIGGER runs_fair_held AFTER INSERT ON runs FOR EACH ROW
+DROP TRIGGER IF EXISTS runs_fair_withheld ON runs;
+CREATE TRIGGER runs_fair_withheld AFTER INSERT ON runs FOR EACH ROW
     WHEN (NEW.waiting_for = 'limit fair_queue' AND NEW.status = 'queued'
           AND NEW.fairness_key IS NOT NULL)
-    EXECUTE FUNCTION loomflow_worker_fair_held();
+    EXECUTE FUNCTION loomflow_worker_fair_withheld();
 -- The requests withheld before this migration.
-INSERT INTO fairness_keys AS f (fairness_key, held_rank, held_at)
+INSERT INTO fairness_keys AS f (fairness_key, withheld_rank, withheld_at)
 SELECT DISTINCT ON (r.fairness_key) r.fairness_key, r.priority_rank, r.enqueued_at
   FROM runs r
  WHERE r.waiting_for = 'limit fair_queue' AND r.status = 'queued'
    AND r.fairness_key IS NOT NULL
  ORDER BY r.fairness_key, r.priority_rank, r.enqueued_at
 ON CONFLICT (fairness_key) DO UPDATE
-   SET held_rank = EXCLUDED.held_rank, held_at = EXCLUDED.held_at;
+   SET withheld_rank = EXCLUDED.withheld_rank, withheld_at = EXCLUDED.withheld_at;
 
--- The marks of these keys read again from runs, once their rows are held: an
+-- The marks of these keys read again from runs, once their rows are locked: an
 -- enqueue withholding another request for one of them meanwhile waits for the
 -- caller's end, then marks it in its turn (each statement here sees what was
 -- committed before it began).
@@ -54,7 +54,7 @@ BEGIN
     PERFORM 1 FROM fairness_keys f WHERE f.fairness_key = ANY(keys)
       ORDER BY f.fairness_key FOR UPDATE;
     UPDATE fairness_keys f
-       SET (held_rank, held_at) = (
+       SET (withheld_rank, withheld_at) = (
            SELECT r.priority_rank, r.enqueued_at FROM runs r
             WHERE r.waiting_for = 'limit fair_queue' AND r.status = 'queued'
               AND r.fairness_key = f.fairness_key
@@ -108,9 +108,9 @@ BEGIN
         rounds := rounds + 1;
         SELECT array_agg(x.fairness_key) INTO weighed
           FROM (SELECT f.fairness_key FROM fairness_keys f
-                 WHERE f.held_at IS NOT NULL
+                 WHERE f.withheld_at IS NOT NULL
                  ORDER BY greatest(f.vtime, clock) + 1 / coalesce(f.weight, f.call_weight, 1),
-                          f.held_at, f.fairness_key
+                          f.withheld_at, f.fairness_key
                  LIMIT room) x;
         IF weighed IS NULL THEN
             RETURN;
@@ -118,7 +118,7 @@ BEGIN
         PERFORM loomflow_worker_fair_remark(weighed);
         EXIT WHEN rounds >= 8 OR NOT EXISTS (
             SELECT 1 FROM fairness_keys f
-             WHERE f.fairness_key = ANY(weighed) AND f.held_at IS NULL);
+             WHERE f.fairness_key = ANY(weighed) AND f.withheld_at IS NULL);
     END LOOP;
     RETURN QUERY
     WITH active AS (
@@ -126,7 +126,7 @@ BEGIN
         SELECT f.fairness_key, greatest(f.vtime, clock) AS start,
                coalesce(f.weight, f.call_weight, 1) AS weight
           FROM fairness_keys f
-         WHERE f.fairness_key = ANY(weighed) AND f.held_at IS NOT NULL
+         WHERE f.fairness_key = ANY(weighed) AND f.withheld_at IS NOT NULL
     ), tagged AS (
         SELECT h.request_id, a.fairness_key, a.weight,
                a.start + (row_number() OVER (PARTITION BY a.fairness_key
@@ -163,14 +163,14 @@ BEGIN
     ), advanced AS (
         -- The clock: the least virtual time of a waiting key once these go (one
         -- that sent nothing starts from greatest(its time, the clock)), the other
-        -- keys' read through fairness_keys_held; forward only.
+        -- keys' read through fairness_keys_withheld; forward only.
         INSERT INTO fair_clock AS f (id, vtime)
         SELECT 1, x.vtime
           FROM (SELECT least((SELECT min(m.vtime) FROM moved m),
                              CASE WHEN o.vtime IS NOT NULL THEN greatest(clock, o.vtime) END)
                        AS vtime
                   FROM (SELECT min(k.vtime) AS vtime FROM fairness_keys k
-                         WHERE k.held_at IS NOT NULL
+                         WHERE k.withheld_at IS NOT NULL
                            AND k.fairness_key NOT IN (SELECT m.fairness_key FROM moved m)) o
                ) x
          WHERE x.vtime IS NOT NULL
