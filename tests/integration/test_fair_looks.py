@@ -110,21 +110,44 @@ def test_looks_send_what_start_time_fair_queueing_sends_on_random_ledgers(dsn: s
             assert clock is not None and clock[0] == model.clock, trial
 
 
-def test_a_mark_left_by_a_request_that_ended_otherwise_takes_no_room(dsn: str) -> None:
-    """Tenant a's oldest requests were withheld and then cancelled: its mark
-    still says it sends first, but a look of one weighs it, finds nothing and
-    sends b's request, and a's mark is gone."""
+def _cancel(conn: psycopg.Connection[Any], *ids: str) -> None:
+    conn.execute("UPDATE runs SET status = 'cancelled', finished_at = now()"
+                 " WHERE request_id = ANY(%s)", (list(ids),))
+
+
+def test_marks_left_by_requests_that_ended_otherwise_change_nothing_a_look_sends(
+        dsn: str) -> None:
+    """Withheld requests cancelled leave their keys' marks behind. A look still
+    sends what it would without them: past 100 dead marks at a room of one; a
+    key whose oldest request went is weighed by its next one; a dead mark of a
+    light key does not hold the clock back (each look here as the model's)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         _no_limit(conn)
-        for i in range(3):
-            _hold(conn, f"a-{i}", "a", 0, T0 + timedelta(seconds=i))
-        _hold(conn, "b-0", "b", 0, T0 + timedelta(seconds=10))
-        conn.execute("UPDATE runs SET status = 'cancelled', finished_at = now()"
-                     " WHERE fairness_key = 'a'")
-        assert _look(conn, 1) == ["b-0"]
-        marks = conn.execute("SELECT fairness_key FROM fairness_keys"
-                             " WHERE withheld_at IS NOT NULL").fetchall()
-        assert marks == []
+        for i in range(100):
+            _hold(conn, f"dead-{i}", f"dead-{i:03d}", 0, T0 + timedelta(seconds=i))
+        _cancel(conn, *[f"dead-{i}" for i in range(100)])
+        _hold(conn, "alice-0", "alice", 0, T0 + timedelta(days=1))
+        assert _look(conn, 1) == ["alice-0"]
+        assert conn.execute("SELECT count(*) FROM fairness_keys"
+                            " WHERE withheld_at IS NOT NULL").fetchone() == (0,)
+        # x's oldest went; y's is older than x's next: y goes first.
+        _hold(conn, "x-0", "x", 0, T0 + timedelta(days=2))
+        _hold(conn, "x-1", "x", 0, T0 + timedelta(days=2, seconds=10))
+        _hold(conn, "y-0", "y", 0, T0 + timedelta(days=2, seconds=5))
+        _cancel(conn, "x-0")
+        assert _look(conn, 1) == ["y-0"]
+        assert _look(conn, 1) == ["x-1"]
+        # A light key's one request cancelled: the clock moves as a and b send.
+        conn.execute("DELETE FROM fair_clock; DELETE FROM fairness_keys")
+        conn.execute("INSERT INTO fairness_keys (fairness_key, weight) VALUES ('s', 0.1)")
+        _hold(conn, "s-0", "s", 0, T0 + timedelta(days=3))
+        _cancel(conn, "s-0")
+        for i in range(4):
+            _hold(conn, f"a-{i}", "a", 0, T0 + timedelta(days=3, seconds=1 + 2 * i))
+            _hold(conn, f"b-{i}", "b", 0, T0 + timedelta(days=3, seconds=2 + 2 * i))
+        assert [_look(conn, 1) for _ in range(4)] == [["a-0"], ["b-0"], ["a-1"], ["b-1"]]
+        clock = conn.execute("SELECT vtime FROM fair_clock").fetchone()
+        assert clock == (2.0,)
 
 
 def _mark(dsn: str, key: str) -> Any:

@@ -51,10 +51,7 @@ SET plan_cache_mode = force_generic_plan;
 -- alone, not a bitmap of every withheld request with runs_scope_open.)
 -- With fair_depth (the fair_queue limit), a request that may start now is withheld too
 -- while others wait in line for their fair share, or while fair_depth requests wait in the
--- broker already (runs_in_broker): loomflow_worker_fair_next publishes it in its turn. A
--- key's first request (none of its requests out or withheld: runs_fairness_open,
--- runs_fair_held) is not withheld: among keys that wait for their first turn, fair shares
--- send the oldest first, as the broker does, so holding it would only delay it.
+-- broker already (runs_in_broker): loomflow_worker_fair_next publishes it in its turn.
 INSERT INTO runs (request_id, scope, session_id, user_id, agent, kind, prompt, metadata,
                   lock_key, not_before, ignore_result, routing, fairness_key, waiting_for,
                   waiting_slots, received_at, options, priority_rank)
@@ -82,12 +79,6 @@ SELECT %(request_id)s, %(scope)s, %(session_id)s, %(user_id)s, %(agent)s, %(kind
                AS held,
                %(fair_depth)s::integer IS NOT NULL AND %(options)s::jsonb IS NOT NULL
                AND %(countdown)s::float8 IS NULL AND %(eta)s::timestamptz IS NULL
-               AND (EXISTS (SELECT 1 FROM runs
-                             WHERE fairness_key = %(fairness_key)s::text
-                               AND loomflow_worker_unfinished(status) AND waiting_slots IS NULL)
-                    OR EXISTS (SELECT 1 FROM runs
-                                WHERE fairness_key = %(fairness_key)s::text
-                                  AND waiting_for = 'limit fair_queue' AND status = 'queued'))
                AND (EXISTS (SELECT 1 FROM runs
                              WHERE waiting_for = 'limit fair_queue' AND status = 'queued')
                     OR (SELECT count(*) FROM (

@@ -47,19 +47,27 @@ ON CONFLICT (fairness_key) DO UPDATE
 -- The marks of these keys read again from runs, once their rows are locked: an
 -- enqueue withholding another request for one of them meanwhile waits for the
 -- caller's end, then marks it in its turn (each statement here sees what was
--- committed before it began).
-CREATE OR REPLACE FUNCTION loomflow_worker_fair_remark(keys TEXT[]) RETURNS VOID
+-- committed before it began). How many marks were wrong (and are now right).
+CREATE OR REPLACE FUNCTION loomflow_worker_fair_remark(keys TEXT[]) RETURNS INTEGER
 LANGUAGE plpgsql AS $$
+DECLARE
+    changed INTEGER;
 BEGIN
     PERFORM 1 FROM fairness_keys f WHERE f.fairness_key = ANY(keys)
       ORDER BY f.fairness_key FOR UPDATE;
     UPDATE fairness_keys f
-       SET (withheld_rank, withheld_at) = (
-           SELECT r.priority_rank, r.enqueued_at FROM runs r
-            WHERE r.waiting_for = 'limit fair_queue' AND r.status = 'queued'
-              AND r.fairness_key = f.fairness_key
-            ORDER BY r.priority_rank, r.enqueued_at LIMIT 1)
-     WHERE f.fairness_key = ANY(keys);
+       SET withheld_rank = h.priority_rank, withheld_at = h.enqueued_at
+      FROM (SELECT k.fairness_key, r.priority_rank, r.enqueued_at
+              FROM unnest(keys) AS k(fairness_key)
+              LEFT JOIN LATERAL (
+                  SELECT r.priority_rank, r.enqueued_at FROM runs r
+                   WHERE r.waiting_for = 'limit fair_queue' AND r.status = 'queued'
+                     AND r.fairness_key = k.fairness_key
+                   ORDER BY r.priority_rank, r.enqueued_at LIMIT 1) r ON true) h
+     WHERE f.fairness_key = h.fairness_key
+       AND (f.withheld_rank, f.withheld_at) IS DISTINCT FROM (h.priority_rank, h.enqueued_at);
+    GET DIAGNOSTICS changed = ROW_COUNT;
+    RETURN changed;
 END
 $$;
 
@@ -102,8 +110,11 @@ BEGIN
     -- Only the `room` keys whose first requests come first (by first tag, then
     -- age, as `chosen` orders them) can get any of the room: each of another key's
     -- requests comes after all of their first requests. Their marks are read again
-    -- from runs first: a key whose withheld requests ended otherwise (cancelled,
-    -- expired) loses its mark, and the keys are chosen again without it.
+    -- from runs first, and the mark of the key with the least virtual time (the
+    -- clock's): a key whose withheld requests ended otherwise (cancelled, expired)
+    -- loses its mark or has it moved, and the keys are chosen again, twice as many
+    -- each round, until a round finds every mark right. Weighing more keys than
+    -- `room` changes nothing sent: the keys weighed are the first in order.
     LOOP
         rounds := rounds + 1;
         SELECT array_agg(x.fairness_key) INTO weighed
@@ -111,14 +122,15 @@ BEGIN
                  WHERE f.withheld_at IS NOT NULL
                  ORDER BY greatest(f.vtime, clock) + 1 / coalesce(f.weight, f.call_weight, 1),
                           f.withheld_at, f.fairness_key
-                 LIMIT room) x;
+                 LIMIT room * (2 ^ (rounds - 1))::integer) x;
         IF weighed IS NULL THEN
             RETURN;
         END IF;
-        PERFORM loomflow_worker_fair_remark(weighed);
-        EXIT WHEN rounds >= 8 OR NOT EXISTS (
-            SELECT 1 FROM fairness_keys f
-             WHERE f.fairness_key = ANY(weighed) AND f.withheld_at IS NULL);
+        EXIT WHEN loomflow_worker_fair_remark(
+            weighed || ARRAY(SELECT f.fairness_key FROM fairness_keys f
+                              WHERE f.withheld_at IS NOT NULL
+                              ORDER BY f.vtime LIMIT 1)) = 0
+            OR rounds >= 10;
     END LOOP;
     RETURN QUERY
     WITH active AS (
