@@ -559,8 +559,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "OTLP/HTTP receiver in this process")
     parser.add_argument("--tenants", type=int, default=None, metavar="N",
                         help="ours' requests come from N users (user_id, their fairness key) "
-                             "in turn, not one key a request: fair shares withhold every "
-                             "request but a key's first beyond the fleet's free slots")
+                             "in turn, not one key a request: many withheld requests a key "
+                             "beyond the fleet's free slots")
     parser.add_argument("--quick", action="store_true", help="200 runs")
     args = parser.parse_args(argv)
     if args.quick:
