@@ -19,26 +19,22 @@ and is overridden by LOOMFLOW_WORKER_BENCH_ADMIN_DSN.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
+import sys
 import time
-import uuid
+from pathlib import Path
 from typing import Any
 
-import anyio
-import psycopg
-from psycopg.conninfo import make_conninfo
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-from loomflow_worker.runtime import migrate
-from loomflow_worker.runtime.sql import query
+import anyio  # noqa: E402
+import psycopg  # noqa: E402
 
-ADMIN_DSN_ENV = "LOOMFLOW_WORKER_BENCH_ADMIN_DSN"
-DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
-
-
-async def _migrate(dsn: str) -> None:
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        await migrate(conn)
+from bench.bench_orphans import _migrate  # noqa: E402
+from bench.bench_runtime import scratch_database  # noqa: E402
+from loomflow_worker.runtime.sql import query  # noqa: E402
 
 
 def _pages(conn: psycopg.Connection[Any]) -> int:
@@ -49,12 +45,8 @@ def _pages(conn: psycopg.Connection[Any]) -> int:
     return int(row[0])
 
 
-def measure(admin_dsn: str, tenants: int, requests: int, page: int, looks: int) -> str:
-    name = f"lfw_bench_look_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin_dsn, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        dsn = make_conninfo(admin_dsn, dbname=name)
+def measure(tenants: int, requests: int, page: int, looks: int) -> str:
+    with scratch_database() as dsn:
         anyio.run(_migrate, dsn)
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("SET jit = off")
@@ -78,11 +70,8 @@ def measure(admin_dsn: str, tenants: int, requests: int, page: int, looks: int) 
                     assert len(sent.fetchall()) == page
                 times.append(time.perf_counter() - began)
                 pages.append(_pages(conn) - before)
-        return (f"{tenants:>8} {statistics.median(times) * 1000:>9.2f} "
-                f"{min(times) * 1000:>9.2f} {statistics.median(pages):>8.0f}")
-    finally:
-        with psycopg.connect(admin_dsn, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    return (f"{tenants:>8} {statistics.median(times) * 1000:>9.2f} "
+            f"{min(times) * 1000:>9.2f} {statistics.median(pages):>8.0f}")
 
 
 def main() -> int:
@@ -92,12 +81,11 @@ def main() -> int:
     parser.add_argument("--page", type=int, default=7, help="requests a look sends")
     parser.add_argument("--looks", type=int, default=30)
     args = parser.parse_args()
-    admin_dsn = os.environ.get(ADMIN_DSN_ENV, DEFAULT_ADMIN_DSN)
     print(f"a look of {args.page}, {args.looks} times; {args.requests} request(s) withheld"
           " a tenant", flush=True)
     print(f"{'tenants':>8} {'p50 ms':>9} {'min ms':>9} {'pages':>8}", flush=True)
     for tenants in args.tenants:
-        print(measure(admin_dsn, tenants, args.requests, args.page, args.looks), flush=True)
+        print(measure(tenants, args.requests, args.page, args.looks), flush=True)
     return 0
 
 
