@@ -7,10 +7,10 @@
 -- the withheld request the key sends first (by priority, then age), NULL when none
 -- is withheld. A request withheld sets them (a trigger on its insert, so that no
 -- way of recording one can miss it); a look sets them again from runs for the keys
--- it weighed, once it has locked their rows (an enqueue that withholds one more
--- meanwhile waits for it, then sets them in its turn). A request withheld and then
--- ended otherwise (cancelled, expired) leaves its key's mark behind until a look
--- weighs the key and finds nothing.
+-- it is about to weigh, the clock's key and the keys it sent from, once it has
+-- locked their rows (an enqueue that withholds one more meanwhile waits for it,
+-- then sets them in its turn). A request withheld and then ended otherwise
+-- (cancelled, expired) leaves its key's mark behind until a look reads it again.
 ALTER TABLE fairness_keys ADD COLUMN IF NOT EXISTS withheld_rank SMALLINT,
                           ADD COLUMN IF NOT EXISTS withheld_at TIMESTAMPTZ;
 CREATE INDEX IF NOT EXISTS fairness_keys_withheld ON fairness_keys (vtime)
