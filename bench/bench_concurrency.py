@@ -570,6 +570,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.runs < 1 or args.concurrency < 1 or args.latency <= 0 or args.cpu_hogs < 0:
         parser.error("--runs and --concurrency must be at least 1, --latency above 0, "
                      "--cpu-hogs 0 or more")
+    if args.tenants is not None and args.tenants < 1:
+        parser.error("--tenants must be at least 1 (leave it out for a key a request)")
     return args
 
 

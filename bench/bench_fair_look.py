@@ -81,6 +81,10 @@ def main() -> int:
     parser.add_argument("--page", type=int, default=7, help="requests a look sends")
     parser.add_argument("--looks", type=int, default=30)
     args = parser.parse_args()
+    if min(*args.tenants, args.requests, args.page, args.looks) < 1:
+        parser.error("--tenants, --requests, --page and --looks must be at least 1")
+    if args.page > min(args.tenants) * args.requests:
+        parser.error("--page must be at most the requests withheld (--tenants x --requests)")
     print(f"a look of {args.page}, {args.looks} times; {args.requests} request(s) withheld"
           " a tenant", flush=True)
     print(f"{'tenants':>8} {'p50 ms':>9} {'min ms':>9} {'pages':>8}", flush=True)
