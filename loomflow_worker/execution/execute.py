@@ -7,10 +7,12 @@ publishes the handoff."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -242,11 +244,42 @@ async def _lock_at_head(
     return lease, pre
 
 
+class _Said:
+    """The requests this process said it hands to quarantine, and at which
+    level (the last few thousand): a request that finds no room there comes
+    back every few hundred milliseconds, and its reason is said once."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self._keep = keep
+        self._said: collections.OrderedDict[str, QuarantineLevel] = collections.OrderedDict()
+        self._guard = threading.Lock()
+
+    def first(self, request_id: str, level: QuarantineLevel) -> bool:
+        """Whether this is the first time ``request_id`` is said at ``level``."""
+        with self._guard:
+            if self._said.get(request_id) == level:
+                self._said.move_to_end(request_id)
+                return False
+            self._said[request_id] = level
+            if len(self._said) > self._keep:
+                self._said.popitem(last=False)
+            return True
+
+
+_QUARANTINE_SAID = _Said()
+
+
 async def _to_quarantine(asked: Attempt, req: RunRequest, level: QuarantineLevel
                          ) -> Outcome:
     """Handed to a process of quarantine, as a dispatch would: the sweeper
     leaves it to that process (for REDISPATCH_AFTER, should it die)."""
     await asked.mark_quarantined()
+    if not _QUARANTINE_SAID.first(asked.request_id, level):
+        # Handed on again: no room for it on the last worker that took it.
+        log.debug("request %s handed on to run in quarantine (%s) again", asked.request_id,
+                  level.name.lower(), extra={"action": "quarantine",
+                                             **_log_fields(asked.request_id, req)})
+        return Outcome(OutcomeKind.QUARANTINE, quarantine=level)
     log.warning(
         "request %s runs %s, without completing a step", asked.request_id,
         "alone: its attempts died in quarantine too, or lost their lock twice in a row"

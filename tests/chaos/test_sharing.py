@@ -186,10 +186,13 @@ def test_a_poison_request_is_charged_its_crashes_and_its_neighbours_none(fleet: 
     # REDISPATCH_AFTER keeps its default (a minute): a copy the sweeper sent
     # into a process that the poison then killed goes again once its queue
     # has lost it (HANDOFF_GRACE).
+    # One worker: every attempt of the poison shares its process with the
+    # neighbours' attempts of the same redelivery, and the poison kills only
+    # once one of them is in its tool (at most 3 s later), so those die with
+    # it twice, whatever order they start in.
     env = {**SHARING, "LOOMFLOW_WORKER_LEASE": "5", "LOOMFLOW_WORKER_MAX_CRASHES": "3",
-           "LOOMFLOW_WORKER_HANDOFF_GRACE": "2"}
-    for name in ("w1", "w2"):
-        fleet.start(name, concurrency=100, cli=True, pool="threads", **env)
+           "LOOMFLOW_WORKER_HANDOFF_GRACE": "2", "TEST_POISON_COMPANY": "3"}
+    fleet.start("w1", concurrency=100, cli=True, pool="threads", **env)
     sent = [send(i, f"s{i}", "u", letters="abc") for i in range(40)]
     _wait_running(fleet.dsn, [s.request_id for s in sent], 40)
     started = time.monotonic()
@@ -202,7 +205,7 @@ def test_a_poison_request_is_charged_its_crashes_and_its_neighbours_none(fleet: 
             wait_terminal(fleet.dsn, everyone, timeout=0).values()) - {"succeeded"}) == 0
             and str(ledger(fleet.dsn, poison.id)["status"]) in ("dead", "failed", "succeeded"))
 
-    restarts = _keep_workers_up(fleet, ["w1", "w2"], env, ended, timeout=240)
+    restarts = _keep_workers_up(fleet, ["w1"], env, ended, timeout=240)
     took = time.monotonic() - started
     row = ledger(fleet.dsn, poison.id)
     assert row["status"] == "dead" and row["crashes"] == 3, (row, fleet.log_text())
@@ -226,9 +229,8 @@ def test_a_poison_request_is_charged_its_crashes_and_its_neighbours_none(fleet: 
     assert float(spans[1]) < 30, (spans, fleet.log_text())
     # The neighbours that died twice with the poison ran their next attempt
     # in quarantine groups (QUARANTINE_GROUP, 8); only the few whose group
-    # the poison killed then ran alone. How many died twice depends on where
-    # the poison's second attempt landed: most runs here, one in some.
-    # (Logged by the worker processes alive since the poison's last shared death.)
+    # the poison killed then ran alone. (Logged by the worker since its
+    # last restart, after the poison's last shared death.)
     log = "\n".join(path.read_text(errors="replace") for path in fleet.logs.glob("*.log"))
     grouped = set(re.findall(r"request (\S+): running in quarantine with other suspects", log))
     alone = set(re.findall(r"request (\S+): running alone in a process of its own", log))
@@ -438,4 +440,6 @@ def test_a_connection_lost_while_a_request_starts_alone_is_no_crash(
                                                         fleet.log_text())
         assert ledger(fleet.dsn, request_id)["crashes"] == 0
     log = (fleet.logs / "w1.log").read_text()
-    assert "died in quarantine" not in log, fleet.log_text()
+    # No attempt died in its process (the line a death writes; a request
+    # escalated to run alone, its lock lost with the others, says why once).
+    assert not re.search(r"request \S+ died in quarantine \(", log), fleet.log_text()

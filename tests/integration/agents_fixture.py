@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import anyio
+import psycopg
 from loomflow import Agent
 
 from loomflow_worker import register_agent
@@ -27,6 +28,7 @@ async def _on_start(tag: str) -> None:
     # "poison" kills the pool child on every attempt; "block" holds the
     # process's event loop for 30 s, so no timer of the loop can stop it.
     if tag.startswith("poison"):
+        await _await_company(float(os.environ.get("TEST_POISON_COMPANY", "0")))
         os.kill(os.getpid(), signal.SIGKILL)
     # "block" holds the event loop (a synchronous wait in an async tool), every
     # other run of the process with it, for TEST_BLOCK_SECONDS (30).
@@ -35,6 +37,24 @@ async def _on_start(tag: str) -> None:
     # "lasting" makes its tool call TEST_LASTING_SECONDS (10) longer than the others.
     if tag.startswith("lasting"):
         await anyio.sleep(float(os.environ.get("TEST_LASTING_SECONDS", "10")))
+
+
+async def _await_company(seconds: float) -> None:
+    """Wait up to ``seconds`` until another run of this process is in its
+    tool (recorded started, not finished): the poison then kills it too,
+    whatever order a redelivery started them in."""
+    if seconds <= 0:
+        return
+    deadline = time.monotonic() + seconds
+    dsn = settings().database_url.get_secret_value()
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            cur = await conn.execute(
+                "SELECT 1 FROM loomflow_worker_effects WHERE pid = %s AND finished_at IS NULL"
+                " AND tag NOT LIKE 'poison%%' LIMIT 1", (os.getpid(),))
+            if await cur.fetchone() is not None:
+                return
+            await anyio.sleep(0.05)
 
 
 class FlakyModel(DeterministicModel):

@@ -99,6 +99,21 @@ class Fleet:
         wait_until(ready, f"worker {name} ready", timeout, every=0.05,
                    detail=lambda: log.read_text(errors="replace") if log.exists() else "")
 
+    def node(self, name: str) -> str:
+        """The Celery node name of worker ``name``."""
+        return f"{name}-{self.queue}@{os.uname().nodename}"
+
+    def take_queue(self, names: tuple[str, ...], timeout: float = 30) -> None:
+        """Have workers ``names``, started with ``args=("-Q", <another queue>)``,
+        take the fleet's queue too, together: none of them takes its messages
+        before the others are up. Each confirms it."""
+        nodes = [self.node(name) for name in names]
+        wait_until(
+            lambda: tasks.app.control.add_consumer(self.queue, destination=nodes, reply=True,
+                                                   timeout=2),
+            f"workers {', '.join(names)} taking queue {self.queue}", timeout,
+            until=lambda replies: {node for reply in replies for node in reply} >= set(nodes))
+
     def wait_exit(self, name: str, timeout: float = 60) -> tuple[int, str]:
         """Wait until worker ``name`` exits; its exit code and what it printed."""
         proc = self.workers.pop(name)

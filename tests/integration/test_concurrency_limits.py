@@ -80,11 +80,16 @@ def test_a_limit_per_key_holds_across_three_workers_while_other_keys_run(
     bob = [run_agent.delay(calls(f"bob{i}"), f"b{i}", user_id="bob").id for i in range(3)]
     if not held:
         limit()
+    # The three take the queue once all are up: a process started seconds
+    # before the others (a loaded machine) would run her whole backlog.
     for name in ("w1", "w2", "w3"):
         fleet.start(name, concurrency=4, pool="threads", wait=False, **FAST,
-                    TEST_TOOL_SLEEP="0.6")
+                    TEST_TOOL_SLEEP="0.6", args=("-Q", f"{fleet.queue}-idle"))
     for name in ("w1", "w2", "w3"):
         fleet.wait_ready(name)
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM run_attempts").fetchone() == (0,)
+    fleet.take_queue(("w1", "w2", "w3"))
     for request_id in alice + bob:
         run_agent.AsyncResult(request_id).get(timeout=90)
     assert _rows(fleet.dsn, alice + bob) == [("succeeded", 0, 0)] * 28

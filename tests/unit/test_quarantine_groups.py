@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from loomflow_worker.execution.execute import _Said
 from loomflow_worker.execution.statuses import QuarantineLevel
 from loomflow_worker.worker.quarantine import attempts as alone
 from loomflow_worker.worker.quarantine.processes import QuarantineProcess, QuarantineRuns
@@ -64,3 +65,15 @@ def test_suspects_placed_at_once_share_one_group(monkeypatch: pytest.MonkeyPatch
     assert places["a"] is not None and places["b"] is not None
     assert places["a"][0] is places["b"][0], places
     assert runs.taken == 1 and runs.groups == [places["a"][0]]
+
+
+def test_a_request_handed_to_quarantine_again_at_its_level_is_said_once() -> None:
+    # A request that finds no room to run alone comes back every few hundred
+    # milliseconds: its reason is a warning once, not at each hand-on.
+    said = _Said(keep=2)
+    assert said.first("a", ALONE)
+    assert not said.first("a", ALONE)
+    assert said.first("a", GROUP) and said.first("a", ALONE)  # its level changed
+    assert said.first("b", GROUP) and said.first("c", GROUP)  # "a", the oldest, forgotten
+    assert said.first("a", ALONE)
+    assert not said.first("c", GROUP)
