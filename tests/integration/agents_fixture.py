@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing
 import os
@@ -18,6 +19,7 @@ from loomflow_worker import register_agent
 from loomflow_worker.tasks import settings
 from loomflow_worker.testing import DeterministicModel, EffectsLog
 from loomflow_worker.worker.quarantine.child import PROCESS_NAME as ALONE_PROCESS
+from tests.waiting import wait_until_async
 
 # SIGUSR2 prints every thread's stack to the worker's output: the harness
 # sends it to a worker that does not stop in time, to show where it hangs.
@@ -42,19 +44,20 @@ async def _on_start(tag: str) -> None:
 async def _await_company(seconds: float) -> None:
     """Wait up to ``seconds`` until another run of this process is in its
     tool (recorded started, not finished): the poison then kills it too,
-    whatever order a redelivery started them in."""
+    whatever order a redelivery started them in. Alone, it kills after them."""
     if seconds <= 0:
         return
-    deadline = time.monotonic() + seconds
     dsn = settings().database_url.get_secret_value()
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        while time.monotonic() < deadline:
+
+        async def company() -> bool:
             cur = await conn.execute(
                 "SELECT 1 FROM loomflow_worker_effects WHERE pid = %s AND finished_at IS NULL"
                 " AND tag NOT LIKE 'poison%%' LIMIT 1", (os.getpid(),))
-            if await cur.fetchone() is not None:
-                return
-            await anyio.sleep(0.05)
+            return await cur.fetchone() is not None
+
+        with contextlib.suppress(AssertionError):  # no company came: it kills all the same
+            await wait_until_async(company, "another run in its tool", seconds, every=0.05)
 
 
 class FlakyModel(DeterministicModel):
