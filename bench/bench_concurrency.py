@@ -47,6 +47,14 @@ e3dc7a1``: agent versions against the commit before them). This process enqueues
 REF's database with REF's own code (a process started in its worktree), so REF may be
 before a migration: its schema and its enqueue are its own.
 
+``--fair-off`` adds a side right after ``ours threads``: the same worker and code with fair
+shares off (``fair_queue`` 0 in its worker's environment and in this process's enqueues, a
+database and queue of their own), and prints ours' runs/s and worker CPU per run against it:
+what fair shares cost (``--backlog --concurrency 1000 --runs 3000 --only-threads --fair-off
+--rounds 3``). ``--rounds N`` runs ours and the side against it (``--against``,
+``--fair-off``) N times in turn, and prints each round's ratios and their median: on a shared
+machine, one sitting of each side says little.
+
 ``--tracing RATIO`` has our workers export OpenTelemetry traces over OTLP/HTTP, set up the
 standard way (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_TRACES_SAMPLER=parentbased_traceidratio``
 at RATIO), to a receiver in this process that reads and drops them: what tracing costs, read
@@ -69,6 +77,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,6 +114,8 @@ from bench.bench_celery import (  # noqa: E402
 )
 from bench.bench_runtime import create_database, database_uri  # noqa: E402
 from loomflow_worker import sockets, tasks  # noqa: E402
+from loomflow_worker.execution.limits import FAIR_QUEUE  # noqa: E402
+from loomflow_worker.settings import Settings  # noqa: E402
 
 MODEL_CALLS = 3
 TARGET_IDEAL_RATIO = 1.15
@@ -122,6 +133,8 @@ TARGET_REDIS_CONNECTIONS = 13
 TARGET_WORKER_MS = 6.0
 ISSUE_PLAIN_NOOP_MS = 2.35
 YARDSTICK = "plain no-op"
+#: The side --fair-off adds: ours threads with fair shares off.
+FAIR_OFF = "ours fair off"
 REDIS_PORT = 6379
 PREFORK_CONCURRENCY = 20
 
@@ -394,6 +407,36 @@ def run_side(
                       counts, redis_used, pressure.backlog, pressure.hogs)
 
 
+def _paired(side: SideResult) -> bool:
+    """Whether ``side`` is read against the ours threads side run before it."""
+    return side.label.startswith("ours at ") or side.label == FAIR_OFF
+
+
+def _against(results: Sequence[SideResult]) -> list[str]:
+    """Ours threads against each side paired with it (``--against``, ``--fair-off``),
+    round by round, and the rounds' medians."""
+    pairs: list[tuple[SideResult, SideResult]] = []
+    last = results[0]
+    for side in results:
+        if side.label == results[0].label:
+            last = side
+        elif _paired(side):
+            pairs.append((last, side))
+    lines = []
+    speed, cpu = [], []
+    for number, (ours, other) in enumerate(pairs, 1):
+        speed.append(ours.runs_per_s / other.runs_per_s)
+        cpu.append(ours.ms_per_run(ours.peaks.worker_cpu_s())
+                   / max(other.ms_per_run(other.peaks.worker_cpu_s()), 1e-9))
+        lines.append(f"{f'round {number}: ' if len(pairs) > 1 else ''}ours threads vs "
+                     f"{other.label}: {speed[-1]:.3f}x its runs/s, {cpu[-1]:.3f}x its worker "
+                     "CPU per run")
+    if len(pairs) > 1:
+        lines.append(f"median of {len(pairs)} rounds: {statistics.median(speed):.3f}x its "
+                     f"runs/s, {statistics.median(cpu):.3f}x its worker CPU per run")
+    return lines
+
+
 def report(results: Sequence[SideResult]) -> list[str]:
     lines = [
         f"{'side':<16} {'conc':>5} {'wall':>8} {'ideal':>7} {'x ideal':>8} {'runs/s':>7} "
@@ -437,15 +480,9 @@ def report(results: Sequence[SideResult]) -> list[str]:
             f"target, {TARGET_WORKER_MS:g} ms where plain took {ISSUE_PLAIN_NOOP_MS:g} ms, is "
             f"{TARGET_WORKER_MS / ISSUE_PLAIN_NOOP_MS:.2f}x)"
         )
+    lines += _against(results)
     for other in results[1:]:
-        if other is yardstick:
-            continue
-        if other.label.startswith("ours at "):
-            ours_ms = ours.ms_per_run(ours.peaks.worker_cpu_s())
-            its_ms = other.ms_per_run(other.peaks.worker_cpu_s())
-            lines.append(
-                f"ours threads vs {other.label}: {ours.runs_per_s / other.runs_per_s:.3f}x its "
-                f"runs/s, {ours_ms / max(its_ms, 1e-9):.3f}x its worker CPU per run")
+        if other is yardstick or other.label == ours.label or _paired(other):
             continue
         lines.append(
             f"ours threads vs {other.label}: {other.wall_s / ours.wall_s:.1f}x faster, "
@@ -561,6 +598,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="ours' requests come from N users (user_id, their fairness key) "
                              "in turn, not one key a request: many withheld requests a key "
                              "beyond the fleet's free slots")
+    parser.add_argument("--fair-off", action="store_true",
+                        help="also run ours threads with fair shares off (fair_queue 0, in "
+                             "its worker's environment and in this process's enqueues), its "
+                             "own database, right after ours: what fair shares cost")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="run ours threads and the side against it (--against, "
+                             "--fair-off) N times in turn; each round's ratio and their "
+                             "median are printed")
     parser.add_argument("--quick", action="store_true", help="200 runs")
     args = parser.parse_args(argv)
     if args.quick:
@@ -570,6 +615,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.runs < 1 or args.concurrency < 1 or args.latency <= 0 or args.cpu_hogs < 0:
         parser.error("--runs and --concurrency must be at least 1, --latency above 0, "
                      "--cpu-hogs 0 or more")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.rounds > 1 and not (args.against or args.fair_off):
+        parser.error("--rounds repeats ours against another side: give --against or --fair-off")
     if args.tenants is not None and args.tenants < 1:
         parser.error("--tenants must be at least 1 (leave it out for a key a request)")
     return args
@@ -584,6 +633,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     dbnames = {"ours": f"lfw_bench_{tag}", "plain": f"lfw_bench_{tag}_plain"}
     if args.against:
         dbnames["ref"] = f"lfw_bench_{tag}_ref"
+    if args.fair_off:
+        dbnames["off"] = f"lfw_bench_{tag}_off"
     dsns = {v: database_uri(admin_dsn, n) for v, n in dbnames.items()}
     prefix = f"lfwbench:{tag}:"
     latency_env = {"BENCH_MODEL_LATENCY": str(args.latency)}
@@ -598,6 +649,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for item in args.worker_env:
         name, _, value = item.partition("=")
         ours_env[name] = value
+    off: tuple[dict[str, str], Settings] | None = None
+    if args.fair_off:
+        # Ours' environment on a database and queue of its own, with fair shares
+        # off for the worker and for this process's enqueues alike.
+        env, settings = ours_config(dsns["off"], redis_url, prefix, f"lfwb-{tag}-off")
+        off = ({**ours_env, **env, "LOOMFLOW_WORKER_LIMITS": json.dumps({FAIR_QUEUE: 0})},
+               settings.model_copy(update={"limits": {FAIR_QUEUE: 0}}))
     sink = OtlpSink() if args.tracing is not None else None
     if sink is not None:
         ours_env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
@@ -617,6 +675,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in dbnames.values():
             create_database(admin_dsn, name)
         anyio.run(migrate, dsns["ours"], dsns["plain"])
+        if "off" in dsns:
+            anyio.run(migrate, dsns["off"], dsns["plain"])
         if worktree is not None:
             ref_env = against(args.against, worktree, dsns["ref"], redis_url, prefix,
                               f"lfwb-{tag}-ref", base_env)
@@ -634,15 +694,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configured = [ours_settings]
 
-        def ours_submit(prompt: str, session: str) -> AsyncResult:
-            if configured[0] is not ours_settings:
-                tasks.configure(ours_settings)
-                configured[0] = ours_settings
-            if args.tenants:
-                number = int(session.rsplit("-s", 1)[1])
-                return tasks.run_agent.delay(prompt, session,
-                                             user_id=f"tenant-{number % args.tenants}")
-            return tasks.run_agent.delay(prompt, session)
+        def submitting(settings: Settings) -> Callable[[str, str], AsyncResult]:
+            def submit(prompt: str, session: str) -> AsyncResult:
+                if configured[0] is not settings:
+                    tasks.configure(settings)
+                    configured[0] = settings
+                if args.tenants:
+                    number = int(session.rsplit("-s", 1)[1])
+                    return tasks.run_agent.delay(prompt, session,
+                                                 user_id=f"tenant-{number % args.tenants}")
+                return tasks.run_agent.delay(prompt, session)
+
+            return submit
+
+        ours_submit = submitting(ours_settings)
 
         def ref_submit(prompt: str, session: str) -> AsyncResult:
             # Enqueued by REF's code, read back by this process's result backend.
@@ -664,6 +729,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             sides.append((f"ours at {args.against[:10]}", "ours-r", "loomflow_worker.tasks",
                           "threads", args.concurrency, {**ref_env, **latency_env}, ref_submit,
                           "ref"))
+        if off is not None:
+            sides.append((FAIR_OFF, "ours-o", "loomflow_worker.tasks", "threads",
+                          args.concurrency, {**off[0], **latency_env}, submitting(off[1]),
+                          "off"))
+        sides = sides * args.rounds
         if args.yardstick:
             sides.append(("plain no-op", "plain-n", "bench.plain_celery_app", "threads",
                           args.concurrency, plain_config.env(), noop_submit, "plain"))
