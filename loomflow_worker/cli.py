@@ -1156,6 +1156,7 @@ _PLURAL = {
     "signals": ("signal", "signals"),
     "direct_runs": ("run outside Celery", "runs outside Celery"),
     "runs": ("finished request", "finished requests"),
+    "fairness_keys": ("fairness key at rest", "fairness keys at rest"),
 }
 
 
@@ -1178,7 +1179,9 @@ def prune(older_than: timedelta, batch_size: int, yes: bool) -> None:
     signals sent, runs outside Celery ended, and requests finished, longer ago
     than --older-than (scopes
     with an unfinished request keep their journal and signals; the scopes'
-    epoch marks are kept)."""
+    epoch marks are kept); and fairness keys at rest, whatever their age (no
+    request withheld, no weight, not ahead of the fleet's clock: a key that
+    comes back is weighed as if it had kept its row)."""
     from . import admin
     from .runtime.errors import translated
     from .runtime.prune import Pruner, cutoff

@@ -4,7 +4,10 @@ prune`` and the sweeper's retention.
 What matches every filter given goes (``before``: written, sent, or
 finished, before that moment; ``scope``: of that scope only): journal entries,
 streams and checkpoints, undelivered signals, runs made outside Celery
-(``direct_runs``), then finished requests (their attempts cascade). The scopes
+(``direct_runs``), then finished requests (their attempts cascade), and, with no
+scope named, fairness keys at rest, whatever their age (nothing withheld, no
+weight, not ahead of the fleet's clock: a look would take the key for a new one;
+migration 0045). The scopes
 of unfinished requests keep their journal: a run parked on a signal for
 longer than the cutoff still needs it to resume; and the signals their runs
 may take. Unless one scope is named, each scope keeps its epoch bookkeeping,
@@ -39,6 +42,7 @@ _ORDER: tuple[tuple[str, str], ...] = (
     ("signals", "prune_signals"),
     ("direct_runs", "prune_direct_runs"),
     ("runs", "prune_runs"),
+    ("fairness_keys", "prune_fairness_keys"),
 )
 PRUNED_TABLES = tuple(table for table, _ in _ORDER)
 

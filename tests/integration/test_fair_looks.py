@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 
+from loomflow_worker.runtime.prune import Pruner
 from loomflow_worker.runtime.sql import query
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -79,35 +80,78 @@ def test_looks_send_what_start_time_fair_queueing_sends_on_random_ledgers(dsn: s
     with psycopg.connect(dsn, autocommit=True) as conn:
         _no_limit(conn)
         for trial in range(40):
-            conn.execute("DELETE FROM runs; DELETE FROM fairness_keys; DELETE FROM fair_clock")
-            model = Model(clock=rng.choice([0.0, 0.5, 2.0]))
-            conn.execute("INSERT INTO fair_clock (id, vtime) VALUES (1, %s)", (model.clock,))
-            keys = [f"k{trial}-{i:02d}" for i in range(rng.randint(2, 12))]
-            for key in keys:
-                weight = rng.choice([None, None, 0.5, 2.0, 3.0])
-                call_weight = rng.choice([None, None, 4.0])
-                vtime = rng.choice([0.0, 0.0, 1.0, 2.5, 4.0])
-                if weight is None and call_weight is None and vtime == 0.0:
-                    continue
-                conn.execute("INSERT INTO fairness_keys (fairness_key, weight, call_weight,"
-                             " vtime) VALUES (%s, %s, %s, %s)", (key, weight, call_weight, vtime))
-                model.vtime[key] = vtime
-                model.weight[key] = weight or call_weight or 1.0
-            seconds = 0
-            for look in range(12):
-                for _ in range(rng.choice([0, 0, 3, 8, 20])):
-                    seconds += 1
-                    rid, key = f"r{trial}-{seconds}", rng.choice(keys)
-                    rank, at = rng.choice([-1, 0, 0, 1]), T0 + timedelta(seconds=seconds)
-                    _hold(conn, rid, key, rank, at)
-                    model.withheld[rid] = (key, rank, at)
-                page = rng.randint(1, 9)
-                assert _look(conn, page) == model.look(page), (trial, look)
-            times = dict(conn.execute("SELECT fairness_key, vtime FROM fairness_keys"
-                                      " WHERE vtime <> 0").fetchall())
-            assert times == {k: v for k, v in model.vtime.items() if v != 0}, trial
-            clock = conn.execute("SELECT vtime FROM fair_clock").fetchone()
-            assert clock is not None and clock[0] == model.clock, trial
+            _trial(conn, rng, trial, prune=False)
+
+
+def test_a_prune_deletes_only_keys_a_look_takes_for_new_ones(dsn: str) -> None:
+    """The same random ledgers, with a prune of the fairness keys at rest
+    before most looks (in batches of 3, as the sweeper's go): each look still
+    sends what the model, which never forgets a key, sends; every key the
+    prune deleted was at rest by the model's reckoning, and it deleted some."""
+    rng = random.Random(20261208)
+    pruned = 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _no_limit(conn)
+        for trial in range(40):
+            pruned += _trial(conn, rng, trial, prune=True)
+    assert pruned > 20, pruned
+
+
+def _trial(conn: psycopg.Connection[Any], rng: random.Random, trial: int, prune: bool) -> int:
+    """One random ledger and its looks against the model; with ``prune``, the
+    keys at rest pruned before most looks. Returns how many keys went."""
+    conn.execute("DELETE FROM runs; DELETE FROM fairness_keys; DELETE FROM fair_clock")
+    model = Model(clock=rng.choice([0.0, 0.5, 2.0]))
+    conn.execute("INSERT INTO fair_clock (id, vtime) VALUES (1, %s)", (model.clock,))
+    keys = [f"k{trial}-{i:02d}" for i in range(rng.randint(2, 12))]
+    stated: set[str] = set()
+    for key in keys:
+        weight = rng.choice([None, None, 0.5, 2.0, 3.0])
+        call_weight = rng.choice([None, None, 4.0])
+        vtime = rng.choice([0.0, 0.0, 1.0, 2.5, 4.0])
+        if weight is None and call_weight is None and vtime == 0.0:
+            continue
+        conn.execute("INSERT INTO fairness_keys (fairness_key, weight, call_weight,"
+                     " vtime) VALUES (%s, %s, %s, %s)", (key, weight, call_weight, vtime))
+        model.vtime[key] = vtime
+        model.weight[key] = weight or call_weight or 1.0
+        if weight is not None or call_weight is not None:
+            stated.add(key)
+    seconds = pruned = 0
+    for look in range(12):
+        for _ in range(rng.choice([0, 0, 3, 8, 20])):
+            seconds += 1
+            rid, key = f"r{trial}-{seconds}", rng.choice(keys)
+            rank, at = rng.choice([-1, 0, 0, 1]), T0 + timedelta(seconds=seconds)
+            _hold(conn, rid, key, rank, at)
+            model.withheld[rid] = (key, rank, at)
+        if prune and rng.random() < 0.7:
+            pruned += _prune_at_rest(conn, model, stated, (trial, look))
+        page = rng.randint(1, 9)
+        assert _look(conn, page) == model.look(page), (trial, look)
+    times = dict(conn.execute("SELECT fairness_key, vtime FROM fairness_keys"
+                              " WHERE vtime <> 0").fetchall())
+    # A key pruned is one the model has at rest: at or behind the clock.
+    assert all(model.vtime[k] == v for k, v in times.items()), trial
+    assert all(k in times or v == 0 or (prune and v <= model.clock and k not in stated)
+               for k, v in model.vtime.items()), (trial, times, model.vtime)
+    clock = conn.execute("SELECT vtime FROM fair_clock").fetchone()
+    assert clock is not None and clock[0] == model.clock, trial
+    return pruned
+
+
+def _prune_at_rest(conn: psycopg.Connection[Any], model: Model, stated: set[str],
+                   where: object) -> int:
+    """Prune (every table, in batches of 3); the keys it deleted, each at rest
+    by the model's reckoning: none withheld, no weight, not ahead of the clock."""
+    before = {r[0] for r in conn.execute("SELECT fairness_key FROM fairness_keys")}
+    totals = Pruner(None, batch_size=3).run(conn)
+    gone = before - {r[0] for r in conn.execute("SELECT fairness_key FROM fairness_keys")}
+    waiting = {key for key, _, _ in model.withheld.values()}
+    assert totals["fairness_keys"] == len(gone), (where, totals, gone)
+    assert all(k not in waiting and k not in stated and model.vtime.get(k, 0.0) <= model.clock
+               for k in gone), (where, gone, model.vtime, model.clock)
+    return len(gone)
 
 
 def _cancel(conn: psycopg.Connection[Any], *ids: str) -> None:

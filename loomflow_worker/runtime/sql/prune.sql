@@ -51,7 +51,9 @@ SELECT (SELECT count(*) FROM journal_steps j
          WHERE (%(cutoff)s::timestamptz IS NULL
                 OR (enqueued_at < %(cutoff)s::timestamptz
                     AND finished_at < %(cutoff)s::timestamptz))
-           AND (%(scope)s::text IS NULL OR scope = %(scope)s::text)) AS runs;
+           AND (%(scope)s::text IS NULL OR scope = %(scope)s::text)) AS runs,
+       (SELECT count(*) FROM fairness_keys f
+         WHERE %(scope)s::text IS NULL AND loomflow_worker_fair_key_at_rest(f)) AS fairness_keys;
 
 -- name: prune_steps
 -- One batch of journal steps that the rules above prune; the age filter reads
@@ -120,4 +122,14 @@ DELETE FROM loomflow_worker_finished_requests WHERE request_id = ANY(ARRAY(
      WHERE (%(cutoff)s::timestamptz IS NULL
             OR (enqueued_at < %(cutoff)s::timestamptz AND finished_at < %(cutoff)s::timestamptz))
        AND (%(scope)s::text IS NULL OR scope = %(scope)s::text)
+     LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
+
+-- name: prune_fairness_keys
+-- One batch of fairness keys at rest (loomflow_worker_fair_key_at_rest: a look
+-- would take the key for one it never saw), whatever their age: such a row says
+-- nothing a missing one does not. None when one scope is named (a key is no
+-- scope's). A key an enqueue is marking, or a look is weighing, is locked: skipped.
+DELETE FROM fairness_keys WHERE fairness_key = ANY(ARRAY(
+    SELECT f.fairness_key FROM fairness_keys f
+     WHERE %(scope)s::text IS NULL AND loomflow_worker_fair_key_at_rest(f)
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));

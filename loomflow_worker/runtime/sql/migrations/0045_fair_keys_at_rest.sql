@@ -1,0 +1,13 @@
+-- Fairness keys at rest, which a prune deletes (prune_fairness_keys). A key's row
+-- in fairness_keys outlives its requests: a fleet serving a million users would keep
+-- a million rows. A row is at rest when a look would take its key for one it never
+-- saw: nothing withheld (no mark), no weight set or stated by its requests, and a
+-- virtual time not ahead of the fleet's clock (a key starts from greatest(its time,
+-- the clock), and the clock only goes forward; a key ahead of it has had more than
+-- its share lately, which its row remembers). A key that comes back gets a new row
+-- from the enqueue that withholds its request, as a new key does.
+CREATE OR REPLACE FUNCTION loomflow_worker_fair_key_at_rest(f fairness_keys) RETURNS BOOLEAN
+LANGUAGE sql STABLE AS $$
+    SELECT f.withheld_at IS NULL AND f.weight IS NULL AND f.call_weight IS NULL
+       AND f.vtime <= coalesce((SELECT c.vtime FROM fair_clock c WHERE c.id = 1), 0)
+$$;
