@@ -52,8 +52,9 @@ shares off (``fair_queue`` 0 in its worker's environment and in this process's e
 database and queue of their own), and prints ours' runs/s and worker CPU per run against it:
 what fair shares cost (``--backlog --concurrency 1000 --runs 3000 --only-threads --fair-off
 --rounds 3``). ``--rounds N`` runs ours and the side against it (``--against``,
-``--fair-off``) N times in turn, and prints each round's ratios and their median: on a shared
-machine, one sitting of each side says little.
+``--fair-off``) N times, taking turns going first, and prints each round's ratios (runs/s,
+worker and Postgres CPU per run) and their medians: on a shared machine, one sitting of each
+side says little.
 
 ``--tracing RATIO`` has our workers export OpenTelemetry traces over OTLP/HTTP, set up the
 standard way (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_TRACES_SAMPLER=parentbased_traceidratio``
@@ -194,6 +195,8 @@ class SideResult:
     redis_cpu_s: float = 0.0
     backlog: bool = False
     hogs: int = 0
+    #: Which of --rounds it ran in (0: the first, or a side run once).
+    round: int = 0
 
     @property
     def ratio(self) -> float:
@@ -414,27 +417,37 @@ def _paired(side: SideResult) -> bool:
 
 def _against(results: Sequence[SideResult]) -> list[str]:
     """Ours threads against each side paired with it (``--against``, ``--fair-off``),
-    round by round, and the rounds' medians."""
-    pairs: list[tuple[SideResult, SideResult]] = []
-    last = results[0]
+    round by round, and each one's median over the rounds: runs/s, and the worker's
+    and its Postgres backends' CPU per run."""
+    by_round = {side.round: side for side in results if side.label == results[0].label}
+    pairs: dict[str, list[tuple[SideResult, SideResult]]] = {}
     for side in results:
-        if side.label == results[0].label:
-            last = side
-        elif _paired(side):
-            pairs.append((last, side))
+        if _paired(side):
+            pairs.setdefault(side.label, []).append((by_round[side.round], side))
+
+    def cpu(side: SideResult, backends: bool) -> float:
+        return side.ms_per_run(side.peaks.backend_cpu_s() if backends
+                               else side.peaks.worker_cpu_s())
+
     lines = []
-    speed, cpu = [], []
-    for number, (ours, other) in enumerate(pairs, 1):
-        speed.append(ours.runs_per_s / other.runs_per_s)
-        cpu.append(ours.ms_per_run(ours.peaks.worker_cpu_s())
-                   / max(other.ms_per_run(other.peaks.worker_cpu_s()), 1e-9))
-        lines.append(f"{f'round {number}: ' if len(pairs) > 1 else ''}ours threads vs "
-                     f"{other.label}: {speed[-1]:.3f}x its runs/s, {cpu[-1]:.3f}x its worker "
-                     "CPU per run")
-    if len(pairs) > 1:
-        lines.append(f"median of {len(pairs)} rounds: {statistics.median(speed):.3f}x its "
-                     f"runs/s, {statistics.median(cpu):.3f}x its worker CPU per run")
+    for label, rounds in pairs.items():
+        ratios: list[tuple[float, float, float]] = []
+        for number, (ours, other) in enumerate(rounds, 1):
+            ratios.append((ours.runs_per_s / other.runs_per_s,
+                           cpu(ours, False) / max(cpu(other, False), 1e-9),
+                           cpu(ours, True) / max(cpu(other, True), 1e-9)))
+            lines.append(f"{f'round {number}: ' if len(rounds) > 1 else ''}ours threads vs "
+                         f"{label}: {_ratios(*ratios[-1])}")
+        if len(rounds) > 1:
+            medians = (statistics.median(r[i] for r in ratios) for i in range(3))
+            lines.append(f"median of {len(rounds)} rounds, ours threads vs {label}: "
+                         f"{_ratios(*medians)}")
     return lines
+
+
+def _ratios(speed: float, worker: float, backends: float) -> str:
+    return (f"{speed:.3f}x its runs/s, {worker:.3f}x its worker CPU per run, "
+            f"{backends:.3f}x its Postgres CPU per run")
 
 
 def report(results: Sequence[SideResult]) -> list[str]:
@@ -649,6 +662,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for item in args.worker_env:
         name, _, value = item.partition("=")
         ours_env[name] = value
+    sink = OtlpSink() if args.tracing is not None else None
+    if sink is not None:
+        ours_env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+                         "OTEL_SERVICE_NAME": "loomflow-worker-bench",
+                         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                         "OTEL_TRACES_SAMPLER_ARG": str(args.tracing)})
     off: tuple[dict[str, str], Settings] | None = None
     if args.fair_off:
         # Ours' environment on a database and queue of its own, with fair shares
@@ -656,12 +675,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         env, settings = ours_config(dsns["off"], redis_url, prefix, f"lfwb-{tag}-off")
         off = ({**ours_env, **env, "LOOMFLOW_WORKER_LIMITS": json.dumps({FAIR_QUEUE: 0})},
                settings.model_copy(update={"limits": {FAIR_QUEUE: 0}}))
-    sink = OtlpSink() if args.tracing is not None else None
-    if sink is not None:
-        ours_env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-                         "OTEL_SERVICE_NAME": "loomflow-worker-bench",
-                         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-                         "OTEL_TRACES_SAMPLER_ARG": str(args.tracing)})
     plain_config = plain.PlainConfig(
         database_url=dsns["plain"], broker_url=redis_url, result_backend=redis_url,
         redis_key_prefix=prefix, queue=f"lfwb-{tag}-plain", acks_late=True,
@@ -733,7 +746,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             sides.append((FAIR_OFF, "ours-o", "loomflow_worker.tasks", "threads",
                           args.concurrency, {**off[0], **latency_env}, submitting(off[1]),
                           "off"))
-        sides = sides * args.rounds
+        # Round by round, the compared sides take turns going first: what
+        # drifts on a shared machine over a sitting falls on both alike.
+        compared = len(sides)
+        sides = [side for number in range(args.rounds)
+                 for side in (sides if number % 2 == 0 else sides[::-1])]
         if args.yardstick:
             sides.append(("plain no-op", "plain-n", "bench.plain_celery_app", "threads",
                           args.concurrency, plain_config.env(), noop_submit, "plain"))
@@ -752,6 +769,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               Pressure(args.backlog, args.cpu_hogs),
                               cwd=worktree if db == "ref" and worktree is not None else ROOT)
             print(f"  {label}: {result.wall_s:.1f}s", flush=True)
+            if i < compared * args.rounds:
+                result.round = i // compared
             results.append(result)
         print("\n".join(report(results)))
         if sink is not None:

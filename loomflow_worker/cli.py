@@ -1156,7 +1156,7 @@ _PLURAL = {
     "signals": ("signal", "signals"),
     "direct_runs": ("run outside Celery", "runs outside Celery"),
     "runs": ("finished request", "finished requests"),
-    "fairness_keys": ("fairness key at rest", "fairness keys at rest"),
+    "fairness_keys": ("fairness key at rest (of any age)", "fairness keys at rest (of any age)"),
 }
 
 

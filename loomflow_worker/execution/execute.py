@@ -261,6 +261,7 @@ class _Said:
                 self._said.move_to_end(request_id)
                 return False
             self._said[request_id] = level
+            self._said.move_to_end(request_id)
             if len(self._said) > self._keep:
                 self._said.popitem(last=False)
             return True

@@ -355,8 +355,10 @@ class PostgresRuntime(JournaledRuntime):
         undelivered signals sent before it, and requests finished before it,
         of the scope ``session_id``. A scope with an unfinished request keeps
         its journal and the signals its runs may take; unless one scope is
-        named, each keeps its epoch bookkeeping. The rules of
-        ``loomflow-worker prune`` and of the sweeper's retention."""
+        named, each keeps its epoch bookkeeping; and, with no scope named,
+        fairness keys at rest whatever their age (a look takes such a key for a
+        new one). The rules of ``loomflow-worker prune`` and of the sweeper's
+        retention."""
         return await self._pg.prune_rows(
             before=before, session_id=session_id, batch_size=batch_size
         )

@@ -109,13 +109,16 @@ def _trial(conn: psycopg.Connection[Any], rng: random.Random, trial: int, prune:
         weight = rng.choice([None, None, 0.5, 2.0, 3.0])
         call_weight = rng.choice([None, None, 4.0])
         vtime = rng.choice([0.0, 0.0, 1.0, 2.5, 4.0])
-        if weight is None and call_weight is None and vtime == 0.0:
+        # A weight removed by command (none, which holds over the settings').
+        source = "command" if weight is None and prune and rng.random() < 0.2 else None
+        if weight is None and call_weight is None and source is None and vtime == 0.0:
             continue
         conn.execute("INSERT INTO fairness_keys (fairness_key, weight, call_weight,"
-                     " vtime) VALUES (%s, %s, %s, %s)", (key, weight, call_weight, vtime))
+                     " weight_source, vtime) VALUES (%s, %s, %s, %s, %s)",
+                     (key, weight, call_weight, source, vtime))
         model.vtime[key] = vtime
         model.weight[key] = weight or call_weight or 1.0
-        if weight is not None or call_weight is not None:
+        if weight is not None or call_weight is not None or source is not None:
             stated.add(key)
     seconds = pruned = 0
     for look in range(12):
@@ -135,6 +138,8 @@ def _trial(conn: psycopg.Connection[Any], rng: random.Random, trial: int, prune:
     assert all(model.vtime[k] == v for k, v in times.items()), trial
     assert all(k in times or v == 0 or (prune and v <= model.clock and k not in stated)
                for k, v in model.vtime.items()), (trial, times, model.vtime)
+    kept = {r[0] for r in conn.execute("SELECT fairness_key FROM fairness_keys")}
+    assert stated <= kept, (trial, stated - kept)
     clock = conn.execute("SELECT vtime FROM fair_clock").fetchone()
     assert clock is not None and clock[0] == model.clock, trial
     return pruned
@@ -143,7 +148,8 @@ def _trial(conn: psycopg.Connection[Any], rng: random.Random, trial: int, prune:
 def _prune_at_rest(conn: psycopg.Connection[Any], model: Model, stated: set[str],
                    where: object) -> int:
     """Prune (every table, in batches of 3); the keys it deleted, each at rest
-    by the model's reckoning: none withheld, no weight, not ahead of the clock."""
+    by the model's reckoning: none withheld, no weight set, removed or stated,
+    not ahead of the clock."""
     before = {r[0] for r in conn.execute("SELECT fairness_key FROM fairness_keys")}
     totals = Pruner(None, batch_size=3).run(conn)
     gone = before - {r[0] for r in conn.execute("SELECT fairness_key FROM fairness_keys")}

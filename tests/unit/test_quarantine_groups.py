@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 import time
 from typing import Any
 
 import pytest
 
-from loomflow_worker.execution.execute import _Said
+from loomflow_worker.execution.execute import _Said, _to_quarantine
+from loomflow_worker.execution.request import RunRequest
 from loomflow_worker.execution.statuses import QuarantineLevel
 from loomflow_worker.worker.quarantine import attempts as alone
 from loomflow_worker.worker.quarantine.processes import QuarantineProcess, QuarantineRuns
@@ -74,6 +77,32 @@ def test_a_request_handed_to_quarantine_again_at_its_level_is_said_once() -> Non
     assert said.first("a", ALONE)
     assert not said.first("a", ALONE)
     assert said.first("a", GROUP) and said.first("a", ALONE)  # its level changed
-    assert said.first("b", GROUP) and said.first("c", GROUP)  # "a", the oldest, forgotten
-    assert said.first("a", ALONE)
-    assert not said.first("c", GROUP)
+    assert said.first("b", GROUP)
+    assert said.first("a", GROUP)  # said again: "a" is now the newer of the two
+    assert said.first("c", GROUP)  # "b", the oldest, forgotten
+    assert not said.first("a", GROUP) and said.first("b", GROUP)
+
+
+class _Asked:
+    """An attempt's part that a hand-on to quarantine uses (no database)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.marked = 0
+
+    async def mark_quarantined(self) -> None:
+        self.marked += 1
+
+
+def test_a_hand_on_to_quarantine_warns_once_and_marks_each_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    req = RunRequest(prompt="p", session_id="s", user_id=None, agent="a", metadata={})
+    asked = _Asked("handed-on-twice")
+    caplog.set_level(logging.DEBUG, logger="loomflow_worker.execution.execute")
+    for _ in range(3):
+        outcome = asyncio.run(_to_quarantine(asked, req, ALONE))  # type: ignore[arg-type]
+        assert outcome.quarantine == ALONE
+    assert asked.marked == 3  # dispatched now, each time: the sweeper leaves it be
+    levels = [r.levelno for r in caplog.records if "handed-on-twice" in r.getMessage()]
+    assert levels == [logging.WARNING, logging.DEBUG, logging.DEBUG], caplog.text

@@ -53,7 +53,10 @@ SELECT (SELECT count(*) FROM journal_steps j
                     AND finished_at < %(cutoff)s::timestamptz))
            AND (%(scope)s::text IS NULL OR scope = %(scope)s::text)) AS runs,
        (SELECT count(*) FROM fairness_keys f
-         WHERE %(scope)s::text IS NULL AND loomflow_worker_fair_key_at_rest(f)) AS fairness_keys;
+         WHERE %(scope)s::text IS NULL
+           AND loomflow_worker_fair_key_at_rest(
+                   f, coalesce((SELECT c.vtime FROM fair_clock c WHERE c.id = 1), 0)))
+       AS fairness_keys;
 
 -- name: prune_steps
 -- One batch of journal steps that the rules above prune; the age filter reads
@@ -131,5 +134,7 @@ DELETE FROM loomflow_worker_finished_requests WHERE request_id = ANY(ARRAY(
 -- scope's). A key an enqueue is marking, or a look is weighing, is locked: skipped.
 DELETE FROM fairness_keys WHERE fairness_key = ANY(ARRAY(
     SELECT f.fairness_key FROM fairness_keys f
-     WHERE %(scope)s::text IS NULL AND loomflow_worker_fair_key_at_rest(f)
+     WHERE %(scope)s::text IS NULL
+       AND loomflow_worker_fair_key_at_rest(
+               f, coalesce((SELECT c.vtime FROM fair_clock c WHERE c.id = 1), 0))
      LIMIT %(batch)s FOR UPDATE SKIP LOCKED));
