@@ -411,7 +411,7 @@ def run_side(
 
 
 def _paired(side: SideResult) -> bool:
-    """Whether ``side`` is read against the ours threads side run before it."""
+    """Whether ``side`` is read against the ours threads side of its round."""
     return side.label.startswith("ours at ") or side.label == FAIR_OFF
 
 
@@ -614,11 +614,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fair-off", action="store_true",
                         help="also run ours threads with fair shares off (fair_queue 0, in "
                              "its worker's environment and in this process's enqueues), its "
-                             "own database, right after ours: what fair shares cost")
+                             "own database, beside ours: what fair shares cost")
     parser.add_argument("--rounds", type=int, default=1, metavar="N",
                         help="run ours threads and the side against it (--against, "
-                             "--fair-off) N times in turn; each round's ratio and their "
-                             "median are printed")
+                             "--fair-off) N times, taking turns going first; each round's "
+                             "ratios and their medians are printed")
     parser.add_argument("--quick", action="store_true", help="200 runs")
     args = parser.parse_args(argv)
     if args.quick:
