@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import os
 import platform
 import signal
@@ -126,8 +127,9 @@ class Fleet:
 
     def start(
         self, name: str, app: str, concurrency: int, env: dict[str, str], pool: str = "prefork",
-        cwd: Path = ROOT,
+        cwd: Path = ROOT, cpus: set[int] | None = None,
     ) -> None:
+        """Start worker ``name``; on ``cpus`` only (its every process and thread), if given."""
         log = self.logs / f"{name}.log"
         out = (self.logs / f"{name}.out").open("wb")
         try:
@@ -137,6 +139,8 @@ class Fleet:
                  "--without-gossip", "--without-mingle", "-l", "INFO", "-f", str(log)],
                 cwd=cwd, env={**self.env, **env}, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=None if cpus is None else functools.partial(
+                    os.sched_setaffinity, 0, cpus),
             )
         finally:
             out.close()

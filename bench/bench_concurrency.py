@@ -54,7 +54,13 @@ what fair shares cost (``--backlog --concurrency 1000 --runs 3000 --only-threads
 --rounds 3``). ``--rounds N`` runs ours and the side against it (``--against``,
 ``--fair-off``) N times, taking turns going first, and prints each round's ratios (runs/s,
 worker and Postgres CPU per run) and their medians: on a shared machine, one sitting of each
-side says little.
+side says little. ``--together`` runs the compared sides of each round at once instead, each
+worker on a CPU of its own, both backlogs enqueued first and both workers timed from the
+moment they are all ready to the last of its runs ending in its ledger: both sides see the
+same moments of the machine, which one after the other they do not (``--backlog
+--concurrency 1000 --runs 3000 --only-threads --fair-off --rounds 6 --together``). Each
+side has one CPU where it had two, and they share Postgres: compare its ratios with each
+other, not its runs/s with a side run alone.
 
 ``--tracing RATIO`` has our workers export OpenTelemetry traces over OTLP/HTTP, set up the
 standard way (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_TRACES_SAMPLER=parentbased_traceidratio``
@@ -277,8 +283,8 @@ class Sampler:
                 # The worker's connections: not this script's own (it enqueues).
                 row = conn.execute(
                     "SELECT count(*) FROM pg_stat_activity WHERE datname = %s"
-                    " AND application_name <> 'loomflow-worker enqueue'",
-                    (self.dbname,),
+                    " AND application_name NOT IN ('loomflow-worker enqueue', %s)",
+                    (self.dbname, BENCH_APP),
                 ).fetchone()
                 self.peaks.rss_mb = max(self.peaks.rss_mb, rss)
                 self.peaks.pss_mb = max(self.peaks.pss_mb, pss)
@@ -408,6 +414,87 @@ def run_side(
     ideal = runs * MODEL_CALLS * latency / concurrency
     return SideResult(label, concurrency, runs, wall, enqueued, ideal, wrong, sampler.peaks,
                       counts, redis_used, pressure.backlog, pressure.hogs)
+
+
+#: A compared side of ``--together``: label, worker name, Celery app, pool,
+#: concurrency, environment, how to enqueue, its database's key, its directory.
+Side = tuple[str, str, str, str, int, dict[str, str], Callable[[str, str], AsyncResult], str,
+             Path]
+
+TERMINAL = ("succeeded", "failed", "dead", "cancelled")
+#: The application name of this script's own connections to a side's database
+#: (not counted as the worker's).
+BENCH_APP = "loomflow-worker bench"
+
+
+def run_together(
+    sides: Sequence[Side], fleet: Fleet, dbnames: dict[str, str], admin_dsn: str, runs: int,
+    latency: float, tag: str, redis_url: str,
+) -> list[SideResult]:
+    """The compared sides of one round at once (``--together``): each one's backlog
+    enqueued (in the order given), then their workers started together, each on a
+    CPU of its own, and timed from the moment all are ready to the last of its runs
+    ending in its ledger; both see the same moments of a shared machine. Redis
+    serves them all: its CPU is shared out evenly."""
+    cpus = sorted(os.sched_getaffinity(0))
+    sent: dict[str, list[tuple[AsyncResult, str]]] = {}
+    enqueued: dict[str, float] = {}
+    for number, (label, *_rest, submit, _db, _cwd) in enumerate(sides):
+        began = time.perf_counter()
+        sent[label] = []
+        for i in range(runs):
+            tags = (f"{tag}{number}-{i}-a", f"{tag}{number}-{i}-b")
+            sent[label].append((submit(calls(*tags), f"{tag}{number}-s{i}"),
+                                expected_output(*tags)))
+        enqueued[label] = time.perf_counter() - began
+    for number, (_label, name, app, pool, conc, env, _submit, _db, cwd) in enumerate(sides):
+        fleet.start(name, app, conc, env, pool=pool, cwd=cwd,
+                    cpus={cpus[number % len(cpus)]})
+    fleet.wait_ready([side[1] for side in sides])
+    redis_before = redis_cpu(redis_url)
+    ids = {label: [result.id for result, _ in results] for label, results in sent.items()}
+    walls: dict[str, float] = {}
+    samplers = [Sampler(fleet.workers[side[1]].proc.pid, admin_dsn, dbnames[side[7]])
+                for side in sides]
+    with contextlib.ExitStack() as stack:
+        for sampler in samplers:
+            stack.enter_context(sampler)
+        started = time.perf_counter()
+
+        def drain(label: str, dbname: str) -> None:
+            with psycopg.connect(database_uri(admin_dsn, dbname), autocommit=True,
+                                 application_name=BENCH_APP) as conn:
+                deadline = started + max(600.0, runs * latency)
+                while time.perf_counter() < deadline:
+                    row = conn.execute("SELECT count(*) FROM runs WHERE status = ANY(%s)"
+                                       " AND request_id = ANY(%s)",
+                                       (list(TERMINAL), ids[label])).fetchone()
+                    if row is not None and row[0] >= runs:
+                        walls[label] = time.perf_counter() - started
+                        return
+                    time.sleep(0.1)
+            raise RuntimeError(f"{label}: its runs did not all end in time")
+
+        threads = [threading.Thread(target=drain, args=(side[0], dbnames[side[7]]))
+                   for side in sides]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    redis_used = (redis_cpu(redis_url) - redis_before) / len(sides)
+    results = []
+    for (label, name, *_rest), sampler in zip(sides, samplers, strict=True):
+        if label not in walls:
+            raise RuntimeError(f"{label}: its runs did not all end")
+        wrong = sum(1 for result, expected in sent[label]
+                    if (value := result.get(timeout=60, propagate=False)) is None
+                    or not isinstance(value, dict) or value.get("output") != expected)
+        results.append(SideResult(
+            label, sides[0][4], runs, walls[label], enqueued[label],
+            runs * MODEL_CALLS * latency / sides[0][4], wrong, sampler.peaks,
+            count_log(fleet.workers[name].log), redis_used, True, 0))
+    fleet.stop([side[1] for side in sides])
+    return results
 
 
 def _paired(side: SideResult) -> bool:
@@ -619,6 +706,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="run ours threads and the side against it (--against, "
                              "--fair-off) N times, taking turns going first; each round's "
                              "ratios and their medians are printed")
+    parser.add_argument("--together", action="store_true",
+                        help="with --backlog and --fair-off or --against: run the compared "
+                             "sides of each round at once, each worker on a CPU of its own "
+                             "(both see the same moments of a shared machine)")
     parser.add_argument("--quick", action="store_true", help="200 runs")
     args = parser.parse_args(argv)
     if args.quick:
@@ -632,6 +723,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--rounds must be at least 1")
     if args.rounds > 1 and not (args.against or args.fair_off):
         parser.error("--rounds repeats ours against another side: give --against or --fair-off")
+    if args.together and not (args.backlog and (args.against or args.fair_off)
+                              and args.only_threads and not args.yardstick
+                              and not args.cpu_hogs):
+        parser.error("--together runs compared sides at once: give it with --backlog, "
+                     "--only-threads and --fair-off or --against (no --yardstick, "
+                     "no --cpu-hogs)")
     if args.tenants is not None and args.tenants < 1:
         parser.error("--tenants must be at least 1 (leave it out for a key a request)")
     return args
@@ -763,6 +860,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "plain"),
             ]
         results = []
+        if args.together:
+            for i in range(args.rounds):
+                round_sides = [(*side, worktree if side[7] == "ref" and worktree is not None
+                                else ROOT) for side in sides[i * compared:(i + 1) * compared]]
+                together = run_together(round_sides, fleet, dbnames, admin_dsn, args.runs,
+                                        args.latency, f"{tag}{i}", redis_url)
+                for result in together:
+                    result.round = i
+                    print(f"  {result.label}: {result.wall_s:.1f}s", flush=True)
+                results += sorted(together, key=lambda r: r.label != "ours threads")
+            sides = []
         for i, (label, name, app, pool, conc, env, submit, db) in enumerate(sides):
             result = run_side(label, fleet, name, app, pool, conc, env, submit, admin_dsn,
                               dbnames[db], args.runs, args.latency, f"{tag}{i}", redis_url,
