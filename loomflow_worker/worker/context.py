@@ -110,7 +110,7 @@ class WorkerContext:
                            build_codes=(Agents.agent.__code__,))
         self.heart = Heart(settings, self.worker, slots, runs=lambda: len(self._halts),
                            lag=self.watch.lag, lock_queue=self.database.queue_depth,
-                           admitting=lambda: self.admitting())
+                           admitting=lambda: self.admitting(), room=self._room)
         self.stream = Stream(settings, load=lambda: len(self._halts))
         self.publish_turns = publish_turns
         self._fair_turns: FairTurns | None = None
@@ -176,6 +176,15 @@ class WorkerContext:
                 and runtime is not None and limits is not None):
             self._fair_turns = FairTurns(runtime.pool, limits.fair, self.publish_turns)
         return self._fair_turns
+
+    def _room(self) -> None:
+        """The process's row says it has free slots (its start, each heartbeat
+        interval): requests withheld for their fair turn may take them now, not
+        only when one of its runs ends (a worker that starts on a withheld
+        backlog would otherwise wait for its first run to end)."""
+        turns = self.fair_turns()
+        if turns is not None:
+            turns.poke()
 
     # What the worker's hooks ask of it.
 

@@ -64,7 +64,8 @@ class FairTurns:
             while self._asked:
                 self._asked = False
                 try:
-                    await self.look()
+                    if await self.look() >= ledger.FAIR_PAGE:
+                        self._asked = True  # a full page: more may have room
                 except Exception as exc:  # the sweeper publishes them
                     log.warning("could not publish requests waiting their fair turn (%s); "
                                 "the sweeper will", exc, extra={"action": "fair_turn"})

@@ -39,15 +39,17 @@ RESTAMP_AFTER = 0.05
 class Heart:
     """Stamps the process's runs and its ``workers`` row (``worker``), telling
     the row what the process carries: ``runs()``, ``lag()`` of its loop,
-    ``lock_queue()`` and whether it is ``admitting()``."""
+    ``lock_queue()`` and whether it is ``admitting()``; ``room()`` is called
+    after each stamp that told the row of free slots the process admits to."""
 
     def __init__(
         self, settings: Settings, worker: str, slots: int, *, runs: Callable[[], int],
         lag: Callable[[], float], lock_queue: Callable[[], int],
-        admitting: Callable[[], bool],
+        admitting: Callable[[], bool], room: Callable[[], None] = lambda: None,
     ) -> None:
         self.settings, self.worker, self.slots = settings, worker, slots
         self.runs, self.lag, self.lock_queue, self.admitting = runs, lag, lock_queue, admitting
+        self.room = room
         self._beating: asyncio.Task[None] | None = None
         self._presence: asyncio.Task[None] | None = None
         # The last stamp of the process's row failed: said once per outage.
@@ -143,4 +145,6 @@ class Heart:
             self._unseen = True
             return False
         self._unseen = False
+        if not stopped and beat.admitting and beat.runs < beat.slots:
+            self.room()
         return True

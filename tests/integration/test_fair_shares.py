@@ -232,3 +232,25 @@ def test_with_no_worker_alive_the_broker_takes_the_floor_and_fair_queue_0_turns_
     assert _withheld(fleet.dsn) == 0
     bad = cli(fleet, "limits", "concurrency", "per_key", "0")
     assert bad.returncode == 2 and "only fair_queue takes 0" in bad.stderr, bad.stderr
+
+
+def test_a_worker_starting_on_a_withheld_backlog_fills_its_slots_before_a_run_ends(
+    fleet: Fleet,
+) -> None:
+    # 200 requests sent before any worker: the broker takes the floor (32),
+    # 168 wait their fair turn. A worker of 200 slots whose runs each hold a
+    # slot for seconds starts. Its first stamp says it has free slots, and its
+    # own look publishes the withheld requests then, not once its first run
+    # ends (nor at a sweep: the sweeper's interval here is far longer).
+    ids = [run_agent.delay(calls(f"w{i}"), f"w{i}", user_id="wanda").id for i in range(200)]
+    assert _withheld(fleet.dsn) == 168
+    fleet.start("w1", concurrency=200, pool="threads", TEST_TOOL_SLEEP="4",
+                LOOMFLOW_WORKER_SWEEP_INTERVAL="60")
+    for request_id in ids:
+        run_agent.AsyncResult(request_id).get(timeout=120)
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FILTER (WHERE started_at < (SELECT min(finished_at) FROM runs"
+            " WHERE request_id = ANY(%(ids)s))) FROM runs WHERE request_id = ANY(%(ids)s)",
+            {"ids": ids}).fetchone()
+    assert row is not None and row[0] == 200, row

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from loomflow_worker.execution import ledger
 from loomflow_worker.worker.fair_turns import FairTurns
 
 
@@ -55,3 +56,27 @@ def test_an_end_after_a_look_gets_its_own() -> None:
         return seen
 
     assert asyncio.run(main()) == [1, 2, 3]
+
+
+class Pages(FairTurns):
+    """Looks that publish the pages given, one a look (no database)."""
+
+    def __init__(self, pages: list[int]) -> None:
+        super().__init__(None, Looks(), publish=lambda turn: None, every=0.01)  # type: ignore[arg-type]
+        self.pages, self.looked = pages, 0
+
+    async def look(self) -> int:
+        self.looked += 1
+        return self.pages.pop(0) if self.pages else 0
+
+
+def test_a_look_that_publishes_a_full_page_looks_again_unpoked() -> None:
+    async def main() -> int:
+        turns = Pages([ledger.FAIR_PAGE, ledger.FAIR_PAGE, 7, ledger.FAIR_PAGE])
+        turns.poke()
+        await asyncio.sleep(0.3)
+        await turns.aclose()
+        return turns.looked
+
+    # Two full pages and the one that was not: the fourth page waits for a poke.
+    assert asyncio.run(main()) == 3
