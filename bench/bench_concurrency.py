@@ -55,9 +55,10 @@ what fair shares cost (``--backlog --concurrency 1000 --runs 3000 --only-threads
 ``--fair-off``) N times, taking turns going first, and prints each round's ratios (runs/s,
 worker and Postgres CPU per run) and their medians: on a shared machine, one sitting of each
 side says little. ``--together`` runs the compared sides of each round at once instead, each
-worker on a CPU of its own, both backlogs enqueued first and both workers timed from the
-moment they are all ready to the last of its runs ending in its ledger: both sides see the
-same moments of the machine, which one after the other they do not (``--backlog
+worker on a CPU of its own (a CPU each, or it is refused), both backlogs enqueued first, a
+side's time its ledger's (its first run's start to its last run's end) and its CPU sampled
+from the moment both are ready until its own runs have ended: both sides see the same
+moments of the machine, which one after the other they do not (``--backlog
 --concurrency 1000 --runs 3000 --only-threads --fair-off --rounds 6 --together``). Each
 side has one CPU where it had two, and they share Postgres: compare its ratios with each
 other, not its runs/s with a side run alone.
@@ -121,6 +122,7 @@ from bench.bench_celery import (  # noqa: E402
 )
 from bench.bench_runtime import create_database, database_uri  # noqa: E402
 from loomflow_worker import sockets, tasks  # noqa: E402
+from loomflow_worker.execution import statuses  # noqa: E402
 from loomflow_worker.execution.limits import FAIR_QUEUE  # noqa: E402
 from loomflow_worker.settings import Settings  # noqa: E402
 
@@ -302,7 +304,8 @@ class Sampler:
                     self.peaks.worker_start[int(entry.name)] = ticks
                 self.peaks.worker_ticks[int(entry.name)] = ticks
         backends = conn.execute(
-            "SELECT pid FROM pg_stat_activity WHERE datname = %s", (self.dbname,)
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s"
+            " AND application_name IS DISTINCT FROM %s", (self.dbname, BENCH_APP)
         ).fetchall()
         for (pid,) in backends:
             ticks = _cpu_ticks(int(pid))
@@ -421,9 +424,9 @@ def run_side(
 Side = tuple[str, str, str, str, int, dict[str, str], Callable[[str, str], AsyncResult], str,
              Path]
 
-TERMINAL = ("succeeded", "failed", "dead", "cancelled")
+TERMINAL = [str(status) for status in statuses.TERMINAL]
 #: The application name of this script's own connections to a side's database
-#: (not counted as the worker's).
+#: (neither counted as the worker's nor in its Postgres CPU).
 BENCH_APP = "loomflow-worker bench"
 
 
@@ -433,10 +436,12 @@ def run_together(
 ) -> list[SideResult]:
     """The compared sides of one round at once (``--together``): each one's backlog
     enqueued (in the order given), then their workers started together, each on a
-    CPU of its own, and timed from the moment all are ready to the last of its runs
-    ending in its ledger; both see the same moments of a shared machine. Redis
-    serves them all: its CPU is shared out evenly."""
+    CPU of its own; both see the same moments of a shared machine. A side's time
+    is its ledger's, from its first run's start to its last run's end; its CPU is
+    sampled from the moment all workers are ready to the moment its own runs have
+    all ended. Redis serves them all: its CPU is shared out evenly."""
     cpus = sorted(os.sched_getaffinity(0))
+    assert len(sides) <= len(cpus), "parse_args refuses more sides than CPUs"
     sent: dict[str, list[tuple[AsyncResult, str]]] = {}
     enqueued: dict[str, float] = {}
     for number, (label, *_rest, submit, _db, _cwd) in enumerate(sides):
@@ -448,50 +453,57 @@ def run_together(
                                 expected_output(*tags)))
         enqueued[label] = time.perf_counter() - began
     for number, (_label, name, app, pool, conc, env, _submit, _db, cwd) in enumerate(sides):
-        fleet.start(name, app, conc, env, pool=pool, cwd=cwd,
-                    cpus={cpus[number % len(cpus)]})
+        fleet.start(name, app, conc, env, pool=pool, cwd=cwd, cpus={cpus[number]})
     fleet.wait_ready([side[1] for side in sides])
     redis_before = redis_cpu(redis_url)
     ids = {label: [result.id for result, _ in results] for label, results in sent.items()}
     walls: dict[str, float] = {}
+    failures: dict[str, BaseException] = {}
     samplers = [Sampler(fleet.workers[side[1]].proc.pid, admin_dsn, dbnames[side[7]])
                 for side in sides]
-    with contextlib.ExitStack() as stack:
-        for sampler in samplers:
-            stack.enter_context(sampler)
-        started = time.perf_counter()
+    for sampler in samplers:
+        sampler.__enter__()
+    began = time.perf_counter()
 
-        def drain(label: str, dbname: str) -> None:
+    def drain(label: str, dbname: str, sampler: Sampler) -> None:
+        """Wait for the side's runs to end, then stop its sampler and read its time."""
+        try:
             with psycopg.connect(database_uri(admin_dsn, dbname), autocommit=True,
                                  application_name=BENCH_APP) as conn:
-                deadline = started + max(600.0, runs * latency)
-                while time.perf_counter() < deadline:
-                    row = conn.execute("SELECT count(*) FROM runs WHERE status = ANY(%s)"
-                                       " AND request_id = ANY(%s)",
-                                       (list(TERMINAL), ids[label])).fetchone()
+                deadline = began + max(600.0, runs * latency)
+                while True:
+                    row = conn.execute(
+                        "SELECT count(*), extract(epoch FROM max(finished_at)"
+                        " - min(started_at)) FROM runs WHERE status = ANY(%s)"
+                        " AND request_id = ANY(%s)", (TERMINAL, ids[label])).fetchone()
                     if row is not None and row[0] >= runs:
-                        walls[label] = time.perf_counter() - started
+                        sampler.__exit__(None, None, None)
+                        walls[label] = float(row[1])
                         return
+                    if time.perf_counter() > deadline:
+                        raise RuntimeError(f"{label}: {row[0] if row else 0} of its {runs} "
+                                           "runs ended in time")
                     time.sleep(0.1)
-            raise RuntimeError(f"{label}: its runs did not all end in time")
+        except BaseException as exc:
+            failures[label] = exc
 
-        threads = [threading.Thread(target=drain, args=(side[0], dbnames[side[7]]))
-                   for side in sides]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+    threads = [threading.Thread(target=drain, args=(side[0], dbnames[side[7]], sampler))
+               for side, sampler in zip(sides, samplers, strict=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for label, exc in failures.items():
+        raise RuntimeError(f"{label}: its runs could not be waited for") from exc
     redis_used = (redis_cpu(redis_url) - redis_before) / len(sides)
     results = []
-    for (label, name, *_rest), sampler in zip(sides, samplers, strict=True):
-        if label not in walls:
-            raise RuntimeError(f"{label}: its runs did not all end")
+    for (label, name, _app, _pool, conc, *_rest), sampler in zip(sides, samplers, strict=True):
         wrong = sum(1 for result, expected in sent[label]
                     if (value := result.get(timeout=60, propagate=False)) is None
                     or not isinstance(value, dict) or value.get("output") != expected)
         results.append(SideResult(
-            label, sides[0][4], runs, walls[label], enqueued[label],
-            runs * MODEL_CALLS * latency / sides[0][4], wrong, sampler.peaks,
+            label, conc, runs, walls[label], enqueued[label],
+            runs * MODEL_CALLS * latency / conc, wrong, sampler.peaks,
             count_log(fleet.workers[name].log), redis_used, True, 0))
     fleet.stop([side[1] for side in sides])
     return results
@@ -729,6 +741,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--together runs compared sides at once: give it with --backlog, "
                      "--only-threads and --fair-off or --against (no --yardstick, "
                      "no --cpu-hogs)")
+    sides = 1 + bool(args.against) + bool(args.fair_off)
+    if args.together and sides > len(os.sched_getaffinity(0)):
+        parser.error(f"--together gives each of its {sides} sides a CPU of its own, and "
+                     f"this process may use {len(os.sched_getaffinity(0))}: give --against "
+                     "or --fair-off, not both, on a machine of two CPUs or more")
     if args.tenants is not None and args.tenants < 1:
         parser.error("--tenants must be at least 1 (leave it out for a key a request)")
     return args

@@ -5,7 +5,10 @@ Each run's end makes room in the broker for a request withheld in the ledger for
 its fair turn (see ``loomflow_worker_fair_next``). A process ending dozens of
 runs a second does not look once for each: ends that come while a look is
 under way, or within :data:`LOOK_EVERY` of the last, are answered by the next
-look, which publishes as many as there is room for then. So the looks cost a
+look, which publishes as many as there is room for then (a look that sent a
+whole page is followed by another, :data:`LOOK_EVERY` later). The process's
+heartbeat pokes it too, when its row says it has free slots: a process that
+starts on a withheld backlog fills them at once. So the looks cost a
 statement every few tens of milliseconds, not one per run, and their messages
 go out in one batch over one broker connection. A look that fails is left to
 the sweeper's leader, which publishes withheld requests on each sweep.
@@ -53,7 +56,8 @@ class FairTurns:
         self._looking: asyncio.Task[None] | None = None
 
     def poke(self) -> None:
-        """A run ended (on the process's loop): look soon."""
+        """A run ended, or the process's row says it has free slots (on the
+        process's loop): look soon."""
         self._asked = True
         if self._looking is None:
             self._looking = asyncio.get_running_loop().create_task(

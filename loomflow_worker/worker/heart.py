@@ -146,5 +146,9 @@ class Heart:
             return False
         self._unseen = False
         if not stopped and beat.admitting and beat.runs < beat.slots:
-            self.room()
+            try:
+                self.room()
+            except Exception:  # the row is stamped: that is what the heart is for
+                log.exception("telling the process of its free slots failed",
+                              extra={"action": "worker_stamp", "worker": beat.worker})
         return True

