@@ -368,6 +368,31 @@ class Pressure:
     hogs: int = 0
 
 
+#: Requests sent and the output each should come back with.
+Sent = list[tuple[AsyncResult, str]]
+
+
+def enqueue(submit: Callable[[str, str], AsyncResult], runs: int, tag: str, sent: Sent
+            ) -> float:
+    """Send ``runs`` requests through ``submit`` (each on a session of its own,
+    tagged ``tag``) into ``sent``; the seconds it took."""
+    began = time.perf_counter()
+    for i in range(runs):
+        tags = (f"{tag}-{i}-a", f"{tag}-{i}-b")
+        sent.append((submit(calls(*tags), f"{tag}-s{i}"), expected_output(*tags)))
+    return time.perf_counter() - began
+
+
+def count_wrong(sent: Sent, timeout: float) -> int:
+    """How many of the requests sent came back without the output they should have."""
+    wrong = 0
+    for result, expected in sent:
+        value = result.get(timeout=timeout, propagate=False)
+        if not isinstance(value, dict) or value.get("output") != expected:
+            wrong += 1
+    return wrong
+
+
 def run_side(
     label: str,
     fleet: Fleet,
@@ -386,16 +411,8 @@ def run_side(
     pressure: Pressure = Pressure(),
     cwd: Path = ROOT,
 ) -> SideResult:
-    sent: list[tuple[AsyncResult, str]] = []
-
-    def enqueue() -> float:
-        began = time.perf_counter()
-        for i in range(runs):
-            tags = (f"{tag}-{i}-a", f"{tag}-{i}-b")
-            sent.append((submit(calls(*tags), f"{tag}-s{i}"), expected_output(*tags)))
-        return time.perf_counter() - began
-
-    enqueued = enqueue() if pressure.backlog else 0.0
+    sent: Sent = []
+    enqueued = enqueue(submit, runs, tag, sent) if pressure.backlog else 0.0
     with cpu_hogs(pressure.hogs):
         fleet.start(name, app, concurrency, env, pool=pool, cwd=cwd)
         fleet.wait_ready([name])
@@ -404,12 +421,8 @@ def run_side(
         with Sampler(worker.proc.pid, admin_dsn, dbname) as sampler:
             started = time.perf_counter()
             if not pressure.backlog:
-                enqueued = enqueue()
-            wrong = 0
-            for result, expected in sent:
-                value = result.get(timeout=max(600.0, runs * latency), propagate=False)
-                if not isinstance(value, dict) or value.get("output") != expected:
-                    wrong += 1
+                enqueued = enqueue(submit, runs, tag, sent)
+            wrong = count_wrong(sent, max(600.0, runs * latency))
             wall = time.perf_counter() - started
         redis_used = redis_cpu(redis_url) - redis_before
     counts = count_log(worker.log)
@@ -442,16 +455,11 @@ def run_together(
     all ended. Redis serves them all: its CPU is shared out evenly."""
     cpus = sorted(os.sched_getaffinity(0))
     assert len(sides) <= len(cpus), "parse_args refuses more sides than CPUs"
-    sent: dict[str, list[tuple[AsyncResult, str]]] = {}
+    sent: dict[str, Sent] = {}
     enqueued: dict[str, float] = {}
     for number, (label, *_rest, submit, _db, _cwd) in enumerate(sides):
-        began = time.perf_counter()
         sent[label] = []
-        for i in range(runs):
-            tags = (f"{tag}{number}-{i}-a", f"{tag}{number}-{i}-b")
-            sent[label].append((submit(calls(*tags), f"{tag}{number}-s{i}"),
-                                expected_output(*tags)))
-        enqueued[label] = time.perf_counter() - began
+        enqueued[label] = enqueue(submit, runs, f"{tag}{number}", sent[label])
     for number, (_label, name, app, pool, conc, env, _submit, _db, cwd) in enumerate(sides):
         fleet.start(name, app, conc, env, pool=pool, cwd=cwd, cpus={cpus[number]})
     fleet.wait_ready([side[1] for side in sides])
@@ -498,12 +506,10 @@ def run_together(
     redis_used = (redis_cpu(redis_url) - redis_before) / len(sides)
     results = []
     for (label, name, _app, _pool, conc, *_rest), sampler in zip(sides, samplers, strict=True):
-        wrong = sum(1 for result, expected in sent[label]
-                    if (value := result.get(timeout=60, propagate=False)) is None
-                    or not isinstance(value, dict) or value.get("output") != expected)
+        # Every run has ended: its result is stored, or on its way.
         results.append(SideResult(
             label, conc, runs, walls[label], enqueued[label],
-            runs * MODEL_CALLS * latency / conc, wrong, sampler.peaks,
+            runs * MODEL_CALLS * latency / conc, count_wrong(sent[label], 60.0), sampler.peaks,
             count_log(fleet.workers[name].log), redis_used, True, 0))
     fleet.stop([side[1] for side in sides])
     return results
@@ -877,10 +883,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "plain"),
             ]
         results = []
+        def cwd(db: str) -> Path:
+            """Where a side's worker runs: REF's worktree for REF's side."""
+            return worktree if db == "ref" and worktree is not None else ROOT
+
         if args.together:
             for i in range(args.rounds):
-                round_sides = [(*side, worktree if side[7] == "ref" and worktree is not None
-                                else ROOT) for side in sides[i * compared:(i + 1) * compared]]
+                round_sides = [(*side, cwd(side[7]))
+                               for side in sides[i * compared:(i + 1) * compared]]
                 together = run_together(round_sides, fleet, dbnames, admin_dsn, args.runs,
                                         args.latency, f"{tag}{i}", redis_url)
                 for result in together:
@@ -892,7 +902,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = run_side(label, fleet, name, app, pool, conc, env, submit, admin_dsn,
                               dbnames[db], args.runs, args.latency, f"{tag}{i}", redis_url,
                               Pressure(args.backlog, args.cpu_hogs),
-                              cwd=worktree if db == "ref" and worktree is not None else ROOT)
+                              cwd=cwd(db))
             print(f"  {label}: {result.wall_s:.1f}s", flush=True)
             if i < compared * args.rounds:
                 result.round = i // compared
