@@ -120,19 +120,25 @@ def test_a_duplicate_waits_for_the_attempt_whose_lock_connection_alone_ended(
     result = run_agent.delay(prompt, "s")
     wait_until(partial(_in_a_tool, fleet.dsn, result.id, 1), "attempt 1 never started a tool")
     # w2's tool calls are short: once its attempt starts, what it must wait
-    # for is behind it.
-    fleet.start("w2", concurrency=1, pool="threads", **{**env, "TEST_TOOL_SLEEP": "0.5"})
+    # for is behind it. It takes a queue of its own, where the duplicate goes:
+    # on the fleet's queue, w1 (its pool busy, one message more reserved)
+    # could take it and run it only after its own attempt had stopped.
+    own = f"{fleet.queue}-w2"
+    fleet.start("w2", concurrency=1, pool="threads", args=("-Q", own),
+                **{**env, "TEST_TOOL_SLEEP": "0.5"})
     with psycopg.connect(fleet.dsn, autocommit=True) as admin:
         ended = admin.execute(
             "SELECT pg_terminate_backend(holder_pid, 5000) FROM runs WHERE request_id = %s",
             (result.id,),
         ).fetchone()
     assert ended == (True,)
-    run_agent.dispatch(Pending(result.id, "run", "s", None, "default", prompt, {}))
+    run_agent.dispatch(Pending(result.id, "run", "s", None, "default", prompt, {},
+                               routing={"queue": own}))
     assert result.get(timeout=60)["output"] == "done: recorded d1, recorded d2"
     attempts = _attempts(fleet.dsn, result.id)
     first, second = attempts[0], attempts[1]
     assert first[1].startswith("w1-") and first[4] == "lost", (attempts, fleet.log_text())
+    assert second[1].startswith("w2-"), (attempts, fleet.log_text())
     assert first[3] is not None and second[2] >= first[3], (attempts, fleet.log_text())
     assert ledger(fleet.dsn, result.id)["crashes"] == 0
     fleet.wait_logged(f"request {result.id}: its previous attempt may still be running")
