@@ -475,11 +475,13 @@ class Settings(BaseSettings):
                 "console_require_token is on but console_token is not set: set "
                 "LOOMFLOW_WORKER_CONSOLE_TOKEN, or nobody could open the console"
             )
-        if self.lease_timeout <= self.heartbeat_interval:
+        if self.lease_timeout < 3 * self.heartbeat_interval:
             raise ValueError(
-                f"lease_timeout (LOOMFLOW_WORKER_LEASE, {self.lease_timeout}s) must be longer "
-                f"than heartbeat_interval ({self.heartbeat_interval}s), or live runs would "
-                "look frozen"
+                f"lease_timeout (LOOMFLOW_WORKER_LEASE, {self.lease_timeout}s) must be at "
+                f"least three heartbeat intervals (heartbeat_interval "
+                f"{self.heartbeat_interval}s: {3 * self.heartbeat_interval:g}s or more): a "
+                "process fences runs not stamped for two intervals, and the sweeper must "
+                "not act before it; raise LEASE or lower LOOMFLOW_WORKER_HEARTBEAT_INTERVAL"
             )
         return self
 

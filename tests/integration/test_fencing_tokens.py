@@ -191,7 +191,15 @@ async def test_a_step_waits_for_a_heartbeat_once_its_lease_went_unconfirmed(
 
 
 def test_the_bounds_sit_well_below_the_lease() -> None:
-    for lease, interval in ((30.0, 2.0), (3.0, 0.5), (5.0, 0.5), (2.0, 1.5)):
+    for lease, interval in ((30.0, 2.0), (3.0, 0.5), (5.0, 0.5), (4.5, 1.5), (30.0, 10.0)):
         settings = Settings(lease=lease, heartbeat_interval=interval)  # type: ignore[call-arg]
         assert confirm_within(settings) <= fence_after(settings) / 2 < lease / 2
         assert liveness(settings).fence_after == fence_after(settings) < lease
+        # A late tick is no death: two intervals at least, and the sweeper an
+        # interval later at the soonest.
+        assert 2 * interval <= fence_after(settings) <= lease - interval
+
+
+def test_a_lease_under_three_heartbeat_intervals_is_refused_saying_what_to_change() -> None:
+    with pytest.raises(ValueError, match=r"at least three heartbeat intervals.*raise LEASE"):
+        Settings(lease=20, heartbeat_interval=10)  # type: ignore[call-arg]

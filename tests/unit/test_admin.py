@@ -103,8 +103,8 @@ def test_a_settings_error_never_repeats_the_values_given() -> None:
     with pytest.raises(ValidationError) as info:
         Settings(database_url=SecretStr("postgresql://u:pw@h/x"), lease_timeout=1.0)
     assert "pw@h" not in admin.validation_message(info.value)
-    assert ("lease_timeout (LOOMFLOW_WORKER_LEASE, 1.0s) must be longer than heartbeat_interval"
-            in admin.validation_message(info.value))
+    assert ("lease_timeout (LOOMFLOW_WORKER_LEASE, 1.0s) must be at least three heartbeat "
+            "intervals" in admin.validation_message(info.value))
 
 
 def test_step_names_drop_the_namespace_and_the_fingerprint() -> None:
