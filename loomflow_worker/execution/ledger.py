@@ -826,11 +826,19 @@ async def park_on_limit(
 FAIR_PAGE = 500
 
 
-async def fair_next(conn: Conn) -> list[Pending]:
+async def fair_next(conn: Conn, stamp: tuple[str, int] | None = None) -> list[Pending]:
     """Withheld requests whose fair turn came, to publish; none when another
-    caller is publishing them (see ``loomflow_worker_fair_next``)."""
+    caller is publishing them (see ``loomflow_worker_fair_next``). ``stamp``: the
+    worker process looking and how many runs it carries now, which its row in
+    ``workers`` says first (the fleet's free slots bound what may wait in the
+    broker)."""
     cur = conn.cursor(row_factory=dict_row)
-    await cur.execute(query("fair_next"), {"wait": False, "page": FAIR_PAGE})
+    if stamp is None:
+        await cur.execute(query("fair_next"), {"wait": False, "page": FAIR_PAGE})
+    else:
+        worker, runs = stamp
+        await cur.execute(query("fair_next_stamped"), {
+            "wait": False, "page": FAIR_PAGE, "worker": worker, "runs": runs})
     return [Pending.of(row) for row in await cur.fetchall()]
 
 

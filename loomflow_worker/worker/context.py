@@ -174,7 +174,8 @@ class WorkerContext:
         runtime, limits = self.database.runtime, self.database.limits
         if (self._fair_turns is None and self.publish_turns is not None
                 and runtime is not None and limits is not None):
-            self._fair_turns = FairTurns(runtime.pool, limits.fair, self.publish_turns)
+            self._fair_turns = FairTurns(runtime.pool, limits.fair, self.publish_turns,
+                                         stamp=lambda: (self.worker, len(self._halts)))
         return self._fair_turns
 
     def _room(self) -> None:

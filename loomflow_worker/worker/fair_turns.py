@@ -8,8 +8,12 @@ under way, or within :data:`LOOK_EVERY` of the last, are answered by the next
 look, which publishes as many as there is room for then (a look that sent a
 whole page is followed by another, :data:`LOOK_EVERY` later). The process's
 heartbeat pokes it too, when its row says it has free slots: a process that
-starts on a withheld backlog fills them at once. So the looks cost a
-statement every few tens of milliseconds, not one per run, and their messages
+starts on a withheld backlog fills them at once. Each look first writes how
+many runs the process carries in its row (while requests are withheld): what
+may wait in the broker follows the fleet's free slots, and slots freed by runs
+that ended together are offered at once, not at the next heartbeat. So the
+looks cost a statement every few tens of milliseconds, not one per run, and
+their messages
 go out in one batch over one broker connection. A look that fails is left to
 the sweeper's leader, which publishes withheld requests on each sweep.
 
@@ -39,7 +43,10 @@ LOOK_EVERY = 0.02
 
 class FairTurns:
     """Looks for requests whose fair turn came, as runs end (:meth:`poke`),
-    and hands them to ``publish`` (blocking: it runs in a thread)."""
+    and hands them to ``publish`` (blocking: it runs in a thread). ``stamp``:
+    the process's worker name and how many runs it carries now, which each look
+    writes in its row first (runs that ended together free their slots for
+    withheld requests at once, not at the next heartbeat's stamp)."""
 
     def __init__(
         self,
@@ -47,10 +54,13 @@ class FairTurns:
         fair: Callable[[], Awaitable[bool]],
         publish: Callable[[list[Pending]], None],
         every: float = LOOK_EVERY,
+        *,
+        stamp: Callable[[], tuple[str, int]] | None = None,
     ) -> None:
         self._pool = pool
         self._fair = fair
         self._publish = publish
+        self._stamp = stamp
         self._every = every
         self._asked = False
         self._looking: asyncio.Task[None] | None = None
@@ -82,7 +92,7 @@ class FairTurns:
         if not await self._fair():
             return 0
         async with self._pool.connection() as conn:
-            turn = await ledger.fair_next(conn)
+            turn = await ledger.fair_next(conn, None if self._stamp is None else self._stamp())
         if turn:
             await anyio.to_thread.run_sync(self._publish, turn)
         return len(turn)

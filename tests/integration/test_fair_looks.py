@@ -245,3 +245,36 @@ def test_an_enqueue_during_a_look_keeps_its_key_marked_whichever_holds_the_key_f
     finally:
         looker.close()
         enqueuer.close()
+
+
+def test_a_worker_look_offers_its_free_slots_as_they_are_not_as_its_last_stamp(dsn: str) -> None:
+    """No fair_queue limit: what may wait in the broker is the fleet's free
+    slots as the rows say them (at least the floor, 32). A worker's row
+    stamped full offers the floor only; the same worker's look, saying it
+    carries no run now, writes that in its row first and offers its 64 free
+    slots, less the 32 already on their way. With nothing withheld a look
+    writes nothing."""
+    from dataclasses import asdict
+
+    from loomflow_worker.execution.ledger import WorkerBeat
+
+    beat = WorkerBeat(worker="w-a", hostname="h", pid=1, slots=64, interval=10.0, runs=64)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(query("worker_seen"), asdict(beat))
+        for i in range(100):
+            _hold(conn, f"r{i:03d}", "k", 0, T0 + timedelta(seconds=i))
+
+        def look(runs: int) -> list[str]:
+            return [r[0] for r in conn.execute(query("fair_next_stamped"), {
+                "wait": True, "page": 500, "worker": "w-a", "runs": runs})]
+
+        def row() -> int:
+            found = conn.execute("SELECT runs FROM workers WHERE worker = 'w-a'").fetchone()
+            assert found is not None
+            return int(found[0])
+
+        assert len(look(64)) == 32 and row() == 64
+        assert len(look(64)) == 0  # the floor's 32 still on their way
+        assert len(look(0)) == 32 and row() == 0  # 64 free, 32 on their way
+        conn.execute("DELETE FROM runs WHERE waiting_for = 'limit fair_queue'")
+        assert look(7) == [] and row() == 0

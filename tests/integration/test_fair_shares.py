@@ -257,3 +257,41 @@ def test_a_worker_starting_on_a_withheld_backlog_fills_its_slots_before_a_run_en
     # Most of the 200 (all of them on an idle machine): a busy one may take
     # longer than a run's 4 s to start them all.
     assert row is not None and row[0] >= 150, row
+
+
+def test_slots_freed_by_runs_ending_together_take_withheld_requests_before_the_next_stamp(
+    fleet: Fleet,
+) -> None:
+    # 192 requests sent before any worker, 160 withheld. A worker of 64 slots
+    # whose heartbeat stamps its row every 10 s takes 64 (its first stamp says
+    # it is empty); its stamp at 10 s says it is full, and its runs (an 11 s
+    # tool each) end together soon after. Each end's look writes the runs it
+    # carries in its row first: the room it offers is its 64 free slots, and the
+    # second wave starts at once. Before, the row said it was full until the
+    # stamp at 20 s: the looks the ends asked for offered the floor (32), those
+    # started, and the other slots idled until the stamp.
+    ids = [run_agent.delay(calls(f"v{i}"), f"v{i}", user_id="vera").id for i in range(192)]
+    assert _withheld(fleet.dsn) == 160
+    fleet.start("w1", concurrency=64, pool="threads", TEST_TOOL_SLEEP="11",
+                LOOMFLOW_WORKER_HEARTBEAT_INTERVAL="10", LOOMFLOW_WORKER_SWEEP_INTERVAL="60")
+    for request_id in ids:
+        run_agent.AsyncResult(request_id).get(timeout=180)
+    with psycopg.connect(fleet.dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "WITH first AS (SELECT min(finished_at) AS at FROM runs"
+            "                WHERE request_id = ANY(%(ids)s))"
+            " SELECT count(*) FROM runs, first WHERE request_id = ANY(%(ids)s)"
+            "   AND started_at >= first.at AND started_at < first.at + interval '6 seconds'",
+            {"ids": ids}).fetchone()
+        spans = conn.execute(
+            "SELECT extract(epoch FROM started_at - t0)::numeric(6,1),"
+            " extract(epoch FROM finished_at - t0)::numeric(6,1) FROM runs,"
+            " (SELECT min(started_at) t0 FROM runs) x WHERE request_id = ANY(%(ids)s)"
+            " ORDER BY started_at", {"ids": ids}).fetchall()
+    # The second wave's 64 within about a second on an idle machine; before,
+    # 47: the floor's 32 and what the later ends' looks added, the rest at the
+    # stamp (run both ways).
+    assert row is not None and row[0] >= 58, (row, " ".join(f"{a}-{b}" for a, b in spans))
+    # A stamp every 10 s with LEASE 30 s fences nothing (the bound was one
+    # interval: every late tick fenced all 64).
+    assert "fencing" not in (fleet.logs / "w1.log").read_text()
