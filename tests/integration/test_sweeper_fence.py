@@ -56,7 +56,7 @@ def test_a_frozen_attempt_is_ended_lost_before_its_lock_is_freed(dsn: str) -> No
     blocker = psycopg.connect(dsn)
     blocker.execute("SELECT 1 FROM run_attempts WHERE request_id = %s FOR UPDATE", (REQUEST,))
     notes: list[Action] = []
-    recovery = Recovery(Settings(database_url=dsn, lease_timeout=5.0),
+    recovery = Recovery(Settings(database_url=dsn, lease_timeout=5.0, heartbeat_interval=0.5),
                         dispatch=lambda batch: None, note=notes.append)
     fenced: list[int] = []
     with psycopg.connect(dsn, autocommit=True) as sweeper_conn:
