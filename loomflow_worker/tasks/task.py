@@ -311,5 +311,21 @@ class AgentTask(Task):  # type: ignore[misc]
         options = tracing.with_headers(options, tracing.of_routing(pending.routing))
         if pending.not_before is not None:
             options["eta"] = pending.not_before
+        if self._declared_on(producer, options):
+            options["declare"] = []  # Celery would copy and bind the queue to ask
         super().apply_async(task_args, task_kwargs, task_id=pending.request_id,
                             producer=producer, **options)
+
+    def _declared_on(self, producer: Any, options: dict[str, Any]) -> bool:
+        """Whether ``producer``'s connection declared the queue a message with
+        ``options`` goes to, by kombu's own cache of what it declared (Celery
+        asks that cache once a message, after copying the queue and binding it
+        to the channel: a worker publishing its fair turns by the hundred pays
+        that for each)."""
+        declared: set[int] = getattr(getattr(producer, "connection", None),
+                                     "declared_entities", None) or set()
+        queue = options.get("queue")
+        if queue is None and options.get("exchange") is None:
+            queue = self.app.conf.task_default_queue
+        known = self.app.amqp.queues.get(queue) if isinstance(queue, str) else None
+        return known is not None and hash(known) in declared
