@@ -256,7 +256,7 @@ class Settings(BaseSettings):
     # requests whose worker died. One sweeper leads the fleet at a time.
     heartbeat_interval: float = Field(default=2.0, gt=0)
     # The lease's timeout, read from LOOMFLOW_WORKER_LEASE, the variable's first
-    # name, which deployments set.
+    # name, which deployments set; at least three heartbeat intervals.
     lease_timeout: float = Field(default=30.0, gt=0, validation_alias="LOOMFLOW_WORKER_LEASE")
     sweep_interval: float = Field(default=1.0, gt=0)
     """How often (seconds) the fleet's sweeper looks for orphaned requests."""

@@ -826,19 +826,27 @@ async def park_on_limit(
 FAIR_PAGE = 500
 
 
-async def fair_next(conn: Conn, stamp: tuple[str, int] | None = None) -> list[Pending]:
+@dataclass(frozen=True)
+class LookerState:
+    """What a worker process looking for fair turns says of itself first: its
+    row in ``workers`` then holds it (the fleet's free slots bound what may wait
+    in the broker)."""
+
+    worker: str
+    runs: int
+    admitting: bool
+
+
+async def fair_next(conn: Conn, looker: LookerState | None = None) -> list[Pending]:
     """Withheld requests whose fair turn came, to publish; none when another
-    caller is publishing them (see ``loomflow_worker_fair_next``). ``stamp``: the
-    worker process looking and how many runs it carries now, which its row in
-    ``workers`` says first (the fleet's free slots bound what may wait in the
-    broker)."""
+    caller is publishing them (see ``loomflow_worker_fair_next``). ``looker``:
+    the worker process looking, as its row should say first."""
     cur = conn.cursor(row_factory=dict_row)
-    if stamp is None:
+    if looker is None:
         await cur.execute(query("fair_next"), {"wait": False, "page": FAIR_PAGE})
     else:
-        worker, runs = stamp
-        await cur.execute(query("fair_next_stamped"), {
-            "wait": False, "page": FAIR_PAGE, "worker": worker, "runs": runs})
+        await cur.execute(query("fair_next_stamped"),
+                          {"wait": False, "page": FAIR_PAGE, **asdict(looker)})
     return [Pending.of(row) for row in await cur.fetchall()]
 
 

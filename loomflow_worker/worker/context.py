@@ -175,8 +175,12 @@ class WorkerContext:
         if (self._fair_turns is None and self.publish_turns is not None
                 and runtime is not None and limits is not None):
             self._fair_turns = FairTurns(runtime.pool, limits.fair, self.publish_turns,
-                                         stamp=lambda: (self.worker, len(self._halts)))
+                                         looker=self._looker)
         return self._fair_turns
+
+    def _looker(self) -> ledger.LookerState:
+        """What the process's row says of it, written by each fair look first."""
+        return ledger.LookerState(self.worker, len(self._halts), self.admitting())
 
     def _room(self) -> None:
         """The process's row says it has free slots (its start, each heartbeat

@@ -9,9 +9,10 @@ look, which publishes as many as there is room for then (a look that sent a
 whole page is followed by another, :data:`LOOK_EVERY` later). The process's
 heartbeat pokes it too, when its row says it has free slots: a process that
 starts on a withheld backlog fills them at once. Each look first writes how
-many runs the process carries in its row (while requests are withheld): what
-may wait in the broker follows the fleet's free slots, and slots freed by runs
-that ended together are offered at once, not at the next heartbeat. So the
+many runs the process carries, and whether it takes new requests, in its row
+(while requests are withheld): what may wait in the broker follows the fleet's
+free slots, and slots freed by runs that ended together, or by admission
+resuming, are offered at once, not at the next heartbeat. So the
 looks cost a statement every few tens of milliseconds, not one per run, and
 their messages
 go out in one batch over one broker connection. A look that fails is left to
@@ -43,10 +44,11 @@ LOOK_EVERY = 0.02
 
 class FairTurns:
     """Looks for requests whose fair turn came, as runs end (:meth:`poke`),
-    and hands them to ``publish`` (blocking: it runs in a thread). ``stamp``:
-    the process's worker name and how many runs it carries now, which each look
-    writes in its row first (runs that ended together free their slots for
-    withheld requests at once, not at the next heartbeat's stamp)."""
+    and hands them to ``publish`` (blocking: it runs in a thread). ``looker``:
+    what the process says of itself now (how many runs it carries, whether it
+    takes new requests), which each look writes in its row first: slots freed
+    by runs that ended together, or by admission taking requests again, take
+    withheld requests at once, not at the next heartbeat's stamp."""
 
     def __init__(
         self,
@@ -55,12 +57,12 @@ class FairTurns:
         publish: Callable[[list[Pending]], None],
         every: float = LOOK_EVERY,
         *,
-        stamp: Callable[[], tuple[str, int]] | None = None,
+        looker: Callable[[], ledger.LookerState] | None = None,
     ) -> None:
         self._pool = pool
         self._fair = fair
         self._publish = publish
-        self._stamp = stamp
+        self._looker = looker
         self._every = every
         self._asked = False
         self._looking: asyncio.Task[None] | None = None
@@ -92,7 +94,7 @@ class FairTurns:
         if not await self._fair():
             return 0
         async with self._pool.connection() as conn:
-            turn = await ledger.fair_next(conn, None if self._stamp is None else self._stamp())
+            turn = await ledger.fair_next(conn, None if self._looker is None else self._looker())
         if turn:
             await anyio.to_thread.run_sync(self._publish, turn)
         return len(turn)

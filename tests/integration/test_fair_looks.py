@@ -252,8 +252,10 @@ def test_a_worker_look_offers_its_free_slots_as_they_are_not_as_its_last_stamp(d
     slots as the rows say them (at least the floor, 32). A worker's row
     stamped full offers the floor only; the same worker's look, saying it
     carries no run now, writes that in its row first and offers its 64 free
-    slots, less the 32 already on their way. With nothing withheld a look
-    writes nothing."""
+    slots, less the 32 already on their way. A look saying it takes no new
+    requests (admission paused it) writes that too, and then its slots are not
+    offered, until a look says it takes them again. With nothing withheld a
+    look writes nothing."""
     from dataclasses import asdict
 
     from loomflow_worker.execution.ledger import WorkerBeat
@@ -261,20 +263,31 @@ def test_a_worker_look_offers_its_free_slots_as_they_are_not_as_its_last_stamp(d
     beat = WorkerBeat(worker="w-a", hostname="h", pid=1, slots=64, interval=10.0, runs=64)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(query("worker_seen"), asdict(beat))
-        for i in range(100):
+        for i in range(200):
             _hold(conn, f"r{i:03d}", "k", 0, T0 + timedelta(seconds=i))
 
-        def look(runs: int) -> list[str]:
-            return [r[0] for r in conn.execute(query("fair_next_stamped"), {
-                "wait": True, "page": 500, "worker": "w-a", "runs": runs})]
+        def look(runs: int, admitting: bool = True) -> int:
+            return len(conn.execute(query("fair_next_stamped"), {
+                "wait": True, "page": 500, "worker": "w-a", "runs": runs,
+                "admitting": admitting}).fetchall())
 
-        def row() -> int:
-            found = conn.execute("SELECT runs FROM workers WHERE worker = 'w-a'").fetchone()
+        def row() -> tuple[int, bool]:
+            found = conn.execute("SELECT runs, admitting FROM workers WHERE worker = 'w-a'"
+                                 ).fetchone()
             assert found is not None
-            return int(found[0])
+            return int(found[0]), bool(found[1])
 
-        assert len(look(64)) == 32 and row() == 64
-        assert len(look(64)) == 0  # the floor's 32 still on their way
-        assert len(look(0)) == 32 and row() == 0  # 64 free, 32 on their way
+        def received() -> None:
+            """The requests on their way started: none waits in the broker."""
+            conn.execute("UPDATE runs SET status = 'running', received_at = now()"
+                         " WHERE status = 'queued' AND waiting_for IS NULL")
+
+        assert look(64) == 32 and row() == (64, True)
+        assert look(64) == 0  # the floor's 32 still on their way
+        assert look(0) == 32 and row() == (0, True)  # 64 free, 32 on their way
+        received()
+        assert look(0, admitting=False) == 32 and row() == (0, False)  # the floor only
+        received()
+        assert look(0) == 64 and row() == (0, True)
         conn.execute("DELETE FROM runs WHERE waiting_for = 'limit fair_queue'")
-        assert look(7) == [] and row() == 0
+        assert look(7, admitting=False) == 0 and row() == (0, True)

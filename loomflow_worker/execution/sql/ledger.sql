@@ -97,9 +97,11 @@ RETURNING not_before, waiting_slots IS NOT NULL AS held;
 SELECT * FROM loomflow_worker_fair_next(%(wait)s, %(page)s);
 
 -- name: fair_next_stamped
--- The same, looked for by worker process `worker`, which carries `runs` runs now: its
--- row says so first (see loomflow_worker_fair_next with four arguments).
-SELECT * FROM loomflow_worker_fair_next(%(wait)s, %(page)s, %(worker)s, %(runs)s);
+-- The same, looked for by worker process `worker`, which carries `runs` runs now and
+-- takes new requests or not (`admitting`): its row says so first (see
+-- loomflow_worker_fair_next with five arguments).
+SELECT * FROM loomflow_worker_fair_next(%(wait)s, %(page)s, %(worker)s, %(runs)s,
+                                        %(admitting)s);
 
 -- name: set_call_weight
 -- The weight a request stated for its fairness key (fairness_weight), used while no
