@@ -175,6 +175,18 @@ def check_limit_name(name: str) -> str:
     return _agent_or(name, "limit name")
 
 
+#: The fewest heartbeat intervals a lease may last: a process fences runs no
+#: heartbeat stamped for an interval and a half (see ``fence_after``), checked
+#: each interval, before the sweeper may act.
+LEASE_HEARTBEATS = 3
+
+
+def lease_covers_heartbeats(lease_timeout: float, heartbeat_interval: float) -> bool:
+    """Whether a lease of ``lease_timeout`` lasts :data:`LEASE_HEARTBEATS`
+    heartbeat intervals (a hair less is taken as the same: 0.3 against 3 x 0.1)."""
+    return lease_timeout >= LEASE_HEARTBEATS * heartbeat_interval * (1 - 1e-9)
+
+
 class Settings(BaseSettings):
     """Where the fleet's services are and how runs behave.
 
@@ -475,13 +487,14 @@ class Settings(BaseSettings):
                 "console_require_token is on but console_token is not set: set "
                 "LOOMFLOW_WORKER_CONSOLE_TOKEN, or nobody could open the console"
             )
-        if self.lease_timeout < 3 * self.heartbeat_interval:
+        if not lease_covers_heartbeats(self.lease_timeout, self.heartbeat_interval):
             raise ValueError(
                 f"lease_timeout (LOOMFLOW_WORKER_LEASE, {self.lease_timeout}s) must be at "
                 f"least three heartbeat intervals (heartbeat_interval "
-                f"{self.heartbeat_interval}s: {3 * self.heartbeat_interval:g}s or more): a "
-                "process fences runs not stamped for two intervals, and the sweeper must "
-                "not act before it; raise LEASE or lower LOOMFLOW_WORKER_HEARTBEAT_INTERVAL"
+                f"{self.heartbeat_interval}s: {LEASE_HEARTBEATS * self.heartbeat_interval:g}s "
+                "or more): a process fences runs not stamped for an interval and a half, "
+                "and the sweeper must not act before it; raise LEASE or lower "
+                "LOOMFLOW_WORKER_HEARTBEAT_INTERVAL"
             )
         return self
 

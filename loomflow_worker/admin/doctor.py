@@ -12,7 +12,7 @@ from ..runtime.errors import InvalidInput, LoomflowWorkerError, describe_dsn, tr
 from ..runtime.migrate import latest_version
 from ..runtime.sessions import probe
 from ..runtime.sql import query
-from ..settings import Settings, first_line
+from ..settings import LEASE_HEARTBEATS, Settings, first_line, lease_covers_heartbeats
 from .connect import connect, sanitize_url
 
 
@@ -46,11 +46,11 @@ def check_settings(settings: Settings, grace_period: float) -> list[Check]:
         ))
     checks.append(Check(
         "lease",
-        settings.lease_timeout > settings.heartbeat_interval,
+        lease_covers_heartbeats(settings.lease_timeout, settings.heartbeat_interval),
         f"lease timeout {settings.lease_timeout:g}s vs heartbeat interval "
         f"{settings.heartbeat_interval:g}s",
-        "raise LOOMFLOW_WORKER_LEASE above LOOMFLOW_WORKER_HEARTBEAT_INTERVAL, or live runs "
-        "look frozen and are fenced",
+        f"raise LOOMFLOW_WORKER_LEASE to {LEASE_HEARTBEATS} x LOOMFLOW_WORKER_HEARTBEAT_INTERVAL "
+        "or more, or live runs look frozen and are fenced",
     ))
     checks.append(Check(
         "soft shutdown",

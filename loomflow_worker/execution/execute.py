@@ -902,13 +902,14 @@ def _found(exc: BaseException, kind: type[E]) -> E | None:
 def fence_after(settings: Settings) -> float:
     """How long a lock connection's runs may go without a heartbeat before the
     process fences them itself: well before the sweeper, which ends the lock connections
-    of a worker silent for ``LEASE``, may act, and never sooner than two heartbeat
-    intervals (a stamp comes an interval after the last, and later on a busy loop: a
-    bound of one interval fenced healthy runs on every late tick). ``LEASE`` is at
-    least three intervals (the settings check it): the sweeper acts an interval
-    after this bound at the soonest."""
+    of a worker silent for ``LEASE``, may act, and never sooner than an interval and a
+    half (a stamp comes an interval after the last, later on a busy loop: a bound of
+    one interval fenced healthy runs on every late tick). The bound is checked each
+    interval, so the process fences within an interval after it; ``LEASE``, at least
+    three intervals (the settings check it), leaves the sweeper half an interval after
+    that at the soonest."""
     margin = max(2 * settings.heartbeat_interval, settings.lease_timeout / 5)
-    return max(settings.lease_timeout - margin, 2 * settings.heartbeat_interval)
+    return max(settings.lease_timeout - margin, 1.5 * settings.heartbeat_interval)
 
 
 def confirm_within(settings: Settings) -> float:

@@ -37,6 +37,9 @@ from .revoke import end_revoked_soon
 
 #: The ``apply_async`` options that say where a message goes.
 ROUTING = ("queue", "exchange", "routing_key", "priority")
+#: Queues bound to the channel a republish last sent them on, by name (see
+#: ``AgentTask._bound_queue``): each is used only on that channel.
+_BOUND: dict[str, Any] = {}
 #: Broker URL schemes of Redis, whose priorities run from 0 (first) up.
 REDIS_SCHEMES = ("redis", "rediss", "sentinel", "redis+socket")
 
@@ -311,21 +314,29 @@ class AgentTask(Task):  # type: ignore[misc]
         options = tracing.with_headers(options, tracing.of_routing(pending.routing))
         if pending.not_before is not None:
             options["eta"] = pending.not_before
-        if self._declared_on(producer, options):
-            options["declare"] = []  # Celery would copy and bind the queue to ask
+        declare = self._bound_queue(producer, options)
+        if declare is not None:
+            options["declare"] = [declare]
         super().apply_async(task_args, task_kwargs, task_id=pending.request_id,
                             producer=producer, **options)
 
-    def _declared_on(self, producer: Any, options: dict[str, Any]) -> bool:
-        """Whether ``producer``'s connection declared the queue a message with
-        ``options`` goes to, by kombu's own cache of what it declared (Celery
-        asks that cache once a message, after copying the queue and binding it
-        to the channel: a worker publishing its fair turns by the hundred pays
-        that for each)."""
-        declared: set[int] = getattr(getattr(producer, "connection", None),
-                                     "declared_entities", None) or set()
+    def _bound_queue(self, producer: Any, options: dict[str, Any]) -> Any:
+        """The queue a message with ``options`` goes to, bound to ``producer``'s
+        channel once for all its messages, for Celery to declare (None: Celery's
+        own choice). Celery declares the queue of each message it sends, which
+        kombu answers from its cache of what the connection declared, but only
+        after copying the queue and binding the copy to the channel: a worker
+        publishing its fair turns by the hundred paid that for each. A queue
+        already bound is asked at once; after a reconnect kombu binds it to the
+        new channel and declares it there (its cache starts empty)."""
         queue = options.get("queue")
-        if queue is None and options.get("exchange") is None:
-            queue = self.app.conf.task_default_queue
-        known = self.app.amqp.queues.get(queue) if isinstance(queue, str) else None
-        return known is not None and hash(known) in declared
+        if not isinstance(queue, str):
+            return None
+        known = self.app.amqp.queues.get(queue)
+        channel = getattr(producer, "channel", None)
+        if known is None or channel is None or not known.can_cache_declaration:
+            return None
+        bound = _BOUND.get(queue)
+        if bound is None or bound.channel is not channel:
+            bound = _BOUND[queue] = known.bind(channel)
+        return bound

@@ -6,14 +6,14 @@ its fair turn (see ``loomflow_worker_fair_next``). A process ending dozens of
 runs a second does not look once for each: ends that come while a look is
 under way, or within :data:`LOOK_EVERY` of the last, are answered by the next
 look, which publishes as many as there is room for then (a look that sent a
-whole page is followed by another, :data:`LOOK_EVERY` later). The process's
+whole page is followed by another, :data:`AGAIN_AFTER_A_PAGE` later). The process's
 heartbeat pokes it too, when its row says it has free slots: a process that
 starts on a withheld backlog fills them at once. Each look first writes how
 many runs the process carries, and whether it takes new requests, in its row
 (while requests are withheld): what may wait in the broker follows the fleet's
 free slots, and slots freed by runs that ended together, or by admission
 resuming, are offered at once, not at the next heartbeat. So the
-looks cost a statement every few tens of milliseconds, not one per run, and
+looks cost a statement every tenth of a second at most, not one per run, and
 their messages
 go out in one batch over one broker connection. A look that fails is left to
 the sweeper's leader, which publishes withheld requests on each sweep.
@@ -37,9 +37,12 @@ from ..execution.pending import Pending
 log = logging.getLogger(__name__)
 
 #: At most one look per this many seconds per process: a request withheld for its
-#: turn waits that much longer at worst, and a busy process makes a few dozen
-#: looks a second at most, whatever its rate of ends.
-LOOK_EVERY = 0.02
+#: turn waits that much longer at worst, and a busy process makes ten looks a
+#: second at most, whatever its rate of ends (each look weighs the keys with
+#: requests withheld on Postgres: fewer, larger looks cost it less).
+LOOK_EVERY = 0.1
+#: How soon a look that sent a whole page is followed by another (more may have room).
+AGAIN_AFTER_A_PAGE = 0.02
 
 
 class FairTurns:
@@ -79,13 +82,15 @@ class FairTurns:
         try:
             while self._asked:
                 self._asked = False
+                wait = self._every
                 try:
                     if await self.look() >= ledger.FAIR_PAGE:
                         self._asked = True  # a full page: more may have room
+                        wait = min(wait, AGAIN_AFTER_A_PAGE)
                 except Exception as exc:  # the sweeper publishes them
                     log.warning("could not publish requests waiting their fair turn (%s); "
                                 "the sweeper will", exc, extra={"action": "fair_turn"})
-                await asyncio.sleep(self._every)
+                await asyncio.sleep(wait)
         finally:
             self._looking = None
 
