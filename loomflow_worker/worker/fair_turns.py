@@ -12,10 +12,9 @@ starts on a withheld backlog fills them at once. Each look first writes how
 many runs the process carries, and whether it takes new requests, in its row
 (while requests are withheld): what may wait in the broker follows the fleet's
 free slots, and slots freed by runs that ended together, or by admission
-resuming, are offered at once, not at the next heartbeat. So the
-looks cost a statement every tenth of a second at most, not one per run, and
-their messages
-go out in one batch over one broker connection. A look that fails is left to
+resuming, are offered at the next look, not at the next heartbeat. So the looks
+cost a statement every tenth of a second at most, not one per run, and their
+messages go out in one batch over one broker connection. A look that fails is left to
 the sweeper's leader, which publishes withheld requests on each sweep.
 
 A part of the worker process (its context makes one once its runtime is up,
@@ -51,7 +50,7 @@ class FairTurns:
     what the process says of itself now (how many runs it carries, whether it
     takes new requests), which each look writes in its row first: slots freed
     by runs that ended together, or by admission taking requests again, take
-    withheld requests at once, not at the next heartbeat's stamp."""
+    withheld requests at the next look, not at the next heartbeat's stamp."""
 
     def __init__(
         self,

@@ -2,13 +2,12 @@
 -- now, and whether it takes new requests, in its own row of `workers`. What may
 -- wait in the broker follows the fleet's free slots (loomflow_worker_fair_depth)
 -- as the rows say them; stamped only each heartbeat interval, a process whose
--- runs ended together (a wave of a backlog, a deploy's drain) still said it was
--- full until its next stamp, one that admission had paused and resumed still
--- said it took nothing, and their free slots waited for the floor's few
--- requests at a time. The look that each run's end asks for now says them as
--- they are. Stamped only while requests are withheld (otherwise there is
--- nothing for a look to publish, and the heartbeat's stamp is enough), and
--- only when they changed.
+-- runs ended together (the waves of a backlog) still said it was full until its
+-- next stamp, one that admission had paused and resumed still said it took
+-- nothing, and their free slots waited for the floor's few requests at a time.
+-- The look that each run's end asks for now says them as they are. Stamped only
+-- while requests are withheld (otherwise there is nothing for a look to
+-- publish, and the heartbeat's stamp is enough), and only when they changed.
 CREATE OR REPLACE FUNCTION loomflow_worker_fair_next(wait BOOLEAN, page INTEGER,
                                                      worker_name TEXT, worker_runs INTEGER,
                                                      worker_admitting BOOLEAN)
