@@ -234,6 +234,25 @@ def test_with_no_worker_alive_the_broker_takes_the_floor_and_fair_queue_0_turns_
     assert bad.returncode == 2 and "only fair_queue takes 0" in bad.stderr, bad.stderr
 
 
+def _drained_backlog(
+    fleet: Fleet, user: str, count: int, *, withheld: int, concurrency: int, timeout: float,
+    **env: str,
+) -> list[str]:
+    """``count`` requests of ``user`` sent before any worker (``withheld`` of
+    them wait their fair turn), then one threads worker of ``concurrency``
+    slots whose sweeper's interval is far longer than the test (only its own
+    looks publish them), until every one ended (each within ``timeout``); their
+    ids."""
+    ids = [run_agent.delay(calls(f"{user}{i}"), f"{user}{i}", user_id=user).id
+           for i in range(count)]
+    assert _withheld(fleet.dsn) == withheld
+    fleet.start("w1", concurrency=concurrency, pool="threads",
+                LOOMFLOW_WORKER_SWEEP_INTERVAL="60", **env)
+    for request_id in ids:
+        run_agent.AsyncResult(request_id).get(timeout=timeout)
+    return ids
+
+
 def test_a_worker_starting_on_a_withheld_backlog_fills_its_slots_before_a_run_ends(
     fleet: Fleet,
 ) -> None:
@@ -243,12 +262,8 @@ def test_a_worker_starting_on_a_withheld_backlog_fills_its_slots_before_a_run_en
     # own look publishes the withheld requests then, not once its first run
     # ends (nor at a sweep: the sweeper's interval here is far longer). Before,
     # the 32 the broker took started, and no other until a run ended.
-    ids = [run_agent.delay(calls(f"w{i}"), f"w{i}", user_id="wanda").id for i in range(200)]
-    assert _withheld(fleet.dsn) == 168
-    fleet.start("w1", concurrency=200, pool="threads", TEST_TOOL_SLEEP="4",
-                LOOMFLOW_WORKER_SWEEP_INTERVAL="60")
-    for request_id in ids:
-        run_agent.AsyncResult(request_id).get(timeout=120)
+    ids = _drained_backlog(fleet, "wanda", 200, withheld=168, concurrency=200,
+                           timeout=120, TEST_TOOL_SLEEP="4")
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*) FILTER (WHERE started_at < (SELECT min(finished_at) FROM runs"
@@ -270,12 +285,9 @@ def test_slots_freed_by_runs_ending_together_take_withheld_requests_before_the_n
     # second wave starts at once. Before, the row said it was full until the
     # stamp at 20 s: the looks the ends asked for offered the floor (32), those
     # started, and the other slots idled until the stamp.
-    ids = [run_agent.delay(calls(f"v{i}"), f"v{i}", user_id="vera").id for i in range(192)]
-    assert _withheld(fleet.dsn) == 160
-    fleet.start("w1", concurrency=64, pool="threads", TEST_TOOL_SLEEP="11",
-                LOOMFLOW_WORKER_HEARTBEAT_INTERVAL="10", LOOMFLOW_WORKER_SWEEP_INTERVAL="60")
-    for request_id in ids:
-        run_agent.AsyncResult(request_id).get(timeout=180)
+    ids = _drained_backlog(fleet, "vera", 192, withheld=160, concurrency=64,
+                           timeout=180, TEST_TOOL_SLEEP="11",
+                           LOOMFLOW_WORKER_HEARTBEAT_INTERVAL="10")
     with psycopg.connect(fleet.dsn, autocommit=True) as conn:
         spans = conn.execute(
             "SELECT extract(epoch FROM started_at - t0)::float8,"
